@@ -1,0 +1,309 @@
+"""Typed configuration: dataclasses composed from YAML files plus dotted command-line overrides.
+
+Resolution order (later wins), as in MaxText:
+
+1. the dataclass defaults below;
+2. every file named in an experiment's ``includes:`` list (paths relative to ``configs/``), in order;
+3. the experiment file itself;
+4. ``key=value`` overrides from the command line (``train.steps=500 schedule.kind=mlkv``).
+
+Unknown keys, wrongly typed values and invalid combinations raise :class:`ConfigError` before anything is
+compiled. Every field carries its documentation in ``metadata["help"]``; ``python train.py --help-config``
+prints them all.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+CONFIGS_DIR = REPO_ROOT / "configs"
+DATA_DIR_ENV = "JAXSHARE_DATA_DIR"
+
+
+class ConfigError(ValueError):
+  """An invalid configuration: names the field, the value given and what is allowed."""
+
+
+def _f(default: Any, help: str, choices: tuple[Any, ...] | None = None):
+  """A dataclass field with documentation (and an allowed set, checked by :func:`validate`)."""
+  meta = {"help": help}
+  if choices is not None:
+    meta["choices"] = choices
+  if isinstance(default, (list, dict)):
+    return dataclasses.field(default_factory=lambda: type(default)(default), metadata=meta)
+  return dataclasses.field(default=default, metadata=meta)
+
+
+@dataclasses.dataclass
+class ModelConfig:
+  """Decoder-only transformer dimensions and flavour."""
+
+  flavor: str = _f("llama", "Block style. llama: RMSNorm, RoPE, SwiGLU MLP, no biases, sequential residual. "
+                   "neox: LayerNorm, partial RoPE, GELU MLP, biases, parallel residual (GPT-NeoX/Pythia).",
+                   ("llama", "neox"))
+  vocab_size: int = _f(256, "Vocabulary size (256 for the byte tokenizer; >= the HF tokenizer's size).")
+  num_layers: int = _f(4, "Number of transformer layers L.")
+  d_model: int = _f(128, "Residual stream width D.")
+  num_heads: int = _f(4, "Query heads per layer H.")
+  head_dim: int = _f(0, "Per-head width d; 0 means d_model // num_heads.")
+  mlp_dim: int = _f(512, "MLP hidden width F (before any schedule.match_params widening).")
+  rope_theta: float = _f(10000.0, "RoPE base frequency.")
+  rotary_pct: float = _f(1.0, "Fraction of each head's dims that RoPE rotates (Pythia: 0.25).")
+  tie_embeddings: bool = _f(False, "Share the input embedding with the output projection.")
+  norm_eps: float = _f(1e-5, "Epsilon of RMSNorm / LayerNorm.")
+  init_std: float = _f(0.02, "Standard deviation of the normal weight initialiser.")
+  dtype: str = _f("float32", "Compute dtype of activations and matmuls.", ("float32", "bfloat16"))
+  param_dtype: str = _f("float32", "Storage dtype of parameters and optimizer state.", ("float32", "bfloat16"))
+  scan_layers: bool = _f(True, "Run each segment of identical superblocks as one nnx.scan (compile time "
+                         "independent of depth); false unrolls the same math.")
+  remat: str = _f("none", "Rematerialise each superblock in the backward pass: none | full.", ("none", "full"))
+
+  @property
+  def resolved_head_dim(self) -> int:
+    return self.head_dim or self.d_model // self.num_heads
+
+
+@dataclasses.dataclass
+class ScheduleConfig:
+  """Which layers project their own K/V and which reuse a producer's (the KV family of sharing schedules)."""
+
+  kind: str = _f("dense", "Sharing preset: dense | gqa | mqa | cla | mlkv | explicit.",
+                 ("dense", "gqa", "mqa", "cla", "mlkv", "explicit"))
+  kv_heads: int = _f(0, "KV heads G per producer layer (GQA within the layer; MLKV's g); 0 means num_heads.")
+  kv_heads_per_layer: list = _f([], "gqa only: KV heads for each layer (length num_layers); overrides kv_heads.")
+  factor: int = _f(2, "cla: sharing factor; every factor-th layer (0, f, 2f, ...) produces K/V.")
+  producers: list = _f([], "cla: explicit sorted producer layer list starting at 0; overrides factor.")
+  kv_layers: int = _f(0, "mlkv: number m of KV-owning layers (1 <= m <= num_layers).")
+  placement: str = _f("reference_code", "mlkv owner placement: paper (MLKV Eq. 16-17, owner of layer n is "
+                      "floor(n/(L/m))) or reference_code ([0]+[int((i+1)*L/m) ...] from pythia-mlkv).",
+                      ("paper", "reference_code"))
+  sources: str = _f("", "explicit: per-layer KV source, LCKV style, e.g. '0_0_2_2' (layer i reads the K/V of "
+                    "layer sources[i] <= i; a layer that is its own source produces).")
+  match_params: bool = _f(False, "Give the dropped K/V parameters back by widening every MLP (MLKV Sec. 4, "
+                          "pythia-mlkv formula), so that variants have equal parameter counts.")
+
+
+@dataclasses.dataclass
+class AttentionConfig:
+  """Attention implementation switch (kernels arrive in a later issue)."""
+
+  impl: str = _f("auto", "auto | xla. auto picks the best implementation for the platform (XLA on CPU).",
+                 ("auto", "xla"))
+
+
+@dataclasses.dataclass
+class DataConfig:
+  """Input pipeline (grain): source, tokenizer, packing, splits."""
+
+  source: str = _f("text", "text: a local UTF-8 text file; jsonl: one JSON object per line with a text field; "
+                   "tfds: a TFDS dataset read through tfds.data_source (no TensorFlow).", ("text", "jsonl", "tfds"))
+  path: str = _f("tinyshakespeare.txt", "text/jsonl file; a relative path is resolved against data_dir.")
+  data_dir: str = _f("", f"Folder for relative paths. Empty: ${DATA_DIR_ENV} if set, else ../shared/data "
+                     "relative to the repository root.")
+  text_field: str = _f("text", "jsonl/tfds: name of the text field of each record.")
+  tfds_name: str = _f("", "tfds: dataset name, e.g. tiny_shakespeare.")
+  tfds_split: str = _f("train", "tfds: split to read; the validation split is carved from it.")
+  tfds_data_dir: str = _f("", "tfds: data dir holding prepared datasets (empty: TFDS default).")
+  document_separator: str = _f("", "text: split the file into documents at this string (empty: one document).")
+  tokenizer: str = _f("byte", "byte (UTF-8 bytes, ids 0-255, EOS = 0) or a local Hugging Face tokenizer dir.")
+  seq_len: int = _f(128, "Tokens per training sequence T.")
+  val_fraction: float = _f(0.1, "Held-out validation share, taken from the end of the corpus.")
+  shuffle_seed: int = _f(0, "Seed of the deterministic per-epoch shuffle.")
+
+
+@dataclasses.dataclass
+class MeshConfig:
+  """Device mesh; sizes multiply to the device count, one may be -1 (fill)."""
+
+  data: int = _f(1, "Data-parallel axis size (batch sharded, parameters replicated).")
+  fsdp: int = _f(1, "Fully-sharded data-parallel axis size (batch and parameters sharded).")
+  tensor: int = _f(1, "Tensor-parallel axis size (heads and MLP sharded).")
+
+
+@dataclasses.dataclass
+class TrainConfig:
+  """Optimisation, logging, validation and checkpoint cadence."""
+
+  run_dir: str = _f("runs/default", "Run directory: config.yaml, metrics.jsonl, TensorBoard events, checkpoints. "
+                    "Re-running with the same directory resumes from its latest checkpoint.")
+  steps: int = _f(2000, "Optimizer steps.")
+  batch_size: int = _f(32, "Global batch size in sequences per optimizer step.")
+  grad_accum_steps: int = _f(1, "Micro-batches per step (batch_size must divide by it).")
+  lr: float = _f(3e-3, "Peak learning rate of AdamW.")
+  warmup_steps: int = _f(100, "Linear warm-up steps.")
+  min_lr_ratio: float = _f(0.1, "Final learning rate of the cosine decay as a fraction of lr.")
+  weight_decay: float = _f(0.1, "AdamW decoupled weight decay (not applied to norms, biases, embeddings).")
+  b1: float = _f(0.9, "AdamW beta1.")
+  b2: float = _f(0.95, "AdamW beta2.")
+  eps: float = _f(1e-8, "AdamW epsilon.")
+  clip_norm: float = _f(1.0, "Global gradient-norm clip; 0 disables.")
+  seed: int = _f(0, "Parameter initialisation seed.")
+  log_every: int = _f(25, "Steps between log lines / metrics records.")
+  eval_every: int = _f(250, "Steps between validation passes; 0 disables periodic validation.")
+  eval_batches: int = _f(16, "Validation batches per pass (0: the whole validation split).")
+  checkpoint_every: int = _f(500, "Steps between checkpoints (one is always written at the end).")
+  keep_checkpoints: int = _f(2, "Checkpoints kept on disk.")
+  peak_tflops: float = _f(0.0, "Per-device peak TFLOP/s for MFU; 0 looks the device kind up.")
+  progress_bar: bool = _f(True, "Show a tqdm progress bar (log lines are printed either way).")
+
+
+@dataclasses.dataclass
+class Config:
+  """The whole experiment."""
+
+  model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+  schedule: ScheduleConfig = dataclasses.field(default_factory=ScheduleConfig)
+  attention: AttentionConfig = dataclasses.field(default_factory=AttentionConfig)
+  data: DataConfig = dataclasses.field(default_factory=DataConfig)
+  mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+  train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+
+
+def _read_yaml(path: Path) -> Any:
+  if not path.is_file():
+    raise ConfigError(f"config file {str(path)!r} does not exist")
+  try:
+    return OmegaConf.load(path)
+  except Exception as e:  # yaml.YAMLError and friends
+    raise ConfigError(f"config file {str(path)!r} is not valid YAML: {e}") from e
+
+
+def _expand(path: Path, seen: tuple[Path, ...] = ()) -> list[Any]:
+  """A YAML file and, before it, everything its ``includes:`` list names (recursively)."""
+  path = path.resolve()
+  if path in seen:
+    raise ConfigError(f"config include cycle: {' -> '.join(str(p) for p in seen + (path,))}")
+  node = _read_yaml(path)
+  includes = node.pop("includes", []) if isinstance(node, dict) or OmegaConf.is_dict(node) else []
+  out: list[Any] = []
+  for inc in includes:
+    inc_path = Path(inc)
+    if not inc_path.is_absolute():
+      inc_path = CONFIGS_DIR / inc if (CONFIGS_DIR / inc).exists() else path.parent / inc
+    out.extend(_expand(inc_path, seen + (path,)))
+  out.append(node)
+  return out
+
+
+def _friendly(e: OmegaConfBaseException) -> str:
+  key = getattr(e, "full_key", None) or getattr(e, "key", None)
+  msg = str(e).splitlines()[0]
+  return f"field {key!r}: {msg}" if key else msg
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+  """Compose a :class:`Config` from a YAML file (with its includes) and dotted overrides, then validate it.
+
+  Args:
+    path: experiment YAML file, or None for the defaults.
+    overrides: ``["train.steps=500", "schedule.kind=mlkv"]``.
+
+  Raises:
+    ConfigError: unreadable file, unknown key, wrongly typed value or invalid combination.
+  """
+  merged = OmegaConf.structured(Config)
+  try:
+    for node in _expand(Path(path)) if path is not None else []:
+      merged = OmegaConf.merge(merged, node)
+    for ov in overrides:
+      if "=" not in ov:
+        raise ConfigError(f"override {ov!r} is not of the form key=value (e.g. train.steps=500)")
+    merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(list(overrides)))
+    cfg = OmegaConf.to_object(merged)
+  except OmegaConfBaseException as e:
+    raise ConfigError(_friendly(e)) from None
+  validate(cfg)
+  return cfg
+
+
+def to_yaml(cfg: Config) -> str:
+  return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def config_from_yaml_text(text: str) -> Config:
+  """Rebuild a config saved by :func:`to_yaml` (a run directory's ``config.yaml``)."""
+  try:
+    cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.create(text)))
+  except OmegaConfBaseException as e:
+    raise ConfigError(_friendly(e)) from None
+  validate(cfg)
+  return cfg
+
+
+def _require(cond: bool, field: str, value: Any, allowed: str) -> None:
+  if not cond:
+    raise ConfigError(f"{field}={value!r} is invalid: {allowed}")
+
+
+def validate(cfg: Config) -> None:
+  """Check every field and field combination; the schedule itself is checked by :mod:`jaxshare.schedule`.
+
+  Raises:
+    ConfigError: naming the first invalid field, its value and what is allowed.
+  """
+  for group in dataclasses.fields(cfg):
+    sub = getattr(cfg, group.name)
+    for f in dataclasses.fields(sub):
+      choices = f.metadata.get("choices")
+      if choices is not None:
+        v = getattr(sub, f.name)
+        _require(v in choices, f"{group.name}.{f.name}", v, f"must be one of {', '.join(map(str, choices))}")
+  m, d, t = cfg.model, cfg.data, cfg.train
+  for name in ("vocab_size", "num_layers", "d_model", "num_heads", "mlp_dim"):
+    _require(getattr(m, name) > 0, f"model.{name}", getattr(m, name), "must be a positive integer")
+  _require(m.head_dim >= 0, "model.head_dim", m.head_dim, "must be >= 0 (0: d_model // num_heads)")
+  _require(m.head_dim > 0 or m.d_model % m.num_heads == 0, "model.num_heads", m.num_heads,
+           f"must divide model.d_model={m.d_model} when model.head_dim=0")
+  _require(0.0 < m.rotary_pct <= 1.0, "model.rotary_pct", m.rotary_pct, "must be in (0, 1]")
+  rot = int(m.resolved_head_dim * m.rotary_pct)
+  _require(rot % 2 == 0 and rot > 0, "model.rotary_pct", m.rotary_pct,
+           f"must rotate an even, positive number of the {m.resolved_head_dim} head dims (got {rot})")
+  _require(m.rope_theta > 0, "model.rope_theta", m.rope_theta, "must be > 0")
+  _require(m.init_std > 0, "model.init_std", m.init_std, "must be > 0")
+  _require(d.seq_len > 0, "data.seq_len", d.seq_len, "must be a positive integer")
+  _require(0.0 < d.val_fraction < 1.0, "data.val_fraction", d.val_fraction, "must be in (0, 1)")
+  _require(d.source != "tfds" or bool(d.tfds_name), "data.tfds_name", d.tfds_name,
+           "must name a dataset when data.source=tfds")
+  for name in ("steps", "batch_size", "grad_accum_steps", "log_every", "checkpoint_every", "keep_checkpoints"):
+    _require(getattr(t, name) > 0, f"train.{name}", getattr(t, name), "must be a positive integer")
+  _require(t.batch_size % t.grad_accum_steps == 0, "train.grad_accum_steps", t.grad_accum_steps,
+           f"must divide train.batch_size={t.batch_size}")
+  _require(t.lr > 0, "train.lr", t.lr, "must be > 0")
+  _require(0 <= t.warmup_steps < t.steps, "train.warmup_steps", t.warmup_steps,
+           f"must be in [0, train.steps={t.steps})")
+  _require(0.0 <= t.min_lr_ratio <= 1.0, "train.min_lr_ratio", t.min_lr_ratio, "must be in [0, 1]")
+  _require(t.clip_norm >= 0, "train.clip_norm", t.clip_norm, "must be >= 0 (0 disables clipping)")
+  _require(t.eval_every >= 0 and t.eval_batches >= 0, "train.eval_every", t.eval_every, "must be >= 0")
+  for name in ("data", "fsdp", "tensor"):
+    v = getattr(cfg.mesh, name)
+    _require(v == -1 or v >= 1, f"mesh.{name}", v, "must be a positive axis size or -1 (fill)")
+  _require([cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor].count(-1) <= 1, "mesh", "-1 twice",
+           "at most one mesh axis may be -1")
+
+
+def resolve_data_dir(cfg: DataConfig) -> Path:
+  """The folder relative data paths are read from: config, then $JAXSHARE_DATA_DIR, then ../shared/data."""
+  if cfg.data_dir:
+    return Path(cfg.data_dir).expanduser()
+  if os.environ.get(DATA_DIR_ENV):
+    return Path(os.environ[DATA_DIR_ENV]).expanduser()
+  return REPO_ROOT.parent / "shared" / "data"
+
+
+def describe_fields() -> str:
+  """Every config field with its default and documentation, grouped; printed by ``--help-config``."""
+  lines = []
+  for group in dataclasses.fields(Config):
+    cls = group.default_factory
+    lines.append(f"{group.name}:  {cls.__doc__}")
+    for f in dataclasses.fields(cls):
+      default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+      lines.append(f"  {group.name}.{f.name} = {default!r}\n      {f.metadata.get('help', '')}")
+  return "\n".join(lines)

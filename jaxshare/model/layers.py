@@ -1,0 +1,103 @@
+"""Small NNX building blocks with logical-axis metadata: dense projections, norms, embeddings, MLPs.
+
+Parameters are stored in ``param_dtype`` and cast to the compute ``dtype`` at use (mixed precision).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxshare import parallel
+
+
+def param(rngs: nnx.Rngs, shape: tuple[int, ...], logical_axes: tuple[str, ...], std: float | None,
+          dtype: jnp.dtype) -> nnx.Param:
+  """A parameter drawn from N(0, std²), or zeros when ``std`` is None."""
+  value = jnp.zeros(shape, dtype) if std is None else std * jax.random.normal(rngs.params(), shape, dtype)
+  return nnx.Param(value, logical_axes=logical_axes)
+
+
+class DenseGeneral(nnx.Module):
+  """``y = einsum(spec, x, W) (+ b)``: a projection whose kernel keeps its head structure.
+
+  Args:
+    spec: einsum from input and kernel to output, e.g. ``"btd,dhk->bthk"``.
+    shape: kernel shape, e.g. ``(D, H, d)``.
+    logical_axes: logical names of the kernel dims.
+    bias_shape / bias_axes: trailing output dims that get a bias (``None``: no bias).
+  """
+
+  def __init__(self, spec: str, shape: tuple[int, ...], logical_axes: tuple[str, ...], *, std: float,
+               bias_shape: tuple[int, ...] | None, bias_axes: tuple[str, ...] = (), dtype=jnp.float32,
+               param_dtype=jnp.float32, rngs: nnx.Rngs):
+    self.spec, self.dtype = spec, dtype
+    self.kernel = param(rngs, shape, logical_axes, std, param_dtype)
+    self.bias = param(rngs, bias_shape, bias_axes, None, param_dtype) if bias_shape is not None else None
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    y = jnp.einsum(self.spec, x.astype(self.dtype), self.kernel[...].astype(self.dtype))
+    if self.bias is not None:
+      y = y + self.bias[...].astype(self.dtype)
+    return y
+
+
+class RMSNorm(nnx.Module):
+  """RMSNorm (Llama): ``x / sqrt(mean(x²) + eps) * scale``, computed in float32."""
+
+  def __init__(self, dim: int, eps: float, param_dtype=jnp.float32):
+    self.eps = eps
+    self.scale = nnx.Param(jnp.ones((dim,), param_dtype), logical_axes=("norm",))
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    return (y * self.scale[...].astype(jnp.float32)).astype(x.dtype)
+
+
+class LayerNorm(nnx.Module):
+  """LayerNorm with scale and bias (GPT-NeoX), computed in float32."""
+
+  def __init__(self, dim: int, eps: float, param_dtype=jnp.float32):
+    self.eps = eps
+    self.scale = nnx.Param(jnp.ones((dim,), param_dtype), logical_axes=("norm",))
+    self.bias = nnx.Param(jnp.zeros((dim,), param_dtype), logical_axes=("norm",))
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    x32 = x.astype(jnp.float32)
+    mean = jnp.mean(x32, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
+    y = (x32 - mean) * jax.lax.rsqrt(var + self.eps)
+    return (y * self.scale[...].astype(jnp.float32) + self.bias[...].astype(jnp.float32)).astype(x.dtype)
+
+
+def make_norm(flavor: str, dim: int, eps: float, param_dtype) -> nnx.Module:
+  return RMSNorm(dim, eps, param_dtype) if flavor == "llama" else LayerNorm(dim, eps, param_dtype)
+
+
+class MLP(nnx.Module):
+  """SwiGLU (llama: ``down(silu(gate x) * up x)``) or GELU (neox: ``down(gelu(up x + b) ) + b``) MLP.
+
+  Shapes: ``x [B,T,D] -> [B,T,D]``; hidden width F.
+  """
+
+  def __init__(self, flavor: str, d_model: int, hidden: int, *, std: float, out_std: float, dtype, param_dtype,
+               rngs: nnx.Rngs):
+    self.flavor = flavor
+    bias = flavor == "neox"
+    kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    self.gate = (DenseGeneral("btd,df->btf", (d_model, hidden), ("embed", "mlp"), std=std, bias_shape=None, **kw)
+                 if flavor == "llama" else None)
+    self.up = DenseGeneral("btd,df->btf", (d_model, hidden), ("embed", "mlp"), std=std,
+                           bias_shape=(hidden,) if bias else None, bias_axes=("mlp",), **kw)
+    self.down = DenseGeneral("btf,fd->btd", (hidden, d_model), ("mlp", "embed"), std=out_std,
+                             bias_shape=(d_model,) if bias else None, bias_axes=("embed",), **kw)
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    if self.gate is not None:
+      h = jax.nn.silu(self.gate(x)) * self.up(x)
+    else:
+      h = jax.nn.gelu(self.up(x), approximate=False)
+    h = parallel.constrain(h, ("activation_batch", "activation_length", "activation_mlp"))
+    return self.down(h)

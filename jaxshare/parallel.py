@@ -1,0 +1,112 @@
+"""Device mesh and logical axis rules (MaxText vocabulary).
+
+Every parameter carries ``logical_axes`` metadata (``("embed", "mlp")``, ...); activations are constrained with
+logical names too. :data:`DEFAULT_RULES` maps each logical name to the mesh axes it may be sharded over; a mesh
+axis of size 1, a dimension that does not divide, or a mesh axis already used by another dimension of the same
+array is skipped, so every rule set is valid on every mesh.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping, Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxshare.config import ConfigError, MeshConfig
+
+MESH_AXES = ("data", "fsdp", "tensor")
+
+DEFAULT_RULES: dict[str, tuple[str, ...]] = {
+  # weights
+  "embed": ("fsdp",),
+  "vocab": ("tensor",),
+  "heads": ("tensor",),
+  "kv_heads": ("tensor",),
+  "head_dim": (),
+  "mlp": ("tensor",),
+  "norm": (),
+  "layers": (),
+  # activations
+  "activation_batch": ("data", "fsdp"),
+  "activation_length": (),
+  "activation_embed": (),
+  "activation_heads": ("tensor",),
+  "activation_kv_heads": ("tensor",),
+  "activation_mlp": ("tensor",),
+  "activation_vocab": ("tensor",),
+}
+
+
+def make_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
+  """A ``(data, fsdp, tensor)`` mesh over ``devices`` (default: all), one size may be -1.
+
+  Raises:
+    ConfigError: the sizes do not multiply to the device count.
+  """
+  devices = list(devices if devices is not None else jax.devices())
+  sizes = [cfg.data, cfg.fsdp, cfg.tensor]
+  if -1 in sizes:
+    known = math.prod(s for s in sizes if s != -1)
+    if len(devices) % known:
+      raise ConfigError(f"mesh={sizes} cannot fill {len(devices)} devices: the fixed axes ({known}) must divide it")
+    sizes[sizes.index(-1)] = len(devices) // known
+  n = math.prod(sizes)
+  if n > len(devices):
+    raise ConfigError(f"mesh data={sizes[0]} fsdp={sizes[1]} tensor={sizes[2]} needs {n} devices, "
+                      f"{len(devices)} available")
+  arr = np.asarray(devices[:n], dtype=object).reshape(sizes)
+  return Mesh(arr, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 3)
+
+
+def logical_to_spec(logical_axes: Sequence[str | None], shape: Sequence[int], mesh: Mesh,
+                    rules: Mapping[str, tuple[str, ...]] = DEFAULT_RULES) -> P:
+  """PartitionSpec for an array of ``shape`` whose dimensions have the given logical names."""
+  used: set[str] = set()
+  spec: list[Any] = []
+  for name, dim in zip(logical_axes, shape):
+    axes = []
+    for ax in rules.get(name, ()) if name else ():
+      size = mesh.shape[ax]
+      if size > 1 and ax not in used and dim % (size * math.prod(mesh.shape[a] for a in axes)) == 0:
+        axes.append(ax)
+    used.update(axes)
+    spec.append(tuple(axes) if len(axes) > 1 else (axes[0] if axes else None))
+  return P(*spec)
+
+
+def param_logical_axes(abstract_params: nnx.State) -> dict:
+  """Pure dict (same structure as ``params.to_pure_dict()``) of each parameter's logical axes.
+
+  Stacked (scanned) parameters get a leading ``layers`` axis.
+  """
+  out: dict = {}
+  for path, var in nnx.to_flat_state(abstract_params):
+    axes = tuple(var.get_metadata().get("logical_axes", ()))
+    ndim = len(var.value.shape)
+    axes = ("layers",) * (ndim - len(axes)) + axes
+    node = out
+    for k in path[:-1]:
+      node = node.setdefault(k, {})
+    node[path[-1]] = axes
+  return out
+
+
+def param_shardings(abstract_params: nnx.State, mesh: Mesh,
+                    rules: Mapping[str, tuple[str, ...]] = DEFAULT_RULES) -> dict:
+  """NamedShardings (pure dict) for the parameters."""
+  axes = param_logical_axes(abstract_params)
+  shapes = jax.tree.map(lambda v: v.shape, abstract_params.to_pure_dict())
+  return jax.tree.map(lambda a, s: NamedSharding(mesh, logical_to_spec(a, s, mesh, rules)), axes, shapes,
+                      is_leaf=lambda x: isinstance(x, tuple) and all(isinstance(e, (str, type(None))) for e in x))
+
+
+def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
+  """``with_sharding_constraint`` by logical names under the ambient mesh (``jax.set_mesh``); no-op without."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or math.prod(mesh.axis_sizes) == 1:
+    return x
+  return jax.lax.with_sharding_constraint(x, logical_to_spec(logical_axes, x.shape, mesh))
