@@ -1,0 +1,1 @@
+"""Evaluation: validation loss, perplexity, bits per byte, efficiency figures and greedy samples."""

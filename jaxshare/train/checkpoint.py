@@ -1,0 +1,56 @@
+"""Orbax checkpoints holding the train state, the grain iterator state and run metadata together."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import grain
+import orbax.checkpoint as ocp
+
+
+class CheckpointError(RuntimeError):
+  """A checkpoint that is corrupt or does not match the run's config."""
+
+
+class Checkpointer:
+  """``CheckpointManager`` over ``<run_dir>/checkpoints`` with items ``state``, ``data`` and ``meta``."""
+
+  def __init__(self, directory: str | Path, keep: int):
+    self.directory = Path(directory).absolute()
+    self.manager = ocp.CheckpointManager(
+      self.directory, item_names=("state", "data", "meta"),
+      options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True))
+
+  def latest_step(self) -> int | None:
+    return self.manager.latest_step()
+
+  def save(self, step: int, state: Any, data_iter: grain.DatasetIterator | None, meta: dict) -> None:
+    """Save asynchronously (call :meth:`wait` before exiting)."""
+    items = {"state": ocp.args.StandardSave(state), "meta": ocp.args.JsonSave(meta)}
+    if data_iter is not None:
+      items["data"] = grain.checkpoint.CheckpointSave(data_iter)
+    self.manager.save(step, args=ocp.args.Composite(**items), force=True)
+
+  def restore(self, step: int, abstract_state: Any, data_iter: grain.DatasetIterator | None) -> tuple[Any, dict]:
+    """Restore ``(state, meta)`` at ``step`` into ``abstract_state``'s shapes, dtypes and shardings.
+
+    Raises:
+      CheckpointError: files missing or corrupt, or shapes that do not match the configured model.
+    """
+    items = {"state": ocp.args.StandardRestore(abstract_state), "meta": ocp.args.JsonRestore()}
+    if data_iter is not None:
+      items["data"] = grain.checkpoint.CheckpointRestore(data_iter)
+    try:
+      restored = self.manager.restore(step, args=ocp.args.Composite(**items))
+    except Exception as e:  # orbax/tensorstore raise many types for bad files
+      raise CheckpointError(
+        f"checkpoint {self.directory / str(step)} could not be restored: it is corrupt or was written by a run with "
+        f"a different model/schedule ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from e
+    return restored["state"], restored["meta"]
+
+  def wait(self) -> None:
+    self.manager.wait_until_finished()
+
+  def close(self) -> None:
+    self.manager.close()

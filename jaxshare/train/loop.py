@@ -1,0 +1,180 @@
+"""The training loop: resume, step, log, validate, checkpoint, stop cleanly on Ctrl-C."""
+
+from __future__ import annotations
+
+import dataclasses
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxshare import accounting
+from jaxshare.config import Config, ConfigError, config_from_yaml_text, to_yaml
+from jaxshare.data import Datasets
+from jaxshare.train.checkpoint import Checkpointer
+from jaxshare.train.metrics import MetricsLogger, peak_tflops_per_device
+from jaxshare.train.state import RunSetup, abstract_state, init_state, setup_run, shard_batch
+from jaxshare.train.step import make_eval_step, make_train_step
+
+# Fields a resumed run must share with the run that wrote its checkpoints (the rest, e.g. train.steps, may change).
+_RESUME_FIXED = ("model", "schedule", "data.seq_len", "data.tokenizer", "train.batch_size")
+
+
+def _get(cfg: Config, dotted: str) -> Any:
+  obj = cfg
+  for part in dotted.split("."):
+    obj = getattr(obj, part)
+  return dataclasses.asdict(obj) if dataclasses.is_dataclass(obj) else obj
+
+
+def check_resume_compatible(saved: Config, cfg: Config) -> None:
+  """Raise ConfigError naming every field that differs from the checkpointed run's and may not change."""
+  diffs = []
+  for key in _RESUME_FIXED:
+    a, b = _get(saved, key), _get(cfg, key)
+    if isinstance(a, dict):
+      diffs += [f"{key}.{k}: {a[k]!r} -> {b[k]!r}" for k in a if a[k] != b[k]]
+    elif a != b:
+      diffs.append(f"{key}: {a!r} -> {b!r}")
+  if diffs:
+    raise ConfigError("the run directory holds checkpoints of a different experiment; these fields changed: "
+                      + "; ".join(diffs) + ". Use a new train.run_dir, or restore the old values.")
+
+
+class _StopFlag:
+  """Turns the first SIGINT into a request to save and stop after the current step."""
+
+  def __init__(self):
+    self.requested = False
+    self._previous = None
+
+  def __enter__(self):
+    def handler(signum, frame):
+      if self.requested:  # a second Ctrl-C stops at once
+        raise KeyboardInterrupt
+      self.requested = True
+    try:
+      self._previous = signal.signal(signal.SIGINT, handler)
+    except ValueError:  # not the main thread (e.g. under some test runners): no handler
+      self._previous = None
+    return self
+
+  def __exit__(self, *exc):
+    if self._previous is not None:
+      signal.signal(signal.SIGINT, self._previous)
+
+
+def evaluate_loss(eval_fn, setup: RunSetup, params, data: Datasets, max_batches: int) -> float:
+  """Mean validation loss in nats per token over up to ``max_batches`` batches (0: all)."""
+  total, count = 0.0, 0.0
+  for batch in data.val_batches(max_batches):
+    s, c = eval_fn(params, shard_batch(setup, batch))
+    total, count = total + float(s), count + float(c)
+  return total / max(count, 1.0)
+
+
+def train(cfg: Config, *, mesh=None, stop_after: int | None = None) -> dict[str, Any]:
+  """Train (or resume) the experiment of ``cfg`` in ``cfg.train.run_dir``.
+
+  Args:
+    cfg: a validated config.
+    mesh: device mesh (default: from ``cfg.mesh``).
+    stop_after: stop (with a checkpoint) once this step is reached, as if interrupted — for tests.
+
+  Returns:
+    Summary: ``step``, ``loss`` (last logged training loss), ``val_loss``, ``num_params``, ``kv_bytes_per_token``,
+    ``tokens_per_sec``, ``run_dir``.
+
+  Raises:
+    ConfigError / DataError / CheckpointError: bad config, data or run directory (before any training).
+  """
+  run_dir = Path(cfg.train.run_dir)
+  run_dir.mkdir(parents=True, exist_ok=True)
+  setup = setup_run(cfg, mesh)
+  data = Datasets(cfg.data, cfg.train.batch_size)
+  if data.tokenizer.vocab_size > cfg.model.vocab_size:
+    raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's vocabulary "
+                      f"({data.tokenizer.vocab_size}); set model.vocab_size >= {data.tokenizer.vocab_size}")
+  ckpt = Checkpointer(run_dir / "checkpoints", cfg.train.keep_checkpoints)
+  data_iter = data.train_iter()
+  latest = ckpt.latest_step()
+  if latest is not None and (run_dir / "config.yaml").exists():
+    check_resume_compatible(config_from_yaml_text((run_dir / "config.yaml").read_text()), cfg)
+  (run_dir / "config.yaml").write_text(to_yaml(cfg))
+
+  if latest is not None:
+    state, _ = ckpt.restore(latest, abstract_state(setup), data_iter)
+  else:
+    state = init_state(setup)
+  start = int(jax.device_get(state["step"]))
+
+  tcfg = cfg.train
+  step_fn = jax.jit(make_train_step(setup.graphdef, setup.tx, setup.lr_schedule, tcfg.grad_accum_steps),
+                    in_shardings=(setup.state_shardings, setup.batch_sharding),
+                    out_shardings=(setup.state_shardings, None), donate_argnums=0)
+  eval_fn = jax.jit(make_eval_step(setup.graphdef), in_shardings=(setup.param_shardings, setup.batch_sharding))
+
+  n_dev = setup.mesh.size
+  flops_per_token = accounting.train_flops_per_token(cfg.model, setup.schedule, cfg.data.seq_len,
+                                                     cfg.schedule.match_params)
+  peak = peak_tflops_per_device(tcfg.peak_tflops) * 1e12 * n_dev
+  kv_bytes = accounting.kv_cache_bytes_per_token(cfg.model, setup.schedule,
+                                                 2 if cfg.model.dtype == "bfloat16" else 4)
+  log = MetricsLogger(run_dir, tcfg.steps, start, tcfg.progress_bar)
+  log.print(f"jaxshare | {setup.schedule.describe()}")
+  log.print(f"params {setup.num_params:,} | KV cache {kv_bytes:,} B/token | mesh {dict(setup.mesh.shape)} "
+            f"({n_dev} {jax.devices()[0].platform}) | train {len(data.train_source):,} seqs, val "
+            f"{len(data.val_source):,} seqs of {cfg.data.seq_len} | "
+            + (f"resumed at step {start}" if latest is not None else "fresh start"))
+
+  summary: dict[str, Any] = {"run_dir": str(run_dir), "num_params": setup.num_params,
+                             "kv_bytes_per_token": kv_bytes, "step": start}
+  pending: list[dict] = []
+  t_last, step = time.perf_counter(), start
+  end = tcfg.steps if stop_after is None else min(tcfg.steps, stop_after)
+
+  def save(step: int) -> None:
+    ckpt.save(step, state, data_iter, {"step": step})
+
+  with jax.set_mesh(setup.mesh), _StopFlag() as stop:
+    while step < end and not stop.requested:
+      batch = shard_batch(setup, next(data_iter))
+      state, metrics = step_fn(state, batch)
+      step += 1
+      pending.append(metrics)
+      log.advance(1)
+      is_last = step == tcfg.steps
+      is_eval = bool(tcfg.eval_every and step % tcfg.eval_every == 0) or is_last
+      if step % tcfg.log_every == 0 or is_eval or step == end:
+        host = jax.device_get(pending)
+        dt = time.perf_counter() - t_last
+        tokens = float(sum(m["tokens"] for m in host))
+        tps = tokens / dt
+        record = {"step": step, "loss": float(np.mean([m["loss"] for m in host])),
+                  "lr": float(host[-1]["lr"]), "grad_norm": float(host[-1]["grad_norm"]),
+                  "tokens_per_sec": tps, "step_time": dt / len(host),
+                  "mfu": flops_per_token * tps / peak}
+        pending, t_last = [], time.perf_counter()
+        if is_eval:
+          record["val_loss"] = evaluate_loss(eval_fn, setup, state["params"], data, tcfg.eval_batches)
+          summary["val_loss"] = record["val_loss"]
+          t_last = time.perf_counter()  # keep validation out of the next interval's throughput
+        log.write(record)
+        log.advance(0, record["loss"])
+        log.print(f"step {step:>6}/{tcfg.steps} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
+                  f"{tps:,.0f} tok/s | {record['step_time'] * 1e3:.0f} ms/step | MFU {100 * record['mfu']:.1f}%"
+                  + (f" | val_loss {record['val_loss']:.4f}" if "val_loss" in record else ""))
+        summary.update(loss=record["loss"], tokens_per_sec=tps)
+      if step % tcfg.checkpoint_every == 0 or is_last:
+        save(step)
+    if step < tcfg.steps and step % tcfg.checkpoint_every:
+      save(step)
+      log.print(f"stopped at step {step}; checkpoint saved, re-run the same command to resume")
+  ckpt.wait()
+  ckpt.close()
+  log.close()
+  summary["step"] = step
+  return summary

@@ -1,0 +1,32 @@
+"""AdamW with linear warm-up, cosine decay and global-norm clipping (optax)."""
+
+from __future__ import annotations
+
+import jax
+import optax
+
+from jaxshare.config import TrainConfig
+
+
+def learning_rate_schedule(cfg: TrainConfig) -> optax.Schedule:
+  """Linear warm-up from 0 to ``lr`` over ``warmup_steps``, then cosine decay to ``lr * min_lr_ratio``."""
+  return optax.warmup_cosine_decay_schedule(
+    init_value=0.0, peak_value=cfg.lr, warmup_steps=cfg.warmup_steps, decay_steps=cfg.steps,
+    end_value=cfg.lr * cfg.min_lr_ratio)
+
+
+def decay_mask(params) -> object:
+  """Weight decay on matrices only: not on norms, biases (ndim < 2) or the embedding table."""
+  def mask(path, p) -> bool:
+    return p.ndim >= 2 and not any(getattr(k, "key", None) == "embedding" for k in path)
+  return jax.tree_util.tree_map_with_path(mask, params)
+
+
+def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
+  """The optimizer of :class:`~jaxshare.config.TrainConfig`; parameters are a pure dict pytree."""
+  chain = []
+  if cfg.clip_norm > 0:
+    chain.append(optax.clip_by_global_norm(cfg.clip_norm))
+  chain.append(optax.adamw(learning_rate_schedule(cfg), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
+                           weight_decay=cfg.weight_decay, mask=decay_mask))
+  return optax.chain(*chain)

@@ -1,0 +1,31 @@
+"""Test setup: 8 fake CPU devices (set before jax is imported) and small shared configs."""
+
+import os
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+from jaxshare.config import load_config  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+CORPUS = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
+
+
+def tiny_config(*overrides: str):
+  """A very small model (fast to compile) on the real corpus."""
+  base = ["model.num_layers=4", "model.d_model=32", "model.num_heads=4", "model.mlp_dim=64",
+          "data.seq_len=32", "train.batch_size=8", "train.steps=20", "train.warmup_steps=2",
+          "train.log_every=5", "train.eval_every=10", "train.eval_batches=2", "train.checkpoint_every=10",
+          "train.progress_bar=false", "train.lr=3e-3"]
+  return load_config(None, base + list(overrides))
+
+
+@pytest.fixture
+def corpus() -> Path:
+  if not CORPUS.is_file():
+    pytest.fail(f"the shared corpus {CORPUS} is missing")
+  return CORPUS

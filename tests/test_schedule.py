@@ -1,0 +1,74 @@
+import pytest
+
+from jaxshare.config import ModelConfig, ScheduleConfig
+from jaxshare.schedule import ScheduleError, compile_schedule, mlkv_owners
+
+
+def sched(**kw):
+  return ScheduleConfig(**kw)
+
+
+M = ModelConfig(num_layers=6, num_heads=4, d_model=32)
+
+
+def sources(s):
+  return [p.kv_source for p in s.layers]
+
+
+def test_presets_expand_to_per_layer_sources():
+  assert sources(compile_schedule(M, sched(kind="dense"))) == [0, 1, 2, 3, 4, 5]
+  assert sources(compile_schedule(M, sched(kind="cla", factor=2))) == [0, 0, 2, 2, 4, 4]
+  assert sources(compile_schedule(M, sched(kind="cla", factor=4))) == [0, 0, 0, 0, 4, 4]
+  assert sources(compile_schedule(M, sched(kind="cla", producers=[0, 1, 5]))) == [0, 1, 1, 1, 1, 5]
+  assert sources(compile_schedule(M, sched(kind="mlkv", kv_layers=3))) == [0, 0, 2, 2, 4, 4]
+  assert sources(compile_schedule(M, sched(kind="explicit", sources="0_0_2_2_2_5"))) == [0, 0, 2, 2, 2, 5]
+  assert {p.num_kv_heads for p in compile_schedule(M, sched(kind="mqa")).layers} == {1}
+  gqa = compile_schedule(M, sched(kind="gqa", kv_heads_per_layer=[4, 2, 2, 1, 1, 4]))
+  assert [p.num_kv_heads for p in gqa.layers] == [4, 2, 2, 1, 1, 4]
+
+
+def test_mlkv_owner_placements_follow_paper_and_reference_code():
+  # methods-mlkv-sa-headwise.md 1.2 and 1.6
+  assert mlkv_owners(12, 6, "reference_code") == [0, 2, 4, 6, 8, 10]
+  assert mlkv_owners(12, 4, "reference_code") == [0, 3, 6, 9]
+  assert mlkv_owners(12, 2, "reference_code") == [0, 6]
+  assert mlkv_owners(12, 1, "reference_code") == [0]
+  assert mlkv_owners(12, 5, "paper") == [0, 3, 5, 8, 10]
+  assert mlkv_owners(12, 5, "reference_code") == [0, 2, 4, 7, 9]
+  for m in (1, 2, 3, 4, 6, 12):  # agree whenever m divides L
+    assert mlkv_owners(12, m, "paper") == mlkv_owners(12, m, "reference_code")
+
+
+def test_superblocks_and_segments():
+  s = compile_schedule(ModelConfig(num_layers=12, num_heads=4, d_model=32),
+                       sched(kind="mlkv", kv_layers=5, placement="reference_code"))
+  assert [len(b.layers) for b in s.superblocks] == [2, 2, 3, 2, 3]
+  assert [(g.start, g.count, g.superblock_size) for g in s.segments] == [(0, 2, 2), (4, 1, 3), (7, 1, 2), (9, 1, 3)]
+  cla = compile_schedule(M, sched(kind="cla", factor=2))
+  assert len(cla.segments) == 1 and cla.segments[0].count == 3
+  # A producer between a consumer and its source ends up inside the same superblock.
+  s = compile_schedule(M, sched(kind="explicit", sources="0_1_0_3_4_4"))
+  assert [len(b.layers) for b in s.superblocks] == [3, 1, 2]
+  assert s.superblocks[0].signature == ((0, 4), (1, 4), (0, 4))
+
+
+@pytest.mark.parametrize("kw, needle", [
+  (dict(kind="explicit", sources="0_2_2_2_4_4"), "layer 1: source 2 is not an earlier-or-same layer"),
+  (dict(kind="explicit", sources="0_0_1_1_4_4"), "source layer 1 does not produce"),
+  (dict(kind="explicit", sources="0_0_2"), "has 3 entries"),
+  (dict(kind="explicit", sources="0_a"), "expected integers"),
+  (dict(kind="cla", producers=[1, 3]), "layer 0 must produce"),
+  (dict(kind="cla", producers=[0, 3, 2]), "strictly increasing"),
+  (dict(kind="cla", producers=[0, 9]), "layer 9 does not exist"),
+  (dict(kind="cla", factor=0), "schedule.factor=0"),
+  (dict(kind="mlkv", kv_layers=0), "schedule.kv_layers=0"),
+  (dict(kind="mlkv", kv_layers=7), "schedule.kv_layers=7"),
+  (dict(kind="gqa", kv_heads=3), "schedule.kv_heads=3"),
+  (dict(kind="gqa", kv_heads_per_layer=[4, 4]), "needs 6 entries"),
+  (dict(kind="gqa", kv_heads_per_layer=[4, 4, 3, 4, 4, 4]), "kv_heads_per_layer[2]=3"),
+  (dict(kind="dense", kv_heads=2), "use schedule.kind=gqa"),
+])
+def test_invalid_schedules_raise_clear_errors(kw, needle):
+  with pytest.raises(ScheduleError) as e:
+    compile_schedule(M, sched(**kw))
+  assert needle in str(e.value)

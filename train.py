@@ -1,0 +1,52 @@
+#!/usr/bin/env python
+"""Train a jaxshare language model.
+
+Examples:
+  python train.py --config configs/experiments/shakespeare_cla2.yaml
+  python train.py --config configs/experiments/shakespeare_cla2.yaml train.steps=500 schedule.kind=mlkv \\
+      schedule.kv_layers=2 train.run_dir=runs/mlkv2
+
+Re-running with the same train.run_dir resumes from its latest checkpoint; Ctrl-C saves a checkpoint and exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--config", help="experiment YAML (its includes: are merged first)")
+  parser.add_argument("--help-config", action="store_true", help="list every config field with its documentation")
+  parser.add_argument("--no-eval", action="store_true", help="skip the evaluation summary after training")
+  parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=500 model.num_layers=6")
+  args = parser.parse_args(argv)
+
+  from jaxshare.config import ConfigError, describe_fields, load_config
+
+  if args.help_config:
+    print(describe_fields())
+    return 0
+  from jaxshare.data import DataError
+  from jaxshare.train.checkpoint import CheckpointError
+
+  try:
+    cfg = load_config(args.config, args.overrides)
+    from jaxshare.train.loop import train
+
+    summary = train(cfg)
+  except (ConfigError, DataError, CheckpointError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  print("training summary: " + json.dumps(summary))
+  if not args.no_eval and summary["step"] >= cfg.train.steps:
+    from jaxshare.evaluation.evaluate import evaluate_run, format_report
+
+    print(format_report(evaluate_run(cfg.train.run_dir)))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
