@@ -198,6 +198,20 @@ def _friendly(e: OmegaConfBaseException) -> str:
   return f"field {key!r}: {msg}" if key else msg
 
 
+def _field_type(dotted: str) -> Any:
+  """The annotated type of a dotted config field, or None if there is no such field."""
+  cls: Any = Config
+  ftype = None
+  for part in dotted.split("."):
+    fields = {f.name: f for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else {}
+    if part not in fields:
+      return None
+    ftype = fields[part].type
+    ftype = eval(ftype, globals()) if isinstance(ftype, str) else ftype  # annotations are strings here
+    cls = ftype
+  return ftype
+
+
 def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
   """Compose a :class:`Config` from a YAML file (with its includes) and dotted overrides, then validate it.
 
@@ -212,10 +226,16 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tu
   try:
     for node in _expand(Path(path)) if path is not None else []:
       merged = OmegaConf.merge(merged, node)
+    parsed = []
     for ov in overrides:
       if "=" not in ov:
         raise ConfigError(f"override {ov!r} is not of the form key=value (e.g. train.steps=500)")
-    merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(list(overrides)))
+      key, value = ov.split("=", 1)
+      if _field_type(key) is str:  # keep e.g. '0_0_2_2' a string: YAML would read it as the integer 22
+        OmegaConf.update(merged, key, value, merge=True)
+      else:
+        parsed.append(ov)
+    merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(parsed))
     cfg = OmegaConf.to_object(merged)
   except OmegaConfBaseException as e:
     raise ConfigError(_friendly(e)) from None

@@ -79,7 +79,7 @@ def logical_to_spec(logical_axes: Sequence[str | None], shape: Sequence[int], me
 
 
 def param_logical_axes(abstract_params: nnx.State) -> dict:
-  """Pure dict (same structure as ``params.to_pure_dict()``) of each parameter's logical axes.
+  """Pure dict (same structure as ``nnx.to_pure_dict(params)``) of each parameter's logical axes.
 
   Stacked (scanned) parameters get a leading ``layers`` axis.
   """
@@ -99,7 +99,7 @@ def param_shardings(abstract_params: nnx.State, mesh: Mesh,
                     rules: Mapping[str, tuple[str, ...]] = DEFAULT_RULES) -> dict:
   """NamedShardings (pure dict) for the parameters."""
   axes = param_logical_axes(abstract_params)
-  shapes = jax.tree.map(lambda v: v.shape, abstract_params.to_pure_dict())
+  shapes = jax.tree.map(lambda v: v.shape, nnx.to_pure_dict(abstract_params))
   return jax.tree.map(lambda a, s: NamedSharding(mesh, logical_to_spec(a, s, mesh, rules)), axes, shapes,
                       is_leaf=lambda x: isinstance(x, tuple) and all(isinstance(e, (str, type(None))) for e in x))
 

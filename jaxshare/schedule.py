@@ -139,7 +139,7 @@ def parse_sources(sources: str, num_layers: int) -> list[int]:
                         "e.g. '0_0_2_2'") from None
   if len(src) != num_layers:
     raise ScheduleError(f"schedule.sources={sources!r} is invalid: has {len(src)} entries, model.num_layers="
-                        f"{num_layers}")
+                        f"{num_layers} (in YAML, quote the list: sources: '0_0_2_2')")
   for i, s in enumerate(src):
     if not 0 <= s <= i:
       raise ScheduleError(f"schedule.sources={sources!r} is invalid at layer {i}: source {s} is not an "

@@ -52,3 +52,8 @@ def test_yaml_round_trip_and_every_field_documented():
   for line in text.splitlines()[1:]:
     if line.startswith("      "):
       assert line.strip(), "a field has no documentation"
+
+
+def test_string_fields_are_not_parsed_as_yaml_numbers():
+  cfg = load_config(None, ["model.num_layers=4", "schedule.kind=explicit", "schedule.sources=0_0_2_2"])
+  assert cfg.schedule.sources == "0_0_2_2"

@@ -58,7 +58,7 @@ def setup_run(cfg: Config, mesh: Mesh | None = None) -> RunSetup:
   graphdef, abstract_params = nnx.split(abstract_model, nnx.Param)
   p_shard = parallel.param_shardings(abstract_params, mesh)
   tx = make_optimizer(cfg.train)
-  abstract_opt = jax.eval_shape(tx.init, abstract_params.to_pure_dict())
+  abstract_opt = jax.eval_shape(tx.init, nnx.to_pure_dict(abstract_params))
   replicated = NamedSharding(mesh, P())
   opt_shard = optax.tree_map_params(tx, lambda _, s: s, abstract_opt, p_shard,
                                     transform_non_params=lambda _: replicated)
@@ -69,7 +69,7 @@ def setup_run(cfg: Config, mesh: Mesh | None = None) -> RunSetup:
 
 
 def _fresh_state(setup: RunSetup, seed: int) -> TrainState:
-  params = nnx.split(build_model(setup.cfg, setup.schedule, seed), nnx.Param)[1].to_pure_dict()
+  params = nnx.to_pure_dict(nnx.split(build_model(setup.cfg, setup.schedule, seed), nnx.Param)[1])
   return {"params": params, "opt_state": setup.tx.init(params), "step": jnp.zeros((), jnp.int32)}
 
 

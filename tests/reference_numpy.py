@@ -1,0 +1,100 @@
+"""An independent float64 NumPy forward pass of the transformer, layer by layer, for parity tests.
+
+It reads the NNX model's parameters but shares no code with jaxshare's model: explicit K/V head repetition,
+per-layer loops, its own RoPE, norms, MLPs and masking.
+"""
+
+import math
+
+import numpy as np
+
+from jaxshare.config import ModelConfig
+from jaxshare.schedule import Schedule
+
+_erf = np.vectorize(math.erf)
+
+
+def _rope(x, pos, theta, rot):
+  half = rot // 2
+  inv = theta ** (-np.arange(half) * 2.0 / rot)
+  ang = pos[..., None] * inv                          # [B,T,half]
+  c, s = np.cos(ang)[:, :, None], np.sin(ang)[:, :, None]
+  x1, x2 = x[..., :half], x[..., half:rot]
+  return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s, x[..., rot:]], axis=-1)
+
+
+def _norm(cfg, p, x):
+  if cfg.flavor == "llama":
+    return x / np.sqrt((x * x).mean(-1, keepdims=True) + cfg.norm_eps) * p["scale"]
+  mu = x.mean(-1, keepdims=True)
+  var = ((x - mu) ** 2).mean(-1, keepdims=True)
+  return (x - mu) / np.sqrt(var + cfg.norm_eps) * p["scale"] + p["bias"]
+
+
+def _dense(p, x, spec):
+  y = np.einsum(spec, x, p["kernel"])
+  return y + p["bias"] if p.get("bias") is not None else y
+
+
+def layer_params(params: dict, schedule: Schedule, layer: int) -> dict:
+  """The (unstacked) parameters of one layer from the model's pure-dict parameters."""
+  for s_idx, seg in enumerate(schedule.segments):
+    if seg.start <= layer < seg.start + seg.count * seg.superblock_size:
+      c, j = divmod(layer - seg.start, seg.superblock_size)
+      tree = params["segments"][s_idx]["blocks"]["layers"][j]
+      return _index(tree, c)
+  raise IndexError(layer)
+
+
+def _index(tree, c):
+  if isinstance(tree, dict):
+    return {k: _index(v, c) for k, v in tree.items()}
+  return None if tree is None else np.asarray(tree, np.float64)[c]
+
+
+def forward(cfg: ModelConfig, schedule: Schedule, params: dict, tokens, positions=None, segment_ids=None):
+  """float64 logits ``[B, T, V]``."""
+  tokens = np.asarray(tokens)
+  b, t = tokens.shape
+  pos = np.broadcast_to(np.arange(t), (b, t)) if positions is None else np.asarray(positions)
+  seg = np.ones((b, t), int) if segment_ids is None else np.asarray(segment_ids)
+  H, d = cfg.num_heads, cfg.resolved_head_dim
+  rot = int(d * cfg.rotary_pct)
+  emb = np.asarray(params["embedding"], np.float64)
+  x = emb[tokens]
+  mask = (seg[:, :, None] == seg[:, None, :]) & (np.arange(t)[:, None] >= np.arange(t)[None, :])
+  kv = {}
+  for plan in schedule.layers:
+    p = layer_params(params, schedule, plan.index)
+    h = _norm(cfg, p["norm1"], x)
+    q = _rope(_dense(p["attn"]["q_proj"], h, "btd,dhk->bthk"), pos, cfg.rope_theta, rot)
+    if plan.is_producer:
+      k = _rope(_dense(p["attn"]["k_proj"], h, "btd,dgk->btgk"), pos, cfg.rope_theta, rot)
+      v = _dense(p["attn"]["v_proj"], h, "btd,dgk->btgk")
+      kv[plan.index] = (k, v)
+    k, v = kv[plan.kv_source]
+    rep = H // k.shape[2]
+    k, v = np.repeat(k, rep, axis=2), np.repeat(v, rep, axis=2)
+    logits = np.einsum("bthk,bshk->bhts", q, k) / math.sqrt(d)
+    logits = np.where(mask[:, None], logits, -np.inf)
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    a = _dense(p["attn"]["o_proj"], np.einsum("bhts,bshk->bthk", probs, v), "bthk,hkd->btd")
+
+    def mlp(z):
+      if cfg.flavor == "llama":
+        g = _dense(p["mlp"]["gate"], z, "btd,df->btf")
+        return _dense(p["mlp"]["down"], g / (1 + np.exp(-g)) * _dense(p["mlp"]["up"], z, "btd,df->btf"),
+                      "btf,fd->btd")
+      u = _dense(p["mlp"]["up"], z, "btd,df->btf")
+      return _dense(p["mlp"]["down"], 0.5 * u * (1 + _erf(u / math.sqrt(2))), "btf,fd->btd")
+
+    if cfg.flavor == "neox":
+      x = x + a + mlp(_norm(cfg, p["norm2"], x))
+    else:
+      x = x + a
+      x = x + mlp(_norm(cfg, p["norm2"], x))
+  fn = {k: np.asarray(v, np.float64) for k, v in params["final_norm"].items()}
+  x = _norm(cfg, fn, x)
+  head = emb.T if params.get("lm_head") is None else np.asarray(params["lm_head"]["kernel"], np.float64)
+  return x @ head
