@@ -86,7 +86,7 @@ def param_logical_axes(abstract_params: nnx.State) -> dict:
   out: dict = {}
   for path, var in nnx.to_flat_state(abstract_params):
     axes = tuple(var.get_metadata().get("logical_axes", ()))
-    ndim = len(var.value.shape)
+    ndim = len(var.get_value().shape)
     axes = ("layers",) * (ndim - len(axes)) + axes
     node = out
     for k in path[:-1]:

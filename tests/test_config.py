@@ -57,3 +57,33 @@ def test_yaml_round_trip_and_every_field_documented():
 def test_string_fields_are_not_parsed_as_yaml_numbers():
   cfg = load_config(None, ["model.num_layers=4", "schedule.kind=explicit", "schedule.sources=0_0_2_2"])
   assert cfg.schedule.sources == "0_0_2_2"
+
+
+def test_every_repo_config_file_loads():
+  from pathlib import Path
+
+  from jaxshare.schedule import compile_schedule
+
+  files = sorted(Path("configs/experiments").glob("*.yaml"))
+  assert files
+  for f in files:
+    cfg = load_config(f)
+    compile_schedule(cfg.model, cfg.schedule)
+  from omegaconf import OmegaConf
+
+  for f in sorted(Path("configs/schedules").glob("*.yaml")):
+    sched = OmegaConf.load(f)["schedule"]
+    cfg = load_config(None, [f"schedule.{k}={v}" for k, v in sched.items()])
+    compile_schedule(cfg.model, cfg.schedule)
+
+
+def test_readme_documents_every_field():
+  import dataclasses
+  from pathlib import Path
+
+  from jaxshare.config import Config
+
+  readme = Path("README.md").read_text()
+  for group in dataclasses.fields(Config):
+    for f in dataclasses.fields(group.default_factory):
+      assert f"`{group.name}.{f.name}`" in readme, f"README.md lacks {group.name}.{f.name}"

@@ -43,7 +43,7 @@ class RunSetup:
 
   @property
   def num_params(self) -> int:
-    return sum(int(np.prod(v.value.shape)) for _, v in nnx.to_flat_state(self.abstract_params))
+    return sum(int(np.prod(v.get_value().shape)) for _, v in nnx.to_flat_state(self.abstract_params))
 
 
 def setup_run(cfg: Config, mesh: Mesh | None = None) -> RunSetup:

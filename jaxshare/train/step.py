@@ -55,7 +55,7 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, lr
     grads = jax.tree.map(lambda g: g / count, grads)
     updates, opt_state = tx.update(grads, state["opt_state"], params)
     new_state = {"params": optax.apply_updates(params, updates), "opt_state": opt_state, "step": state["step"] + 1}
-    metrics = {"loss": loss_sum / count, "grad_norm": optax.global_norm(grads), "lr": lr_schedule(state["step"]),
+    metrics = {"loss": loss_sum / count, "grad_norm": optax.tree.norm(grads), "lr": lr_schedule(state["step"]),
                "tokens": count}
     return new_state, metrics
 
