@@ -21,12 +21,20 @@ def _mlp_matrices(model: ModelConfig) -> int:
 
 
 def kv_cache_bytes_per_token(model: ModelConfig, schedule: Schedule, bytes_per_element: int = 2) -> int:
-  """KV-cache bytes one token occupies (one sequence): only producers store K and V.
+  """KV-cache bytes one token occupies (one sequence).
 
-  MLKV Table 1 (elements 2·b·s·m·g·d_k) generalised to per-layer head counts: ``sum_producers 2·G·d·β``.
+  Only K/V producers store anything (MLKV Table 1 generalised: ``sum 2·G·d·β``). A producer that reuses
+  probabilities (SA, UniAttn) or logits without a delta (DS) stores V only; a LISA layer stores V and its low-rank
+  K (``G·(d + r)``, LISA Sec. 1.4).
   """
-  d = model.resolved_head_dim
-  return sum(2 * p.num_kv_heads * d * bytes_per_element for p in schedule.layers if p.is_producer)
+  d, r = model.resolved_head_dim, schedule.lisa_rank
+  total = 0
+  for p in schedule.layers:
+    if not p.is_producer:
+      continue
+    k_width = d if p.has_query_key else (r if p.has_low_rank else 0)
+    total += p.num_kv_heads * (d + k_width) * bytes_per_element
+  return total
 
 
 def kv_cache_bytes(model: ModelConfig, schedule: Schedule, batch: int, seq_len: int,
@@ -58,45 +66,70 @@ def mlp_dim(model: ModelConfig, schedule: Schedule, match_params: bool) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class ParamCount:
-  """Parameter counts by part (units: parameters)."""
+  """Parameter counts by part (units: parameters).
+
+  ``sharing`` holds the modules the sharing methods add: LISA's low-rank Q/K and aligner, UniAttn's W_c.
+  """
 
   embedding: int
   attention: int
   mlp: int
   norms: int
   output: int
+  sharing: int = 0
 
   @property
   def total(self) -> int:
-    return self.embedding + self.attention + self.mlp + self.norms + self.output
+    return self.embedding + self.attention + self.mlp + self.norms + self.output + self.sharing
 
   @property
   def non_embedding(self) -> int:
-    return self.attention + self.mlp + self.norms
+    return self.attention + self.mlp + self.norms + self.sharing
+
+
+def sharing_params(model: ModelConfig, schedule: Schedule, p) -> int:
+  """Parameters a layer's sharing modules add: W_c (D², UniAttn Eq. 5); LISA's W_q^LR (D×H·r), W_k^LR (D×G·r)
+  and aligner (ffn: 2H×hidden + hidden×H; linear: 2H×H), all without biases."""
+  D, H, r = model.d_model, model.num_heads, schedule.lisa_rank
+  n = D * D if p.compensation else 0
+  if p.has_low_rank:
+    n += D * H * r + D * p.num_kv_heads * r
+    if p.integrator == "ffn":
+      n += 2 * H * schedule.lisa_hidden + schedule.lisa_hidden * H
+    elif p.integrator == "linear":
+      n += 2 * H * H
+  return n
 
 
 def param_count(model: ModelConfig, schedule: Schedule, match_params: bool = False) -> ParamCount:
   """Exact parameter count of :class:`jaxshare.model.Transformer` built from (model, schedule).
 
-  Consumers have no K/V projections. Reproduces MLKV Table 2 (Pythia-160M, ``match_params``) exactly.
+  K/V consumers have no K/V projections; layers that reuse scores have no W_q/W_k; head-wise sharing removes the
+  W_q, W_k, W_v (and biases) of ``schedule.tied_heads`` heads. Reproduces MLKV Table 2 (Pythia-160M,
+  ``match_params``) and head-wise Table 3 exactly.
   """
   D, H, d = model.d_model, model.num_heads, model.resolved_head_dim
   bias = _has_bias(model)
   F = mlp_dim(model, schedule, match_params)
-  attn = 0
+  attn = sharing = 0
   for p in schedule.layers:
-    attn += D * H * d + H * d * D + ((H * d + D) if bias else 0)  # q and o projections
+    attn += H * d * D + (D if bias else 0)  # o projection
+    if p.has_query_key:
+      attn += D * H * d + (H * d if bias else 0)
     if p.is_producer:
-      attn += p.num_kv_heads * _kv_params_per_head(model)
+      g = p.num_kv_heads
+      attn += (D * g * d + (g * d if bias else 0)) * (2 if p.has_query_key else 1)
+    sharing += sharing_params(model, schedule, p)
+  attn -= schedule.tied_heads * 3 * (D * d + (d if bias else 0))
   per_mlp = _mlp_matrices(model) * D * F + ((F + D) if bias else 0)
   norm_size = 2 * D if model.flavor == "neox" else D  # LayerNorm has a bias
-  embedding = model.vocab_size * D
   return ParamCount(
-    embedding=embedding,
+    embedding=model.vocab_size * D,
     attention=attn,
     mlp=model.num_layers * per_mlp,
     norms=(2 * model.num_layers + 1) * norm_size,
     output=0 if model.tie_embeddings else model.vocab_size * D,
+    sharing=sharing,
   )
 
 
@@ -104,16 +137,28 @@ def forward_flops_per_token(model: ModelConfig, schedule: Schedule, context_len:
                             match_params: bool = False) -> int:
   """Forward matmul FLOPs for one token attending to ``context_len`` keys (2 FLOPs per multiply-add).
 
-  Consumers skip the K/V projections; QKᵀ and AV cost the same in every layer (MLKV Sec. 1.4).
+  K/V consumers skip the K/V projections (QKᵀ and AV are unchanged, MLKV Sec. 1.4); probability reuse skips the
+  Q/K projections and QKᵀ and adds W_c; LISA replaces them with rank-r ones plus the aligner per score cell.
   """
   D, H, d = model.d_model, model.num_heads, model.resolved_head_dim
+  r, hid = schedule.lisa_rank, schedule.lisa_hidden
   F = mlp_dim(model, schedule, match_params)
   flops = 2 * model.vocab_size * D  # output projection
   for p in schedule.layers:
-    flops += 2 * D * H * d * 2  # q and o projections
+    g = p.num_kv_heads
+    flops += 2 * D * H * d + 2 * 2 * H * d * context_len  # o projection, AV
     if p.is_producer:
-      flops += 2 * D * p.num_kv_heads * d * 2
-    flops += 2 * 2 * H * d * context_len  # QK^T and AV
+      flops += 2 * D * g * d  # V
+    if p.has_query_key:
+      flops += 2 * D * H * d + 2 * H * d * context_len + (2 * D * g * d if p.is_producer else 0)
+    if p.has_low_rank:
+      flops += 2 * D * (H + g) * r + 2 * H * r * context_len
+      if p.integrator == "ffn":
+        flops += 2 * 3 * H * hid * context_len
+      elif p.integrator == "linear":
+        flops += 2 * 2 * H * H * context_len
+    if p.compensation:
+      flops += 2 * D * D
     flops += 2 * _mlp_matrices(model) * D * F
   return flops
 

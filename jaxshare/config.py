@@ -71,11 +71,68 @@ class ModelConfig:
 
 
 @dataclasses.dataclass
-class ScheduleConfig:
-  """Which layers project their own K/V and which reuse a producer's (the KV family of sharing schedules)."""
+class SAConfig:
+  """Shared Attention (Beyond KV Caching, Alg. 1): reuse of post-softmax probabilities over a layer span."""
 
-  kind: str = _f("dense", "Sharing preset: dense | gqa | mqa | cla | mlkv | explicit.",
-                 ("dense", "gqa", "mqa", "cla", "mlkv", "explicit"))
+  start: int = _f(-1, "First layer of the span (0-based); -1 means num_layers // 2.")
+  end: int = _f(-1, "Last layer of the span, inclusive; -1 means num_layers - 2 (the top layer is never shared).")
+  semantics: str = _f("reference_code", "paper: the span's first layer computes the probabilities and the others "
+                      "reuse them (|S|-1 layers lose K). reference_code (metacarbon/shareAtt): every span layer reuses "
+                      "the layer before the span (|S| layers lose K; reproduces the paper's 12.5% KV saving).",
+                      ("paper", "reference_code"))
+
+
+@dataclasses.dataclass
+class UniAttnConfig:
+  """UniAttn (Softmax Unification, Eq. 3-5): superblocks whose bottom layer's probabilities the others reuse."""
+
+  block_size: int = _f(4, "Superblock size b (bottom layer produces, b-1 layers reuse).")
+  start: int = _f(-1, "First layer of the unified range; -1 means num_layers // 2 (the top half, as in the paper).")
+  end: int = _f(-1, "End of the range, exclusive; -1 means num_layers.")
+  wc_input: str = _f("residual", "Input of the compensation x W_c: residual (the MHA input x, Eq. 5) or normed "
+                     "(Norm(x)).", ("residual", "normed"))
+
+
+@dataclasses.dataclass
+class LisaConfig:
+  """LISA (Cross-layer Attention Sharing, Eq. 3-4): reuse of the previous layer's pre-softmax logits + a delta."""
+
+  layers: list = _f([], "Layers that reuse the adjacent front layer's logits (0-based, >= 1); empty means every "
+                    "layer from 2 to num_layers - 2 (the paper never shares the first layers or the last).")
+  integrator: str = _f("ffn", "How A_{n-1} and the low-rank delta combine: ffn (head aligner 2H -> hidden -> H, "
+                       "ReLU; LISA), linear (2H -> H; LISA_SL), add (LISA_plus), none (direct sharing, DS).",
+                       ("ffn", "linear", "add", "none"))
+  rank: int = _f(4, "Per-head rank r of the low-rank Q/K that produce the delta (LLaMA: 20 of 128).")
+  hidden: int = _f(0, "Hidden width of the ffn aligner; 0 means 8 * num_heads (256 for 32 heads, as in the paper).")
+  rope: bool = _f(False, "Apply RoPE to the low-rank Q/K (unstated in the paper).")
+
+
+@dataclasses.dataclass
+class HeadwiseConfig:
+  """Head-wise weight tying (DirectShare / PostShare, Head-wise Shareable Attention Alg. 1-2)."""
+
+  ratio: float = _f(0.0, "Sharing ratio alpha = removed parameters / all MHA parameters; N = round(alpha*4*L*H/3) "
+                    "heads have W_q, W_k, W_v tied to an earlier layer's head.")
+  match: str = _f("qk", "Match function (Table 12): qk (cos of W_q||W_k, the paper's), q, k, v, qkv, or "
+                  "separately (q, k and v each matched and tied on their own).",
+                  ("qk", "q", "k", "v", "qkv", "separately"))
+  postshare_gamma: float = _f(0.0, "PostShare: weight of the penalty L_w = mean over matched pairs of "
+                              "sum_{q,k,v} ||W_i - W_j||_F added to the loss (0: off; the paper uses 0.5). With it "
+                              "the heads stay untied during training.")
+
+
+KV_PRESETS = ("dense", "gqa", "mqa", "cla", "mlkv", "explicit")
+SCORE_PRESETS = ("sa", "uniattn", "lisa", "lisa_plus", "ds")
+HEAD_PRESETS = ("headwise",)
+
+
+@dataclasses.dataclass
+class ScheduleConfig:
+  """Where each layer's K/V, attention scores and head weights come from (the sharing schedule)."""
+
+  kind: str = _f("dense", "Sharing presets joined by '+', at most one of each family: K/V (dense, gqa, mqa, cla, "
+                 "mlkv, explicit), scores (sa, uniattn, lisa, lisa_plus = lisa with integrator add, ds = lisa with "
+                 "integrator none) and heads (headwise). E.g. 'mlkv+uniattn'.")
   kv_heads: int = _f(0, "KV heads G per producer layer (GQA within the layer; MLKV's g); 0 means num_heads.")
   kv_heads_per_layer: list = _f([], "gqa only: KV heads for each layer (length num_layers); overrides kv_heads.")
   factor: int = _f(2, "cla: sharing factor; every factor-th layer (0, f, 2f, ...) produces K/V.")
@@ -88,14 +145,23 @@ class ScheduleConfig:
                     "layer sources[i] <= i; a layer that is its own source produces).")
   match_params: bool = _f(False, "Give the dropped K/V parameters back by widening every MLP (MLKV Sec. 4, "
                           "pythia-mlkv formula), so that variants have equal parameter counts.")
+  sa: SAConfig = dataclasses.field(default_factory=SAConfig)
+  uniattn: UniAttnConfig = dataclasses.field(default_factory=UniAttnConfig)
+  lisa: LisaConfig = dataclasses.field(default_factory=LisaConfig)
+  headwise: HeadwiseConfig = dataclasses.field(default_factory=HeadwiseConfig)
 
 
 @dataclasses.dataclass
 class AttentionConfig:
-  """Attention implementation switch (kernels arrive in a later issue)."""
+  """Attention implementation switch (kernels arrive in a later issue) and score-sharing memory mode."""
 
   impl: str = _f("auto", "auto | xla. auto picks the best implementation for the platform (XLA on CPU).",
                  ("auto", "xla"))
+  score_sharing: str = _f("recompute", "How layers that reuse attention scores get them. recompute: from the "
+                          "source's Q, K and log-sum-exp (SA/UniAttn) or one attention over concatenated features "
+                          "(LISA_plus, DS), keeping nothing [B,H,T,T] alive per layer; materialize: pass the "
+                          "probabilities/logits tensors. Same numbers; full LISA (ffn/linear) always materialises.",
+                          ("recompute", "materialize"))
 
 
 @dataclasses.dataclass
@@ -262,19 +328,24 @@ def _require(cond: bool, field: str, value: Any, allowed: str) -> None:
     raise ConfigError(f"{field}={value!r} is invalid: {allowed}")
 
 
+def _choice_fields(obj: Any, prefix: str = ""):
+  """``(dotted name, value, allowed)`` for every field with a closed set of values, nested groups included."""
+  for f in dataclasses.fields(obj):
+    value = getattr(obj, f.name)
+    if dataclasses.is_dataclass(value):
+      yield from _choice_fields(value, f"{prefix}{f.name}.")
+    elif "choices" in f.metadata:
+      yield f"{prefix}{f.name}", value, f.metadata["choices"]
+
+
 def validate(cfg: Config) -> None:
   """Check every field and field combination; the schedule itself is checked by :mod:`jaxshare.schedule`.
 
   Raises:
     ConfigError: naming the first invalid field, its value and what is allowed.
   """
-  for group in dataclasses.fields(cfg):
-    sub = getattr(cfg, group.name)
-    for f in dataclasses.fields(sub):
-      choices = f.metadata.get("choices")
-      if choices is not None:
-        v = getattr(sub, f.name)
-        _require(v in choices, f"{group.name}.{f.name}", v, f"must be one of {', '.join(map(str, choices))}")
+  for name, value, choices in _choice_fields(cfg):
+    _require(value in choices, name, value, f"must be one of {', '.join(map(str, choices))}")
   m, d, t = cfg.model, cfg.data, cfg.train
   for name in ("vocab_size", "num_layers", "d_model", "num_heads", "mlp_dim"):
     _require(getattr(m, name) > 0, f"model.{name}", getattr(m, name), "must be a positive integer")
@@ -317,13 +388,29 @@ def resolve_data_dir(cfg: DataConfig) -> Path:
   return REPO_ROOT.parent / "shared" / "data"
 
 
+def _group_rows(name: str, cls: Any):
+  rows, nested = [], []
+  for f in dataclasses.fields(cls):
+    default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+    if dataclasses.is_dataclass(default):
+      nested.append((f"{name}.{f.name}", type(default)))
+    else:
+      rows.append((f"{name}.{f.name}", default, f.metadata.get("help", "")))
+  yield name, cls.__doc__, rows
+  for sub_name, sub_cls in nested:
+    yield from _group_rows(sub_name, sub_cls)
+
+
+def documented_fields():
+  """``(group name, group doc, [(dotted field, default, help)])`` for every group, nested groups included."""
+  for group in dataclasses.fields(Config):
+    yield from _group_rows(group.name, group.default_factory)
+
+
 def describe_fields() -> str:
   """Every config field with its default and documentation, grouped; printed by ``--help-config``."""
   lines = []
-  for group in dataclasses.fields(Config):
-    cls = group.default_factory
-    lines.append(f"{group.name}:  {cls.__doc__}")
-    for f in dataclasses.fields(cls):
-      default = f.default_factory() if f.default is dataclasses.MISSING else f.default
-      lines.append(f"  {group.name}.{f.name} = {default!r}\n      {f.metadata.get('help', '')}")
+  for group, doc, rows in documented_fields():
+    lines.append(f"{group}:  {doc}")
+    lines += [f"  {name} = {default!r}\n      {help_text}" for name, default, help_text in rows]
   return "\n".join(lines)

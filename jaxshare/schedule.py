@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
-from jaxshare.config import ConfigError, ModelConfig, ScheduleConfig
+from jaxshare.config import HEAD_PRESETS, KV_PRESETS, SCORE_PRESETS, ConfigError, ModelConfig, ScheduleConfig
 
 
 class ScheduleError(ConfigError):
@@ -28,17 +28,47 @@ class LayerPlan:
 
   Attributes:
     index: 0-based layer index.
-    kv_source: layer whose K/V this layer attends with; ``== index`` for a producer.
+    kv_source: layer whose K/V this layer attends with; ``== index`` for a K/V producer.
     num_kv_heads: K/V heads G the layer attends with (the producer's count).
+    score_source: layer whose attention scores this layer reuses; ``== index`` when it computes its own.
+    score_reuse: ``""`` (own scores), ``"probs"`` (post-softmax probabilities: SA, UniAttn) or ``"logits"``
+      (pre-softmax logits: LISA family).
+    compensation: UniAttn's linear compensation ``x W_c`` (Eq. 5) is added to the attention output.
+    integrator: for ``"logits"`` reuse, how the source's logits and the low-rank delta combine: ``none`` (DS),
+      ``add`` (LISA_plus), ``linear`` (LISA_SL) or ``ffn`` (LISA's head aligner).
   """
 
   index: int
   kv_source: int
   num_kv_heads: int
+  score_source: int = -1
+  score_reuse: str = ""
+  compensation: bool = False
+  integrator: str = ""
+
+  def __post_init__(self):
+    if self.score_source < 0:
+      object.__setattr__(self, "score_source", self.index)
 
   @property
   def is_producer(self) -> bool:
+    """Projects its own V (and its own K unless it reuses scores)."""
     return self.kv_source == self.index
+
+  @property
+  def has_query_key(self) -> bool:
+    """Owns full-width W_q (and W_k if a producer): it computes its own scores."""
+    return not self.score_reuse
+
+  @property
+  def has_low_rank(self) -> bool:
+    """Owns LISA's low-rank W_q^LR / W_k^LR."""
+    return self.score_reuse == "logits" and self.integrator != "none"
+
+  def relative(self, start: int) -> tuple:
+    """The plan with sources relative to ``start`` (a superblock's structure, hashable)."""
+    return (self.kv_source - start, self.num_kv_heads, self.score_source - start, self.score_reuse,
+            self.compensation, self.integrator)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,9 +79,9 @@ class Superblock:
   layers: tuple[LayerPlan, ...]
 
   @property
-  def signature(self) -> tuple[tuple[int, int], ...]:
-    """Structure relative to the superblock start: ``(kv_source - start, num_kv_heads)`` per layer."""
-    return tuple((p.kv_source - self.start, p.num_kv_heads) for p in self.layers)
+  def signature(self) -> tuple[tuple, ...]:
+    """Structure relative to the superblock start (see :meth:`LayerPlan.relative`), one entry per layer."""
+    return tuple(p.relative(self.start) for p in self.layers)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,29 +91,48 @@ class Segment:
   start: int
   count: int
   superblock_size: int
-  signature: tuple[tuple[int, int], ...]
+  signature: tuple[tuple, ...]
 
 
 @dataclasses.dataclass(frozen=True)
 class Schedule:
-  """A compiled, validated schedule."""
+  """A compiled, validated schedule.
+
+  Attributes:
+    kind: the preset expression, e.g. ``"mlkv+uniattn"``.
+    layers: one plan per layer.
+    superblocks / segments: the execution grouping (see module docstring).
+    tied_heads: head-wise sharing: number N of heads whose W_q, W_k, W_v are tied to an earlier layer's head.
+    lisa_rank / lisa_hidden: LISA's per-head low rank r and aligner hidden width (resolved; 0 without LISA).
+  """
 
   kind: str
   layers: tuple[LayerPlan, ...]
   superblocks: tuple[Superblock, ...]
   segments: tuple[Segment, ...]
+  tied_heads: int = 0
+  lisa_rank: int = 0
+  lisa_hidden: int = 0
 
   @property
   def producers(self) -> tuple[int, ...]:
     return tuple(p.index for p in self.layers if p.is_producer)
 
   def describe(self) -> str:
-    """One line, e.g. ``cla: producers [0, 2] | segments 2x[P C]``."""
-    segs = " + ".join(
-      f"{s.count}x[{' '.join('P' if rel == i else f'C{rel}' for i, (rel, _) in enumerate(s.signature))}]"
-      for s in self.segments)
+    """One line, e.g. ``cla: 2/4 layers produce K/V (G=[4]) | 2x[P C0]``."""
+    def tag(i: int, rel: tuple) -> str:
+      kv_rel, _, score_rel, reuse, comp, integ = rel
+      t = "P" if kv_rel == i else f"C{kv_rel}"
+      if reuse:
+        t += {"probs": "p", "logits": "l"}[reuse] + str(score_rel) + ("+Wc" if comp else "")
+        t += f"/{integ}" if integ else ""
+      return t
+    segs = " + ".join(f"{s.count}x[{' '.join(tag(i, r) for i, r in enumerate(s.signature))}]"
+                      for s in self.segments)
     heads = sorted({p.num_kv_heads for p in self.layers})
-    return f"{self.kind}: {len(self.producers)}/{len(self.layers)} layers produce K/V (G={heads}) | {segs}"
+    reuse = sum(1 for p in self.layers if p.score_reuse)
+    extra = (f", {reuse} reuse scores" if reuse else "") + (f", {self.tied_heads} tied heads" if self.tied_heads else "")
+    return f"{self.kind}: {len(self.producers)}/{len(self.layers)} layers produce K/V (G={heads}){extra} | {segs}"
 
 
 def _kv_heads(model: ModelConfig, sched: ScheduleConfig) -> int:
@@ -150,14 +199,13 @@ def parse_sources(sources: str, num_layers: int) -> list[int]:
   return src
 
 
-def layer_plans(model: ModelConfig, sched: ScheduleConfig) -> list[LayerPlan]:
-  """Expand a preset into one :class:`LayerPlan` per layer.
+def kv_plans(model: ModelConfig, sched: ScheduleConfig, kind: str) -> list[LayerPlan]:
+  """Expand a K/V-family preset into one :class:`LayerPlan` per layer.
 
   Raises:
     ScheduleError: the preset's knobs do not fit the model (naming the field, value and what is allowed).
   """
   L, H = model.num_layers, model.num_heads
-  kind = sched.kind
   if kind == "dense":
     if sched.kv_heads not in (0, H):
       raise ScheduleError(f"schedule.kv_heads={sched.kv_heads!r} is invalid for kind=dense: dense attention "
@@ -194,7 +242,90 @@ def layer_plans(model: ModelConfig, sched: ScheduleConfig) -> list[LayerPlan]:
       raise ScheduleError("schedule.sources='' is invalid for kind=explicit: give one source per layer, "
                           "e.g. '0_0_2_2'")
     return [LayerPlan(i, s, g) for i, s in enumerate(parse_sources(sched.sources, L))]
-  raise ScheduleError(f"schedule.kind={kind!r} is invalid: must be one of dense, gqa, mqa, cla, mlkv, explicit")
+  raise ScheduleError(f"schedule.kind={kind!r} is invalid: must be one of {', '.join(KV_PRESETS)}")
+
+
+def _split_kind(kind: str) -> tuple[str, str, str]:
+  """``"mlkv+uniattn"`` -> (K/V preset, score preset or "", head preset or "")."""
+  parts = [p.strip() for p in kind.split("+") if p.strip()]
+  families = {"K/V": KV_PRESETS, "score": SCORE_PRESETS, "head": HEAD_PRESETS}
+  picked: dict[str, str] = {}
+  for p in parts:
+    fam = next((f for f, names in families.items() if p in names), None)
+    if fam is None:
+      raise ScheduleError(f"schedule.kind={kind!r} is invalid: {p!r} is not a preset; allowed: "
+                          f"{', '.join(KV_PRESETS + SCORE_PRESETS + HEAD_PRESETS)}, joined by '+'")
+    if fam in picked:
+      raise ScheduleError(f"schedule.kind={kind!r} is invalid: two {fam} presets ({picked[fam]!r}, {p!r}); "
+                          "combine at most one of each family")
+    picked[fam] = p
+  if not parts:
+    raise ScheduleError("schedule.kind='' is invalid: name a preset, e.g. dense")
+  return picked.get("K/V", "dense"), picked.get("score", ""), picked.get("head", "")
+
+
+def _span(value: int, default: int, field: str, lo: int, hi: int) -> int:
+  v = default if value == -1 else value
+  if not lo <= v <= hi:
+    raise ScheduleError(f"{field}={value!r} is invalid: must be in {lo}..{hi} (or -1 for the default {default})")
+  return v
+
+
+def score_plans(model: ModelConfig, sched: ScheduleConfig, preset: str, plans: list[LayerPlan]) -> list[LayerPlan]:
+  """Apply a score-sharing preset (SA, UniAttn, LISA family) on top of K/V plans.
+
+  Raises:
+    ScheduleError: bad span/range/layer list, or a reusing layer that is not a K/V producer (it needs its own V).
+  """
+  L = model.num_layers
+  plans = list(plans)
+  if preset == "sa":
+    c = sched.sa
+    start = _span(c.start, L // 2, "schedule.sa.start", 0, L - 1)
+    end = _span(c.end, L - 2, "schedule.sa.end", start, L - 1)
+    if c.semantics == "reference_code":
+      if start == 0:
+        raise ScheduleError("schedule.sa.start=0 is invalid with semantics=reference_code: the span reuses the "
+                            "layer before it, and layer 0 has none")
+      reuse = {i: start - 1 for i in range(start, end + 1)}
+    else:
+      reuse = {i: start for i in range(start + 1, end + 1)}
+    updates = {i: dict(score_source=src, score_reuse="probs") for i, src in reuse.items()}
+  elif preset == "uniattn":
+    c = sched.uniattn
+    start = _span(c.start, L // 2, "schedule.uniattn.start", 0, L - 1)
+    end = _span(c.end, L, "schedule.uniattn.end", start + 1, L)
+    if c.block_size < 1:
+      raise ScheduleError(f"schedule.uniattn.block_size={c.block_size!r} is invalid: must be >= 1")
+    updates = {}
+    for bottom in range(start, end, c.block_size):
+      for i in range(bottom + 1, min(bottom + c.block_size, end)):
+        updates[i] = dict(score_source=bottom, score_reuse="probs", compensation=True)
+  else:  # lisa family
+    c = sched.lisa
+    integrator = {"lisa_plus": "add", "ds": "none"}.get(preset, c.integrator)
+    layers = list(c.layers) if c.layers else list(range(2, L - 1))
+    for n in layers:
+      if not isinstance(n, int) or not 1 <= n <= L - 1:
+        raise ScheduleError(f"schedule.lisa.layers={list(c.layers)!r} is invalid: layer {n!r} must be in "
+                            f"1..{L - 1} (it reuses layer n-1)")
+    if integrator != "none" and c.rank < 1:
+      raise ScheduleError(f"schedule.lisa.rank={c.rank!r} is invalid: must be >= 1")
+    updates = {n: dict(score_source=n - 1, score_reuse="logits", integrator=integrator) for n in layers}
+  for i, upd in updates.items():
+    p = plans[i]
+    if not p.is_producer:
+      raise ScheduleError(f"schedule.kind={sched.kind!r} is invalid at layer {i}: it reuses attention scores and "
+                          f"so needs its own V, but the K/V preset makes it read layer {p.kv_source}'s K/V; "
+                          "reuse scores only on K/V-producing layers")
+    plans[i] = dataclasses.replace(p, **upd)
+  return plans
+
+
+def tied_head_count(model: ModelConfig, ratio: float) -> int:
+  """Heads N tied by head-wise sharing at ratio alpha: ``round(alpha * 4*L*H / 3)`` (removed W_q,W_k,W_v of N heads
+  over all MHA parameters q,k,v,o; reproduces Table 3's 6.74B -> 6.09B for Llama2-7B at 30%)."""
+  return round(ratio * 4 * model.num_layers * model.num_heads / 3)
 
 
 def group(plans: Sequence[LayerPlan]) -> tuple[tuple[Superblock, ...], tuple[Segment, ...]]:
@@ -203,7 +334,7 @@ def group(plans: Sequence[LayerPlan]) -> tuple[tuple[Superblock, ...], tuple[Seg
   min_src_from = [0] * (n + 1)
   min_src_from[n] = n
   for i in range(n - 1, -1, -1):
-    min_src_from[i] = min(plans[i].kv_source, min_src_from[i + 1])
+    min_src_from[i] = min(plans[i].kv_source, plans[i].score_source, min_src_from[i + 1])
   cuts = [i for i in range(n) if min_src_from[i] == i] + [n]
   blocks = tuple(Superblock(a, tuple(plans[a:b])) for a, b in zip(cuts, cuts[1:]))
   segments: list[Segment] = []
@@ -220,13 +351,38 @@ def compile_schedule(model: ModelConfig, sched: ScheduleConfig) -> Schedule:
   """Validate a schedule config against the model and compile it.
 
   Raises:
-    ScheduleError: see :func:`layer_plans`.
+    ScheduleError: see :func:`kv_plans` and :func:`score_plans`; head-wise sharing on GQA models or together with
+      score sharing (undefined in the paper); a ratio outside [0, 0.75).
   """
-  plans = layer_plans(model, sched)
+  kv_preset, score_preset, head_preset = _split_kind(sched.kind)
+  plans = kv_plans(model, sched, kv_preset)
   for p in plans:
     src = plans[p.kv_source]
     if not src.is_producer or src.num_kv_heads != p.num_kv_heads:
       raise ScheduleError(f"layer {p.index}: K/V source {p.kv_source} is not a producer with "
                           f"{p.num_kv_heads} K/V heads")
+  if score_preset:
+    plans = score_plans(model, sched, score_preset, plans)
+    for p in plans:
+      if p.has_query_key and not plans[p.kv_source].has_query_key:
+        raise ScheduleError(f"schedule.kind={sched.kind!r} is invalid at layer {p.index}: it computes its own scores "
+                            f"with the K of layer {p.kv_source}, which reuses scores and so projects no K")
+  tied = 0
+  if head_preset:
+    ratio = sched.headwise.ratio
+    if not 0.0 <= ratio < 0.75:
+      raise ScheduleError(f"schedule.headwise.ratio={ratio!r} is invalid: must be in [0, 0.75) (all q,k,v of the "
+                          "layers after the first removed is 0.75 * (L-1)/L)")
+    if any(p.num_kv_heads != model.num_heads for p in plans) or score_preset:
+      raise ScheduleError(f"schedule.kind={sched.kind!r} is invalid: head-wise sharing is defined for MHA layers "
+                          "that compute their own scores (every layer dense); combine it with no GQA/MQA/CLA/MLKV "
+                          "or score-sharing preset")
+    tied = tied_head_count(model, ratio)
+    if tied > (model.num_layers - 1) * model.num_heads:
+      raise ScheduleError(f"schedule.headwise.ratio={ratio!r} ties {tied} heads, more than the "
+                          f"{(model.num_layers - 1) * model.num_heads} heads outside layer 0")
   blocks, segments = group(plans)
-  return Schedule(sched.kind, tuple(plans), blocks, segments)
+  lisa = score_preset in ("lisa", "lisa_plus", "ds")
+  return Schedule(sched.kind, tuple(plans), blocks, segments, tied,
+                  lisa_rank=sched.lisa.rank if lisa else 0,
+                  lisa_hidden=(sched.lisa.hidden or 8 * model.num_heads) if lisa else 0)

@@ -63,23 +63,50 @@ def forward(cfg: ModelConfig, schedule: Schedule, params: dict, tokens, position
   emb = np.asarray(params["embedding"], np.float64)
   x = emb[tokens]
   mask = (seg[:, :, None] == seg[:, None, :]) & (np.arange(t)[:, None] >= np.arange(t)[None, :])
-  kv = {}
+  kv, logits_of, probs_of = {}, {}, {}
+
+  def softmax(a):
+    a = np.where(mask[:, None], a, -np.inf)
+    e = np.exp(a - a.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
+
   for plan in schedule.layers:
     p = layer_params(params, schedule, plan.index)
     h = _norm(cfg, p["norm1"], x)
-    q = _rope(_dense(p["attn"]["q_proj"], h, "btd,dhk->bthk"), pos, cfg.rope_theta, rot)
     if plan.is_producer:
-      k = _rope(_dense(p["attn"]["k_proj"], h, "btd,dgk->btgk"), pos, cfg.rope_theta, rot)
       v = _dense(p["attn"]["v_proj"], h, "btd,dgk->btgk")
+      k = (_rope(_dense(p["attn"]["k_proj"], h, "btd,dgk->btgk"), pos, cfg.rope_theta, rot)
+           if "k_proj" in p["attn"] else None)
       kv[plan.index] = (k, v)
     k, v = kv[plan.kv_source]
-    rep = H // k.shape[2]
-    k, v = np.repeat(k, rep, axis=2), np.repeat(v, rep, axis=2)
-    logits = np.einsum("bthk,bshk->bhts", q, k) / math.sqrt(d)
-    logits = np.where(mask[:, None], logits, -np.inf)
-    probs = np.exp(logits - logits.max(-1, keepdims=True))
-    probs /= probs.sum(-1, keepdims=True)
+    rep = H // v.shape[2]
+    v = np.repeat(v, rep, axis=2)
+    if plan.score_reuse == "probs":
+      logits, probs = logits_of[plan.score_source], probs_of[plan.score_source]
+    elif plan.score_reuse == "logits":
+      logits = logits_of[plan.score_source]
+      if plan.integrator != "none":
+        r = schedule.lisa_rank
+        q_lr = _dense(p["attn"]["q_lr"], h, "btd,dhk->bthk")
+        k_lr = np.repeat(_dense(p["attn"]["k_lr"], h, "btd,dgk->btgk"), rep, axis=2)
+        delta = np.einsum("bthk,bshk->bhts", q_lr, k_lr) / math.sqrt(r)
+        z = np.concatenate([logits, delta], axis=1)  # [B, 2H, T, S]
+        if plan.integrator == "add":
+          logits = logits + delta
+        elif plan.integrator == "linear":
+          logits = np.einsum("bets,eh->bhts", z, p["attn"]["align"])
+        else:
+          hid = np.maximum(np.einsum("bets,ef->bfts", z, p["attn"]["align_in"]), 0)
+          logits = np.einsum("bfts,fh->bhts", hid, p["attn"]["align_out"])
+      probs = softmax(logits)
+    else:
+      q = _rope(_dense(p["attn"]["q_proj"], h, "btd,dhk->bthk"), pos, cfg.rope_theta, rot)
+      logits = np.einsum("bthk,bshk->bhts", q, np.repeat(k, rep, axis=2)) / math.sqrt(d)
+      probs = softmax(logits)
+    logits_of[plan.index], probs_of[plan.index] = logits, probs
     a = _dense(p["attn"]["o_proj"], np.einsum("bhts,bshk->bthk", probs, v), "bthk,hkd->btd")
+    if plan.compensation:
+      a = a + (x @ p["compensation"]["kernel"])
 
     def mlp(z):
       if cfg.flavor == "llama":

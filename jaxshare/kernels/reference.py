@@ -1,6 +1,7 @@
 """XLA reference attention: grouped einsum (no K/V repeat), causal, packed-sequence segment ids.
 
-The source of truth every kernel is tested against.
+The source of truth every kernel is tested against. Score tensors use the layout ``[B, H, T, S]`` with query head
+``h = g * (H/G) + j`` reading K/V head ``g`` (contiguous groups, as in GQA).
 """
 
 from __future__ import annotations
@@ -20,26 +21,72 @@ def attention_mask(q_segment_ids: jax.Array, kv_segment_ids: jax.Array, causal: 
   return mask
 
 
+def scores(q: jax.Array, k: jax.Array, scale: float) -> jax.Array:
+  """Unmasked logits ``scale * q kᵀ``.
+
+  Args:
+    q: ``[B, T, H, e]``; k: ``[B, S, G, e]`` with G dividing H.
+
+  Returns:
+    ``[B, H, T, S]`` float32.
+  """
+  b, t, h, e = q.shape
+  g = k.shape[2]
+  qg = q.reshape(b, t, g, h // g, e)
+  logits = jnp.einsum("btkge,bske->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
+  return logits.reshape(b, h, t, k.shape[1])
+
+
+def masked_softmax(logits: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Softmax over keys after masking (``mask [B, T, S]``). Returns ``(probs [B,H,T,S], lse [B,H,T])`` in f32."""
+  masked = jnp.where(mask[:, None], logits, _MASK_VALUE)
+  lse = jax.nn.logsumexp(masked, axis=-1)
+  return jnp.exp(masked - lse[..., None]), lse
+
+
+def apply_probs(probs: jax.Array, v: jax.Array, dtype) -> jax.Array:
+  """``[B, H, T, S]`` probabilities times ``[B, S, G, d]`` values -> ``[B, T, H, d]`` in ``dtype``."""
+  b, h, t, s = probs.shape
+  g, d = v.shape[2], v.shape[3]
+  pg = probs.reshape(b, g, h // g, t, s).astype(v.dtype)
+  out = jnp.einsum("bkgts,bskd->btkgd", pg, v)
+  return out.reshape(b, t, h, d).astype(dtype)
+
+
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_segment_ids: jax.Array, kv_segment_ids: jax.Array,
-              *, causal: bool = True) -> jax.Array:
+              *, causal: bool = True, scale: float | None = None,
+              return_lse: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
   """Softmax attention with grouped query heads.
 
   Args:
-    q: ``[B, T, H, d]`` queries (already rotated).
-    k, v: ``[B, S, G, d]`` keys (rotated) and values; G divides H, query head h reads K/V head ``h // (H/G)``.
+    q: ``[B, T, H, e]`` queries (already rotated).
+    k: ``[B, S, G, e]`` keys (rotated); v: ``[B, S, G, d]`` values; G divides H, query head h reads K/V head
+      ``h // (H/G)``. The query/key width e may differ from the value width d (LISA_plus's concatenated features).
     q_segment_ids, kv_segment_ids: ``[B, T]`` / ``[B, S]`` int32 document ids of packed sequences; tokens only
       attend within their document.
     causal: mask future keys (key index > query index).
+    scale: logit scale; default ``1/sqrt(e)``.
+    return_lse: also return the log-sum-exp of the masked logits, ``[B, H, T]`` float32 (the softmax statistics
+      that probability-reusing layers recompute from).
 
   Returns:
-    ``[B, T, H, d]`` in q's dtype. Logits and softmax are computed in float32 with scale ``1/sqrt(d)``.
+    ``[B, T, H, d]`` in q's dtype (and the LSE). Logits and softmax are computed in float32.
   """
-  b, t, h, d = q.shape
-  g = k.shape[2]
-  qg = q.reshape(b, t, g, h // g, d)
-  logits = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) / jnp.sqrt(float(d))
-  mask = attention_mask(q_segment_ids, kv_segment_ids, causal)[:, None, None]
-  logits = jnp.where(mask, logits, _MASK_VALUE)
-  probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
-  out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
-  return out.reshape(b, t, h, d).astype(q.dtype)
+  scale = q.shape[-1] ** -0.5 if scale is None else scale
+  probs, lse = masked_softmax(scores(q, k, scale), attention_mask(q_segment_ids, kv_segment_ids, causal))
+  out = apply_probs(probs, v, q.dtype)
+  return (out, lse) if return_lse else out
+
+
+def attention_from_lse(q: jax.Array, k: jax.Array, lse: jax.Array, v: jax.Array, q_segment_ids: jax.Array,
+                       kv_segment_ids: jax.Array, *, scale: float, causal: bool = True) -> jax.Array:
+  """Apply another layer's softmax probabilities, recomputed as ``exp(scale q kᵀ - lse)``, to values ``v``.
+
+  Same math as reusing the materialised probabilities (Shared Attention Alg. 1, UniAttn Eq. 3) without a softmax
+  reduction; under ``jax.checkpoint`` (as the model uses it) nothing of size ``[B, H, T, S]`` is kept for the
+  backward pass. Shapes as :func:`attention`, ``lse [B, H, T]``.
+  """
+  logits = scores(q, k, scale)
+  mask = attention_mask(q_segment_ids, kv_segment_ids, causal)[:, None]
+  probs = jnp.where(mask, jnp.exp(logits - lse[..., None]), 0.0)
+  return apply_probs(probs, v, v.dtype)

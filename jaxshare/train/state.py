@@ -23,7 +23,8 @@ from jaxshare.train.step import TrainState
 def build_model(cfg: Config, schedule: Schedule, seed: int) -> Transformer:
   """The NNX model of ``cfg`` with parameters drawn from ``seed``."""
   return Transformer(cfg.model, schedule, mlp_dim=accounting.mlp_dim(cfg.model, schedule, cfg.schedule.match_params),
-                     attention_impl=cfg.attention.impl, rngs=nnx.Rngs(seed))
+                     attention_impl=cfg.attention.impl, score_sharing=cfg.attention.score_sharing,
+                     sched=cfg.schedule, rngs=nnx.Rngs(seed))
 
 
 @dataclasses.dataclass

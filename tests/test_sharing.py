@@ -1,0 +1,148 @@
+"""Score sharing (SA, UniAttn, LISA family): NumPy parity, recompute == materialised, degenerate equivalences."""
+
+import contextlib
+import io
+import re
+
+import jax
+import jax.numpy as jnp
+from jax import ad_checkpoint
+import numpy as np
+import pytest
+from flax import nnx
+
+import reference_numpy
+from conftest import tiny_config
+from jaxshare import accounting
+from test_model import randomized, tokens
+
+SCORE_SCHEDULES = {
+  "sa_reference_code": ["schedule.kind=sa", "schedule.sa.start=2", "schedule.sa.end=3"],
+  "sa_paper": ["schedule.kind=sa", "schedule.sa.start=1", "schedule.sa.end=3", "schedule.sa.semantics=paper"],
+  "uniattn": ["schedule.kind=uniattn", "schedule.uniattn.start=0", "schedule.uniattn.block_size=2"],
+  "uniattn_normed": ["schedule.kind=uniattn", "schedule.uniattn.block_size=3", "schedule.uniattn.start=1",
+                     "schedule.uniattn.wc_input=normed"],
+  "lisa_ffn": ["schedule.kind=lisa", "schedule.lisa.layers=[1,2]", "schedule.lisa.rank=4", "schedule.lisa.hidden=8"],
+  "lisa_linear": ["schedule.kind=lisa", "schedule.lisa.layers=[2,3]", "schedule.lisa.integrator=linear"],
+  "lisa_plus": ["schedule.kind=lisa_plus", "schedule.lisa.layers=[1,2,3]"],
+  "ds": ["schedule.kind=ds", "schedule.lisa.layers=[2,3]"],
+  "gqa_lisa_plus": ["schedule.kind=gqa+lisa_plus", "schedule.kv_heads=2", "schedule.lisa.layers=[2]"],
+  "cla_uniattn": ["model.num_layers=6", "schedule.kind=cla+uniattn", "schedule.producers=[0,2,3,4,5]",
+                  "schedule.uniattn.start=2", "schedule.uniattn.block_size=2"],
+}
+RECOMPUTABLE = ["sa_reference_code", "sa_paper", "uniattn", "lisa_plus", "ds", "gqa_lisa_plus", "cla_uniattn"]
+
+
+@pytest.mark.parametrize("name", sorted(SCORE_SCHEDULES))
+def test_matches_numpy_reference(name):
+  overrides = SCORE_SCHEDULES[name]
+  if name == "uniattn_normed":
+    pytest.skip("the NumPy reference implements the paper's residual W_c input only")
+  cfg = tiny_config(*overrides)
+  schedule, graphdef, params = randomized(cfg)
+  assert any(p.score_reuse for p in schedule.layers)
+  x = tokens()
+  ours = np.asarray(nnx.merge(graphdef, params)(x))
+  ref = reference_numpy.forward(cfg.model, schedule, jax.device_get(params), x)
+  np.testing.assert_allclose(ours, ref, atol=3e-4, rtol=3e-4)
+
+
+@pytest.mark.parametrize("name", sorted(SCORE_SCHEDULES))
+def test_scanned_equals_unrolled_and_accounting_matches(name):
+  cfg = tiny_config(*SCORE_SCHEDULES[name])
+  schedule, graphdef, params = randomized(cfg)
+  _, graphdef_u, _ = randomized(tiny_config(*SCORE_SCHEDULES[name], "model.scan_layers=false"))
+  x = tokens()
+  np.testing.assert_allclose(np.asarray(nnx.merge(graphdef, params)(x)),
+                             np.asarray(nnx.merge(graphdef_u, params)(x)), atol=1e-5, rtol=1e-5)
+  live = sum(leaf.size for leaf in jax.tree.leaves(params))
+  assert live == accounting.param_count(cfg.model, schedule).total
+
+
+def _loss_and_grads(graphdef, params, x):
+  def loss(p):
+    return jnp.mean(nnx.merge(graphdef, p)(x) ** 2)
+  return jax.value_and_grad(loss)(params)
+
+
+@pytest.mark.parametrize("name", RECOMPUTABLE)
+def test_recompute_equals_materialized_values_and_grads(name):
+  cfg = tiny_config(*SCORE_SCHEDULES[name])
+  _, graphdef, params = randomized(cfg)
+  _, graphdef_m, _ = randomized(tiny_config(*SCORE_SCHEDULES[name], "attention.score_sharing=materialize"))
+  x = tokens()
+  la, ga = _loss_and_grads(graphdef, params, x)
+  lb, gb = _loss_and_grads(graphdef_m, params, x)
+  np.testing.assert_allclose(float(la), float(lb), rtol=1e-5)
+  for u, v in zip(jax.tree.leaves(ga), jax.tree.leaves(gb)):
+    np.testing.assert_allclose(np.asarray(u), np.asarray(v), atol=1e-6, rtol=2e-4)
+
+
+def test_recompute_keeps_no_score_tensor_per_consumer():
+  """The recompute path saves no [B,H,T,T] residual for probability-reusing layers (only the producer's own)."""
+  sa = ["schedule.kind=sa", "schedule.sa.start=1", "schedule.sa.end=3"]  # layers 1-3 reuse layer 0's probabilities
+  counts = {}
+  for mode, sched in (("recompute", sa), ("materialize", sa), ("dense", [])):
+    cfg = tiny_config("data.seq_len=64", *sched, "model.scan_layers=false",
+                      f"attention.score_sharing={'materialize' if mode == 'materialize' else 'recompute'}")
+    _, graphdef, params = randomized(cfg)
+    x = tokens(2, 64)
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):  # jax's public API prints the residuals
+      ad_checkpoint.print_saved_residuals(lambda p: jnp.mean(nnx.merge(graphdef, p)(x)), params)
+    counts[mode] = sum(1 for line in buf.getvalue().splitlines() if re.match(r"\S+\[2,4,64,64\]", line))
+  assert counts["dense"] > 0 and counts["recompute"] * 4 == counts["dense"]  # only the one producer's
+  assert counts["materialize"] > counts["recompute"]
+
+
+def _copy_shared(src_params, dst_params):
+  """dst with every leaf that also exists in src (same path and shape) taken from src."""
+  flat_src = {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_leaves_with_path(src_params)}
+  return jax.tree_util.tree_map_with_path(
+    lambda k, v: flat_src.get(jax.tree_util.keystr(k), v) if flat_src.get(jax.tree_util.keystr(k), v).shape ==
+    v.shape else v, dst_params)
+
+
+def test_lisa_plus_with_zero_delta_equals_ds_equals_sa():
+  x = tokens()
+  sa_cfg = tiny_config("schedule.kind=sa", "schedule.sa.start=2", "schedule.sa.end=2")  # layer 2 reuses layer 1
+  ds_cfg = tiny_config("schedule.kind=ds", "schedule.lisa.layers=[2]")
+  lp_cfg = tiny_config("schedule.kind=lisa_plus", "schedule.lisa.layers=[2]")
+  _, sa_gd, sa_p = randomized(sa_cfg)
+  _, ds_gd, ds_p = randomized(ds_cfg, seed=3)
+  _, lp_gd, lp_p = randomized(lp_cfg, seed=4)
+  ds_p, lp_p = _copy_shared(sa_p, ds_p), _copy_shared(sa_p, lp_p)
+  lp_p = jax.tree_util.tree_map_with_path(
+    lambda k, v: jnp.zeros_like(v) if "q_lr" in jax.tree_util.keystr(k) else v, lp_p)
+  a = np.asarray(nnx.merge(sa_gd, sa_p)(x))
+  np.testing.assert_allclose(np.asarray(nnx.merge(ds_gd, ds_p)(x)), a, atol=1e-5, rtol=1e-5)
+  np.testing.assert_allclose(np.asarray(nnx.merge(lp_gd, lp_p)(x)), a, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("variant", [
+  ["schedule.kind=sa", "schedule.sa.semantics=paper", "schedule.sa.start=2", "schedule.sa.end=2"],
+  ["schedule.kind=uniattn", "schedule.uniattn.block_size=1", "schedule.uniattn.start=0"],
+  ["schedule.kind=headwise", "schedule.headwise.ratio=0.0"],
+])
+def test_degenerate_score_and_head_sharing_equals_dense(variant):
+  _, dense_gd, dense_p = randomized(tiny_config())
+  cfg = tiny_config(*variant)
+  schedule, graphdef, params = randomized(cfg, seed=9)
+  assert not any(p.score_reuse for p in schedule.layers) and schedule.tied_heads == 0
+  assert jax.tree.structure(params) == jax.tree.structure(dense_p)
+  x = tokens()
+  np.testing.assert_array_equal(np.asarray(nnx.merge(graphdef, dense_p)(x)),
+                                np.asarray(nnx.merge(dense_gd, dense_p)(x)))
+
+
+def test_capture_returns_each_layers_logits():
+  cfg = tiny_config(*SCORE_SCHEDULES["sa_reference_code"])
+  _, graphdef, params = randomized(cfg)
+  x = tokens()
+  model = nnx.merge(graphdef, params)
+  out, attn = model(x, capture_attention=True)
+  np.testing.assert_array_equal(np.asarray(out), np.asarray(model(x)))
+  assert attn.shape == (4, 2, 4, 12, 12)
+  np.testing.assert_array_equal(np.asarray(attn[2]), np.asarray(attn[1]))  # layers 2, 3 reuse layer 1's scores
+  np.testing.assert_array_equal(np.asarray(attn[3]), np.asarray(attn[1]))
+  assert not np.allclose(np.asarray(attn[0]), np.asarray(attn[1]))
