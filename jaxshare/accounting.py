@@ -170,3 +170,24 @@ def train_flops_per_token(model: ModelConfig, schedule: Schedule, seq_len: int, 
   actual projections.
   """
   return 3 * forward_flops_per_token(model, schedule, (seq_len + 1) // 2, match_params)
+
+
+def lisa_memory_saving_bytes(model: ModelConfig, schedule: Schedule, seq_len: int, phase: str,
+                             heads: str = "paper", bytes_per_element: int = 2) -> int:
+  """LISA's net memory saving for one sequence (LISA Sec. 4 formulas, fp16 by default).
+
+  ``prefill``: ``h·l·(N(d_k − r) − l)·β`` — the K-cache shrinks from d_k to r in N LISA layers, but an ``h×l×l``
+  logits tensor is carried between layers. ``decode``: ``h·l·(N(d_k − r) − 1)·β`` — only an ``h×l`` row is carried.
+  The paper uses the query-head count h even under GQA (``heads="paper"``); ``heads="kv"`` uses G for the cache
+  term, which is what a GQA cache really saves.
+
+  Raises:
+    ValueError: unknown phase or heads option.
+  """
+  if phase not in ("prefill", "decode") or heads not in ("paper", "kv"):
+    raise ValueError(f"phase={phase!r} / heads={heads!r}: allowed prefill|decode and paper|kv")
+  n = sum(1 for p in schedule.layers if p.has_low_rank)
+  d, r, h, l = model.resolved_head_dim, schedule.lisa_rank, model.num_heads, seq_len
+  g = h if heads == "paper" else max((p.num_kv_heads for p in schedule.layers if p.has_low_rank), default=h)
+  carried = l if phase == "prefill" else 1
+  return (g * l * n * (d - r) - h * l * carried) * bytes_per_element

@@ -6,9 +6,11 @@ per-layer loops, its own RoPE, norms, MLPs and masking.
 
 import math
 
+import jax
 import numpy as np
 
 from jaxshare.config import ModelConfig
+from jaxshare.model.params import layer_params as _layer_params
 from jaxshare.schedule import Schedule
 
 _erf = np.vectorize(math.erf)
@@ -36,22 +38,6 @@ def _dense(p, x, spec):
   return y + p["bias"] if p.get("bias") is not None else y
 
 
-def layer_params(params: dict, schedule: Schedule, layer: int) -> dict:
-  """The (unstacked) parameters of one layer from the model's pure-dict parameters."""
-  for s_idx, seg in enumerate(schedule.segments):
-    if seg.start <= layer < seg.start + seg.count * seg.superblock_size:
-      c, j = divmod(layer - seg.start, seg.superblock_size)
-      tree = params["segments"][s_idx]["blocks"]["layers"][j]
-      return _index(tree, c)
-  raise IndexError(layer)
-
-
-def _index(tree, c):
-  if isinstance(tree, dict):
-    return {k: _index(v, c) for k, v in tree.items()}
-  return None if tree is None else np.asarray(tree, np.float64)[c]
-
-
 def forward(cfg: ModelConfig, schedule: Schedule, params: dict, tokens, positions=None, segment_ids=None):
   """float64 logits ``[B, T, V]``."""
   tokens = np.asarray(tokens)
@@ -71,7 +57,7 @@ def forward(cfg: ModelConfig, schedule: Schedule, params: dict, tokens, position
     return e / e.sum(-1, keepdims=True)
 
   for plan in schedule.layers:
-    p = layer_params(params, schedule, plan.index)
+    p = jax.tree.map(lambda a: np.asarray(a, np.float64), _layer_params(params, schedule, plan.index))
     h = _norm(cfg, p["norm1"], x)
     if plan.is_producer:
       v = _dense(p["attn"]["v_proj"], h, "btd,dgk->btgk")

@@ -11,12 +11,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxshare import accounting
+from jaxshare import accounting, parallel
 from jaxshare.config import Config, ConfigError, MeshConfig, config_from_yaml_text
 from jaxshare.data import Datasets
-from jaxshare.train.checkpoint import Checkpointer
+from jaxshare.train.checkpoint import CheckpointError, Checkpointer
 from jaxshare.train.loop import evaluate_loss
-from jaxshare.train.state import abstract_state, setup_run
+from jaxshare.train.state import RunSetup, abstract_state, setup_run
 from jaxshare.train.step import make_eval_step
 
 
@@ -65,6 +65,28 @@ def greedy_sample(model: nnx.Module, prompt_ids: list[int], num_tokens: int, win
   return ids[len(prompt_ids):]
 
 
+def load_run(path: str | Path) -> tuple[Config, RunSetup, dict, int]:
+  """Load a run directory (latest checkpoint) or checkpoint step directory on one device.
+
+  Returns:
+    ``(config, run setup, params pure dict, step)``.
+
+  Raises:
+    ConfigError: bad path or saved config. CheckpointError: no, corrupt or mismatched checkpoint.
+  """
+  run_dir, step = locate(path)
+  cfg: Config = config_from_yaml_text((run_dir / "config.yaml").read_text())
+  cfg.mesh = MeshConfig()
+  setup = setup_run(cfg, parallel.make_mesh(cfg.mesh, jax.devices()[:1]))
+  ckpt = Checkpointer(run_dir / "checkpoints", cfg.train.keep_checkpoints)
+  step = ckpt.latest_step() if step is None else step
+  if step is None:
+    raise CheckpointError(f"run directory {str(run_dir)!r} has no checkpoint yet")
+  state, _ = ckpt.restore(step, abstract_state(setup), None)
+  ckpt.close()
+  return cfg, setup, state["params"], int(step)
+
+
 def evaluate_run(path: str | Path, *, max_batches: int = 0, prompt: str = "ROMEO:\n",
                  sample_tokens: int = 200) -> dict[str, Any]:
   """Evaluate the latest (or given) checkpoint of a run on its validation split, on one device.
@@ -76,21 +98,8 @@ def evaluate_run(path: str | Path, *, max_batches: int = 0, prompt: str = "ROMEO
   Raises:
     ConfigError: bad path or saved config. CheckpointError: no, corrupt or mismatched checkpoint.
   """
-  run_dir, step = locate(path)
-  cfg: Config = config_from_yaml_text((run_dir / "config.yaml").read_text())
-  cfg.mesh = MeshConfig()
-  from jaxshare import parallel
-
-  setup = setup_run(cfg, parallel.make_mesh(cfg.mesh, jax.devices()[:1]))
-  ckpt = Checkpointer(run_dir / "checkpoints", cfg.train.keep_checkpoints)
-  step = ckpt.latest_step() if step is None else step
-  if step is None:
-    from jaxshare.train.checkpoint import CheckpointError
-
-    raise CheckpointError(f"run directory {str(run_dir)!r} has no checkpoint yet")
-  state, _ = ckpt.restore(step, abstract_state(setup), None)
-  ckpt.close()
-  params = state["params"]
+  cfg, setup, params, step = load_run(path)
+  run_dir, _ = locate(path)
   data = Datasets(cfg.data, cfg.train.batch_size, process_index=0, process_count=1)
   eval_fn = jax.jit(make_eval_step(setup.graphdef))
   with jax.set_mesh(setup.mesh):
@@ -99,7 +108,7 @@ def evaluate_run(path: str | Path, *, max_batches: int = 0, prompt: str = "ROMEO
   sample_ids = greedy_sample(model, data.tokenizer.encode(prompt), sample_tokens, cfg.data.seq_len)
   kv_dtype_bytes = 2 if cfg.model.dtype == "bfloat16" else 4
   return {
-    "run_dir": str(run_dir), "step": int(step), "schedule": setup.schedule.describe(),
+    "run_dir": str(run_dir), "step": step, "schedule": setup.schedule.describe(),
     "val_loss": loss, "perplexity": math.exp(loss), "bits_per_byte": loss / math.log(2) / data.bytes_per_token,
     "num_params": setup.num_params,
     "kv_bytes_per_token": accounting.kv_cache_bytes_per_token(cfg.model, setup.schedule, kv_dtype_bytes),
