@@ -377,6 +377,9 @@ def compile_schedule(model: ModelConfig, sched: ScheduleConfig) -> Schedule:
       raise ScheduleError(f"schedule.kind={sched.kind!r} is invalid: head-wise sharing is defined for MHA layers "
                           "that compute their own scores (every layer dense); combine it with no GQA/MQA/CLA/MLKV "
                           "or score-sharing preset")
+    if model.flavor != "llama":
+      raise ScheduleError(f"schedule.kind={sched.kind!r} is invalid for model.flavor={model.flavor!r}: head-wise "
+                          "sharing ties bias-free projections; use model.flavor=llama")
     tied = tied_head_count(model, ratio)
     if tied > (model.num_layers - 1) * model.num_heads:
       raise ScheduleError(f"schedule.headwise.ratio={ratio!r} ties {tied} heads, more than the "

@@ -9,13 +9,13 @@ from flax import nnx
 import reference_numpy
 from conftest import tiny_config
 from jaxshare.schedule import compile_schedule
-from jaxshare.train.state import build_model
+from jaxshare.train.state import build_model, compute_ties
 
 
 def randomized(cfg, seed=0):
   """A model whose every parameter (norm scales and biases included) is random, and its pure-dict params."""
   schedule = compile_schedule(cfg.model, cfg.schedule)
-  model = build_model(cfg, schedule, seed)
+  model = build_model(cfg, schedule, seed, compute_ties(cfg, schedule, seed))
   graphdef, state = nnx.split(model, nnx.Param)
   leaves, treedef = jax.tree.flatten(nnx.to_pure_dict(state))
   keys = jax.random.split(jax.random.key(seed + 1), len(leaves))

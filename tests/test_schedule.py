@@ -1,6 +1,6 @@
 import pytest
 
-from jaxshare.config import ModelConfig, ScheduleConfig
+from jaxshare.config import ModelConfig, ScheduleConfig, UniAttnConfig
 from jaxshare.schedule import ScheduleError, compile_schedule, mlkv_owners
 
 
@@ -67,7 +67,8 @@ def test_superblocks_and_segments():
   (dict(kind="gqa", kv_heads_per_layer=[4, 4]), "needs 6 entries"),
   (dict(kind="gqa", kv_heads_per_layer=[4, 4, 3, 4, 4, 4]), "kv_heads_per_layer[2]=3"),
   (dict(kind="dense", kv_heads=2), "use schedule.kind=gqa"),
-  (dict(kind="cla+uniattn", producers=[0, 1, 3, 4]), "which reuses scores and so projects no K"),
+  (dict(kind="cla+uniattn", producers=[0, 1, 2, 3, 4], uniattn=UniAttnConfig(block_size=2)),
+   "which reuses scores and so projects no K"),
   (dict(kind="cla+sa"), "needs its own V"),
   (dict(kind="sa+lisa"), "two score presets"),
   (dict(kind="mqa+headwise"), "head-wise sharing is defined for MHA"),

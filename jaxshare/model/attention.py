@@ -65,7 +65,7 @@ class Attention(nnx.Module):
   """
 
   def __init__(self, cfg: ModelConfig, spec: tuple, position: int, *, attention_impl: str, score_sharing: str,
-               lisa_rank: int, lisa_hidden: int, lisa_rope: bool, rngs: nnx.Rngs):
+               lisa_rank: int, lisa_hidden: int, lisa_rope: bool, tied_qkv: bool = False, rngs: nnx.Rngs):
     kv_rel, g, score_rel, reuse, _, integrator = spec
     D, H, d = cfg.d_model, cfg.num_heads, cfg.resolved_head_dim
     dtype, pdtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
@@ -84,9 +84,10 @@ class Attention(nnx.Module):
                           bias_shape=(shape_heads, width) if bias and width == d else None,
                           bias_axes=(axes, "head_dim"), **kw)
 
-    self.q_proj = proj(H, "heads", d, std) if not reuse else None
-    self.k_proj = proj(g, "kv_heads", d, std) if self.producer and not reuse else None
-    self.v_proj = proj(g, "kv_heads", d, std) if self.producer else None
+    own = not tied_qkv  # head-wise sharing: W_q, W_k, W_v come from the model's head table
+    self.q_proj = proj(H, "heads", d, std) if own and not reuse else None
+    self.k_proj = proj(g, "kv_heads", d, std) if own and self.producer and not reuse else None
+    self.v_proj = proj(g, "kv_heads", d, std) if own and self.producer else None
     self.o_proj = DenseGeneral("bthk,hkd->btd", (H, d, D), ("heads", "head_dim", "embed"), std=out_std,
                                bias_shape=(D,) if bias else None, bias_axes=("embed",), **kw)
     low_rank = reuse == "logits" and integrator != "none"
@@ -99,7 +100,15 @@ class Attention(nnx.Module):
     self.align = nnx.Param(jnp.concatenate([jnp.eye(H), jnp.eye(H)]).astype(pdtype),
                            logical_axes=("heads", None)) if integrator == "linear" else None
 
-  def _kv(self, x: jax.Array, positions: jax.Array, shared_kv: KV | None) -> KV:
+  def _project(self, name: str, x: jax.Array, head_kernels: dict | None) -> jax.Array:
+    if head_kernels is None:
+      return getattr(self, f"{name}_proj")(x)
+    return jnp.einsum("btd,dhk->bthk", x.astype(self.dtype), head_kernels[name].astype(self.dtype))
+
+  def _kv(self, x: jax.Array, positions: jax.Array, shared_kv: KV | None, head_kernels: dict | None) -> KV:
+    if head_kernels is not None:
+      k = apply_rope(self._project("k", x, head_kernels), positions, self.theta, self.rotary_dim)
+      return parallel.constrain(k, _BTG), parallel.constrain(self._project("v", x, head_kernels), _BTG)
     if not self.producer:
       if shared_kv is None:
         raise ValueError("a K/V consumer layer needs its producer's shared_kv")
@@ -129,7 +138,7 @@ class Attention(nnx.Module):
     return jnp.einsum("bfts,fh->bhts", hidden, self.align_out[...].astype(jnp.float32))
 
   def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array, shared_kv: KV | None = None,
-               source: ScoreState | None = None) -> tuple[jax.Array, KV, ScoreState]:
+               source: ScoreState | None = None, head_kernels: dict | None = None) -> tuple[jax.Array, KV, ScoreState]:
     """Attend.
 
     Args:
@@ -138,15 +147,17 @@ class Attention(nnx.Module):
       segment_ids: ``[B, T]`` int32 packed-document ids.
       shared_kv: a K/V consumer's producer ``(K, V)`` (K may be None if the producer reuses scores).
       source: the score state of the layer whose scores this layer reuses (None when it computes its own).
+      head_kernels: head-wise sharing: this layer's gathered ``{"q", "k", "v"}`` kernels ``[D, H, d]``.
 
     Returns:
       ``(output [B, T, D], (K, V) used, ScoreState for reusing layers)``.
     """
-    k, v = self._kv(x, positions, shared_kv)
+    k, v = self._kv(x, positions, shared_kv, head_kernels)
     scale = self.head_dim ** -0.5
     mask = reference.attention_mask(segment_ids, segment_ids, True)
     if not self.reuse:
-      q = parallel.constrain(apply_rope(self.q_proj(x), positions, self.theta, self.rotary_dim), _BTH)
+      q = parallel.constrain(apply_rope(self._project("q", x, head_kernels), positions, self.theta,
+                                        self.rotary_dim), _BTH)
       if k is None:
         raise ValueError("this layer computes its own scores but its K/V producer has no K")
       out, lse = self.attend(q, k, v, segment_ids, segment_ids, causal=True, return_lse=True)

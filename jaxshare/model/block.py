@@ -26,12 +26,14 @@ class DecoderLayer(nnx.Module):
   """
 
   def __init__(self, cfg: ModelConfig, sched: ScheduleConfig, spec: tuple, position: int, *, mlp_dim: int,
-               attention_impl: str, score_sharing: str, lisa_rank: int, lisa_hidden: int, rngs: nnx.Rngs):
+               attention_impl: str, score_sharing: str, lisa_rank: int, lisa_hidden: int, tied_qkv: bool,
+               rngs: nnx.Rngs):
     pdtype = jnp.dtype(cfg.param_dtype)
     self.parallel_residual = cfg.flavor == "neox"
     self.norm1 = make_norm(cfg.flavor, cfg.d_model, cfg.norm_eps, pdtype)
     self.attn = Attention(cfg, spec, position, attention_impl=attention_impl, score_sharing=score_sharing,
-                          lisa_rank=lisa_rank, lisa_hidden=lisa_hidden, lisa_rope=sched.lisa.rope, rngs=rngs)
+                          lisa_rank=lisa_rank, lisa_hidden=lisa_hidden, lisa_rope=sched.lisa.rope,
+                          tied_qkv=tied_qkv, rngs=rngs)
     self.wc_normed = sched.uniattn.wc_input == "normed"
     self.compensation = DenseGeneral(
       "btd,de->bte", (cfg.d_model, cfg.d_model), ("embed", None), std=None, bias_shape=None,
@@ -42,10 +44,10 @@ class DecoderLayer(nnx.Module):
                    param_dtype=pdtype, rngs=rngs)
 
   def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array, shared_kv: KV | None,
-               source: ScoreState | None) -> tuple[jax.Array, KV, ScoreState]:
+               source: ScoreState | None, head_kernels: dict | None = None) -> tuple[jax.Array, KV, ScoreState]:
     """``x [B,T,D] -> ([B,T,D], (K, V), score state)``; see :meth:`Attention.__call__`."""
     h = self.norm1(x)
-    a, kv, state = self.attn(h, positions, segment_ids, shared_kv, source)
+    a, kv, state = self.attn(h, positions, segment_ids, shared_kv, source, head_kernels)
     if self.compensation is not None:
       a = a + self.compensation(h if self.wc_normed else x)
     if self.parallel_residual:
@@ -64,23 +66,28 @@ class Superblock(nnx.Module):
   """
 
   def __init__(self, cfg: ModelConfig, sched: ScheduleConfig, signature: tuple[tuple, ...], *, mlp_dim: int,
-               attention_impl: str, score_sharing: str, lisa_rank: int, lisa_hidden: int, rngs: nnx.Rngs):
+               attention_impl: str, score_sharing: str, lisa_rank: int, lisa_hidden: int, tied_qkv: bool = False,
+               rngs: nnx.Rngs):
     self.specs = tuple(signature)
     self.layers = nnx.List([
       DecoderLayer(cfg, sched, spec, i, mlp_dim=mlp_dim, attention_impl=attention_impl, score_sharing=score_sharing,
-                   lisa_rank=lisa_rank, lisa_hidden=lisa_hidden, rngs=rngs)
+                   lisa_rank=lisa_rank, lisa_hidden=lisa_hidden, tied_qkv=tied_qkv, rngs=rngs)
       for i, spec in enumerate(signature)])
 
-  def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array,
-               capture: bool = False) -> tuple[jax.Array, tuple[jax.Array, ...]]:
-    """Returns the residual stream and, with ``capture``, each layer's pre-softmax logits ``[B,H,T,T]`` (f32)."""
+  def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array, capture: bool = False,
+               head_kernels: dict | None = None) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+    """Returns the residual stream and, with ``capture``, each layer's pre-softmax logits ``[B,H,T,T]`` (f32).
+
+    ``head_kernels`` (head-wise sharing): ``{"q", "k", "v"}`` kernels ``[superblock size, D, H, d]``.
+    """
     kvs: dict[int, KV] = {}
     states: dict[int, ScoreState] = {}
     captured = []
     for i, (spec, layer) in enumerate(zip(self.specs, self.layers)):
       kv_rel, _, score_rel, reuse = spec[:4]
+      kernels = None if head_kernels is None else {m: w[i] for m, w in head_kernels.items()}
       x, kvs[i], states[i] = layer(x, positions, segment_ids, None if kv_rel == i else kvs[kv_rel],
-                                   states[score_rel] if reuse else None)
+                                   states[score_rel] if reuse else None, kernels)
       if capture:
         captured.append(source_logits(states[i]))
     return x, tuple(captured)

@@ -9,7 +9,8 @@ from flax import nnx
 from jaxshare import parallel
 from jaxshare.config import ModelConfig, ScheduleConfig
 from jaxshare.model.block import Superblock
-from jaxshare.model.layers import DenseGeneral, make_norm
+from jaxshare.headwise import MATRICES, HeadTies
+from jaxshare.model.layers import DenseGeneral, make_norm, param
 from jaxshare.schedule import Schedule, Segment
 
 
@@ -17,35 +18,59 @@ class StackedSegment(nnx.Module):
   """``count`` structurally identical superblocks with parameters stacked on a leading ``layers`` axis."""
 
   def __init__(self, cfg: ModelConfig, sched: ScheduleConfig, segment: Segment, *, mlp_dim: int,
-               attention_impl: str, score_sharing: str, lisa_rank: int, lisa_hidden: int, rngs: nnx.Rngs):
+               attention_impl: str, score_sharing: str, lisa_rank: int, lisa_hidden: int, tied_qkv: bool,
+               rngs: nnx.Rngs):
     self.count, self.scan, self.remat = segment.count, cfg.scan_layers, cfg.remat == "full"
 
     @nnx.split_rngs(splits=segment.count)
     @nnx.vmap(in_axes=(0,), out_axes=0)
     def make(rngs: nnx.Rngs) -> Superblock:
       return Superblock(cfg, sched, segment.signature, mlp_dim=mlp_dim, attention_impl=attention_impl,
-                        score_sharing=score_sharing, lisa_rank=lisa_rank, lisa_hidden=lisa_hidden, rngs=rngs)
+                        score_sharing=score_sharing, lisa_rank=lisa_rank, lisa_hidden=lisa_hidden,
+                        tied_qkv=tied_qkv, rngs=rngs)
 
     self.blocks = make(rngs)
 
-  def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array,
-               capture: bool = False) -> tuple[jax.Array, list[jax.Array]]:
-    """Residual stream out and, with ``capture``, the per-layer logits (``count * superblock_size`` arrays)."""
-    def apply(block: Superblock, x: jax.Array, positions: jax.Array, segment_ids: jax.Array):
-      return block(x, positions, segment_ids, capture)
+  def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array, capture: bool = False,
+               head_kernels: dict | None = None) -> tuple[jax.Array, list[jax.Array]]:
+    """Residual stream out and, with ``capture``, the per-layer logits (``count * superblock_size`` arrays).
+
+    ``head_kernels``: head-wise sharing's gathered kernels, ``[count, superblock size, D, H, d]`` each.
+    """
+    def apply(block: Superblock, x: jax.Array, positions: jax.Array, segment_ids: jax.Array, kernels):
+      return block(x, positions, segment_ids, capture, kernels)
 
     if self.remat:
       apply = nnx.remat(apply)
     if self.scan:
-      body = nnx.scan(apply, in_axes=(0, nnx.Carry, None, None), out_axes=(nnx.Carry, 0))
-      x, ys = body(self.blocks, x, positions, segment_ids)
+      body = nnx.scan(apply, in_axes=(0, nnx.Carry, None, None, 0), out_axes=(nnx.Carry, 0))
+      x, ys = body(self.blocks, x, positions, segment_ids, head_kernels)
       return x, [y[c] for c in range(self.count) for y in ys]
     graphdef, state = nnx.split(self.blocks)
     captured: list[jax.Array] = []
     for i in range(self.count):
-      x, ys = apply(nnx.merge(graphdef, jax.tree.map(lambda a: a[i], state)), x, positions, segment_ids)
+      kernels = None if head_kernels is None else jax.tree.map(lambda a: a[i], head_kernels)
+      x, ys = apply(nnx.merge(graphdef, jax.tree.map(lambda a: a[i], state)), x, positions, segment_ids, kernels)
       captured.extend(ys)
     return x, captured
+
+
+class HeadTable(nnx.Module):
+  """Head-wise sharing's stored heads: ``q``, ``k``, ``v`` kernels ``[rows, D, d]``, and which row each layer's head
+  uses (static ``[L][H]`` index tables from :func:`jaxshare.headwise.direct_share`)."""
+
+  def __init__(self, cfg: ModelConfig, ties: HeadTies, rngs: nnx.Rngs):
+    D, d = cfg.d_model, cfg.resolved_head_dim
+    pdtype = jnp.dtype(cfg.param_dtype)
+    self.index = {m: ties.index[m] for m in MATRICES}
+    self.q = param(rngs, (len(ties.rows["q"]), D, d), ("heads", "embed", "head_dim"), cfg.init_std, pdtype)
+    self.k = param(rngs, (len(ties.rows["k"]), D, d), ("heads", "embed", "head_dim"), cfg.init_std, pdtype)
+    self.v = param(rngs, (len(ties.rows["v"]), D, d), ("heads", "embed", "head_dim"), cfg.init_std, pdtype)
+
+  def kernels(self) -> dict[str, jax.Array]:
+    """Every layer's kernels ``{"q", "k", "v"}: [L, D, H, d]``, gathered from the stored heads."""
+    return {m: jnp.take(getattr(self, m)[...], jnp.asarray(self.index[m]), axis=0).transpose(0, 2, 1, 3)
+            for m in MATRICES}
 
 
 class Transformer(nnx.Module):
@@ -60,18 +85,22 @@ class Transformer(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, schedule: Schedule, *, mlp_dim: int | None = None,
                attention_impl: str = "auto", score_sharing: str = "recompute",
-               sched: ScheduleConfig | None = None, rngs: nnx.Rngs):
+               sched: ScheduleConfig | None = None, ties: HeadTies | None = None, rngs: nnx.Rngs):
     if len(schedule.layers) != cfg.num_layers:
       raise ValueError(f"schedule has {len(schedule.layers)} layers, model.num_layers={cfg.num_layers}")
     pdtype, self.dtype = jnp.dtype(cfg.param_dtype), jnp.dtype(cfg.dtype)
     self.embedding = nnx.Param(cfg.init_std * jax.random.normal(rngs.params(), (cfg.vocab_size, cfg.d_model),
                                                                 pdtype), logical_axes=("vocab", "embed"))
+    if (ties is None) != (schedule.tied_heads == 0):
+      raise ValueError(f"schedule ties {schedule.tied_heads} heads; pass ties exactly when it ties any")
     sched = sched or ScheduleConfig()
+    self.head_table = HeadTable(cfg, ties, rngs) if ties is not None else None
     self.segments = nnx.List([
       StackedSegment(cfg, sched, seg, mlp_dim=mlp_dim or cfg.mlp_dim, attention_impl=attention_impl,
                      score_sharing=score_sharing, lisa_rank=schedule.lisa_rank, lisa_hidden=schedule.lisa_hidden,
-                     rngs=rngs)
+                     tied_qkv=ties is not None, rngs=rngs)
       for seg in schedule.segments])
+    self.segment_spans = tuple((seg.start, seg.count, seg.superblock_size) for seg in schedule.segments)
     self.final_norm = make_norm(cfg.flavor, cfg.d_model, cfg.norm_eps, pdtype)
     self.lm_head = None if cfg.tie_embeddings else DenseGeneral(
       "btd,dv->btv", (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), std=cfg.init_std, bias_shape=None,
@@ -99,8 +128,11 @@ class Transformer(nnx.Module):
     x = jnp.take(self.embedding[...], tokens, axis=0).astype(self.dtype)
     x = parallel.constrain(x, ("activation_batch", "activation_length", "activation_embed"))
     captured: list[jax.Array] = []
-    for seg in self.segments:
-      x, ys = seg(x, positions, segment_ids, capture_attention)
+    all_kernels = self.head_table.kernels() if self.head_table is not None else None
+    for seg, (start, count, size) in zip(self.segments, self.segment_spans):
+      kernels = None if all_kernels is None else {
+        m: w[start:start + count * size].reshape(count, size, *w.shape[1:]) for m, w in all_kernels.items()}
+      x, ys = seg(x, positions, segment_ids, capture_attention, kernels)
       captured.extend(ys)
     x = self.final_norm(x)
     if self.lm_head is None:

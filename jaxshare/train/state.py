@@ -14,17 +14,34 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxshare import accounting, parallel
 from jaxshare.config import Config
+from jaxshare.headwise import HeadTies, dense_kernels, direct_share, tied_params_from_dense
 from jaxshare.model import Transformer
 from jaxshare.schedule import Schedule, compile_schedule
 from jaxshare.train.optimizer import learning_rate_schedule, make_optimizer
 from jaxshare.train.step import TrainState
 
 
-def build_model(cfg: Config, schedule: Schedule, seed: int) -> Transformer:
-  """The NNX model of ``cfg`` with parameters drawn from ``seed``."""
+def build_model(cfg: Config, schedule: Schedule, seed: int, ties: HeadTies | None = None) -> Transformer:
+  """The NNX model of ``cfg`` with parameters drawn from ``seed`` (``ties``: head-wise sharing's head map)."""
   return Transformer(cfg.model, schedule, mlp_dim=accounting.mlp_dim(cfg.model, schedule, cfg.schedule.match_params),
                      attention_impl=cfg.attention.impl, score_sharing=cfg.attention.score_sharing,
-                     sched=cfg.schedule, rngs=nnx.Rngs(seed))
+                     sched=cfg.schedule, ties=ties, rngs=nnx.Rngs(seed))
+
+
+def dense_counterpart(cfg: Config) -> tuple[Config, Schedule]:
+  """The same model with a plain dense schedule (what head-wise sharing is selected on and converted from)."""
+  dense = dataclasses.replace(cfg, schedule=dataclasses.replace(cfg.schedule, kind="dense"))
+  return dense, compile_schedule(dense.model, dense.schedule)
+
+
+def compute_ties(cfg: Config, schedule: Schedule, seed: int) -> HeadTies | None:
+  """DirectShare's head ties, selected on the dense model initialised from ``seed`` (None without head-wise)."""
+  if not schedule.tied_heads:
+    return None
+  dense_cfg, dense_schedule = dense_counterpart(cfg)
+  params = nnx.to_pure_dict(nnx.state(build_model(dense_cfg, dense_schedule, seed), nnx.Param))
+  weights = dense_kernels(params, dense_schedule, cfg.model.num_layers)
+  return direct_share(weights, schedule.tied_heads, cfg.schedule.headwise.match)
 
 
 @dataclasses.dataclass
@@ -41,6 +58,7 @@ class RunSetup:
   lr_schedule: optax.Schedule
   state_shardings: dict
   batch_sharding: NamedSharding
+  ties: HeadTies | None = None
 
   @property
   def num_params(self) -> int:
@@ -55,7 +73,8 @@ def setup_run(cfg: Config, mesh: Mesh | None = None) -> RunSetup:
   """
   schedule = compile_schedule(cfg.model, cfg.schedule)
   mesh = mesh or parallel.make_mesh(cfg.mesh)
-  abstract_model = nnx.eval_shape(lambda: build_model(cfg, schedule, 0))
+  ties = compute_ties(cfg, schedule, cfg.train.seed)
+  abstract_model = nnx.eval_shape(lambda: build_model(cfg, schedule, 0, ties))
   graphdef, abstract_params = nnx.split(abstract_model, nnx.Param)
   p_shard = parallel.param_shardings(abstract_params, mesh)
   tx = make_optimizer(cfg.train)
@@ -66,11 +85,21 @@ def setup_run(cfg: Config, mesh: Mesh | None = None) -> RunSetup:
   batch_axes = tuple(a for a in ("data", "fsdp") if mesh.shape[a] > 1) or None
   return RunSetup(cfg, schedule, mesh, graphdef, abstract_params, p_shard, tx, learning_rate_schedule(cfg.train),
                   {"params": p_shard, "opt_state": opt_shard, "step": replicated},
-                  NamedSharding(mesh, P(batch_axes, None)))
+                  NamedSharding(mesh, P(batch_axes, None)), ties)
+
+
+def initial_params(setup: RunSetup, seed: int) -> dict:
+  """Fresh parameters; a head-wise model starts as DirectShare applied to the dense model of the same seed."""
+  params = nnx.to_pure_dict(nnx.state(build_model(setup.cfg, setup.schedule, seed, setup.ties), nnx.Param))
+  if setup.ties is None:
+    return params
+  dense_cfg, dense_schedule = dense_counterpart(setup.cfg)
+  dense = nnx.to_pure_dict(nnx.state(build_model(dense_cfg, dense_schedule, seed), nnx.Param))
+  return tied_params_from_dense(dense, params, setup.ties, dense_schedule)
 
 
 def _fresh_state(setup: RunSetup, seed: int) -> TrainState:
-  params = nnx.to_pure_dict(nnx.split(build_model(setup.cfg, setup.schedule, seed), nnx.Param)[1])
+  params = initial_params(setup, seed)
   return {"params": params, "opt_state": setup.tx.init(params), "step": jnp.zeros((), jnp.int32)}
 
 
