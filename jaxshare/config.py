@@ -116,9 +116,6 @@ class HeadwiseConfig:
   match: str = _f("qk", "Match function (Table 12): qk (cos of W_q||W_k, the paper's), q, k, v, qkv, or "
                   "separately (q, k and v each matched and tied on their own).",
                   ("qk", "q", "k", "v", "qkv", "separately"))
-  postshare_gamma: float = _f(0.0, "PostShare: weight of the penalty L_w = mean over matched pairs of "
-                              "sum_{q,k,v} ||W_i - W_j||_F added to the loss (0: off; the paper uses 0.5). With it "
-                              "the heads stay untied during training.")
 
 
 KV_PRESETS = ("dense", "gqa", "mqa", "cla", "mlkv", "explicit")
@@ -218,6 +215,27 @@ class TrainConfig:
   keep_checkpoints: int = _f(2, "Checkpoints kept on disk.")
   peak_tflops: float = _f(0.0, "Per-device peak TFLOP/s for MFU; 0 looks the device kind up.")
   progress_bar: bool = _f(True, "Show a tqdm progress bar (log lines are printed either way).")
+  init_from: str = _f("", "Uptraining: initialise from this run directory or checkpoint (e.g. a dense model): "
+                      "every parameter with the same layer, name and shape is copied, new modules keep their "
+                      "initialisation. Empty: train from scratch.")
+  trainable: str = _f("all", "Parameters the optimizer updates: all, or sharing (only the modules the sharing "
+                      "methods add: LISA's low-rank Q/K and aligner, UniAttn's W_c); the rest are frozen with "
+                      "optax masks.", ("all", "sharing"))
+  kd_beta: float = _f(0.0, "LISA distillation (Eq. 5-7): loss = kd_beta * Huber(student logits, teacher logits on "
+                      "the LISA layers) + (1 - kd_beta) * LM loss; the teacher is train.init_from, frozen. 0: off; "
+                      "the paper uses 0.25.")
+  kd_delta: float = _f(1.0, "Huber delta of the distillation loss.")
+  postshare_gamma: float = _f(0.0, "PostShare (Eq. in Sec. 3.3): add gamma * L_w, L_w = mean over the matched head "
+                              "pairs of sum_{q,k,v} ||W_i - W_j||_F, pairs selected by DirectShare at "
+                              "train.postshare_ratio on the initial weights (dense MHA models). 0: off; paper 0.5.")
+  postshare_ratio: float = _f(0.3, "PostShare: sharing ratio alpha of the pair selection (match: "
+                              "schedule.headwise.match).")
+  recipe: str = _f("standard", "standard, or uniattn_two_stage: stage 1 trains only W_c until the EMA of the "
+                   "training loss stops improving (or train.stage1_max_steps), stage 2 fine-tunes everything.",
+                   ("standard", "uniattn_two_stage"))
+  stage1_max_steps: int = _f(200, "uniattn_two_stage: most steps of stage 1.")
+  stage1_ema: float = _f(0.9, "uniattn_two_stage: decay of the training-loss EMA watched for early stopping.")
+  stage1_patience: int = _f(20, "uniattn_two_stage: stop stage 1 after this many steps without a new EMA minimum.")
 
 
 @dataclasses.dataclass
@@ -372,6 +390,15 @@ def validate(cfg: Config) -> None:
   _require(0.0 <= t.min_lr_ratio <= 1.0, "train.min_lr_ratio", t.min_lr_ratio, "must be in [0, 1]")
   _require(t.clip_norm >= 0, "train.clip_norm", t.clip_norm, "must be >= 0 (0 disables clipping)")
   _require(t.eval_every >= 0 and t.eval_batches >= 0, "train.eval_every", t.eval_every, "must be >= 0")
+  _require(0.0 <= t.kd_beta <= 1.0, "train.kd_beta", t.kd_beta, "must be in [0, 1]")
+  _require(t.kd_beta == 0 or bool(t.init_from), "train.kd_beta", t.kd_beta,
+           "distillation needs a teacher: set train.init_from to the dense run")
+  _require(t.kd_delta > 0, "train.kd_delta", t.kd_delta, "must be > 0")
+  _require(t.postshare_gamma >= 0, "train.postshare_gamma", t.postshare_gamma, "must be >= 0")
+  _require(0.0 < t.postshare_ratio < 0.75, "train.postshare_ratio", t.postshare_ratio, "must be in (0, 0.75)")
+  _require(t.stage1_max_steps > 0 and t.stage1_patience > 0, "train.stage1_max_steps", t.stage1_max_steps,
+           "stage-1 steps and patience must be positive")
+  _require(0.0 < t.stage1_ema < 1.0, "train.stage1_ema", t.stage1_ema, "must be in (0, 1)")
   for name in ("data", "fsdp", "tensor"):
     v = getattr(cfg.mesh, name)
     _require(v == -1 or v >= 1, f"mesh.{name}", v, "must be a positive axis size or -1 (fill)")

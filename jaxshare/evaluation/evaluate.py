@@ -11,28 +11,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxshare import accounting, parallel
-from jaxshare.config import Config, ConfigError, MeshConfig, config_from_yaml_text
+from jaxshare import accounting
 from jaxshare.data import Datasets
-from jaxshare.train.checkpoint import CheckpointError, Checkpointer
 from jaxshare.train.loop import evaluate_loss
-from jaxshare.train.state import RunSetup, abstract_state, setup_run
+from jaxshare.train.state import load_run, locate
 from jaxshare.train.step import make_eval_step
-
-
-def locate(path: str | Path) -> tuple[Path, int | None]:
-  """``(run_dir, step)`` for a run directory (latest step) or a checkpoint step directory.
-
-  Raises:
-    ConfigError: the path holds neither.
-  """
-  p = Path(path)
-  if (p / "config.yaml").is_file():
-    return p, None
-  if p.name.isdigit() and (p.parent.parent / "config.yaml").is_file():
-    return p.parent.parent, int(p.name)
-  raise ConfigError(f"{str(p)!r} is neither a run directory (with config.yaml) nor a checkpoint step directory "
-                    "(<run_dir>/checkpoints/<step>)")
 
 
 def greedy_sample(model: nnx.Module, prompt_ids: list[int], num_tokens: int, window: int) -> list[int]:
@@ -63,28 +46,6 @@ def greedy_sample(model: nnx.Module, prompt_ids: list[int], num_tokens: int, win
     buf[:len(ctx)] = ctx
     ids.append(int(next_token(params, buf, len(ctx) - 1)))
   return ids[len(prompt_ids):]
-
-
-def load_run(path: str | Path) -> tuple[Config, RunSetup, dict, int]:
-  """Load a run directory (latest checkpoint) or checkpoint step directory on one device.
-
-  Returns:
-    ``(config, run setup, params pure dict, step)``.
-
-  Raises:
-    ConfigError: bad path or saved config. CheckpointError: no, corrupt or mismatched checkpoint.
-  """
-  run_dir, step = locate(path)
-  cfg: Config = config_from_yaml_text((run_dir / "config.yaml").read_text())
-  cfg.mesh = MeshConfig()
-  setup = setup_run(cfg, parallel.make_mesh(cfg.mesh, jax.devices()[:1]))
-  ckpt = Checkpointer(run_dir / "checkpoints", cfg.train.keep_checkpoints)
-  step = ckpt.latest_step() if step is None else step
-  if step is None:
-    raise CheckpointError(f"run directory {str(run_dir)!r} has no checkpoint yet")
-  state, _ = ckpt.restore(step, abstract_state(setup), None)
-  ckpt.close()
-  return cfg, setup, state["params"], int(step)
 
 
 def evaluate_run(path: str | Path, *, max_batches: int = 0, prompt: str = "ROMEO:\n",

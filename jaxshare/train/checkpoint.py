@@ -49,6 +49,17 @@ class Checkpointer:
         f"a different model/schedule ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from e
     return restored["state"], restored["meta"]
 
+  def read_meta(self, step: int) -> dict:
+    """The ``meta`` item (step, recipe stage) of a checkpoint, without restoring arrays.
+
+    Raises:
+      CheckpointError: missing or unreadable.
+    """
+    try:
+      return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+    except Exception as e:
+      raise CheckpointError(f"checkpoint {self.directory / str(step)} has no readable metadata: {e}") from e
+
   def wait(self) -> None:
     self.manager.wait_until_finished()
 

@@ -11,13 +11,16 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxshare import accounting
+from jaxshare import accounting, parallel
 from jaxshare.config import Config, ConfigError, config_from_yaml_text, to_yaml
 from jaxshare.data import Datasets
+from jaxshare.headwise import dense_kernels, direct_share
+from jaxshare.schedule import tied_head_count
 from jaxshare.train.checkpoint import Checkpointer
 from jaxshare.train.metrics import MetricsLogger, peak_tflops_per_device
-from jaxshare.train.state import RunSetup, abstract_state, init_state, setup_run, shard_batch
-from jaxshare.train.step import make_eval_step, make_train_step
+from jaxshare.train.state import (RunSetup, abstract_state, init_state, initial_params, load_run, setup_run,
+                                  shard_batch, trainable_for)
+from jaxshare.train.step import Objective, make_eval_step, make_train_step
 
 # Fields a resumed run must share with the run that wrote its checkpoints (the rest, e.g. train.steps, may change).
 _RESUME_FIXED = ("model", "schedule", "data.seq_len", "data.tokenizer", "train.batch_size")
@@ -76,6 +79,67 @@ def evaluate_loss(eval_fn, setup: RunSetup, params, data: Datasets, max_batches:
   return total / max(count, 1.0)
 
 
+class _Stage1Monitor:
+  """UniAttn stage 1's early stopping: an EMA of the training loss that must keep reaching new minima."""
+
+  def __init__(self, decay: float, patience: int, max_steps: int):
+    self.decay, self.patience, self.max_steps = decay, patience, max_steps
+    self.ema: float | None = None
+    self.best, self.since_best, self.steps = float("inf"), 0, 0
+
+  def state(self) -> dict:
+    return {"ema": self.ema, "best": self.best, "since_best": self.since_best, "steps": self.steps}
+
+  def load(self, state: dict) -> None:
+    self.ema, self.best = state["ema"], state["best"]
+    self.since_best, self.steps = state["since_best"], state["steps"]
+
+  def update(self, loss: float) -> bool:
+    """Record one step's loss; True when stage 1 should end."""
+    self.ema = loss if self.ema is None else self.decay * self.ema + (1 - self.decay) * loss
+    self.steps += 1
+    if self.ema < self.best:
+      self.best, self.since_best = self.ema, 0
+    else:
+      self.since_best += 1
+    return self.since_best >= self.patience or self.steps >= self.max_steps
+
+
+def _objective(cfg: Config, setup: RunSetup, teacher: RunSetup | None) -> Objective:
+  t = cfg.train
+  kd_layers = tuple(p.index for p in setup.schedule.layers if p.score_reuse == "logits")
+  if t.kd_beta > 0 and not kd_layers:
+    raise ConfigError(f"train.kd_beta={t.kd_beta} distils attention logits on LISA layers, but schedule.kind="
+                      f"{cfg.schedule.kind!r} has none")
+  pairs = None
+  if t.postshare_gamma > 0:
+    if any(not (p.is_producer and p.has_query_key and p.num_kv_heads == cfg.model.num_heads)
+           for p in setup.schedule.layers) or setup.ties is not None:
+      raise ConfigError(f"train.postshare_gamma={t.postshare_gamma} needs an untied dense MHA model; schedule.kind="
+                        f"{cfg.schedule.kind!r} is not")
+    n = tied_head_count(cfg.model, t.postshare_ratio)
+    pairs = direct_share(dense_kernels(jax.device_get(initial_params(setup, t.seed)), setup.schedule,
+                                       cfg.model.num_layers), n, cfg.schedule.headwise.match)
+  return Objective(kd_beta=t.kd_beta, kd_delta=t.kd_delta, kd_layers=kd_layers,
+                   teacher_graphdef=teacher.graphdef if teacher is not None else None,
+                   postshare_gamma=t.postshare_gamma, postshare_pairs=pairs, schedule=setup.schedule)
+
+
+def _jit_step(setup: RunSetup, objective: Objective, teacher_shardings):
+  fn = make_train_step(setup.graphdef, setup.tx, setup.lr_schedule, setup.cfg.train.grad_accum_steps, objective)
+  return jax.jit(fn, in_shardings=(setup.state_shardings, setup.batch_sharding, teacher_shardings),
+                 out_shardings=(setup.state_shardings, None), donate_argnums=0)
+
+
+def _load_source(cfg: Config, mesh) -> tuple[RunSetup | None, dict | None]:
+  """The ``train.init_from`` run (uptraining source and distillation teacher), its parameters on ``mesh``."""
+  if not cfg.train.init_from:
+    return None, None
+  _, src_setup, src_params, _ = load_run(cfg.train.init_from)
+  shardings = parallel.param_shardings(src_setup.abstract_params, mesh)
+  return src_setup, jax.device_put(src_params, shardings)
+
+
 def train(cfg: Config, *, mesh=None, stop_after: int | None = None) -> dict[str, Any]:
   """Train (or resume) the experiment of ``cfg`` in ``cfg.train.run_dir``.
 
@@ -85,36 +149,46 @@ def train(cfg: Config, *, mesh=None, stop_after: int | None = None) -> dict[str,
     stop_after: stop (with a checkpoint) once this step is reached, as if interrupted — for tests.
 
   Returns:
-    Summary: ``step``, ``loss`` (last logged training loss), ``val_loss``, ``num_params``, ``kv_bytes_per_token``,
-    ``tokens_per_sec``, ``run_dir``.
+    Summary: ``step``, ``loss`` (last logged training loss), ``val_loss``, ``num_params``, ``trainable_params``,
+    ``kv_bytes_per_token``, ``tokens_per_sec``, ``stage``, ``run_dir``.
 
   Raises:
     ConfigError / DataError / CheckpointError: bad config, data or run directory (before any training).
   """
   run_dir = Path(cfg.train.run_dir)
   run_dir.mkdir(parents=True, exist_ok=True)
-  setup = setup_run(cfg, mesh)
-  data = Datasets(cfg.data, cfg.train.batch_size)
+  mesh = mesh or parallel.make_mesh(cfg.mesh)
+  tcfg = cfg.train
+  two_stage = tcfg.recipe == "uniattn_two_stage"
+  if two_stage and "uniattn" not in cfg.schedule.kind:
+    raise ConfigError(f"train.recipe=uniattn_two_stage needs a uniattn schedule, got schedule.kind="
+                      f"{cfg.schedule.kind!r}")
+  data = Datasets(cfg.data, tcfg.batch_size)
   if data.tokenizer.vocab_size > cfg.model.vocab_size:
     raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's vocabulary "
                       f"({data.tokenizer.vocab_size}); set model.vocab_size >= {data.tokenizer.vocab_size}")
-  ckpt = Checkpointer(run_dir / "checkpoints", cfg.train.keep_checkpoints)
-  data_iter = data.train_iter()
+  ckpt = Checkpointer(run_dir / "checkpoints", tcfg.keep_checkpoints)
   latest = ckpt.latest_step()
   if latest is not None and (run_dir / "config.yaml").exists():
     check_resume_compatible(config_from_yaml_text((run_dir / "config.yaml").read_text()), cfg)
+  meta = ckpt.read_meta(latest) if latest is not None else {}
+  stage = meta.get("stage", 0) or (1 if two_stage else 0)
+  source, source_params = _load_source(cfg, mesh)
+  setup = setup_run(cfg, mesh, trainable_for(cfg, stage))
   (run_dir / "config.yaml").write_text(to_yaml(cfg))
 
+  data_iter = data.train_iter()
   if latest is not None:
     state, _ = ckpt.restore(latest, abstract_state(setup), data_iter)
+  elif source is not None:
+    state = init_state(setup, from_params=(source_params, source.schedule))
   else:
     state = init_state(setup)
   start = int(jax.device_get(state["step"]))
-
-  tcfg = cfg.train
-  step_fn = jax.jit(make_train_step(setup.graphdef, setup.tx, setup.lr_schedule, tcfg.grad_accum_steps),
-                    in_shardings=(setup.state_shardings, setup.batch_sharding),
-                    out_shardings=(setup.state_shardings, None), donate_argnums=0)
+  teacher_params = source_params if tcfg.kd_beta > 0 else None
+  teacher_shardings = parallel.param_shardings(source.abstract_params, mesh) if teacher_params is not None else None
+  objective = _objective(cfg, setup, source)
+  step_fn = _jit_step(setup, objective, teacher_shardings)
   eval_fn = jax.jit(make_eval_step(setup.graphdef), in_shardings=(setup.param_shardings, setup.batch_sharding))
 
   n_dev = setup.mesh.size
@@ -125,27 +199,42 @@ def train(cfg: Config, *, mesh=None, stop_after: int | None = None) -> dict[str,
                                                  2 if cfg.model.dtype == "bfloat16" else 4)
   log = MetricsLogger(run_dir, tcfg.steps, start, tcfg.progress_bar)
   log.print(f"jaxshare | {setup.schedule.describe()}")
-  log.print(f"params {setup.num_params:,} | KV cache {kv_bytes:,} B/token | mesh {dict(setup.mesh.shape)} "
-            f"({n_dev} {jax.devices()[0].platform}) | train {len(data.train_source):,} seqs, val "
-            f"{len(data.val_source):,} seqs of {cfg.data.seq_len} | "
-            + (f"resumed at step {start}" if latest is not None else "fresh start"))
+  log.print(f"params {setup.num_params:,} ({setup.num_trainable:,} trainable) | KV cache {kv_bytes:,} B/token | "
+            f"mesh {dict(setup.mesh.shape)} ({n_dev} {jax.devices()[0].platform}) | train "
+            f"{len(data.train_source):,} seqs, val {len(data.val_source):,} seqs of {cfg.data.seq_len} | "
+            + (f"resumed at step {start}" if latest is not None else
+               f"initialised from {tcfg.init_from}" if source is not None else "fresh start")
+            + (f" | recipe {tcfg.recipe}, stage {stage}" if two_stage else ""))
 
   summary: dict[str, Any] = {"run_dir": str(run_dir), "num_params": setup.num_params,
-                             "kv_bytes_per_token": kv_bytes, "step": start}
+                             "trainable_params": setup.num_trainable, "kv_bytes_per_token": kv_bytes, "step": start}
+  monitor = _Stage1Monitor(tcfg.stage1_ema, tcfg.stage1_patience, tcfg.stage1_max_steps)
+  if "stage1" in meta:  # resume early stopping exactly where it was
+    monitor.load(meta["stage1"])
   pending: list[dict] = []
   t_last, step = time.perf_counter(), start
   end = tcfg.steps if stop_after is None else min(tcfg.steps, stop_after)
 
   def save(step: int) -> None:
-    ckpt.save(step, state, data_iter, {"step": step})
+    ckpt.save(step, state, data_iter, {"step": step, "stage": stage, "stage1": monitor.state()})
 
   with jax.set_mesh(setup.mesh), _StopFlag() as stop:
     while step < end and not stop.requested:
       batch = shard_batch(setup, next(data_iter))
-      state, metrics = step_fn(state, batch)
+      state, metrics = step_fn(state, batch, teacher_params)
       step += 1
       pending.append(metrics)
       log.advance(1)
+      if stage == 1 and monitor.update(float(metrics["loss"])):
+        stage = 2  # UniAttn stage 2: everything trains, with a fresh optimizer state
+        setup = setup_run(cfg, mesh, trainable_for(cfg, stage), ties=setup.ties)
+        params = state["params"]
+        opt_state = jax.jit(setup.tx.init, out_shardings=setup.state_shardings["opt_state"])(params)
+        state = {"params": params, "opt_state": opt_state, "step": state["step"]}
+        step_fn = _jit_step(setup, objective, teacher_shardings)
+        summary["trainable_params"] = setup.num_trainable
+        log.print(f"stage 1 ended at step {step} (loss EMA {monitor.ema:.4f}); stage 2 trains "
+                  f"{setup.num_trainable:,} parameters")
       is_last = step == tcfg.steps
       is_eval = bool(tcfg.eval_every and step % tcfg.eval_every == 0) or is_last
       if step % tcfg.log_every == 0 or is_eval or step == end:
@@ -156,7 +245,12 @@ def train(cfg: Config, *, mesh=None, stop_after: int | None = None) -> dict[str,
         record = {"step": step, "loss": float(np.mean([m["loss"] for m in host])),
                   "lr": float(host[-1]["lr"]), "grad_norm": float(host[-1]["grad_norm"]),
                   "tokens_per_sec": tps, "step_time": dt / len(host),
-                  "mfu": flops_per_token * tps / peak}
+                  "mfu": flops_per_token * tps / peak, "trainable_params": setup.num_trainable}
+        for key in ("kd_loss", "postshare_loss"):
+          if key in host[-1]:
+            record[key] = float(np.mean([m[key] for m in host]))
+        if two_stage:
+          record["stage"] = stage
         pending, t_last = [], time.perf_counter()
         if is_eval:
           record["val_loss"] = evaluate_loss(eval_fn, setup, state["params"], data, tcfg.eval_batches)
@@ -166,7 +260,8 @@ def train(cfg: Config, *, mesh=None, stop_after: int | None = None) -> dict[str,
         log.advance(0, record["loss"])
         log.print(f"step {step:>6}/{tcfg.steps} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
                   f"{tps:,.0f} tok/s | {record['step_time'] * 1e3:.0f} ms/step | MFU {100 * record['mfu']:.1f}%"
-                  + (f" | val_loss {record['val_loss']:.4f}" if "val_loss" in record else ""))
+                  + "".join(f" | {k} {record[k]:.4f}" for k in ("kd_loss", "postshare_loss", "val_loss")
+                            if k in record))
         summary.update(loss=record["loss"], tokens_per_sec=tps)
       if step % tcfg.checkpoint_every == 0 or is_last:
         save(step)
@@ -176,5 +271,5 @@ def train(cfg: Config, *, mesh=None, stop_after: int | None = None) -> dict[str,
   ckpt.wait()
   ckpt.close()
   log.close()
-  summary["step"] = step
+  summary.update(step=step, stage=stage)
   return summary

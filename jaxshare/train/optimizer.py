@@ -22,11 +22,37 @@ def decay_mask(params) -> object:
   return jax.tree_util.tree_map_with_path(mask, params)
 
 
-def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
-  """The optimizer of :class:`~jaxshare.config.TrainConfig`; parameters are a pure dict pytree."""
+# Parameter names of the modules the sharing methods add (LISA's low-rank Q/K and aligner, UniAttn's W_c).
+SHARING_MODULES = ("compensation", "q_lr", "k_lr", "align_in", "align_out", "align")
+
+
+def trainable_labels(params, trainable: tuple[str, ...] | None):
+  """``"train"`` for leaves under a module named in ``trainable`` (all leaves when None), else ``"frozen"``."""
+  def label(path, _) -> str:
+    names = {getattr(k, "key", None) for k in path}
+    return "train" if trainable is None or names & set(trainable) else "frozen"
+  return jax.tree_util.tree_map_with_path(label, params)
+
+
+def count_trainable(params, trainable: tuple[str, ...] | None) -> int:
+  labels = trainable_labels(params, trainable)
+  return sum(int(p.size) for p, lab in zip(jax.tree.leaves(params), jax.tree.leaves(labels)) if lab == "train")
+
+
+def make_optimizer(cfg: TrainConfig, trainable: tuple[str, ...] | None = None) -> optax.GradientTransformation:
+  """The optimizer of :class:`~jaxshare.config.TrainConfig`; parameters are a pure dict pytree.
+
+  Args:
+    trainable: module names whose parameters are updated; the others are frozen through an optax
+      ``multi_transform`` whose frozen partition is ``set_to_zero`` (and holds no optimizer state). None: all.
+  """
   chain = []
   if cfg.clip_norm > 0:
     chain.append(optax.clip_by_global_norm(cfg.clip_norm))
   chain.append(optax.adamw(learning_rate_schedule(cfg), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
                            weight_decay=cfg.weight_decay, mask=decay_mask))
-  return optax.chain(*chain)
+  tx = optax.chain(*chain)
+  if trainable is None:
+    return tx
+  return optax.multi_transform({"train": tx, "frozen": optax.set_to_zero()},
+                               lambda params: trainable_labels(params, trainable))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -13,11 +14,13 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxshare import accounting, parallel
-from jaxshare.config import Config
+from jaxshare.config import Config, ConfigError, MeshConfig, config_from_yaml_text
 from jaxshare.headwise import HeadTies, dense_kernels, direct_share, tied_params_from_dense
 from jaxshare.model import Transformer
+from jaxshare.model.params import copy_shared_weights
 from jaxshare.schedule import Schedule, compile_schedule
-from jaxshare.train.optimizer import learning_rate_schedule, make_optimizer
+from jaxshare.train.checkpoint import CheckpointError, Checkpointer
+from jaxshare.train.optimizer import SHARING_MODULES, count_trainable, learning_rate_schedule, make_optimizer
 from jaxshare.train.step import TrainState
 
 
@@ -35,13 +38,33 @@ def dense_counterpart(cfg: Config) -> tuple[Config, Schedule]:
 
 
 def compute_ties(cfg: Config, schedule: Schedule, seed: int) -> HeadTies | None:
-  """DirectShare's head ties, selected on the dense model initialised from ``seed`` (None without head-wise)."""
+  """DirectShare's head ties (None without head-wise sharing), selected on the dense model the run starts from:
+  ``train.init_from`` when set (uptraining), else the dense model initialised from ``seed``.
+
+  Raises:
+    ConfigError: ``train.init_from`` is not a dense MHA run.
+  """
   if not schedule.tied_heads:
     return None
-  dense_cfg, dense_schedule = dense_counterpart(cfg)
-  params = nnx.to_pure_dict(nnx.state(build_model(dense_cfg, dense_schedule, seed), nnx.Param))
+  if cfg.train.init_from:
+    src_cfg, src_setup, params, _ = load_run(cfg.train.init_from)
+    if src_setup.schedule.kind != "dense":
+      raise ConfigError(f"train.init_from={cfg.train.init_from!r} has schedule {src_setup.schedule.kind!r}: "
+                        "head-wise sharing is selected on a dense MHA model")
+    dense_schedule = src_setup.schedule
+  else:
+    dense_cfg, dense_schedule = dense_counterpart(cfg)
+    params = nnx.to_pure_dict(nnx.state(build_model(dense_cfg, dense_schedule, seed), nnx.Param))
   weights = dense_kernels(params, dense_schedule, cfg.model.num_layers)
   return direct_share(weights, schedule.tied_heads, cfg.schedule.headwise.match)
+
+
+def trainable_for(cfg: Config, stage: int) -> tuple[str, ...] | None:
+  """Module names the optimizer updates: UniAttn's stage 1 trains W_c only; ``train.trainable=sharing`` the new
+  modules; else everything (None)."""
+  if cfg.train.recipe == "uniattn_two_stage" and stage == 1:
+    return ("compensation",)
+  return SHARING_MODULES if cfg.train.trainable == "sharing" else None
 
 
 @dataclasses.dataclass
@@ -59,33 +82,45 @@ class RunSetup:
   state_shardings: dict
   batch_sharding: NamedSharding
   ties: HeadTies | None = None
+  trainable: tuple[str, ...] | None = None
 
   @property
   def num_params(self) -> int:
     return sum(int(np.prod(v.get_value().shape)) for _, v in nnx.to_flat_state(self.abstract_params))
 
+  @property
+  def num_trainable(self) -> int:
+    return count_trainable(nnx.to_pure_dict(self.abstract_params), self.trainable)
 
-def setup_run(cfg: Config, mesh: Mesh | None = None) -> RunSetup:
+
+def setup_run(cfg: Config, mesh: Mesh | None = None, trainable: tuple[str, ...] | None = None,
+              ties: HeadTies | None = None) -> RunSetup:
   """Compile the schedule, trace the model abstractly and derive every sharding (nothing is allocated).
+
+  Args:
+    trainable: module names the optimizer updates (None: all); see :func:`trainable_for`.
+    ties: head-wise sharing's ties when already known (default: :func:`compute_ties`).
 
   Raises:
     ScheduleError / ConfigError: the schedule or mesh does not fit the model or the devices.
   """
   schedule = compile_schedule(cfg.model, cfg.schedule)
   mesh = mesh or parallel.make_mesh(cfg.mesh)
-  ties = compute_ties(cfg, schedule, cfg.train.seed)
+  ties = ties if ties is not None else compute_ties(cfg, schedule, cfg.train.seed)
   abstract_model = nnx.eval_shape(lambda: build_model(cfg, schedule, 0, ties))
   graphdef, abstract_params = nnx.split(abstract_model, nnx.Param)
   p_shard = parallel.param_shardings(abstract_params, mesh)
-  tx = make_optimizer(cfg.train)
+  tx = make_optimizer(cfg.train, trainable)
   abstract_opt = jax.eval_shape(tx.init, nnx.to_pure_dict(abstract_params))
   replicated = NamedSharding(mesh, P())
-  opt_shard = optax.tree_map_params(tx, lambda _, s: s, abstract_opt, p_shard,
-                                    transform_non_params=lambda _: replicated)
+  frozen = optax.MaskedNode  # a frozen parameter's slot in a masked optimizer state: keep it empty
+  opt_shard = optax.tree_map_params(tx, lambda x, s: x if isinstance(x, frozen) else s, abstract_opt, p_shard,
+                                    transform_non_params=lambda _: replicated,
+                                    is_leaf=lambda x: isinstance(x, frozen))
   batch_axes = tuple(a for a in ("data", "fsdp") if mesh.shape[a] > 1) or None
   return RunSetup(cfg, schedule, mesh, graphdef, abstract_params, p_shard, tx, learning_rate_schedule(cfg.train),
                   {"params": p_shard, "opt_state": opt_shard, "step": replicated},
-                  NamedSharding(mesh, P(batch_axes, None)), ties)
+                  NamedSharding(mesh, P(batch_axes, None)), ties, trainable)
 
 
 def initial_params(setup: RunSetup, seed: int) -> dict:
@@ -98,16 +133,32 @@ def initial_params(setup: RunSetup, seed: int) -> dict:
   return tied_params_from_dense(dense, params, setup.ties, dense_schedule)
 
 
-def _fresh_state(setup: RunSetup, seed: int) -> TrainState:
+def _fresh_state(setup: RunSetup, seed: int, from_params: tuple[dict, Schedule] | None = None) -> TrainState:
   params = initial_params(setup, seed)
+  if from_params is not None and setup.ties is None:
+    params = copy_shared_weights(from_params[0], from_params[1], params, setup.schedule)
+  elif from_params is not None:  # DirectShare uptraining: the head table from the source's tied heads
+    params = tied_params_from_dense(from_params[0], params, setup.ties, from_params[1])
   return {"params": params, "opt_state": setup.tx.init(params), "step": jnp.zeros((), jnp.int32)}
 
 
-def init_state(setup: RunSetup, seed: int | None = None) -> TrainState:
-  """Fresh parameters (from ``seed``, default ``train.seed``) and optimizer state, created already sharded."""
+def init_state(setup: RunSetup, seed: int | None = None,
+               from_params: tuple[dict, Schedule] | None = None) -> TrainState:
+  """Fresh optimizer state and parameters, created already sharded.
+
+  Args:
+    seed: parameter seed (default ``train.seed``).
+    from_params: uptraining source ``(params, schedule)``: every shared parameter is copied from it
+      (:func:`~jaxshare.model.params.copy_shared_weights`; DirectShare's conversion for head-wise models).
+  """
   seed = setup.cfg.train.seed if seed is None else seed
+  src_params, src_schedule = from_params if from_params is not None else (None, None)
+
+  def fresh(src: dict | None) -> TrainState:
+    return _fresh_state(setup, seed, None if src is None else (src, src_schedule))
+
   with jax.set_mesh(setup.mesh):
-    return jax.jit(lambda: _fresh_state(setup, seed), out_shardings=setup.state_shardings)()
+    return jax.jit(fresh, out_shardings=setup.state_shardings)(src_params)
 
 
 def abstract_state(setup: RunSetup) -> Any:
@@ -120,3 +171,41 @@ def abstract_state(setup: RunSetup) -> Any:
 def shard_batch(setup: RunSetup, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
   """Assemble this process's numpy batch into global arrays sharded over the batch axes."""
   return {k: jax.make_array_from_process_local_data(setup.batch_sharding, np.asarray(v)) for k, v in batch.items()}
+
+
+def locate(path: str | Path) -> tuple[Path, int | None]:
+  """``(run_dir, step)`` for a run directory (latest step) or a checkpoint step directory.
+
+  Raises:
+    ConfigError: the path holds neither.
+  """
+  p = Path(path)
+  if (p / "config.yaml").is_file():
+    return p, None
+  if p.name.isdigit() and (p.parent.parent / "config.yaml").is_file():
+    return p.parent.parent, int(p.name)
+  raise ConfigError(f"{str(p)!r} is neither a run directory (with config.yaml) nor a checkpoint step directory "
+                    "(<run_dir>/checkpoints/<step>)")
+
+
+def load_run(path: str | Path) -> tuple[Config, RunSetup, dict, int]:
+  """Load a run directory (latest checkpoint) or checkpoint step directory on one device.
+
+  Returns:
+    ``(config, run setup, params pure dict, step)``.
+
+  Raises:
+    ConfigError: bad path or saved config. CheckpointError: no, corrupt or mismatched checkpoint.
+  """
+  run_dir, step = locate(path)
+  cfg: Config = config_from_yaml_text((run_dir / "config.yaml").read_text())
+  cfg.mesh = MeshConfig()
+  ckpt = Checkpointer(run_dir / "checkpoints", cfg.train.keep_checkpoints)
+  step = ckpt.latest_step() if step is None else step
+  if step is None:
+    raise CheckpointError(f"run directory {str(run_dir)!r} has no checkpoint yet")
+  stage = ckpt.read_meta(step).get("stage", 0)
+  setup = setup_run(cfg, parallel.make_mesh(cfg.mesh, jax.devices()[:1]), trainable_for(cfg, stage))
+  state, _ = ckpt.restore(step, abstract_state(setup), None)
+  ckpt.close()
+  return cfg, setup, state["params"], int(step)

@@ -1,16 +1,135 @@
-"""Loss, the jitted train step (with gradient accumulation) and the eval step."""
+"""Losses, the jitted train step (with gradient accumulation) and the eval step."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 
+from jaxshare.headwise import MATRICES, HeadTies
+from jaxshare.kernels.reference import attention_mask
+from jaxshare.model.params import layer_params
+from jaxshare.schedule import Schedule
+
 Batch = dict[str, jax.Array]
 TrainState = dict[str, Any]  # {"params": pure dict, "opt_state": optax state, "step": int32 scalar}
+
+
+@dataclasses.dataclass(frozen=True)
+class Objective:
+  """Auxiliary losses added to the language-modelling loss.
+
+  Attributes:
+    kd_beta / kd_delta / kd_layers / teacher_graphdef: LISA distillation (Eq. 5-7): ``beta * L_KD + (1 - beta) *
+      L_LM`` with ``L_KD`` the Huber loss (delta) between the student's and the frozen teacher's pre-softmax
+      attention logits on ``kd_layers``, averaged over causal, same-document cells and layers.
+    postshare_gamma / postshare_pairs / schedule: PostShare (Head-wise Shareable Attention, Sec. 3.3): ``gamma *
+      L_w``, ``L_w = (1/|N|) sum_{(i,j) in N} sum_{m in q,k,v} ||W_i^m - W_j^m||_F`` over the selected head pairs.
+  """
+
+  kd_beta: float = 0.0
+  kd_delta: float = 1.0
+  kd_layers: tuple[int, ...] = ()
+  teacher_graphdef: Any = None
+  postshare_gamma: float = 0.0
+  postshare_pairs: HeadTies | None = None
+  schedule: Schedule | None = None
+
+
+def _safe_norm(x: jax.Array) -> jax.Array:
+  """Frobenius norm with a finite gradient at 0 (identical heads after tying)."""
+  sq = jnp.sum(jnp.square(x.astype(jnp.float32)))
+  return jnp.sqrt(jnp.maximum(sq, 1e-12))
+
+
+def postshare_penalty(params: dict, schedule: Schedule, pairs: HeadTies) -> jax.Array:
+  """PostShare's ``L_w`` (float32 scalar) for the pairs chosen by DirectShare; see :class:`Objective`."""
+  L = len(schedule.layers)
+  total = jnp.zeros((), jnp.float32)
+  n = 0
+  for m in MATRICES:
+    w = jnp.stack([layer_params(params, schedule, layer)["attn"][f"{m}_proj"]["kernel"] for layer in range(L)])
+    H = w.shape[2]
+    idx = np.asarray(pairs.pairs[m], np.int32).reshape(-1, 2)
+    for i, j in idx:
+      total = total + _safe_norm(w[i // H, :, i % H, :] - w[j // H, :, j % H, :])
+    n = max(n, len(idx))
+  return total / max(n, 1)
+
+
+def distillation_loss(student: jax.Array, teacher: jax.Array, segment_ids: jax.Array, delta: float) -> jax.Array:
+  """Huber loss between ``[N, B, H, T, T]`` attention logits, averaged over causal same-document cells."""
+  mask = attention_mask(segment_ids, segment_ids, True)[None, :, None].astype(jnp.float32)
+  huber = optax.huber_loss(student, jax.lax.stop_gradient(teacher), delta=delta)
+  return jnp.sum(huber * mask) / (jnp.sum(mask) * student.shape[0] * student.shape[2])
+
+
+def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, lr_schedule: optax.Schedule,
+                    grad_accum_steps: int, objective: Objective = Objective()
+                    ) -> Callable[..., tuple[TrainState, dict]]:
+  """A pure train step ``(state, batch[, teacher_params]) -> (state, metrics)``, to be wrapped in ``jax.jit``.
+
+  With ``grad_accum_steps = A`` the batch is split into A micro-batches whose gradients are summed in a
+  ``lax.scan``; the LM loss is normalised by the whole batch's target count, so the update equals the one-shot
+  step's. ``metrics``: ``loss`` (LM, nats/token), ``objective`` (what was minimised), ``grad_norm``, ``lr``,
+  ``tokens``, and ``kd_loss`` / ``postshare_loss`` when enabled.
+  """
+  kd = objective.kd_beta > 0
+  lm_weight = 1.0 - objective.kd_beta
+
+  def micro_objective(params, mb, total_count, teacher_params):
+    model = nnx.merge(graphdef, params)
+    if kd:
+      logits, attn = model(mb["inputs"], mb["positions"], mb["segment_ids"], capture_attention=True)
+      teacher = nnx.merge(objective.teacher_graphdef, teacher_params)
+      _, t_attn = teacher(mb["inputs"], mb["positions"], mb["segment_ids"], capture_attention=True)
+      layers = np.asarray(objective.kd_layers)
+      kd_loss = distillation_loss(attn[layers], t_attn[layers], mb["segment_ids"], objective.kd_delta)
+    else:
+      logits = model(mb["inputs"], mb["positions"], mb["segment_ids"])
+      kd_loss = jnp.zeros((), jnp.float32)
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, mb["targets"])
+    lm_sum = jnp.sum(ce * mb["loss_mask"].astype(jnp.float32))
+    value = lm_weight * lm_sum / total_count + objective.kd_beta * kd_loss / grad_accum_steps
+    return value, (lm_sum, kd_loss)
+
+  grad_fn = jax.value_and_grad(micro_objective, has_aux=True)
+
+  def step(state: TrainState, batch: Batch, teacher_params: dict | None = None) -> tuple[TrainState, dict]:
+    params = state["params"]
+    total_count = jnp.maximum(jnp.sum(batch["loss_mask"].astype(jnp.float32)), 1.0)
+    if grad_accum_steps == 1:
+      (value, (lm_sum, kd_loss)), grads = grad_fn(params, batch, total_count, teacher_params)
+    else:
+      micro = jax.tree.map(lambda x: x.reshape(grad_accum_steps, -1, *x.shape[1:]), batch)
+
+      def body(acc, mb):
+        (v, (ls, kl)), g = grad_fn(params, mb, total_count, teacher_params)
+        return jax.tree.map(jnp.add, acc, (v, ls, kl, g)), None
+
+      zeros = (jnp.zeros((), jnp.float32),) * 3 + (jax.tree.map(jnp.zeros_like, params),)
+      (value, lm_sum, kd_loss, grads), _ = jax.lax.scan(body, zeros, micro)
+      kd_loss = kd_loss / grad_accum_steps
+    metrics = {"loss": lm_sum / total_count, "tokens": total_count}
+    if kd:
+      metrics["kd_loss"] = kd_loss
+    if objective.postshare_gamma > 0:
+      penalty, penalty_grads = jax.value_and_grad(postshare_penalty)(params, objective.schedule,
+                                                                    objective.postshare_pairs)
+      grads = jax.tree.map(lambda g, p: g + objective.postshare_gamma * p, grads, penalty_grads)
+      value = value + objective.postshare_gamma * penalty
+      metrics["postshare_loss"] = penalty
+    updates, opt_state = tx.update(grads, state["opt_state"], params)
+    new_state = {"params": optax.apply_updates(params, updates), "opt_state": opt_state, "step": state["step"] + 1}
+    metrics.update(objective=value, grad_norm=optax.tree.norm(grads), lr=lr_schedule(state["step"]))
+    return new_state, metrics
+
+  return step
 
 
 def token_losses(graphdef: nnx.GraphDef, params: dict, batch: Batch) -> tuple[jax.Array, jax.Array]:
@@ -22,44 +141,10 @@ def token_losses(graphdef: nnx.GraphDef, params: dict, batch: Batch) -> tuple[ja
   Returns:
     ``(sum_loss float32 scalar, count float32 scalar)``.
   """
-  model = nnx.merge(graphdef, params)
-  logits = model(batch["inputs"], batch["positions"], batch["segment_ids"])
+  logits = nnx.merge(graphdef, params)(batch["inputs"], batch["positions"], batch["segment_ids"])
   ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
   mask = batch["loss_mask"].astype(jnp.float32)
   return jnp.sum(ce * mask), jnp.sum(mask)
-
-
-def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, lr_schedule: optax.Schedule,
-                    grad_accum_steps: int) -> Callable[[TrainState, Batch], tuple[TrainState, dict]]:
-  """A pure train step ``(state, batch) -> (state, metrics)``, to be wrapped in ``jax.jit``.
-
-  With ``grad_accum_steps = A`` the batch is split into A micro-batches whose gradients are summed in a
-  ``lax.scan`` and normalised by the total number of target tokens, so the update equals the one-shot step's.
-  """
-  grad_fn = jax.value_and_grad(lambda p, b: token_losses(graphdef, p, b), has_aux=True)
-
-  def step(state: TrainState, batch: Batch) -> tuple[TrainState, dict]:
-    params = state["params"]
-    if grad_accum_steps == 1:
-      (loss_sum, count), grads = grad_fn(params, batch)
-    else:
-      micro = jax.tree.map(lambda x: x.reshape(grad_accum_steps, -1, *x.shape[1:]), batch)
-
-      def body(acc, mb):
-        (ls, c), g = grad_fn(params, mb)
-        return jax.tree.map(jnp.add, acc, (ls, c, g)), None
-
-      zeros = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
-      (loss_sum, count, grads), _ = jax.lax.scan(body, zeros, micro)
-    count = jnp.maximum(count, 1.0)
-    grads = jax.tree.map(lambda g: g / count, grads)
-    updates, opt_state = tx.update(grads, state["opt_state"], params)
-    new_state = {"params": optax.apply_updates(params, updates), "opt_state": opt_state, "step": state["step"] + 1}
-    metrics = {"loss": loss_sum / count, "grad_norm": optax.tree.norm(grads), "lr": lr_schedule(state["step"]),
-               "tokens": count}
-    return new_state, metrics
-
-  return step
 
 
 def make_eval_step(graphdef: nnx.GraphDef) -> Callable[[dict, Batch], tuple[jax.Array, jax.Array]]:
