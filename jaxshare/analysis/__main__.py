@@ -31,11 +31,10 @@ from flax import nnx
 from jaxshare.analysis import plots, similarity
 from jaxshare.config import ConfigError
 from jaxshare.data import DataError, make_tokenizer
-from jaxshare.evaluation.evaluate import load_run
 from jaxshare.model.params import layer_params
 from jaxshare.schedule import Schedule
 from jaxshare.train.checkpoint import CheckpointError
-from jaxshare.train.state import RunSetup
+from jaxshare.train.state import RunSetup, load_run
 
 
 class AnalysisError(Exception):
