@@ -38,8 +38,9 @@ def _dense(p, x, spec):
   return y + p["bias"] if p.get("bias") is not None else y
 
 
-def forward(cfg: ModelConfig, schedule: Schedule, params: dict, tokens, positions=None, segment_ids=None):
-  """float64 logits ``[B, T, V]``."""
+def forward(cfg: ModelConfig, schedule: Schedule, params: dict, tokens, positions=None, segment_ids=None,
+            lisa_rope: bool = False):
+  """float64 logits ``[B, T, V]`` (``lisa_rope``: RoPE on LISA's low-rank Q/K)."""
   tokens = np.asarray(tokens)
   b, t = tokens.shape
   pos = np.broadcast_to(np.arange(t), (b, t)) if positions is None else np.asarray(positions)
@@ -74,7 +75,10 @@ def forward(cfg: ModelConfig, schedule: Schedule, params: dict, tokens, position
       if plan.integrator != "none":
         r = schedule.lisa_rank
         q_lr = _dense(p["attn"]["q_lr"], h, "btd,dhk->bthk")
-        k_lr = np.repeat(_dense(p["attn"]["k_lr"], h, "btd,dgk->btgk"), rep, axis=2)
+        k_lr = _dense(p["attn"]["k_lr"], h, "btd,dgk->btgk")
+        if lisa_rope:
+          q_lr, k_lr = (_rope(z, pos, cfg.rope_theta, r - r % 2) for z in (q_lr, k_lr))
+        k_lr = np.repeat(k_lr, rep, axis=2)
         delta = np.einsum("bthk,bshk->bhts", q_lr, k_lr) / math.sqrt(r)
         z = np.concatenate([logits, delta], axis=1)  # [B, 2H, T, S]
         if plan.integrator == "add":

@@ -26,11 +26,12 @@ SCORE_SCHEDULES = {
   "lisa_linear": ["schedule.kind=lisa", "schedule.lisa.layers=[2,3]", "schedule.lisa.integrator=linear"],
   "lisa_plus": ["schedule.kind=lisa_plus", "schedule.lisa.layers=[1,2,3]"],
   "ds": ["schedule.kind=ds", "schedule.lisa.layers=[2,3]"],
+  "lisa_plus_rope": ["schedule.kind=lisa_plus", "schedule.lisa.layers=[1,3]", "schedule.lisa.rope=true"],
   "gqa_lisa_plus": ["schedule.kind=gqa+lisa_plus", "schedule.kv_heads=2", "schedule.lisa.layers=[2]"],
   "cla_uniattn": ["model.num_layers=6", "schedule.kind=cla+uniattn", "schedule.producers=[0,2,3,4,5]",
                   "schedule.uniattn.start=2", "schedule.uniattn.block_size=2"],
 }
-RECOMPUTABLE = ["sa_reference_code", "sa_paper", "uniattn", "lisa_plus", "ds", "gqa_lisa_plus", "cla_uniattn"]
+RECOMPUTABLE = ["sa_reference_code", "sa_paper", "uniattn", "lisa_plus", "lisa_plus_rope", "ds", "gqa_lisa_plus", "cla_uniattn"]
 
 
 @pytest.mark.parametrize("name", sorted(SCORE_SCHEDULES))
@@ -43,7 +44,7 @@ def test_matches_numpy_reference(name):
   assert any(p.score_reuse for p in schedule.layers)
   x = tokens()
   ours = np.asarray(nnx.merge(graphdef, params)(x))
-  ref = reference_numpy.forward(cfg.model, schedule, jax.device_get(params), x)
+  ref = reference_numpy.forward(cfg.model, schedule, jax.device_get(params), x, lisa_rope=cfg.schedule.lisa.rope)
   np.testing.assert_allclose(ours, ref, atol=3e-4, rtol=3e-4)
 
 

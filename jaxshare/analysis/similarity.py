@@ -87,14 +87,7 @@ def js_divergence_matrix(probs: np.ndarray) -> np.ndarray:
   Returns:
     ``[L, L]`` float64, symmetric, zero diagonal.
   """
-  probs = _check_probs(probs, 1)
-  mean = probs.mean(axis=2)  # [L, B, T, T]
-  n = mean.shape[0]
-  out = np.zeros((n, n))
-  for i in range(n):
-    for j in range(i + 1, n):
-      out[i, j] = out[j, i] = js_divergence(mean[i], mean[j]).mean()
-  return out
+  return _layer_pairs(probs, 0.0, lambda a, b: js_divergence(a, b).mean())
 
 
 def head_js_matrix(p_n: np.ndarray, p_prev: np.ndarray) -> np.ndarray:
@@ -181,13 +174,17 @@ def cosine_matrix(probs: np.ndarray) -> np.ndarray:
   Returns:
     ``[L, L]`` float64, symmetric, unit diagonal.
   """
-  probs = _check_probs(probs, 1)
-  mean = probs.mean(axis=2)  # [L, B, T, T]
+  return _layer_pairs(probs, 1.0, _cosine_per_sample)
+
+
+def _layer_pairs(probs: np.ndarray, diagonal: float, metric) -> np.ndarray:
+  """Symmetric ``[L, L]`` matrix of ``metric`` between head-averaged layers (``[B, T, T]`` each)."""
+  mean = _check_probs(probs, 1).mean(axis=2)  # [L, B, T, T]
   n = mean.shape[0]
-  out = np.eye(n)
+  out = np.full((n, n), diagonal)
   for i in range(n):
     for j in range(i + 1, n):
-      out[i, j] = out[j, i] = _cosine_per_sample(mean[i], mean[j])
+      out[i, j] = out[j, i] = metric(mean[i], mean[j])
   return out
 
 
