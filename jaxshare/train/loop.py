@@ -105,7 +105,9 @@ class _Stage1Monitor:
     return self.since_best >= self.patience or self.steps >= self.max_steps
 
 
-def _objective(cfg: Config, setup: RunSetup, teacher: RunSetup | None) -> Objective:
+def _objective(cfg: Config, setup: RunSetup, teacher: RunSetup | None, teacher_params: dict | None) -> Objective:
+  """The auxiliary losses of ``cfg``; PostShare's pairs are selected on the pretrained weights (``init_from``) or,
+  from scratch, on the initial ones."""
   t = cfg.train
   kd_layers = tuple(p.index for p in setup.schedule.layers if p.score_reuse == "logits")
   if t.kd_beta > 0 and not kd_layers:
@@ -118,8 +120,11 @@ def _objective(cfg: Config, setup: RunSetup, teacher: RunSetup | None) -> Object
       raise ConfigError(f"train.postshare_gamma={t.postshare_gamma} needs an untied dense MHA model; schedule.kind="
                         f"{cfg.schedule.kind!r} is not")
     n = tied_head_count(cfg.model, t.postshare_ratio)
-    pairs = direct_share(dense_kernels(jax.device_get(initial_params(setup, t.seed)), setup.schedule,
-                                       cfg.model.num_layers), n, cfg.schedule.headwise.match)
+    if teacher is not None:
+      weights = dense_kernels(jax.device_get(teacher_params), teacher.schedule, cfg.model.num_layers)
+    else:
+      weights = dense_kernels(jax.device_get(initial_params(setup, t.seed)), setup.schedule, cfg.model.num_layers)
+    pairs = direct_share(weights, n, cfg.schedule.headwise.match)
   return Objective(kd_beta=t.kd_beta, kd_delta=t.kd_delta, kd_layers=kd_layers,
                    teacher_graphdef=teacher.graphdef if teacher is not None else None,
                    postshare_gamma=t.postshare_gamma, postshare_pairs=pairs, schedule=setup.schedule)
@@ -187,7 +192,7 @@ def train(cfg: Config, *, mesh=None, stop_after: int | None = None) -> dict[str,
   start = int(jax.device_get(state["step"]))
   teacher_params = source_params if tcfg.kd_beta > 0 else None
   teacher_shardings = parallel.param_shardings(source.abstract_params, mesh) if teacher_params is not None else None
-  objective = _objective(cfg, setup, source)
+  objective = _objective(cfg, setup, source, source_params)
   step_fn = _jit_step(setup, objective, teacher_shardings)
   eval_fn = jax.jit(make_eval_step(setup.graphdef), in_shardings=(setup.param_shardings, setup.batch_sharding))
 
