@@ -3,7 +3,7 @@
 import pytest
 
 from jaxshare import accounting
-from jaxshare.config import HeadwiseConfig, LisaConfig, ModelConfig, SAConfig, ScheduleConfig, UniAttnConfig
+from jaxshare.config import HeadwiseConfig, LisaConfig, ModelConfig, SAConfig, ScheduleConfig
 from jaxshare.schedule import compile_schedule
 
 LLAMA2_7B = ModelConfig(vocab_size=32000, num_layers=32, d_model=4096, num_heads=32, mlp_dim=11008)

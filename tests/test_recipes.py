@@ -13,7 +13,7 @@ from jaxshare.model.params import layer_params
 from jaxshare.schedule import compile_schedule
 from jaxshare.train.checkpoint import Checkpointer
 from jaxshare.train.loop import train
-from jaxshare.train.state import abstract_state, load_run, setup_run, trainable_for
+from jaxshare.train.state import initial_params, load_run, setup_run, trainable_for
 from jaxshare.train.step import distillation_loss, postshare_penalty
 
 
@@ -75,8 +75,7 @@ def test_lisa_uptraining_with_distillation_trains_only_new_modules(teacher, tmp_
 def test_postshare_penalty_pulls_matched_heads_together(tmp_path):
   cfg = tiny_config()
   setup = setup_run(cfg)
-  params = jax.device_get(jax.jit(lambda: __import__("jaxshare.train.state", fromlist=["x"]).initial_params(
-    setup, 0))())
+  params = jax.device_get(jax.jit(lambda: initial_params(setup, 0))())
   weights = {m: np.stack([layer_params(params, setup.schedule, l)["attn"][f"{m}_proj"]["kernel"] for l in range(4)])
              for m in "qkv"}
   pairs = direct_share(weights, 3, "qk")

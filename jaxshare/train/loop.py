@@ -14,12 +14,11 @@ import numpy as np
 from jaxshare import accounting, parallel
 from jaxshare.config import Config, ConfigError, config_from_yaml_text, to_yaml
 from jaxshare.data import Datasets
-from jaxshare.headwise import dense_kernels, direct_share
-from jaxshare.schedule import tied_head_count
 from jaxshare.train.checkpoint import Checkpointer
 from jaxshare.train.metrics import MetricsLogger, peak_tflops_per_device
-from jaxshare.train.state import (RunSetup, abstract_state, init_state, initial_params, load_run, setup_run,
-                                  shard_batch, trainable_for)
+from jaxshare.train.recipes import Stage1Monitor, build_objective
+from jaxshare.train.state import (RunSetup, abstract_state, init_state, load_run, setup_run, shard_batch,
+                                  trainable_for)
 from jaxshare.train.step import Objective, make_eval_step, make_train_step
 
 # Fields a resumed run must share with the run that wrote its checkpoints (the rest, e.g. train.steps, may change).
@@ -77,57 +76,6 @@ def evaluate_loss(eval_fn, setup: RunSetup, params, data: Datasets, max_batches:
     s, c = eval_fn(params, shard_batch(setup, batch))
     total, count = total + float(s), count + float(c)
   return total / max(count, 1.0)
-
-
-class _Stage1Monitor:
-  """UniAttn stage 1's early stopping: an EMA of the training loss that must keep reaching new minima."""
-
-  def __init__(self, decay: float, patience: int, max_steps: int):
-    self.decay, self.patience, self.max_steps = decay, patience, max_steps
-    self.ema: float | None = None
-    self.best, self.since_best, self.steps = float("inf"), 0, 0
-
-  def state(self) -> dict:
-    return {"ema": self.ema, "best": self.best, "since_best": self.since_best, "steps": self.steps}
-
-  def load(self, state: dict) -> None:
-    self.ema, self.best = state["ema"], state["best"]
-    self.since_best, self.steps = state["since_best"], state["steps"]
-
-  def update(self, loss: float) -> bool:
-    """Record one step's loss; True when stage 1 should end."""
-    self.ema = loss if self.ema is None else self.decay * self.ema + (1 - self.decay) * loss
-    self.steps += 1
-    if self.ema < self.best:
-      self.best, self.since_best = self.ema, 0
-    else:
-      self.since_best += 1
-    return self.since_best >= self.patience or self.steps >= self.max_steps
-
-
-def _objective(cfg: Config, setup: RunSetup, teacher: RunSetup | None, teacher_params: dict | None) -> Objective:
-  """The auxiliary losses of ``cfg``; PostShare's pairs are selected on the pretrained weights (``init_from``) or,
-  from scratch, on the initial ones."""
-  t = cfg.train
-  kd_layers = tuple(p.index for p in setup.schedule.layers if p.score_reuse == "logits")
-  if t.kd_beta > 0 and not kd_layers:
-    raise ConfigError(f"train.kd_beta={t.kd_beta} distils attention logits on LISA layers, but schedule.kind="
-                      f"{cfg.schedule.kind!r} has none")
-  pairs = None
-  if t.postshare_gamma > 0:
-    if any(not (p.is_producer and p.has_query_key and p.num_kv_heads == cfg.model.num_heads)
-           for p in setup.schedule.layers) or setup.ties is not None:
-      raise ConfigError(f"train.postshare_gamma={t.postshare_gamma} needs an untied dense MHA model; schedule.kind="
-                        f"{cfg.schedule.kind!r} is not")
-    n = tied_head_count(cfg.model, t.postshare_ratio)
-    if teacher is not None:
-      weights = dense_kernels(jax.device_get(teacher_params), teacher.schedule, cfg.model.num_layers)
-    else:
-      weights = dense_kernels(jax.device_get(initial_params(setup, t.seed)), setup.schedule, cfg.model.num_layers)
-    pairs = direct_share(weights, n, cfg.schedule.headwise.match)
-  return Objective(kd_beta=t.kd_beta, kd_delta=t.kd_delta, kd_layers=kd_layers,
-                   teacher_graphdef=teacher.graphdef if teacher is not None else None,
-                   postshare_gamma=t.postshare_gamma, postshare_pairs=pairs, schedule=setup.schedule)
 
 
 def _jit_step(setup: RunSetup, objective: Objective, teacher_shardings):
@@ -192,7 +140,7 @@ def train(cfg: Config, *, mesh=None, stop_after: int | None = None) -> dict[str,
   start = int(jax.device_get(state["step"]))
   teacher_params = source_params if tcfg.kd_beta > 0 else None
   teacher_shardings = parallel.param_shardings(source.abstract_params, mesh) if teacher_params is not None else None
-  objective = _objective(cfg, setup, source, source_params)
+  objective = build_objective(cfg, setup, source, source_params)
   step_fn = _jit_step(setup, objective, teacher_shardings)
   eval_fn = jax.jit(make_eval_step(setup.graphdef), in_shardings=(setup.param_shardings, setup.batch_sharding))
 
@@ -213,7 +161,7 @@ def train(cfg: Config, *, mesh=None, stop_after: int | None = None) -> dict[str,
 
   summary: dict[str, Any] = {"run_dir": str(run_dir), "num_params": setup.num_params,
                              "trainable_params": setup.num_trainable, "kv_bytes_per_token": kv_bytes, "step": start}
-  monitor = _Stage1Monitor(tcfg.stage1_ema, tcfg.stage1_patience, tcfg.stage1_max_steps)
+  monitor = Stage1Monitor(tcfg.stage1_ema, tcfg.stage1_patience, tcfg.stage1_max_steps)
   if "stage1" in meta:  # resume early stopping exactly where it was
     monitor.load(meta["stage1"])
   pending: list[dict] = []
