@@ -39,8 +39,9 @@ def _dense(p, x, spec):
 
 
 def forward(cfg: ModelConfig, schedule: Schedule, params: dict, tokens, positions=None, segment_ids=None,
-            lisa_rope: bool = False):
-  """float64 logits ``[B, T, V]`` (``lisa_rope``: RoPE on LISA's low-rank Q/K)."""
+            lisa_rope: bool = False, wc_normed: bool = False):
+  """float64 logits ``[B, T, V]`` (``lisa_rope``: RoPE on LISA's low-rank Q/K; ``wc_normed``: UniAttn's W_c reads
+  Norm(x) instead of x)."""
   tokens = np.asarray(tokens)
   b, t = tokens.shape
   pos = np.broadcast_to(np.arange(t), (b, t)) if positions is None else np.asarray(positions)
@@ -96,7 +97,7 @@ def forward(cfg: ModelConfig, schedule: Schedule, params: dict, tokens, position
     logits_of[plan.index], probs_of[plan.index] = logits, probs
     a = _dense(p["attn"]["o_proj"], np.einsum("bhts,bshk->bthk", probs, v), "bthk,hkd->btd")
     if plan.compensation:
-      a = a + (x @ p["compensation"]["kernel"])
+      a = a + ((h if wc_normed else x) @ p["compensation"]["kernel"])
 
     def mlp(z):
       if cfg.flavor == "llama":

@@ -36,15 +36,13 @@ RECOMPUTABLE = ["sa_reference_code", "sa_paper", "uniattn", "lisa_plus", "lisa_p
 
 @pytest.mark.parametrize("name", sorted(SCORE_SCHEDULES))
 def test_matches_numpy_reference(name):
-  overrides = SCORE_SCHEDULES[name]
-  if name == "uniattn_normed":
-    pytest.skip("the NumPy reference implements the paper's residual W_c input only")
-  cfg = tiny_config(*overrides)
+  cfg = tiny_config(*SCORE_SCHEDULES[name])
   schedule, graphdef, params = randomized(cfg)
   assert any(p.score_reuse for p in schedule.layers)
   x = tokens()
   ours = np.asarray(nnx.merge(graphdef, params)(x))
-  ref = reference_numpy.forward(cfg.model, schedule, jax.device_get(params), x, lisa_rope=cfg.schedule.lisa.rope)
+  ref = reference_numpy.forward(cfg.model, schedule, jax.device_get(params), x, lisa_rope=cfg.schedule.lisa.rope,
+                                wc_normed=cfg.schedule.uniattn.wc_input == "normed")
   np.testing.assert_allclose(ours, ref, atol=3e-4, rtol=3e-4)
 
 
