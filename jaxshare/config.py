@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -284,15 +285,12 @@ def _friendly(e: OmegaConfBaseException) -> str:
 
 def _field_type(dotted: str) -> Any:
   """The annotated type of a dotted config field, or None if there is no such field."""
-  cls: Any = Config
-  ftype = None
+  ftype: Any = Config
   for part in dotted.split("."):
-    fields = {f.name: f for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else {}
-    if part not in fields:
+    hints = typing.get_type_hints(ftype) if dataclasses.is_dataclass(ftype) else {}
+    if part not in hints:
       return None
-    ftype = fields[part].type
-    ftype = eval(ftype, globals()) if isinstance(ftype, str) else ftype  # annotations are strings here
-    cls = ftype
+    ftype = hints[part]
   return ftype
 
 

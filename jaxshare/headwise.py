@@ -137,25 +137,16 @@ def dense_kernels(params: dict, schedule, num_layers: int) -> dict[str, np.ndarr
 def tied_params_from_dense(dense_params: dict, template: dict, ties: HeadTies, schedule) -> dict:
   """DirectShare conversion: the head-wise model's parameters from a dense model's (same other shapes).
 
-  Every parameter the two models share by path is copied; the head table takes each representative head's
-  W_q, W_k, W_v. Works on traced arrays (the row choice is static).
+  Every parameter the two models share is copied (:func:`~jaxshare.model.params.copy_shared_weights`); the head
+  table takes each representative head's W_q, W_k, W_v. Works on traced arrays (the row choice is static).
   """
-  import jax
   import jax.numpy as jnp
 
-  from jaxshare.model.params import layer_params
+  from jaxshare.model.params import copy_shared_weights, layer_params
 
   L = len(ties.index["q"])
   per_layer = [layer_params(dense_params, schedule, layer)["attn"] for layer in range(L)]
-  table = {m: jnp.stack([per_layer[l][f"{m}_proj"]["kernel"][:, h, :] for l, h in ties.rows[m]]) for m in MATRICES}
-  flat = {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_leaves_with_path(dense_params)}
-
-  def pick(path, leaf):
-    key = jax.tree_util.keystr(path)
-    if key.startswith("['head_table']"):
-      return table[path[1].key].astype(leaf.dtype)
-    if key not in flat or flat[key].shape != leaf.shape:
-      raise ValueError(f"dense parameters lack {key} with shape {leaf.shape}")
-    return flat[key]
-
-  return jax.tree_util.tree_map_with_path(pick, template)
+  table = {m: jnp.stack([per_layer[l][f"{m}_proj"]["kernel"][:, h, :] for l, h in ties.rows[m]]).astype(
+    template["head_table"][m].dtype) for m in MATRICES}
+  # both models are all-dense-layer stacks of one segment, so they share the superblock grouping
+  return {**copy_shared_weights(dense_params, schedule, template, schedule), "head_table": table}

@@ -14,6 +14,7 @@ from flax import nnx
 import reference_numpy
 from conftest import tiny_config
 from jaxshare import accounting
+from jaxshare.model.params import copy_shared_weights
 from test_model import randomized, tokens
 
 SCORE_SCHEDULES = {
@@ -94,23 +95,15 @@ def test_recompute_keeps_no_score_tensor_per_consumer():
   assert counts["materialize"] > counts["recompute"]
 
 
-def _copy_shared(src_params, dst_params):
-  """dst with every leaf that also exists in src (same path and shape) taken from src."""
-  flat_src = {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_leaves_with_path(src_params)}
-  return jax.tree_util.tree_map_with_path(
-    lambda k, v: flat_src.get(jax.tree_util.keystr(k), v) if flat_src.get(jax.tree_util.keystr(k), v).shape ==
-    v.shape else v, dst_params)
-
-
 def test_lisa_plus_with_zero_delta_equals_ds_equals_sa():
   x = tokens()
   sa_cfg = tiny_config("schedule.kind=sa", "schedule.sa.start=2", "schedule.sa.end=2")  # layer 2 reuses layer 1
   ds_cfg = tiny_config("schedule.kind=ds", "schedule.lisa.layers=[2]")
   lp_cfg = tiny_config("schedule.kind=lisa_plus", "schedule.lisa.layers=[2]")
-  _, sa_gd, sa_p = randomized(sa_cfg)
-  _, ds_gd, ds_p = randomized(ds_cfg, seed=3)
-  _, lp_gd, lp_p = randomized(lp_cfg, seed=4)
-  ds_p, lp_p = _copy_shared(sa_p, ds_p), _copy_shared(sa_p, lp_p)
+  sa_s, sa_gd, sa_p = randomized(sa_cfg)
+  ds_s, ds_gd, ds_p = randomized(ds_cfg, seed=3)
+  lp_s, lp_gd, lp_p = randomized(lp_cfg, seed=4)
+  ds_p, lp_p = copy_shared_weights(sa_p, sa_s, ds_p, ds_s), copy_shared_weights(sa_p, sa_s, lp_p, lp_s)
   lp_p = jax.tree_util.tree_map_with_path(
     lambda k, v: jnp.zeros_like(v) if "q_lr" in jax.tree_util.keystr(k) else v, lp_p)
   a = np.asarray(nnx.merge(sa_gd, sa_p)(x))

@@ -86,7 +86,10 @@ def attention_from_lse(q: jax.Array, k: jax.Array, lse: jax.Array, v: jax.Array,
   reduction; under ``jax.checkpoint`` (as the model uses it) nothing of size ``[B, H, T, S]`` is kept for the
   backward pass. Shapes as :func:`attention`, ``lse [B, H, T]``.
   """
-  logits = scores(q, k, scale)
-  mask = attention_mask(q_segment_ids, kv_segment_ids, causal)[:, None]
-  probs = jnp.where(mask, jnp.exp(logits - lse[..., None]), 0.0)
+  probs = probs_from_lse(q, k, lse, attention_mask(q_segment_ids, kv_segment_ids, causal), scale)
   return apply_probs(probs, v, v.dtype)
+
+
+def probs_from_lse(q: jax.Array, k: jax.Array, lse: jax.Array, mask: jax.Array, scale: float) -> jax.Array:
+  """Softmax probabilities ``[B, H, T, S]`` recomputed from Q, K and the log-sum-exp (no softmax reduction)."""
+  return jnp.where(mask[:, None], jnp.exp(scores(q, k, scale) - lse[..., None]), 0.0)

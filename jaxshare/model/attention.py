@@ -42,8 +42,7 @@ def source_probs(state: ScoreState, mask: jax.Array) -> jax.Array:
   if "probs" in state:
     return state["probs"]
   if "lse" in state:
-    logits = reference.scores(state["qf"], state["kf"], 1.0)
-    return jnp.where(mask[:, None], jnp.exp(logits - state["lse"][..., None]), 0.0)
+    return reference.probs_from_lse(state["qf"], state["kf"], state["lse"], mask, 1.0)
   return reference.masked_softmax(source_logits(state), mask)[0]
 
 
