@@ -137,7 +137,7 @@ class ScheduleConfig:
   producers: list = _f([], "cla: explicit sorted producer layer list starting at 0; overrides factor.")
   kv_layers: int = _f(0, "mlkv: number m of KV-owning layers (1 <= m <= num_layers).")
   placement: str = _f("reference_code", "mlkv owner placement: paper (MLKV Eq. 16-17, owner of layer n is "
-                      "floor(n/(L/m))) or reference_code ([0]+[int((i+1)*L/m) ...] from pythia-mlkv).",
+                      "floor(n/(L/m))) or reference_code ([0]+[int((i+1)*(L/m)) ...] from pythia-mlkv).",
                       ("paper", "reference_code"))
   sources: str = _f("", "explicit: per-layer KV source, LCKV style, e.g. '0_0_2_2' (layer i reads the K/V of "
                     "layer sources[i] <= i; a layer that is its own source produces).")

@@ -147,8 +147,9 @@ def mlkv_owners(num_layers: int, m: int, placement: str) -> list[int]:
   """The KV-owning layers of MLKV with m owners among L layers (0-based).
 
   ``paper``: MLKV Eq. 16-17, layer n uses KV set floor(n / (L/m)); each set's owner is its lowest layer.
-  ``reference_code``: pythia-mlkv's ``[0] + [int((i+1)*L/m) for i in range(m-1)]``.
-  The two agree whenever m divides L; for L=12, m=5 they give {0,3,5,8,10} and {0,2,4,7,9}.
+  ``reference_code``: pythia-mlkv's ``[0] + [int((i+1)*(L/m)) for i in range(m-1)]``, float quotient first as the
+  authors wrote it (``int((i+1)*L/m)`` differs for 101 pairs with L <= 128, e.g. L=30, m=22).
+  The two placements agree whenever m divides L; for L=12, m=5 they give {0,3,5,8,10} and {0,2,4,7,9}.
   """
   if placement == "paper":
     owners: list[int] = []
@@ -157,7 +158,7 @@ def mlkv_owners(num_layers: int, m: int, placement: str) -> list[int]:
         owners.append(n)
     return owners
   if placement == "reference_code":
-    return [0] + [int((i + 1) * num_layers / m) for i in range(m - 1)]
+    return [0] + [int((i + 1) * (num_layers / m)) for i in range(m - 1)]
   raise ScheduleError(f"schedule.placement={placement!r} is invalid: must be paper or reference_code")
 
 

@@ -39,6 +39,16 @@ def test_mlkv_owner_placements_follow_paper_and_reference_code():
     assert mlkv_owners(12, m, "paper") == mlkv_owners(12, m, "reference_code")
 
 
+def test_mlkv_reference_code_placement_is_the_authors_expression():
+  """pythia-mlkv computes ``int((i+1)*(L/m))``: the float quotient first. ``int((i+1)*L/m)`` differs for 101 of the
+  (L <= 128, m <= L) pairs, e.g. (30, 22), whose 12th owner is int(11 * (30/22)) = int(14.999...) = 14, not 15."""
+  for num_layers in range(1, 129):
+    for m in range(1, num_layers + 1):
+      authors = [0] + [int((i + 1) * (num_layers / m)) for i in range(m - 1)]
+      assert mlkv_owners(num_layers, m, "reference_code") == authors, (num_layers, m)
+  assert mlkv_owners(30, 22, "reference_code")[11] == 14
+
+
 def test_superblocks_and_segments():
   s = compile_schedule(ModelConfig(num_layers=12, num_heads=4, d_model=32),
                        sched(kind="mlkv", kv_layers=5, placement="reference_code"))
