@@ -133,12 +133,16 @@ def param_count(model: ModelConfig, schedule: Schedule, match_params: bool = Fal
   )
 
 
-def forward_flops_per_token(model: ModelConfig, schedule: Schedule, context_len: int,
-                            match_params: bool = False) -> int:
-  """Forward matmul FLOPs for one token attending to ``context_len`` keys (2 FLOPs per multiply-add).
+def forward_flops_per_token(model: ModelConfig, schedule: Schedule, context_len: float,
+                            match_params: bool = False) -> float:
+  """Forward matmul FLOPs for one token attending to ``context_len`` keys (2 FLOPs per multiply-add; elementwise
+  work such as norms, RoPE and the softmax is not counted).
 
-  K/V consumers skip the K/V projections (QKᵀ and AV are unchanged, MLKV Sec. 1.4); probability reuse skips the
-  Q/K projections and QKᵀ and adds W_c; LISA replaces them with rank-r ones plus the aligner per score cell.
+  Per layer: the O projection and the product of the probabilities with V (``2·H·d·ctx``) always; the V projection
+  on K/V producers; the Q projection, the K projection (producers) and QKᵀ (``2·H·d·ctx``) on layers that compute
+  their own scores. K/V consumers skip the K/V projections (MLKV Sec. 1.4); probability reuse skips Q, K and QKᵀ,
+  halving the context term, and adds W_c (UniAttn Eq. 5); LISA adds rank-r projections, a rank-r QKᵀ and, for the
+  ffn/linear integrators, the aligner applied to every score cell (LISA Eq. 3-4).
   """
   D, H, d = model.d_model, model.num_heads, model.resolved_head_dim
   r, hid = schedule.lisa_rank, schedule.lisa_hidden
@@ -146,7 +150,7 @@ def forward_flops_per_token(model: ModelConfig, schedule: Schedule, context_len:
   flops = 2 * model.vocab_size * D  # output projection
   for p in schedule.layers:
     g = p.num_kv_heads
-    flops += 2 * D * H * d + 2 * 2 * H * d * context_len  # o projection, AV
+    flops += 2 * H * d * D + 2 * H * d * context_len  # O projection, probabilities x V
     if p.is_producer:
       flops += 2 * D * g * d  # V
     if p.has_query_key:
@@ -163,13 +167,13 @@ def forward_flops_per_token(model: ModelConfig, schedule: Schedule, context_len:
   return flops
 
 
-def train_flops_per_token(model: ModelConfig, schedule: Schedule, seq_len: int, match_params: bool = False) -> int:
+def train_flops_per_token(model: ModelConfig, schedule: Schedule, seq_len: int, match_params: bool = False) -> float:
   """Training FLOPs per token (forward + backward = 3x forward), causal attention averaged over positions.
 
-  Used for MFU. Like PaLM's 6N + 12·L·H·d·T but with the causal average context (T+1)/2 and the schedule's
-  actual projections.
+  Used for MFU (model FLOPs: recomputation under remat or ``score_sharing=recompute`` is not counted). Like PaLM's
+  6N + 12·L·H·d·T but with the causal average context (T+1)/2 and the schedule's actual projections.
   """
-  return 3 * forward_flops_per_token(model, schedule, (seq_len + 1) // 2, match_params)
+  return 3 * forward_flops_per_token(model, schedule, (seq_len + 1) / 2, match_params)
 
 
 def lisa_memory_saving_bytes(model: ModelConfig, schedule: Schedule, seq_len: int, phase: str,

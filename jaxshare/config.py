@@ -214,7 +214,8 @@ class TrainConfig:
   eval_batches: int = _f(16, "Validation batches per pass (0: the whole validation split).")
   checkpoint_every: int = _f(500, "Steps between checkpoints (one is always written at the end).")
   keep_checkpoints: int = _f(2, "Checkpoints kept on disk.")
-  peak_tflops: float = _f(0.0, "Per-device peak TFLOP/s for MFU; 0 looks the device kind up.")
+  peak_tflops: float = _f(0.0, "Per-device peak TFLOP/s that MFU is reported against; 0: the vendor's dense bf16 "
+                          "peak of a known TPU/GPU, or on CPU the host's matmul roofline measured at start.")
   progress_bar: bool = _f(True, "Show a tqdm progress bar (log lines are printed either way).")
   init_from: str = _f("", "Uptraining: initialise from this run directory or checkpoint (e.g. a dense model): "
                       "every parameter with the same layer, name and shape is copied, new modules keep their "

@@ -142,7 +142,7 @@ def test_train_cli_rejects_bad_input_before_compiling(capsys, tmp_path):
 
 
 @pytest.mark.slow
-def test_short_real_run_lowers_loss(tmp_path, corpus):
+def test_short_real_run_lowers_loss(tmp_path, corpus, capsys):
   cfg = tiny_config("schedule.kind=cla", "model.d_model=64", "data.seq_len=64", "train.batch_size=16",
                     "train.steps=150", "train.warmup_steps=10", "train.eval_every=150", "train.eval_batches=8",
                     "train.log_every=10", f"train.run_dir={tmp_path}")
@@ -151,7 +151,9 @@ def test_short_real_run_lowers_loss(tmp_path, corpus):
   assert records[0]["loss"] > 3.5            # ~ln(256) = 5.5 at initialisation
   assert summary["val_loss"] < 2.7           # the model has learned character statistics
   assert records[-1]["loss"] < records[0]["loss"] - 1.5
-  assert all(r["tokens_per_sec"] > 0 and 0 < r["mfu"] for r in records)
+  assert all(r["tokens_per_sec"] > 0 and 0 < r["mfu"] < 1 for r in records)  # against the host's measured roofline
+  out = capsys.readouterr().out
+  assert "MFU against host matmul roofline" in out and "(host roofline)" in out
 
 
 def test_ctrl_c_saves_a_checkpoint_and_resumes(tmp_path):

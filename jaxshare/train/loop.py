@@ -15,7 +15,7 @@ from jaxshare import accounting, parallel
 from jaxshare.config import Config, ConfigError, config_from_yaml_text, to_yaml
 from jaxshare.data import Datasets
 from jaxshare.train.checkpoint import Checkpointer
-from jaxshare.train.metrics import MetricsLogger, peak_tflops_per_device
+from jaxshare.train.metrics import MetricsLogger, resolve_peak
 from jaxshare.train.recipes import Stage1Monitor, build_objective
 from jaxshare.train.state import (RunSetup, abstract_state, init_state, load_run, setup_run, shard_batch,
                                   trainable_for)
@@ -147,7 +147,7 @@ def train(cfg: Config, *, mesh=None, stop_after: int | None = None) -> dict[str,
   n_dev = setup.mesh.size
   flops_per_token = accounting.train_flops_per_token(cfg.model, setup.schedule, cfg.data.seq_len,
                                                      cfg.schedule.match_params)
-  peak = peak_tflops_per_device(tcfg.peak_tflops) * 1e12 * n_dev
+  peak = resolve_peak(tcfg.peak_tflops, n_dev, cfg.model.dtype)
   kv_bytes = accounting.kv_cache_bytes_per_token(cfg.model, setup.schedule,
                                                  2 if cfg.model.dtype == "bfloat16" else 4)
   log = MetricsLogger(run_dir, tcfg.steps, start, tcfg.progress_bar)
@@ -158,9 +158,12 @@ def train(cfg: Config, *, mesh=None, stop_after: int | None = None) -> dict[str,
             + (f"resumed at step {start}" if latest is not None else
                f"initialised from {tcfg.init_from}" if source is not None else "fresh start")
             + (f" | recipe {tcfg.recipe}, stage {stage}" if two_stage else ""))
+  log.print(f"MFU against {peak.label}; {flops_per_token / 1e6:.2f} MFLOP per trained token (model FLOPs)"
+            if peak is not None else "MFU not shown: unknown accelerator peak (set train.peak_tflops)")
 
   summary: dict[str, Any] = {"run_dir": str(run_dir), "num_params": setup.num_params,
-                             "trainable_params": setup.num_trainable, "kv_bytes_per_token": kv_bytes, "step": start}
+                             "trainable_params": setup.num_trainable, "kv_bytes_per_token": kv_bytes, "step": start,
+                             "mfu_peak": None if peak is None else peak.label}
   monitor = Stage1Monitor(tcfg.stage1_ema, tcfg.stage1_patience, tcfg.stage1_max_steps)
   if "stage1" in meta:  # resume early stopping exactly where it was
     monitor.load(meta["stage1"])
@@ -198,7 +201,9 @@ def train(cfg: Config, *, mesh=None, stop_after: int | None = None) -> dict[str,
         record = {"step": step, "loss": float(np.mean([m["loss"] for m in host])),
                   "lr": float(host[-1]["lr"]), "grad_norm": float(host[-1]["grad_norm"]),
                   "tokens_per_sec": tps, "step_time": dt / len(host),
-                  "mfu": flops_per_token * tps / peak, "trainable_params": setup.num_trainable}
+                  "trainable_params": setup.num_trainable}
+        if peak is not None:
+          record["mfu"] = flops_per_token * tps / peak.flops_per_sec
         for key in ("kd_loss", "postshare_loss"):
           if key in host[-1]:
             record[key] = float(np.mean([m[key] for m in host]))
@@ -211,11 +216,12 @@ def train(cfg: Config, *, mesh=None, stop_after: int | None = None) -> dict[str,
           t_last = time.perf_counter()  # keep validation out of the next interval's throughput
         log.write(record)
         log.advance(0, record["loss"])
+        mfu = "" if peak is None else f" | MFU {100 * record['mfu']:.1f}%" + (f" ({peak.tag})" if peak.tag else "")
         log.print(f"step {step:>6}/{tcfg.steps} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
-                  f"{tps:,.0f} tok/s | {record['step_time'] * 1e3:.0f} ms/step | MFU {100 * record['mfu']:.1f}%"
+                  f"{tps:,.0f} tok/s | {record['step_time'] * 1e3:.0f} ms/step{mfu}"
                   + "".join(f" | {k} {record[k]:.4f}" for k in ("kd_loss", "postshare_loss", "val_loss")
                             if k in record))
-        summary.update(loss=record["loss"], tokens_per_sec=tps)
+        summary.update(loss=record["loss"], tokens_per_sec=tps, mfu=record.get("mfu"))
       if step % tcfg.checkpoint_every == 0 or is_last:
         save(step)
     if step < tcfg.steps and step % tcfg.checkpoint_every:

@@ -2,29 +2,72 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 import math
+import time
 from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from tqdm.auto import tqdm
 
 # Dense bf16 peak TFLOP/s per device, by substring of jax's device_kind (MaxText's and vendors' figures).
 _PEAK_TFLOPS = (("v6 lite", 918.0), ("v6e", 918.0), ("v5 lite", 197.0), ("v5e", 197.0), ("v5p", 459.0),
                 ("v5", 459.0), ("v4", 275.0), ("h200", 989.0), ("h100", 989.0), ("a100", 312.0), ("l4", 121.0))
-CPU_NOMINAL_TFLOPS = 0.1  # 2 AVX-512 cores sustain ~0.06-0.085 TFLOP/s in fp32 matmuls (measured)
 
 
-def peak_tflops_per_device(configured: float = 0.0) -> float:
-  """Peak TFLOP/s of one device: the configured value, else a lookup by device kind (CPU: nominal 0.1)."""
-  if configured > 0:
-    return configured
-  kind = jax.devices()[0].device_kind.lower()
+@dataclasses.dataclass(frozen=True)
+class Peak:
+  """What MFU divides by.
+
+  Attributes:
+    flops_per_sec: peak FLOP/s of everything one train step runs on (all devices together).
+    label: where the figure comes from, printed once in the run header.
+    tag: a word or two printed beside every MFU figure ("" for a vendor peak, "host roofline", "configured peak").
+  """
+
+  flops_per_sec: float
+  label: str
+  tag: str
+
+
+@functools.cache
+def host_matmul_flops(dtype: str = "float32", n: int = 1536, repeats: int = 5) -> float:
+  """FLOP/s of the best of ``repeats`` jitted ``n x n`` matmuls in ``dtype`` on the first device: the host's
+  practical matmul roofline (measured once per process; ~0.5 s on 2 cores)."""
+  a = jax.random.normal(jax.random.key(0), (n, n), jnp.dtype(dtype))
+  matmul = jax.jit(lambda x, y: x @ y)
+  matmul(a, a).block_until_ready()
+  best = float("inf")
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    matmul(a, a).block_until_ready()
+    best = min(best, time.perf_counter() - t0)
+  return 2 * n ** 3 / best
+
+
+def resolve_peak(configured_tflops: float, num_devices: int, dtype: str) -> Peak | None:
+  """The peak MFU is reported against: ``train.peak_tflops`` per device when set; else the vendor's dense bf16
+  peak of a known accelerator (TPU v4-v6, H100/H200, A100, L4); else, on CPU, the host's matmul roofline in the
+  compute dtype, measured (all CPU devices share the host's cores, so it is not multiplied by their count). None
+  (MFU not shown) for an unknown accelerator."""
+  if configured_tflops > 0:
+    return Peak(configured_tflops * 1e12 * num_devices,
+                f"train.peak_tflops={configured_tflops:g} TFLOP/s x {num_devices} device(s)", "configured peak")
+  device = jax.devices()[0]
+  kind = device.device_kind.lower()
   for key, tflops in _PEAK_TFLOPS:
     if key in kind:
-      return tflops
-  return CPU_NOMINAL_TFLOPS
+      return Peak(tflops * 1e12 * num_devices, f"{device.device_kind} dense bf16 peak {tflops:g} TFLOP/s x "
+                  f"{num_devices} device(s)", "")
+  if device.platform == "cpu":
+    flops = host_matmul_flops(dtype)
+    return Peak(flops, f"host matmul roofline {flops / 1e12:.3f} TFLOP/s ({dtype} {1536}^3 matmul, measured)",
+                "host roofline")
+  return None
 
 
 class MetricsLogger:
