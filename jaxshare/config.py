@@ -94,18 +94,37 @@ class UniAttnConfig:
                      "(Norm(x)).", ("residual", "normed"))
 
 
+INTEGRATORS = ("ffn", "linear", "add", "none")
+
+
+@dataclasses.dataclass
+class LisaGroupConfig:
+  """One group of LISA layers with its own integrator."""
+
+  layers: list = _f([], "Layers of the group (0-based, >= 1).")
+  integrator: str = _f("ffn", "The group's integrator: ffn, linear, add or none.", INTEGRATORS)
+
+
 @dataclasses.dataclass
 class LisaConfig:
   """LISA (Cross-layer Attention Sharing, Eq. 3-4): reuse of the previous layer's pre-softmax logits + a delta."""
 
-  layers: list = _f([], "Layers that reuse the adjacent front layer's logits (0-based, >= 1); empty means every "
-                    "layer from 2 to num_layers - 2 (the paper never shares the first layers or the last).")
+  layers: list = _f([], "Layers that reuse the adjacent front layer's logits (0-based, >= 1); empty means layers 3 "
+                    "to num_layers - 3, i.e. 1-based 4 to L-2 (the paper never shares layers 1-3 or the last two; "
+                    "LISA(27) on 32 layers is layers 4-30).")
   integrator: str = _f("ffn", "How A_{n-1} and the low-rank delta combine: ffn (head aligner 2H -> hidden -> H, "
-                       "ReLU; LISA), linear (2H -> H; LISA_SL), add (LISA_plus), none (direct sharing, DS).",
-                       ("ffn", "linear", "add", "none"))
+                       "ReLU; LISA), linear (2H -> H; LISA_SL), add (LISA_plus), none (direct sharing, DS). ffn and "
+                       "linear start as add: A_{n-1} + A_delta (identity blocks; ffn via relu(s) - relu(-s)).",
+                       INTEGRATORS)
+  groups: list[LisaGroupConfig] = _f([], "Instead of layers + integrator: groups of layers, each with its own "
+                                     "integrator, e.g. LISA_SL(7+10): [{layers: [4,5,16,17,18,19,20], integrator: "
+                                     "linear}, {layers: [21,...,30], integrator: none}]. Needs schedule.kind=lisa.")
   rank: int = _f(4, "Per-head rank r of the low-rank Q/K that produce the delta (LLaMA: 20 of 128).")
-  hidden: int = _f(0, "Hidden width of the ffn aligner; 0 means 8 * num_heads (256 for 32 heads, as in the paper).")
+  hidden: int = _f(0, "Hidden width of the ffn aligner, >= 2 * num_heads; 0 means 8 * num_heads (256 for 32 heads, "
+                   "as in the paper).")
   rope: bool = _f(False, "Apply RoPE to the low-rank Q/K (unstated in the paper).")
+  keep_qk: bool = _f(False, "Keep the full-width W_q/W_k on LISA layers (copied by train.init_from, never trained) "
+                     "for NF decoding, which prefills with the original attention (LISA Sec. 4).")
 
 
 @dataclasses.dataclass

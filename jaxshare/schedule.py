@@ -1,13 +1,18 @@
-"""Sharing schedules: presets -> per-layer plans -> superblocks -> segments.
+"""Sharing schedules: presets -> per-layer plans -> superblocks -> runs and segments.
 
 A *schedule* says, for every layer, where its K/V come from. A **producer** layer projects its own K/V
 (``num_kv_heads`` heads, GQA/MQA inside the layer); a **consumer** layer has no K/V parameters and attends with
-the post-RoPE K/V of an earlier producer (CLA, MLKV, LCKV-style patterns).
+the post-RoPE K/V of an earlier producer (CLA, MLKV, LCKV-style patterns). Score sharing lets a layer reuse an
+earlier layer's softmax probabilities (SA, UniAttn) or pre-softmax logits (LISA family).
 
-Execution groups layers into **superblocks**: the smallest contiguous layer ranges that no K/V reference crosses.
-Only the residual stream flows between superblocks, so each superblock is a self-contained scan body.
-Consecutive superblocks with the same structure form a **segment**, run as one ``nnx.scan`` over stacked
-parameters; compile time therefore grows with the number of distinct segments, not with depth.
+Execution groups layers into **superblocks**: the smallest contiguous layer ranges that no K/V or score reference
+crosses. Only the residual stream flows between superblocks, so each superblock is a self-contained scan body.
+Inside a superblock every layer gets a :class:`LayerRole` (what it does, with references as positions in the
+superblock), and consecutive layers with equal roles form a **run**, scanned over stacked parameters: the K/V
+consumers of one producer (MLKV, CLA with factor > 2), the probability reusers of one source (SA, UniAttn) and LISA
+chains (each layer reads the previous one's logits through a fixed-shape carry). Consecutive superblocks with the
+same runs form a **segment**, run as one ``nnx.scan``. Compile time therefore grows with the number of distinct
+runs and segments, not with depth.
 """
 
 from __future__ import annotations
@@ -15,7 +20,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
-from jaxshare.config import HEAD_PRESETS, KV_PRESETS, SCORE_PRESETS, ConfigError, ModelConfig, ScheduleConfig
+from jaxshare.config import (HEAD_PRESETS, INTEGRATORS, KV_PRESETS, SCORE_PRESETS, ConfigError, ModelConfig,
+                             ScheduleConfig)
 
 
 class ScheduleError(ConfigError):
@@ -24,7 +30,7 @@ class ScheduleError(ConfigError):
 
 @dataclasses.dataclass(frozen=True)
 class LayerPlan:
-  """What one layer does.
+  """What one layer does, with references as absolute layer indices.
 
   Attributes:
     index: 0-based layer index.
@@ -32,10 +38,12 @@ class LayerPlan:
     num_kv_heads: K/V heads G the layer attends with (the producer's count).
     score_source: layer whose attention scores this layer reuses; ``== index`` when it computes its own.
     score_reuse: ``""`` (own scores), ``"probs"`` (post-softmax probabilities: SA, UniAttn) or ``"logits"``
-      (pre-softmax logits: LISA family).
+      (pre-softmax logits of the previous layer: LISA family).
     compensation: UniAttn's linear compensation ``x W_c`` (Eq. 5) is added to the attention output.
     integrator: for ``"logits"`` reuse, how the source's logits and the low-rank delta combine: ``none`` (DS),
       ``add`` (LISA_plus), ``linear`` (LISA_SL) or ``ffn`` (LISA's head aligner).
+    keep_qk: a logits-reusing layer keeps its (frozen, unused in training) full-width W_q/W_k for LISA's NF
+      decoding, which prefills with the original attention (LISA Sec. 4).
   """
 
   index: int
@@ -45,6 +53,7 @@ class LayerPlan:
   score_reuse: str = ""
   compensation: bool = False
   integrator: str = ""
+  keep_qk: bool = False
 
   def __post_init__(self):
     if self.score_source < 0:
@@ -57,7 +66,7 @@ class LayerPlan:
 
   @property
   def has_query_key(self) -> bool:
-    """Owns full-width W_q (and W_k if a producer): it computes its own scores."""
+    """Computes its own scores with full-width W_q (and W_k if a producer)."""
     return not self.score_reuse
 
   @property
@@ -65,33 +74,85 @@ class LayerPlan:
     """Owns LISA's low-rank W_q^LR / W_k^LR."""
     return self.score_reuse == "logits" and self.integrator != "none"
 
-  def relative(self, start: int) -> tuple:
-    """The plan with sources relative to ``start`` (a superblock's structure, hashable)."""
-    return (self.kv_source - start, self.num_kv_heads, self.score_source - start, self.score_reuse,
-            self.compensation, self.integrator)
+
+@dataclasses.dataclass(frozen=True)
+class LayerRole:
+  """Everything one layer's modules need, with references as positions inside its superblock (hashable).
+
+  Two layers with equal roles have identical parameters and code, so consecutive ones are stacked and scanned.
+
+  Attributes:
+    kv_from: position of the K/V producer this layer attends with; None when it projects its own K/V.
+    num_kv_heads: K/V heads G of the layer (its producer's).
+    score_reuse: ``""``, ``"probs"`` or ``"logits"`` (see :class:`LayerPlan`).
+    score_from: position of the probability source (``"probs"``); None otherwise (a ``"logits"`` layer always
+      reads the layer before it).
+    feeds: what later layers reuse from this layer's own scores: ``""``, ``"probs"`` or ``"logits"``.
+    integrator / lisa_rank / lisa_hidden / lisa_rope / keep_qk: LISA's integrator, rank r, aligner width, RoPE on
+      the low-rank Q/K and kept W_q/W_k (0 / False where they do not apply).
+    compensation / wc_normed: UniAttn's ``W_c`` and whether it reads Norm(x) instead of x.
+    tied_qkv: head-wise sharing: W_q, W_k, W_v come from the model's head table.
+  """
+
+  kv_from: int | None
+  num_kv_heads: int
+  score_reuse: str = ""
+  score_from: int | None = None
+  feeds: str = ""
+  integrator: str = ""
+  lisa_rank: int = 0
+  lisa_hidden: int = 0
+  lisa_rope: bool = False
+  keep_qk: bool = False
+  compensation: bool = False
+  wc_normed: bool = False
+  tied_qkv: bool = False
+
+  @property
+  def is_producer(self) -> bool:
+    return self.kv_from is None
+
+  @property
+  def has_low_rank(self) -> bool:
+    return self.score_reuse == "logits" and self.integrator != "none"
+
+  def tag(self) -> str:
+    """Short form for logs: ``P`` producer, ``C0`` consumer of position 0, ``p0`` reuses position 0's
+    probabilities, ``l/add`` reuses the previous layer's logits, ``+Wc`` compensation."""
+    t = "P" if self.is_producer else f"C{self.kv_from}"
+    if self.score_reuse == "probs":
+      t += f"p{self.score_from}"
+    elif self.score_reuse == "logits":
+      t += f"l/{self.integrator}"
+    return t + ("+Wc" if self.compensation else "")
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+  """``length`` consecutive layers of one superblock with the same role, from position ``start``."""
+
+  start: int
+  length: int
+  role: LayerRole
 
 
 @dataclasses.dataclass(frozen=True)
 class Superblock:
-  """Contiguous layers ``start .. start+len(layers)-1`` closed under K/V references."""
+  """Contiguous layers ``start .. start+len(layers)-1`` closed under K/V and score references."""
 
   start: int
   layers: tuple[LayerPlan, ...]
-
-  @property
-  def signature(self) -> tuple[tuple, ...]:
-    """Structure relative to the superblock start (see :meth:`LayerPlan.relative`), one entry per layer."""
-    return tuple(p.relative(self.start) for p in self.layers)
+  runs: tuple[Run, ...]
 
 
 @dataclasses.dataclass(frozen=True)
 class Segment:
-  """``count`` consecutive superblocks of one structure, stacked and scanned together."""
+  """``count`` consecutive superblocks of one structure (equal runs), stacked and scanned together."""
 
   start: int
   count: int
   superblock_size: int
-  signature: tuple[tuple, ...]
+  runs: tuple[Run, ...]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,15 +180,8 @@ class Schedule:
     return tuple(p.index for p in self.layers if p.is_producer)
 
   def describe(self) -> str:
-    """One line, e.g. ``cla: 2/4 layers produce K/V (G=[4]) | 2x[P C0]``."""
-    def tag(i: int, rel: tuple) -> str:
-      kv_rel, _, score_rel, reuse, comp, integ = rel
-      t = "P" if kv_rel == i else f"C{kv_rel}"
-      if reuse:
-        t += {"probs": "p", "logits": "l"}[reuse] + str(score_rel) + ("+Wc" if comp else "")
-        t += f"/{integ}" if integ else ""
-      return t
-    segs = " + ".join(f"{s.count}x[{' '.join(tag(i, r) for i, r in enumerate(s.signature))}]"
+    """One line, e.g. ``cla: 2/4 layers produce K/V (G=[4]) | 2x[P C0]``; ``*n`` marks a scanned run of n layers."""
+    segs = " + ".join(f"{s.count}x[{' '.join(r.role.tag() + (f'*{r.length}' if r.length > 1 else '') for r in s.runs)}]"
                       for s in self.segments)
     heads = sorted({p.num_kv_heads for p in self.layers})
     reuse = sum(1 for p in self.layers if p.score_reuse)
@@ -303,16 +357,8 @@ def score_plans(model: ModelConfig, sched: ScheduleConfig, preset: str, plans: l
       for i in range(bottom + 1, min(bottom + c.block_size, end)):
         updates[i] = dict(score_source=bottom, score_reuse="probs", compensation=True)
   else:  # lisa family
-    c = sched.lisa
-    integrator = {"lisa_plus": "add", "ds": "none"}.get(preset, c.integrator)
-    layers = list(c.layers) if c.layers else list(range(2, L - 1))
-    for n in layers:
-      if not isinstance(n, int) or not 1 <= n <= L - 1:
-        raise ScheduleError(f"schedule.lisa.layers={list(c.layers)!r} is invalid: layer {n!r} must be in "
-                            f"1..{L - 1} (it reuses layer n-1)")
-    if integrator != "none" and c.rank < 1:
-      raise ScheduleError(f"schedule.lisa.rank={c.rank!r} is invalid: must be >= 1")
-    updates = {n: dict(score_source=n - 1, score_reuse="logits", integrator=integrator) for n in layers}
+    updates = {n: dict(score_source=n - 1, score_reuse="logits", integrator=integrator, keep_qk=sched.lisa.keep_qk)
+               for layers, integrator in lisa_groups(model, sched, preset) for n in layers}
   for i, upd in updates.items():
     p = plans[i]
     if not p.is_producer:
@@ -323,28 +369,135 @@ def score_plans(model: ModelConfig, sched: ScheduleConfig, preset: str, plans: l
   return plans
 
 
+def default_lisa_layers(num_layers: int) -> list[int]:
+  """LISA's default shared layers, 0-based ``3 .. L-3``: the paper never shares layers 1-3 or the last two
+  (1-based; Table 4, where LISA(27) on 32 layers is layers 4-30)."""
+  return list(range(3, num_layers - 2))
+
+
+def lisa_groups(model: ModelConfig, sched: ScheduleConfig, preset: str) -> list[tuple[list[int], str]]:
+  """The LISA-family layers as ``(layers, integrator)`` groups: ``schedule.lisa.groups`` (one integrator per group,
+  e.g. LISA_SL(7+10) = linear on 5, 6, 17-21 and DS on 22-31, 1-based), else ``schedule.lisa.layers`` (or the
+  default) with ``schedule.lisa.integrator`` (``add`` for lisa_plus, ``none`` for ds).
+
+  Raises:
+    ScheduleError: groups with a preset that fixes the integrator, groups and layers both given, a layer outside
+      1..L-1 or in two groups, an empty default, a rank < 1 or an aligner narrower than 2H.
+  """
+  L, c = model.num_layers, sched.lisa
+  if c.groups:
+    if preset != "lisa":
+      raise ScheduleError(f"schedule.lisa.groups is invalid with schedule.kind={sched.kind!r}: {preset} fixes the "
+                          "integrator; use schedule.kind=lisa with one integrator per group")
+    if c.layers:
+      raise ScheduleError(f"schedule.lisa.layers={list(c.layers)!r} is invalid together with schedule.lisa.groups: "
+                          "give the layers inside the groups")
+    groups = [(list(g.layers), g.integrator) for g in c.groups]
+    for i, (layers, integrator) in enumerate(groups):
+      if integrator not in INTEGRATORS:
+        raise ScheduleError(f"schedule.lisa.groups[{i}].integrator={integrator!r} is invalid: must be one of "
+                            f"{', '.join(INTEGRATORS)}")
+      if not layers:
+        raise ScheduleError(f"schedule.lisa.groups[{i}].layers=[] is invalid: list the group's layers")
+  else:
+    integrator = {"lisa_plus": "add", "ds": "none"}.get(preset, c.integrator)
+    layers = list(c.layers) if c.layers else default_lisa_layers(L)
+    if not layers:
+      raise ScheduleError(f"schedule.lisa.layers=[] is invalid for model.num_layers={L}: the default, layers 3..L-3 "
+                          "(the paper never shares the first three layers or the last two), is empty; list the layers")
+    groups = [(layers, integrator)]
+  seen: set = set()
+  for layers, _ in groups:
+    for n in layers:
+      if not isinstance(n, int) or not 1 <= n <= L - 1:
+        raise ScheduleError(f"schedule.lisa layers {layers!r} are invalid: layer {n!r} must be in 1..{L - 1} (it "
+                            "reuses layer n-1)")
+      if n in seen:
+        raise ScheduleError(f"schedule.lisa.groups is invalid: layer {n} is in two groups")
+      seen.add(n)
+  integrators = {integrator for _, integrator in groups}
+  if integrators - {"none"} and c.rank < 1:
+    raise ScheduleError(f"schedule.lisa.rank={c.rank!r} is invalid: must be >= 1")
+  if "ffn" in integrators and c.hidden and c.hidden < 2 * model.num_heads:
+    raise ScheduleError(f"schedule.lisa.hidden={c.hidden!r} is invalid: the ffn aligner needs >= 2*num_heads="
+                        f"{2 * model.num_heads} units to start as A_(n-1) + A_delta (0: 8*num_heads)")
+  return groups
+
+
 def tied_head_count(model: ModelConfig, ratio: float) -> int:
   """Heads N tied by head-wise sharing at ratio alpha: ``round(alpha * 4*L*H / 3)`` (removed W_q,W_k,W_v of N heads
   over all MHA parameters q,k,v,o; reproduces Table 3's 6.74B -> 6.09B for Llama2-7B at 30%)."""
   return round(ratio * 4 * model.num_layers * model.num_heads / 3)
 
 
-def group(plans: Sequence[LayerPlan]) -> tuple[tuple[Superblock, ...], tuple[Segment, ...]]:
-  """Partition plans into minimal reference-closed superblocks, then runs of equal superblocks (segments)."""
+@dataclasses.dataclass(frozen=True)
+class RoleSettings:
+  """Schedule-wide knobs that roles carry (from :class:`~jaxshare.config.ScheduleConfig`)."""
+
+  lisa_rank: int = 0
+  lisa_hidden: int = 0
+  lisa_rope: bool = False
+  wc_normed: bool = False
+  tied_qkv: bool = False
+
+
+def layer_roles(plans: Sequence[LayerPlan], start: int, settings: RoleSettings = RoleSettings()
+                ) -> tuple[LayerRole, ...]:
+  """The roles of one superblock's layers (references become positions relative to ``start``)."""
+  feeds = {p.score_source - start: p.score_reuse for p in plans if p.score_reuse}
+  roles = []
+  for i, p in enumerate(plans):
+    low_rank = p.has_low_rank
+    roles.append(LayerRole(
+      kv_from=None if p.is_producer else p.kv_source - start, num_kv_heads=p.num_kv_heads,
+      score_reuse=p.score_reuse, score_from=p.score_source - start if p.score_reuse == "probs" else None,
+      feeds="" if p.score_reuse else feeds.get(i, ""), integrator=p.integrator,
+      lisa_rank=settings.lisa_rank if low_rank else 0,
+      lisa_hidden=settings.lisa_hidden if p.integrator == "ffn" else 0,
+      lisa_rope=settings.lisa_rope and low_rank, keep_qk=p.keep_qk, compensation=p.compensation,
+      wc_normed=settings.wc_normed and p.compensation, tied_qkv=settings.tied_qkv))
+  return tuple(roles)
+
+
+def layer_runs(roles: Sequence[LayerRole]) -> tuple[Run, ...]:
+  """Maximal runs of consecutive layers with equal roles.
+
+  A layer stays alone when a later layer reads its K/V or probabilities by position (a scan hands on only its
+  last carry), or when the next layer reuses its logits and it is not itself a LISA layer (only LISA layers
+  carry their logits through a scan).
+  """
+  referenced = {r.kv_from for r in roles} | {r.score_from for r in roles}
+  alone = [i in referenced or (i + 1 < len(roles) and roles[i + 1].score_reuse == "logits"
+                               and role.score_reuse != "logits") for i, role in enumerate(roles)]
+  runs: list[Run] = []
+  for i, role in enumerate(roles):
+    last = runs[-1] if runs else None
+    if last is not None and last.role == role and not alone[i] and not alone[last.start + last.length - 1]:
+      runs[-1] = dataclasses.replace(last, length=last.length + 1)
+    else:
+      runs.append(Run(i, 1, role))
+  return tuple(runs)
+
+
+def group(plans: Sequence[LayerPlan], settings: RoleSettings = RoleSettings()
+          ) -> tuple[tuple[Superblock, ...], tuple[Segment, ...]]:
+  """Partition plans into minimal reference-closed superblocks (each split into runs), then group runs of equal
+  superblocks into segments."""
   n = len(plans)
   min_src_from = [0] * (n + 1)
   min_src_from[n] = n
   for i in range(n - 1, -1, -1):
     min_src_from[i] = min(plans[i].kv_source, plans[i].score_source, min_src_from[i + 1])
   cuts = [i for i in range(n) if min_src_from[i] == i] + [n]
-  blocks = tuple(Superblock(a, tuple(plans[a:b])) for a, b in zip(cuts, cuts[1:]))
+  blocks = tuple(Superblock(a, tuple(plans[a:b]), layer_runs(layer_roles(plans[a:b], a, settings)))
+                 for a, b in zip(cuts, cuts[1:]))
   segments: list[Segment] = []
   for blk in blocks:
-    if segments and segments[-1].signature == blk.signature:
+    if segments and segments[-1].runs == blk.runs and segments[-1].superblock_size == len(blk.layers):
       last = segments[-1]
       segments[-1] = dataclasses.replace(last, count=last.count + 1)
     else:
-      segments.append(Segment(blk.start, 1, len(blk.layers), blk.signature))
+      segments.append(Segment(blk.start, 1, len(blk.layers), blk.runs))
   return blocks, tuple(segments)
 
 
@@ -385,8 +538,9 @@ def compile_schedule(model: ModelConfig, sched: ScheduleConfig) -> Schedule:
     if tied > (model.num_layers - 1) * model.num_heads:
       raise ScheduleError(f"schedule.headwise.ratio={ratio!r} ties {tied} heads, more than the "
                           f"{(model.num_layers - 1) * model.num_heads} heads outside layer 0")
-  blocks, segments = group(plans)
   lisa = score_preset in ("lisa", "lisa_plus", "ds")
-  return Schedule(sched.kind, tuple(plans), blocks, segments, tied,
-                  lisa_rank=sched.lisa.rank if lisa else 0,
-                  lisa_hidden=(sched.lisa.hidden or 8 * model.num_heads) if lisa else 0)
+  rank = sched.lisa.rank if lisa else 0
+  hidden = (sched.lisa.hidden or 8 * model.num_heads) if lisa else 0
+  blocks, segments = group(plans, RoleSettings(lisa_rank=rank, lisa_hidden=hidden, lisa_rope=sched.lisa.rope,
+                                               wc_normed=sched.uniattn.wc_input == "normed", tied_qkv=tied > 0))
+  return Schedule(sched.kind, tuple(plans), blocks, segments, tied, lisa_rank=rank, lisa_hidden=hidden)

@@ -8,8 +8,8 @@ from flax import nnx
 from conftest import tiny_config
 from jaxshare import accounting, parallel
 from jaxshare.config import MeshConfig
-from jaxshare.headwise import direct_share, tie_weights
-from jaxshare.model.params import layer_location
+from jaxshare.headwise import dense_kernels, direct_share, tie_weights
+from jaxshare.model.params import layer_params, replace_layer
 from jaxshare.train.state import dense_counterpart, initial_params, setup_run
 from test_model import tokens
 
@@ -61,15 +61,16 @@ def test_tied_model_equals_dense_model_with_tied_weights():
   dense_setup = setup_run(dense_cfg, setup.mesh)
   dense = jax.device_get(jax.jit(lambda: initial_params(dense_setup, 0))())
   # overwrite every tied head of the dense model with its representative's weights
-  table = tie_weights({m: np.stack([dense["segments"][0]["blocks"]["layers"][0]["attn"][f"{m}_proj"]["kernel"]
-                                    [layer_location(dense_schedule, l)[1]] for l in range(4)]) for m in "qkv"},
-                      setup.ties)
-  for m in "qkv":
-    kernel = np.array(dense["segments"][0]["blocks"]["layers"][0]["attn"][f"{m}_proj"]["kernel"])
-    for l in range(4):
+  table = tie_weights(dense_kernels(dense, dense_schedule, 4), setup.ties)
+  dense = jax.tree.map(jax.numpy.asarray, dense)
+  for l in range(4):
+    attn = layer_params(dense, dense_schedule, l)["attn"]
+    for m in "qkv":
+      kernel = np.array(attn[m + "_proj"]["kernel"])
       for h in range(4):
-        kernel[l, :, h, :] = table[m][setup.ties.index[m][l][h]]
-    dense["segments"][0]["blocks"]["layers"][0]["attn"][f"{m}_proj"]["kernel"] = kernel
+        kernel[:, h, :] = table[m][setup.ties.index[m][l][h]]
+      attn[m + "_proj"]["kernel"] = kernel
+    dense = replace_layer(dense, dense_schedule, l, {**layer_params(dense, dense_schedule, l), "attn": attn})
   x = tokens()
   tied_out = nnx.merge(setup.graphdef, params)(x)
   dense_out = nnx.merge(dense_setup.graphdef, dense)(x)

@@ -8,6 +8,7 @@ from flax import nnx
 
 import reference_numpy
 from conftest import tiny_config
+from jaxshare.model.params import layer_params
 from jaxshare.schedule import compile_schedule
 from jaxshare.train.state import build_model, compute_ties
 
@@ -87,10 +88,9 @@ def test_degenerate_sharing_equals_dense(variant):
 
 def test_consumers_have_no_kv_parameters():
   cfg = tiny_config("schedule.kind=cla", "schedule.factor=2")
-  _, _, params = randomized(cfg)
-  layers = params["segments"][0]["blocks"]["layers"]
-  assert {"k_proj", "v_proj", "q_proj", "o_proj"} <= set(layers[0]["attn"])
-  assert set(layers[1]["attn"]) == {"q_proj", "o_proj"}
+  schedule, _, params = randomized(cfg)
+  assert {"k_proj", "v_proj", "q_proj", "o_proj"} <= set(layer_params(params, schedule, 0)["attn"])
+  assert set(layer_params(params, schedule, 1)["attn"]) == {"q_proj", "o_proj"}
 
 
 def test_packed_documents_do_not_attend_to_each_other():
@@ -123,3 +123,57 @@ def test_remat_and_bf16():
   half = nnx.merge(graphdef_bf, params)(x)
   assert half.dtype == jnp.float32  # logits are returned in float32
   np.testing.assert_allclose(np.asarray(half), np.asarray(full), atol=0.1, rtol=0.05)
+
+
+# Presets whose knobs do not depend on depth; 12 and 48 layers give the same segments and runs, only longer.
+DEPTH_PRESETS = {
+  "dense": [], "gqa": ["schedule.kind=gqa", "schedule.kv_heads=2"], "cla2": ["schedule.kind=cla"],
+  "cla4": ["schedule.kind=cla", "schedule.factor=4"],
+  "mlkv_m3": ["schedule.kind=mlkv", "schedule.kv_layers=3", "schedule.kv_heads=2"],
+  "mlkv_m3_paper": ["schedule.kind=mlkv", "schedule.kv_layers=3", "schedule.placement=paper"],
+  "sa": ["schedule.kind=sa"], "sa_paper": ["schedule.kind=sa", "schedule.sa.semantics=paper"],
+  "uniattn": ["schedule.kind=uniattn", "schedule.uniattn.block_size=2"],
+  "lisa": ["schedule.kind=lisa", "schedule.lisa.hidden=8"],
+  "lisa_sl": ["schedule.kind=lisa", "schedule.lisa.integrator=linear"],
+  "lisa_plus": ["schedule.kind=lisa_plus"], "ds": ["schedule.kind=ds"],
+  "headwise": ["schedule.kind=headwise", "schedule.headwise.ratio=0.3"],
+  "gqa+lisa_plus": ["schedule.kind=gqa+lisa_plus", "schedule.kv_heads=2"],
+  "mqa+sa": ["schedule.kind=mqa+sa"],
+}
+
+
+def _program_size(jaxpr) -> int:
+  """Equations of a jaxpr, each sub-jaxpr (scan body, checkpoint, ...) counted once."""
+  n = 0
+  for eqn in jaxpr.eqns:
+    n += 1
+    for value in eqn.params.values():
+      for sub in value if isinstance(value, (list, tuple)) else [value]:
+        if isinstance(sub, jax.extend.core.ClosedJaxpr):
+          n += _program_size(sub.jaxpr)
+        elif isinstance(sub, jax.extend.core.Jaxpr):
+          n += _program_size(sub)
+  return n
+
+
+@pytest.mark.parametrize("name", sorted(DEPTH_PRESETS))
+def test_traced_layer_bodies_do_not_grow_with_depth(name, monkeypatch):
+  """Compile time follows the traced program: at 12 and 48 layers the train step's gradient traces the same number
+  of layer bodies and has the same size, because identical superblocks and identical layers inside them (K/V
+  consumers, probability reusers, LISA chains) are scanned."""
+  from jaxshare.model.block import DecoderLayer
+
+  traced = []
+  call = DecoderLayer.__call__
+  monkeypatch.setattr(DecoderLayer, "__call__", lambda self, *a, **kw: (traced.append(1), call(self, *a, **kw))[1])
+  sizes = {}
+  for depth in (12, 48):
+    cfg = tiny_config(f"model.num_layers={depth}", *DEPTH_PRESETS[name])
+    schedule = compile_schedule(cfg.model, cfg.schedule)
+    ties = compute_ties(cfg, schedule, 0)
+    graphdef, params = nnx.split(nnx.eval_shape(lambda: build_model(cfg, schedule, 0, ties)), nnx.Param)
+    x = jax.ShapeDtypeStruct((2, 16), jnp.int32)
+    traced.clear()
+    jaxpr = jax.make_jaxpr(jax.grad(lambda p, t: jnp.mean(nnx.merge(graphdef, p)(t) ** 2)))(params, x)
+    sizes[depth] = (len(traced), _program_size(jaxpr.jaxpr))
+  assert sizes[12] == sizes[48], sizes

@@ -59,7 +59,7 @@ def test_superblocks_and_segments():
   # A producer between a consumer and its source ends up inside the same superblock.
   s = compile_schedule(M, sched(kind="explicit", sources="0_1_0_3_4_4"))
   assert [len(b.layers) for b in s.superblocks] == [3, 1, 2]
-  assert [r[:2] for r in s.superblocks[0].signature] == [(0, 4), (1, 4), (0, 4)]
+  assert [(r.start, r.length, r.role.kv_from) for r in s.superblocks[0].runs] == [(0, 1, None), (1, 1, None), (2, 1, 0)]
 
 
 @pytest.mark.parametrize("kw, needle", [
@@ -88,3 +88,33 @@ def test_invalid_schedules_raise_clear_errors(kw, needle):
   with pytest.raises(ScheduleError) as e:
     compile_schedule(M, sched(**kw))
   assert needle in str(e.value)
+
+
+def runs(s):
+  """Per segment: count and the superblock's runs as (role tag, length)."""
+  return [(seg.count, [(r.role.tag(), r.length) for r in seg.runs]) for seg in s.segments]
+
+
+def test_identical_layers_inside_a_superblock_form_one_run():
+  deep = ModelConfig(num_layers=48, num_heads=4, d_model=32)
+  # MLKV m=3: three superblocks of a producer and 15 consumers of its K/V
+  assert runs(compile_schedule(deep, sched(kind="mlkv", kv_layers=3))) == [(3, [("P", 1), ("C0", 15)])]
+  # CLA factor 4: the three consumers of each producer
+  assert runs(compile_schedule(deep, sched(kind="cla", factor=4))) == [(12, [("P", 1), ("C0", 3)])]
+  # UniAttn b=4 on the top half: the bottom layer and three probability reusers with W_c
+  assert runs(compile_schedule(deep, sched(kind="uniattn"))) == [(24, [("P", 1)]), (6, [("P", 1), ("Pp0+Wc", 3)])]
+  # SA (reference code): layers 24..46 reuse layer 23
+  assert runs(compile_schedule(deep, sched(kind="sa"))) == [(23, [("P", 1)]), (1, [("P", 1), ("Pp0", 23)]),
+                                                            (1, [("P", 1)])]
+  # LISA_plus with the default layers 3..45: one chain of 43 layers after its source, layer 2
+  assert runs(compile_schedule(deep, sched(kind="lisa_plus"))) == [(2, [("P", 1)]), (1, [("P", 1), ("Pl/add", 43)]),
+                                                                   (2, [("P", 1)])]
+
+
+def test_layers_read_by_position_stay_alone():
+  # layer 3 reads layer 1's K/V: layers 1 and 2 have equal roles but 1 must hand its K/V on
+  s = compile_schedule(M, sched(kind="explicit", sources="0_1_1_1_4_5"))
+  assert [(r.start, r.length, r.role.kv_from) for r in s.superblocks[1].runs] == [(0, 1, None), (1, 2, 0)]
+  s = compile_schedule(M, sched(kind="explicit", sources="0_1_2_1_4_5"))
+  assert [(r.start, r.length, r.role.kv_from) for r in s.superblocks[1].runs] == [(0, 1, None), (1, 1, None),
+                                                                                   (2, 1, 0)]

@@ -1,13 +1,15 @@
 """Self-attention of one layer under a sharing schedule.
 
 A layer may own or borrow each of: its K/V (a producer's post-RoPE K/V: CLA, MLKV), its attention scores
-(another layer's softmax probabilities: SA, UniAttn; or its pre-softmax logits plus a low-rank delta: LISA,
-LISA_plus, DS). Every layer hands a :data:`ScoreState` to the layers above it in its superblock.
+(another layer's softmax probabilities: SA, UniAttn; or the previous layer's pre-softmax logits plus a low-rank
+delta: LISA, LISA_plus, DS). What it owns is its :class:`~jaxshare.schedule.LayerRole`; the scores it hands on and
+reads are :mod:`jaxshare.model.scores` states.
 """
 
 from __future__ import annotations
 
 import math
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -16,182 +18,183 @@ from jaxshare import parallel
 from jaxshare.config import ModelConfig
 from jaxshare.kernels import reference
 from jaxshare.kernels.dispatch import get_attention
-from jaxshare.model.layers import DenseGeneral, param
+from jaxshare.model import scores
+from jaxshare.model.layers import DenseGeneral
 from jaxshare.model.rope import apply_rope
+from jaxshare.model.scores import ScoreFeatures, ScoreState, ScoreTensors
+from jaxshare.schedule import LayerRole
 
-KV = tuple[jax.Array, jax.Array]
-# Scores a layer used, for the layers that reuse them. Keys (all optional):
-#   "qf" [B,T,H,e], "kf" [B,S,G,e]: features whose product is the unmasked logits (scale folded into qf);
-#   "lse" [B,H,T]: log-sum-exp of the masked logits; "logits" / "probs" [B,H,T,S] materialised (float32).
-# Arrays no consumer reads are removed by XLA's dead-code elimination, so offering them costs nothing.
-ScoreState = dict[str, jax.Array]
+KV = tuple[jax.Array | None, jax.Array]
 
 _BTH = ("activation_batch", "activation_length", "activation_heads", None)
 _BTG = ("activation_batch", "activation_length", "activation_kv_heads", None)
 
 
-def source_logits(state: ScoreState) -> jax.Array:
-  """The unmasked logits ``[B, H, T, S]`` of a score state (materialised from its features if needed)."""
-  if "logits" in state:
-    return state["logits"]
-  return reference.scores(state["qf"], state["kf"], 1.0)
+def sum_aligner(num_heads: int, hidden: int, std: float, key: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
+  """LISA's ffn aligner ``relu(z W_in) W_out`` (``z = [A_{n-1}; A_Δ]``, 2H -> hidden -> H) initialised to compute
+  ``A_{n-1} + A_Δ`` exactly, like LISA_plus: units ``h`` and ``H + h`` read ``±(A_{n-1,h} + A_{Δ,h})`` and are
+  written back with ``±1`` (``relu(s) − relu(−s) = s``); the other ``hidden − 2H`` units read random N(0, std²)
+  weights and start with zero output weights, so they learn without moving the start.
 
-
-def source_probs(state: ScoreState, mask: jax.Array) -> jax.Array:
-  """The probabilities ``[B, H, T, S]`` of a score state."""
-  if "probs" in state:
-    return state["probs"]
-  if "lse" in state:
-    return reference.probs_from_lse(state["qf"], state["kf"], state["lse"], mask, 1.0)
-  return reference.masked_softmax(source_logits(state), mask)[0]
+  Returns:
+    ``(W_in [2H, hidden], W_out [hidden, H])``.
+  """
+  eye = jnp.eye(num_heads)
+  plus = jnp.concatenate([eye, eye])  # [2H, H]: A_{n-1,h} + A_delta,h
+  w_in = jnp.concatenate([plus, -plus, std * jax.random.normal(key, (2 * num_heads, hidden - 2 * num_heads))], 1)
+  w_out = jnp.concatenate([eye, -eye, jnp.zeros((hidden - 2 * num_heads, num_heads))])
+  return w_in.astype(dtype), w_out.astype(dtype)
 
 
 class Attention(nnx.Module):
-  """Attention of one layer; its role comes from the layer's relative plan (``LayerPlan.relative``).
+  """Attention of one layer in the role the schedule gives it.
 
   Args:
     cfg: model config.
-    spec: ``(kv_rel, G, score_rel, score_reuse, compensation, integrator)`` relative to the superblock start.
-    position: the layer's position in its superblock (``kv_rel == position``: K/V producer).
-    score_sharing: ``recompute`` (consumers recompute reused probabilities from the source's Q, K and LSE, and
-      LISA_plus/DS run one attention over concatenated features; nothing ``[B,H,T,T]`` is kept per consumer) or
-      ``materialize`` (the probabilities/logits tensors are passed on). Both give the same numbers.
-    lisa_rank / lisa_hidden / lisa_rope: LISA's low rank r, aligner width and RoPE switch.
+    role: what the layer owns and reads (:class:`~jaxshare.schedule.LayerRole`).
+    attention_impl: ``attention.impl``.
+    score_sharing: ``recompute`` (hand on :class:`~jaxshare.model.scores.ScoreFeatures`: probability reusers
+      recompute ``exp(QKᵀ·s − lse)`` under ``jax.checkpoint``, LISA_plus/DS chains attend over concatenated
+      features; nothing ``[B,H,T,T]`` is kept per reusing layer) or ``materialize`` (hand on the probabilities or
+      logits). Both give the same numbers; full LISA's aligners always materialise.
 
   Parameters (absent when the role does not need them): ``q_proj [D,H,d]``, ``k_proj``/``v_proj [D,G,d]``,
   ``o_proj [H,d,D]``; LISA ``q_lr [D,H,r]``, ``k_lr [D,G,r]``, aligner ``align_in [2H,hidden]`` +
-  ``align_out [hidden,H]`` (ffn) or ``align [2H,H]`` (linear).
+  ``align_out [hidden,H]`` (ffn) or ``align [2H,H]`` (linear, initialised ``[I; I]``). With ``keep_qk`` a LISA layer
+  also keeps ``q_proj``/``k_proj``, marked not trainable.
   """
 
-  def __init__(self, cfg: ModelConfig, spec: tuple, position: int, *, attention_impl: str, score_sharing: str,
-               lisa_rank: int, lisa_hidden: int, lisa_rope: bool, tied_qkv: bool = False, rngs: nnx.Rngs):
-    kv_rel, g, score_rel, reuse, _, integrator = spec
-    D, H, d = cfg.d_model, cfg.num_heads, cfg.resolved_head_dim
+  def __init__(self, cfg: ModelConfig, role: LayerRole, *, attention_impl: str, score_sharing: str, rngs: nnx.Rngs):
+    D, H, d, g = cfg.d_model, cfg.num_heads, cfg.resolved_head_dim, role.num_kv_heads
     dtype, pdtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
     bias = cfg.flavor == "neox"
     std, out_std = cfg.init_std, cfg.init_std / math.sqrt(2 * cfg.num_layers)
-    kw = dict(dtype=dtype, param_dtype=pdtype, rngs=rngs)
-    self.head_dim, self.dtype = d, dtype
+    self.role, self.head_dim, self.dtype = role, d, dtype
     self.theta, self.rotary_dim = cfg.rope_theta, int(d * cfg.rotary_pct)
-    self.producer, self.reuse, self.integrator = kv_rel == position, reuse, integrator
     self.recompute = score_sharing == "recompute"
     self.attend = get_attention(attention_impl)
-    self.rank, self.lisa_rope = lisa_rank, lisa_rope
 
-    def proj(shape_heads: int, axes: str, width: int, s: float) -> DenseGeneral:
-      return DenseGeneral("btd,dhk->bthk", (D, shape_heads, width), ("embed", axes, "head_dim"), std=s,
-                          bias_shape=(shape_heads, width) if bias and width == d else None,
-                          bias_axes=(axes, "head_dim"), **kw)
+    def proj(heads: int, axes: str, width: int, trainable: bool = True) -> DenseGeneral:
+      return DenseGeneral("btd,dhk->bthk", (D, heads, width), ("embed", axes, "head_dim"), std=std,
+                          bias_shape=(heads, width) if bias and width == d else None, bias_axes=(axes, "head_dim"),
+                          dtype=dtype, param_dtype=pdtype, trainable=trainable, rngs=rngs)
 
-    own = not tied_qkv  # head-wise sharing: W_q, W_k, W_v come from the model's head table
-    self.q_proj = proj(H, "heads", d, std) if own and not reuse else None
-    self.k_proj = proj(g, "kv_heads", d, std) if own and self.producer and not reuse else None
-    self.v_proj = proj(g, "kv_heads", d, std) if own and self.producer else None
+    own = not role.tied_qkv  # head-wise sharing: W_q, W_k, W_v come from the model's head table
+    full_qk = not role.score_reuse or role.keep_qk
+    trained_qk = not role.score_reuse  # LISA's kept W_q/W_k serve NF prefill only
+    self.q_proj = proj(H, "heads", d, trained_qk) if own and full_qk else None
+    self.k_proj = proj(g, "kv_heads", d, trained_qk) if own and role.is_producer and full_qk else None
+    self.v_proj = proj(g, "kv_heads", d) if own and role.is_producer else None
     self.o_proj = DenseGeneral("bthk,hkd->btd", (H, d, D), ("heads", "head_dim", "embed"), std=out_std,
-                               bias_shape=(D,) if bias else None, bias_axes=("embed",), **kw)
-    low_rank = reuse == "logits" and integrator != "none"
-    self.q_lr = proj(H, "heads", lisa_rank, std) if low_rank else None
-    self.k_lr = proj(g, "kv_heads", lisa_rank, std) if low_rank else None
-    ffn = integrator == "ffn"
-    self.align_in = param(rngs, (2 * H, lisa_hidden), ("heads", "mlp"), std, pdtype) if ffn else None
-    self.align_out = param(rngs, (lisa_hidden, H), ("mlp", "heads"), std, pdtype) if ffn else None
-    # The linear integrator starts as LISA_plus (A_{n-1} + A_delta).
-    self.align = nnx.Param(jnp.concatenate([jnp.eye(H), jnp.eye(H)]).astype(pdtype),
-                           logical_axes=("heads", None)) if integrator == "linear" else None
+                               bias_shape=(D,) if bias else None, bias_axes=("embed",), dtype=dtype,
+                               param_dtype=pdtype, rngs=rngs)
+    self.q_lr = proj(H, "heads", role.lisa_rank) if role.has_low_rank else None
+    self.k_lr = proj(g, "kv_heads", role.lisa_rank) if role.has_low_rank else None
+    ffn = sum_aligner(H, role.lisa_hidden, std, rngs.params(), pdtype) if role.integrator == "ffn" else None
+    self.align_in = nnx.Param(ffn[0], logical_axes=("heads", "mlp")) if ffn else None
+    self.align_out = nnx.Param(ffn[1], logical_axes=("mlp", "heads")) if ffn else None
+    # The linear integrator starts as LISA_plus too: A_{n-1} + A_delta.
+    self.align = nnx.Param(jnp.concatenate([jnp.eye(H), jnp.eye(H)]).astype(pdtype), logical_axes=("heads", None)
+                           ) if role.integrator == "linear" else None
 
   def _project(self, name: str, x: jax.Array, head_kernels: dict | None) -> jax.Array:
     if head_kernels is None:
       return getattr(self, f"{name}_proj")(x)
     return jnp.einsum("btd,dhk->bthk", x.astype(self.dtype), head_kernels[name].astype(self.dtype))
 
-  def _kv(self, x: jax.Array, positions: jax.Array, shared_kv: KV | None, head_kernels: dict | None) -> KV:
-    if head_kernels is not None:
-      k = apply_rope(self._project("k", x, head_kernels), positions, self.theta, self.rotary_dim)
-      return parallel.constrain(k, _BTG), parallel.constrain(self._project("v", x, head_kernels), _BTG)
-    if not self.producer:
-      if shared_kv is None:
-        raise ValueError("a K/V consumer layer needs its producer's shared_kv")
-      return shared_kv
-    if shared_kv is not None:
-      raise ValueError("a K/V producer computes its own K/V; shared_kv must be None")
+  def _kv(self, x: jax.Array, positions: jax.Array, kv_in: KV | None, head_kernels: dict | None) -> KV:
+    if not self.role.is_producer:
+      if kv_in is None:
+        raise ValueError("a K/V consumer layer needs its producer's K/V")
+      return kv_in
     k = None
-    if self.k_proj is not None:
-      k = parallel.constrain(apply_rope(self.k_proj(x), positions, self.theta, self.rotary_dim), _BTG)
-    return k, parallel.constrain(self.v_proj(x), _BTG)
+    if not self.role.score_reuse:
+      k = parallel.constrain(apply_rope(self._project("k", x, head_kernels), positions, self.theta,
+                                        self.rotary_dim), _BTG)
+    return k, parallel.constrain(self._project("v", x, head_kernels), _BTG)
 
   def _low_rank(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
     q, k = self.q_lr(x), self.k_lr(x)
-    if self.lisa_rope:
-      q = apply_rope(q, positions, self.theta, self.rank - self.rank % 2)
-      k = apply_rope(k, positions, self.theta, self.rank - self.rank % 2)
+    if self.role.lisa_rope:
+      rot = self.role.lisa_rank - self.role.lisa_rank % 2
+      q, k = apply_rope(q, positions, self.theta, rot), apply_rope(k, positions, self.theta, rot)
     return q, k
 
   def _integrate(self, a_prev: jax.Array, a_delta: jax.Array) -> jax.Array:
     """LISA Eq. 4 on ``[B,H,T,S]`` logits; the aligner mixes heads per (t, s) cell, before any masking."""
-    if self.integrator == "add":
+    if self.role.integrator == "add":
       return a_prev + a_delta
     z = jnp.concatenate([a_prev, a_delta], axis=1)  # [B, 2H, T, S]
-    if self.integrator == "linear":
+    if self.role.integrator == "linear":
       return jnp.einsum("bets,eh->bhts", z, self.align[...].astype(jnp.float32))
     hidden = jax.nn.relu(jnp.einsum("bets,ef->bfts", z, self.align_in[...].astype(jnp.float32)))
     return jnp.einsum("bfts,fh->bhts", hidden, self.align_out[...].astype(jnp.float32))
 
-  def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array, shared_kv: KV | None = None,
-               source: ScoreState | None = None, head_kernels: dict | None = None) -> tuple[jax.Array, KV, ScoreState]:
+  def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array, kv_in: KV | None = None,
+               score_in: ScoreState | None = None, slot: jax.Array | int = 0, head_kernels: dict | None = None
+               ) -> tuple[jax.Array, KV, ScoreState | None, ScoreState]:
     """Attend.
 
     Args:
       x: ``[B, T, D]`` normalised input.
       positions: ``[B, T]`` int32 RoPE positions.
       segment_ids: ``[B, T]`` int32 packed-document ids.
-      shared_kv: a K/V consumer's producer ``(K, V)`` (K may be None if the producer reuses scores).
-      source: the score state of the layer whose scores this layer reuses (None when it computes its own).
+      kv_in: a K/V consumer's producer ``(K, V)`` (K None if the producer reuses scores).
+      score_in: a probability reuser's source state, or a LISA layer's chain state (see
+        :func:`~jaxshare.model.scores.chain_entry`).
+      slot: LISA_plus in a features chain: the offset of this layer's feature slot.
       head_kernels: head-wise sharing: this layer's gathered ``{"q", "k", "v"}`` kernels ``[D, H, d]``.
 
     Returns:
-      ``(output [B, T, D], (K, V) used, ScoreState for reusing layers)``.
+      ``(output [B, T, D], (K, V) of the layer, state handed on, state whose logits the layer used)``; the handed-on
+      state is None when no later layer reads it, the used state None for probability reusers (they use their
+      source's).
     """
-    k, v = self._kv(x, positions, shared_kv, head_kernels)
-    scale = self.head_dim ** -0.5
-    mask = reference.attention_mask(segment_ids, segment_ids, True)
-    if not self.reuse:
-      q = parallel.constrain(apply_rope(self._project("q", x, head_kernels), positions, self.theta,
-                                        self.rotary_dim), _BTH)
-      if k is None:
-        raise ValueError("this layer computes its own scores but its K/V producer has no K")
-      out, lse = self.attend(q, k, v, segment_ids, segment_ids, causal=True, return_lse=True)
-      qf = q * jnp.asarray(scale, q.dtype)
-      state: ScoreState = {"qf": qf, "kf": k, "lse": lse, "logits": reference.scores(q, k, scale)}
-    elif source is None:
+    role = self.role
+    k, v = self._kv(x, positions, kv_in, head_kernels)
+    if not role.score_reuse:
+      return self._own_scores(x, positions, segment_ids, k, v, head_kernels)
+    if score_in is None:
       raise ValueError("a score-reusing layer needs its source layer's score state")
-    elif self.reuse == "probs":
-      if self.recompute and "lse" in source:
-        reuse = jax.checkpoint(lambda qf, kf, lse, v: reference.attention_from_lse(
-          qf, kf, lse, v, segment_ids, segment_ids, scale=1.0))
-        out = reuse(source["qf"], source["kf"], source["lse"], v).astype(self.dtype)
-        state = {key: source[key] for key in ("qf", "kf", "lse")}
+    if role.score_reuse == "probs":
+      if isinstance(score_in, ScoreFeatures):  # exp(s q kᵀ - lse) applied to V, nothing [B,H,T,S] kept
+        reuse = jax.checkpoint(lambda q, k_, lse, v_: reference.attention_from_lse(
+          q, k_, lse, v_, segment_ids, segment_ids, scale=score_in.scale))
+        out = reuse(score_in.q, score_in.k, score_in.lse, v).astype(self.dtype)
       else:
-        probs = source_probs(source, mask)
-        out = reference.apply_probs(probs, v, self.dtype)
-        state = {"probs": probs}
-      if "logits" in source:
-        state["logits"] = source["logits"]
-    else:  # LISA family: reuse the previous layer's logits
-      if self.recompute and self.integrator in ("add", "none") and "qf" in source:
-        qf, kf = source["qf"], source["kf"]
-        if self.integrator == "add":  # sum of logits == one product of concatenated features (design.md 3)
-          q_lr, k_lr = self._low_rank(x, positions)
-          qf = jnp.concatenate([qf, (q_lr * self.rank ** -0.5).astype(qf.dtype)], axis=-1)
-          kf = jnp.concatenate([kf, k_lr.astype(kf.dtype)], axis=-1)
-        out, lse = self.attend(qf, kf, v, segment_ids, segment_ids, causal=True, scale=1.0, return_lse=True)
-        state = {"qf": qf, "kf": kf, "lse": lse, "logits": reference.scores(qf, kf, 1.0)}
-      else:
-        logits = source_logits(source)
-        if self.integrator != "none":
-          q_lr, k_lr = self._low_rank(x, positions)
-          logits = self._integrate(logits, reference.scores(q_lr, k_lr, self.rank ** -0.5))
-        probs, lse = reference.masked_softmax(logits, mask)
-        out = reference.apply_probs(probs, v, self.dtype)
-        state = {"logits": logits, "probs": probs}
-    return self.o_proj(out), (k, v), state
+        out = reference.apply_probs(score_in.probs, v, self.dtype)
+      return self.o_proj(out), (k, v), None, None
+    if isinstance(score_in, ScoreFeatures):  # LISA_plus / DS chain: one attention over the chain's features
+      state = score_in
+      if role.has_low_rank:
+        state = scores.add_low_rank(state, *self._low_rank(x, positions), slot)
+      out = self.attend(state.q, state.k, scores.regroup(v, state.k.shape[2]), segment_ids, segment_ids,
+                        causal=True, scale=state.scale)
+    else:
+      a = score_in.logits
+      if role.has_low_rank:
+        q_lr, k_lr = self._low_rank(x, positions)
+        a = self._integrate(a, reference.scores(q_lr, k_lr, role.lisa_rank ** -0.5))
+      probs, _ = reference.masked_softmax(a, reference.attention_mask(segment_ids, segment_ids, True))
+      out = reference.apply_probs(probs, v, self.dtype)
+      state = ScoreTensors(logits=a)
+    return self.o_proj(out.astype(self.dtype)), (k, v), state, state
 
+  def _own_scores(self, x, positions, segment_ids, k, v, head_kernels):
+    if k is None:
+      raise ValueError("this layer computes its own scores but its K/V producer has no K")
+    role, scale = self.role, self.head_dim ** -0.5
+    q = parallel.constrain(apply_rope(self._project("q", x, head_kernels), positions, self.theta, self.rotary_dim),
+                           _BTH)
+    if role.feeds and not self.recompute:  # materialise once: for this layer's output and for its readers
+      a = reference.scores(q, k, scale)
+      probs, _ = reference.masked_softmax(a, reference.attention_mask(segment_ids, segment_ids, True))
+      out = reference.apply_probs(probs, v, self.dtype)
+      state = ScoreTensors(logits=a) if role.feeds == "logits" else ScoreTensors(probs=probs)
+      return self.o_proj(out), (k, v), state, ScoreTensors(logits=a)
+    if role.feeds:
+      out, lse = self.attend(q, k, v, segment_ids, segment_ids, causal=True, scale=scale, return_lse=True)
+      state = ScoreFeatures(q, k, lse, scale)
+      return self.o_proj(out), (k, v), state, state
+    out = self.attend(q, k, v, segment_ids, segment_ids, causal=True, scale=scale)
+    return self.o_proj(out), (k, v), None, ScoreFeatures(q, k, None, scale)

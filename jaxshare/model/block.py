@@ -1,4 +1,5 @@
-"""A decoder layer and a superblock (layers closed under K/V and score references)."""
+"""A decoder layer, a run of identical layers (stacked and scanned) and a superblock (runs closed under K/V and
+score references)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxshare import parallel
-from jaxshare.config import ModelConfig, ScheduleConfig
-from jaxshare.model.attention import KV, Attention, ScoreState, source_logits
+from jaxshare.config import ModelConfig
+from jaxshare.model import scores
+from jaxshare.model.attention import KV, Attention
 from jaxshare.model.layers import MLP, DenseGeneral, make_norm
+from jaxshare.model.scores import ScoreFeatures, ScoreState
+from jaxshare.schedule import LayerRole, Run
 
 _RESIDUAL = ("activation_batch", "activation_length", "activation_embed")
 
@@ -25,29 +29,26 @@ class DecoderLayer(nnx.Module):
   so that training starts from plain probability reuse), its input being the residual ``x`` or ``norm1 x``.
   """
 
-  def __init__(self, cfg: ModelConfig, sched: ScheduleConfig, spec: tuple, position: int, *, mlp_dim: int,
-               attention_impl: str, score_sharing: str, lisa_rank: int, lisa_hidden: int, tied_qkv: bool,
+  def __init__(self, cfg: ModelConfig, role: LayerRole, *, mlp_dim: int, attention_impl: str, score_sharing: str,
                rngs: nnx.Rngs):
     pdtype = jnp.dtype(cfg.param_dtype)
-    self.parallel_residual = cfg.flavor == "neox"
+    self.parallel_residual, self.wc_normed = cfg.flavor == "neox", role.wc_normed
     self.norm1 = make_norm(cfg.flavor, cfg.d_model, cfg.norm_eps, pdtype)
-    self.attn = Attention(cfg, spec, position, attention_impl=attention_impl, score_sharing=score_sharing,
-                          lisa_rank=lisa_rank, lisa_hidden=lisa_hidden, lisa_rope=sched.lisa.rope,
-                          tied_qkv=tied_qkv, rngs=rngs)
-    self.wc_normed = sched.uniattn.wc_input == "normed"
+    self.attn = Attention(cfg, role, attention_impl=attention_impl, score_sharing=score_sharing, rngs=rngs)
     self.compensation = DenseGeneral(
       "btd,de->bte", (cfg.d_model, cfg.d_model), ("embed", None), std=None, bias_shape=None,
-      dtype=jnp.dtype(cfg.dtype), param_dtype=pdtype, rngs=rngs) if spec[4] else None
+      dtype=jnp.dtype(cfg.dtype), param_dtype=pdtype, rngs=rngs) if role.compensation else None
     self.norm2 = make_norm(cfg.flavor, cfg.d_model, cfg.norm_eps, pdtype)
     self.mlp = MLP(cfg.flavor, cfg.d_model, mlp_dim, std=cfg.init_std,
                    out_std=cfg.init_std / math.sqrt(2 * cfg.num_layers), dtype=jnp.dtype(cfg.dtype),
                    param_dtype=pdtype, rngs=rngs)
 
-  def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array, shared_kv: KV | None,
-               source: ScoreState | None, head_kernels: dict | None = None) -> tuple[jax.Array, KV, ScoreState]:
-    """``x [B,T,D] -> ([B,T,D], (K, V), score state)``; see :meth:`Attention.__call__`."""
+  def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array, kv_in: KV | None,
+               score_in: ScoreState | None, slot: jax.Array | int = 0, head_kernels: dict | None = None
+               ) -> tuple[jax.Array, KV, ScoreState | None, ScoreState | None]:
+    """``x [B,T,D] -> ([B,T,D], (K, V), state handed on, state used)``; see :meth:`Attention.__call__`."""
     h = self.norm1(x)
-    a, kv, state = self.attn(h, positions, segment_ids, shared_kv, source, head_kernels)
+    a, kv, state, used = self.attn(h, positions, segment_ids, kv_in, score_in, slot, head_kernels)
     if self.compensation is not None:
       a = a + self.compensation(h if self.wc_normed else x)
     if self.parallel_residual:
@@ -55,39 +56,116 @@ class DecoderLayer(nnx.Module):
     else:
       y = x + a
       y = y + self.mlp(self.norm2(y))
-    return parallel.constrain(y.astype(x.dtype), _RESIDUAL), kv, state
+    return parallel.constrain(y.astype(x.dtype), _RESIDUAL), kv, state, used
+
+
+class LayerRun(nnx.Module):
+  """``length`` consecutive layers of one role with parameters stacked on a leading axis, scanned.
+
+  What the layers read from outside the run (a producer's K/V, a probability source) is loop-invariant; a LISA
+  chain's score state is carried from layer to layer in a fixed shape (see :func:`scores.chain_entry`).
+  """
+
+  def __init__(self, cfg: ModelConfig, run: Run, *, mlp_dim: int, attention_impl: str, score_sharing: str,
+               rngs: nnx.Rngs):
+    self.length, self.role, self.scan = run.length, run.role, cfg.scan_layers
+    self.recompute = score_sharing == "recompute"
+
+    @nnx.split_rngs(splits=run.length)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def make(rngs: nnx.Rngs) -> DecoderLayer:
+      return DecoderLayer(cfg, run.role, mlp_dim=mlp_dim, attention_impl=attention_impl, score_sharing=score_sharing,
+                          rngs=rngs)
+
+    self.layers = make(rngs)
+
+  def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array, kv_in: KV | None,
+               score_in: ScoreState | None, head_kernels: dict | None, capture: bool
+               ) -> tuple[jax.Array, KV | None, ScoreState | None, list[jax.Array]]:
+    """Apply the run.
+
+    Args:
+      kv_in / score_in: what every layer reads (a LISA chain: the state of the layer before the run).
+      head_kernels: head-wise sharing's kernels ``[length, D, H, d]`` per matrix.
+      capture: also return the logits each layer used (``[B, H, T, S]`` float32 each; none for probability
+        reusers, whose source's logits stand for theirs).
+
+    Returns:
+      ``(x, (K, V), handed-on state, captured logits)``; K/V and a non-chain state only for a run of one layer
+      (longer runs hold no layer that another layer reads by position).
+    """
+    role = self.role
+    chain = role.score_reuse == "logits"
+    base = 0
+    if chain:
+      score_in = scores.chain_entry(score_in, integrator=role.integrator, num_kv_heads=role.num_kv_heads,
+                                    slots=self.length, rank=role.lisa_rank, recompute=self.recompute)
+      if isinstance(score_in, ScoreFeatures) and role.has_low_rank:
+        base = score_in.q.shape[-1] - self.length * role.lisa_rank
+
+    def body(layer: DecoderLayer, carry, i, kernels):
+      x, state = carry
+      slot = base + i * role.lisa_rank
+      y, kv, out_state, used = layer(x, positions, segment_ids, kv_in, state if chain else score_in, slot, kernels)
+      logits = scores.logits(used) if capture and used is not None else None
+      return (y, out_state if chain else None), (kv, out_state, logits)
+
+    if self.length == 1 or not self.scan:
+      graphdef, params = nnx.split(self.layers)
+      carry, captured = (x, score_in if chain else None), []
+      for i in range(self.length):
+        layer = nnx.merge(graphdef, jax.tree.map(lambda a: a[i], params))
+        kernels = None if head_kernels is None else {m: w[i] for m, w in head_kernels.items()}
+        carry, (kv, state, logits) = body(layer, carry, i, kernels)
+        captured.append(logits)
+      x = carry[0]
+      if self.length > 1:
+        kv, state = None, carry[1]
+      return x, kv, state, captured if capture and role.score_reuse != "probs" else []
+
+    def step(layer, carry, i, kernels):
+      carry, (_, _, logits) = body(layer, carry, i, kernels)
+      return carry, logits
+
+    scan = nnx.scan(step, in_axes=(0, nnx.Carry, 0, 0), out_axes=(nnx.Carry, 0))
+    (x, state), logits = scan(self.layers, (x, score_in if chain else None), jnp.arange(self.length), head_kernels)
+    captured = [logits[i] for i in range(self.length)] if capture and role.score_reuse != "probs" else []
+    return x, None, state, captured
 
 
 class Superblock(nnx.Module):
-  """Consecutive layers closed under K/V and score references; the unit that is stacked and scanned.
+  """Consecutive layers closed under K/V and score references, as runs of identical layers; the unit that is
+  stacked and scanned over a segment.
 
   Args:
-    signature: per layer, its plan relative to the superblock start (``LayerPlan.relative``).
+    runs: the superblock's runs (:func:`jaxshare.schedule.layer_runs`).
   """
 
-  def __init__(self, cfg: ModelConfig, sched: ScheduleConfig, signature: tuple[tuple, ...], *, mlp_dim: int,
-               attention_impl: str, score_sharing: str, lisa_rank: int, lisa_hidden: int, tied_qkv: bool = False,
-               rngs: nnx.Rngs):
-    self.specs = tuple(signature)
-    self.layers = nnx.List([
-      DecoderLayer(cfg, sched, spec, i, mlp_dim=mlp_dim, attention_impl=attention_impl, score_sharing=score_sharing,
-                   lisa_rank=lisa_rank, lisa_hidden=lisa_hidden, tied_qkv=tied_qkv, rngs=rngs)
-      for i, spec in enumerate(signature)])
+  def __init__(self, cfg: ModelConfig, runs: tuple[Run, ...], *, mlp_dim: int, attention_impl: str,
+               score_sharing: str, rngs: nnx.Rngs):
+    self.plan = tuple(runs)
+    self.runs = nnx.List([LayerRun(cfg, run, mlp_dim=mlp_dim, attention_impl=attention_impl,
+                                   score_sharing=score_sharing, rngs=rngs) for run in runs])
 
   def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array, capture: bool = False,
                head_kernels: dict | None = None) -> tuple[jax.Array, tuple[jax.Array, ...]]:
-    """Returns the residual stream and, with ``capture``, each layer's pre-softmax logits ``[B,H,T,T]`` (f32).
+    """Returns the residual stream and, with ``capture``, each layer's pre-softmax logits ``[B,H,T,T]`` (f32; a
+    probability reuser's are its source's).
 
     ``head_kernels`` (head-wise sharing): ``{"q", "k", "v"}`` kernels ``[superblock size, D, H, d]``.
     """
     kvs: dict[int, KV] = {}
-    states: dict[int, ScoreState] = {}
-    captured = []
-    for i, (spec, layer) in enumerate(zip(self.specs, self.layers)):
-      kv_rel, _, score_rel, reuse = spec[:4]
-      kernels = None if head_kernels is None else {m: w[i] for m, w in head_kernels.items()}
-      x, kvs[i], states[i] = layer(x, positions, segment_ids, None if kv_rel == i else kvs[kv_rel],
-                                   states[score_rel] if reuse else None, kernels)
+    states: dict[int, ScoreState | None] = {}
+    captured: list[jax.Array] = []
+    previous = None
+    for run, module in zip(self.plan, self.runs):
+      role = run.role
+      kv_in = None if role.kv_from is None else kvs[role.kv_from]
+      score_in = {"probs": states.get(role.score_from), "logits": previous}.get(role.score_reuse)
+      kernels = None if head_kernels is None else {
+        m: w[run.start:run.start + run.length] for m, w in head_kernels.items()}
+      x, kvs[run.start], states[run.start], caps = module(x, positions, segment_ids, kv_in, score_in, kernels, capture)
+      previous = states[run.start]
       if capture:
-        captured.append(source_logits(states[i]))
+        captured.extend(caps if role.score_reuse != "probs" else [captured[role.score_from]] * run.length)
     return x, tuple(captured)

@@ -13,10 +13,11 @@ from jaxshare import parallel
 
 
 def param(rngs: nnx.Rngs, shape: tuple[int, ...], logical_axes: tuple[str, ...], std: float | None,
-          dtype: jnp.dtype) -> nnx.Param:
-  """A parameter drawn from N(0, std²), or zeros when ``std`` is None."""
+          dtype: jnp.dtype, trainable: bool = True) -> nnx.Param:
+  """A parameter drawn from N(0, std²), or zeros when ``std`` is None. ``trainable=False`` marks a parameter the
+  optimizer must never update (metadata read by :func:`jaxshare.train.optimizer.frozen_mask`)."""
   value = jnp.zeros(shape, dtype) if std is None else std * jax.random.normal(rngs.params(), shape, dtype)
-  return nnx.Param(value, logical_axes=logical_axes)
+  return nnx.Param(value, logical_axes=logical_axes, trainable=trainable)
 
 
 class DenseGeneral(nnx.Module):
@@ -27,14 +28,16 @@ class DenseGeneral(nnx.Module):
     shape: kernel shape, e.g. ``(D, H, d)``.
     logical_axes: logical names of the kernel dims.
     bias_shape / bias_axes: trailing output dims that get a bias (``None``: no bias).
+    trainable: False for weights kept but never trained (see :func:`param`).
   """
 
   def __init__(self, spec: str, shape: tuple[int, ...], logical_axes: tuple[str, ...], *, std: float,
                bias_shape: tuple[int, ...] | None, bias_axes: tuple[str, ...] = (), dtype=jnp.float32,
-               param_dtype=jnp.float32, rngs: nnx.Rngs):
+               param_dtype=jnp.float32, trainable: bool = True, rngs: nnx.Rngs):
     self.spec, self.dtype = spec, dtype
-    self.kernel = param(rngs, shape, logical_axes, std, param_dtype)
-    self.bias = param(rngs, bias_shape, bias_axes, None, param_dtype) if bias_shape is not None else None
+    self.kernel = param(rngs, shape, logical_axes, std, param_dtype, trainable)
+    self.bias = (param(rngs, bias_shape, bias_axes, None, param_dtype, trainable) if bias_shape is not None
+                 else None)
 
   def __call__(self, x: jax.Array) -> jax.Array:
     y = jnp.einsum(self.spec, x.astype(self.dtype), self.kernel[...].astype(self.dtype))

@@ -9,8 +9,8 @@ import jax
 from jaxshare.schedule import Schedule
 
 
-def layer_location(schedule: Schedule, layer: int) -> tuple[int, int, int]:
-  """``(segment index, superblock index within the segment, position within the superblock)`` of a layer.
+def layer_location(schedule: Schedule, layer: int) -> tuple[int, int, int, int]:
+  """``(segment, superblock within the segment, run within the superblock, position within the run)`` of a layer.
 
   Raises:
     IndexError: no such layer.
@@ -18,27 +18,32 @@ def layer_location(schedule: Schedule, layer: int) -> tuple[int, int, int]:
   for s_idx, seg in enumerate(schedule.segments):
     if seg.start <= layer < seg.start + seg.count * seg.superblock_size:
       c, j = divmod(layer - seg.start, seg.superblock_size)
-      return s_idx, c, j
+      r_idx = next(r for r, run in enumerate(seg.runs) if run.start <= j < run.start + run.length)
+      return s_idx, c, r_idx, j - seg.runs[r_idx].start
   raise IndexError(f"layer {layer} is not in the schedule ({len(schedule.layers)} layers)")
 
 
+def _run_params(params: dict, s_idx: int, r_idx: int) -> dict:
+  return params["segments"][s_idx]["blocks"]["runs"][r_idx]["layers"]
+
+
 def layer_params(params: dict, schedule: Schedule, layer: int) -> dict[str, Any]:
-  """The unstacked parameters of one layer (``attn``, ``mlp``, ``norm1``, ...), leaves indexed out of the stack."""
-  s_idx, c, j = layer_location(schedule, layer)
-  tree = params["segments"][s_idx]["blocks"]["layers"][j]
-  return jax.tree.map(lambda a: a[c], tree)
+  """The unstacked parameters of one layer (``attn``, ``mlp``, ``norm1``, ...), leaves indexed out of the stack
+  (parameters are stacked ``[superblocks of the segment, layers of the run, ...]``)."""
+  s_idx, c, r_idx, i = layer_location(schedule, layer)
+  return jax.tree.map(lambda a: a[c, i], _run_params(params, s_idx, r_idx))
 
 
 def replace_layer(params: dict, schedule: Schedule, layer: int, new: dict) -> dict:
   """``params`` with one layer's parameters replaced by ``new`` (same keys and shapes), functionally."""
-  s_idx, c, j = layer_location(schedule, layer)
+  s_idx, c, r_idx, i = layer_location(schedule, layer)
+  stacked = _run_params(params, s_idx, r_idx)
+  updated = jax.tree.map(lambda stack, leaf: stack.at[c, i].set(leaf.astype(stack.dtype)), stacked, new)
   seg = params["segments"][s_idx]
-  stacked = seg["blocks"]["layers"][j]
-  updated = jax.tree.map(lambda stack, leaf: stack.at[c].set(leaf.astype(stack.dtype)), stacked, new)
-  layers = dict(seg["blocks"]["layers"])
-  layers[j] = updated
+  runs = dict(seg["blocks"]["runs"])
+  runs[r_idx] = {**runs[r_idx], "layers": updated}
   segments = dict(params["segments"])
-  segments[s_idx] = {**seg, "blocks": {**seg["blocks"], "layers": layers}}
+  segments[s_idx] = {**seg, "blocks": {**seg["blocks"], "runs": runs}}
   return {**params, "segments": segments}
 
 

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxshare import parallel
-from jaxshare.config import ModelConfig, ScheduleConfig
+from jaxshare.config import ModelConfig
 from jaxshare.model.block import Superblock
 from jaxshare.headwise import MATRICES, HeadTies
 from jaxshare.model.layers import DenseGeneral, make_norm, param
@@ -17,17 +17,15 @@ from jaxshare.schedule import Schedule, Segment
 class StackedSegment(nnx.Module):
   """``count`` structurally identical superblocks with parameters stacked on a leading ``layers`` axis."""
 
-  def __init__(self, cfg: ModelConfig, sched: ScheduleConfig, segment: Segment, *, mlp_dim: int,
-               attention_impl: str, score_sharing: str, lisa_rank: int, lisa_hidden: int, tied_qkv: bool,
+  def __init__(self, cfg: ModelConfig, segment: Segment, *, mlp_dim: int, attention_impl: str, score_sharing: str,
                rngs: nnx.Rngs):
     self.count, self.scan, self.remat = segment.count, cfg.scan_layers, cfg.remat == "full"
 
     @nnx.split_rngs(splits=segment.count)
     @nnx.vmap(in_axes=(0,), out_axes=0)
     def make(rngs: nnx.Rngs) -> Superblock:
-      return Superblock(cfg, sched, segment.signature, mlp_dim=mlp_dim, attention_impl=attention_impl,
-                        score_sharing=score_sharing, lisa_rank=lisa_rank, lisa_hidden=lisa_hidden,
-                        tied_qkv=tied_qkv, rngs=rngs)
+      return Superblock(cfg, segment.runs, mlp_dim=mlp_dim, attention_impl=attention_impl,
+                        score_sharing=score_sharing, rngs=rngs)
 
     self.blocks = make(rngs)
 
@@ -78,14 +76,19 @@ class Transformer(nnx.Module):
 
   Args:
     cfg: model dimensions and flavour.
-    schedule: compiled schedule (which layers produce K/V).
+    schedule: compiled schedule: every layer's role, grouped into superblocks, runs and segments.
     mlp_dim: MLP width (``accounting.mlp_dim``: the config's, or widened to match parameters).
     attention_impl: ``attention.impl``.
+    score_sharing: ``attention.score_sharing`` (see :class:`~jaxshare.model.attention.Attention`).
+    ties: head-wise sharing's head map, exactly when the schedule ties heads.
+
+  Raises:
+    ValueError: the schedule has another depth than ``cfg``, or ``ties`` disagrees with the schedule.
   """
 
   def __init__(self, cfg: ModelConfig, schedule: Schedule, *, mlp_dim: int | None = None,
-               attention_impl: str = "auto", score_sharing: str = "recompute",
-               sched: ScheduleConfig | None = None, ties: HeadTies | None = None, rngs: nnx.Rngs):
+               attention_impl: str = "auto", score_sharing: str = "recompute", ties: HeadTies | None = None,
+               rngs: nnx.Rngs):
     if len(schedule.layers) != cfg.num_layers:
       raise ValueError(f"schedule has {len(schedule.layers)} layers, model.num_layers={cfg.num_layers}")
     pdtype, self.dtype = jnp.dtype(cfg.param_dtype), jnp.dtype(cfg.dtype)
@@ -93,12 +96,10 @@ class Transformer(nnx.Module):
                                                                 pdtype), logical_axes=("vocab", "embed"))
     if (ties is None) != (schedule.tied_heads == 0):
       raise ValueError(f"schedule ties {schedule.tied_heads} heads; pass ties exactly when it ties any")
-    sched = sched or ScheduleConfig()
     self.head_table = HeadTable(cfg, ties, rngs) if ties is not None else None
     self.segments = nnx.List([
-      StackedSegment(cfg, sched, seg, mlp_dim=mlp_dim or cfg.mlp_dim, attention_impl=attention_impl,
-                     score_sharing=score_sharing, lisa_rank=schedule.lisa_rank, lisa_hidden=schedule.lisa_hidden,
-                     tied_qkv=ties is not None, rngs=rngs)
+      StackedSegment(cfg, seg, mlp_dim=mlp_dim or cfg.mlp_dim, attention_impl=attention_impl,
+                     score_sharing=score_sharing, rngs=rngs)
       for seg in schedule.segments])
     self.segment_spans = tuple((seg.start, seg.count, seg.superblock_size) for seg in schedule.segments)
     self.final_norm = make_norm(cfg.flavor, cfg.d_model, cfg.norm_eps, pdtype)

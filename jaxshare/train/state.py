@@ -27,8 +27,8 @@ from jaxshare.train.step import TrainState
 def build_model(cfg: Config, schedule: Schedule, seed: int, ties: HeadTies | None = None) -> Transformer:
   """The NNX model of ``cfg`` with parameters drawn from ``seed`` (``ties``: head-wise sharing's head map)."""
   return Transformer(cfg.model, schedule, mlp_dim=accounting.mlp_dim(cfg.model, schedule, cfg.schedule.match_params),
-                     attention_impl=cfg.attention.impl, score_sharing=cfg.attention.score_sharing,
-                     sched=cfg.schedule, ties=ties, rngs=nnx.Rngs(seed))
+                     attention_impl=cfg.attention.impl, score_sharing=cfg.attention.score_sharing, ties=ties,
+                     rngs=nnx.Rngs(seed))
 
 
 def dense_counterpart(cfg: Config) -> tuple[Config, Schedule]:
