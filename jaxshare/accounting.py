@@ -104,7 +104,8 @@ def sharing_params(model: ModelConfig, schedule: Schedule, p) -> int:
 def param_count(model: ModelConfig, schedule: Schedule, match_params: bool = False) -> ParamCount:
   """Exact parameter count of :class:`jaxshare.model.Transformer` built from (model, schedule).
 
-  K/V consumers have no K/V projections; layers that reuse scores have no W_q/W_k; head-wise sharing removes the
+  K/V consumers have no K/V projections; layers that reuse scores have no W_q/W_k (LISA layers with ``keep_qk`` keep
+  them, untrained, for NF decoding); head-wise sharing removes the
   W_q, W_k, W_v (and biases) of ``schedule.tied_heads`` heads. Reproduces MLKV Table 2 (Pythia-160M,
   ``match_params``) and head-wise Table 3 exactly.
   """
@@ -113,12 +114,13 @@ def param_count(model: ModelConfig, schedule: Schedule, match_params: bool = Fal
   F = mlp_dim(model, schedule, match_params)
   attn = sharing = 0
   for p in schedule.layers:
+    full_qk = p.has_query_key or p.keep_qk
     attn += H * d * D + (D if bias else 0)  # o projection
-    if p.has_query_key:
+    if full_qk:
       attn += D * H * d + (H * d if bias else 0)
     if p.is_producer:
       g = p.num_kv_heads
-      attn += (D * g * d + (g * d if bias else 0)) * (2 if p.has_query_key else 1)
+      attn += (D * g * d + (g * d if bias else 0)) * (2 if full_qk else 1)
     sharing += sharing_params(model, schedule, p)
   attn -= schedule.tied_heads * 3 * (D * d + (d if bias else 0))
   per_mlp = _mlp_matrices(model) * D * F + ((F + D) if bias else 0)

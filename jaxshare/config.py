@@ -252,7 +252,8 @@ class TrainConfig:
   postshare_ratio: float = _f(0.3, "PostShare: sharing ratio alpha of the pair selection (match: "
                               "schedule.headwise.match).")
   recipe: str = _f("standard", "standard, or uniattn_two_stage: stage 1 trains only W_c until the EMA of the "
-                   "training loss stops improving (or train.stage1_max_steps), stage 2 fine-tunes everything.",
+                   "training loss stops improving (or train.stage1_max_steps), stage 2 fine-tunes everything with a "
+                   "fresh optimizer and its own warm-up + cosine schedule over the remaining steps.",
                    ("standard", "uniattn_two_stage"))
   stage1_max_steps: int = _f(200, "uniattn_two_stage: most steps of stage 1.")
   stage1_ema: float = _f(0.9, "uniattn_two_stage: decay of the training-loss EMA watched for early stopping.")
@@ -417,6 +418,8 @@ def validate(cfg: Config) -> None:
   _require(t.stage1_max_steps > 0 and t.stage1_patience > 0, "train.stage1_max_steps", t.stage1_max_steps,
            "stage-1 steps and patience must be positive")
   _require(0.0 < t.stage1_ema < 1.0, "train.stage1_ema", t.stage1_ema, "must be in (0, 1)")
+  _require(t.recipe != "uniattn_two_stage" or t.trainable == "all", "train.trainable", t.trainable,
+           "must be all with train.recipe=uniattn_two_stage (stage 1 trains W_c alone, stage 2 fine-tunes everything)")
   for name in ("data", "fsdp", "tensor"):
     v = getattr(cfg.mesh, name)
     _require(v == -1 or v >= 1, f"mesh.{name}", v, "must be a positive axis size or -1 (fill)")

@@ -9,10 +9,15 @@ Each head has at most one edge to an earlier layer, so the pairs form a forest a
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 
 import numpy as np
 
+from jaxshare.config import ConfigError
+
 MATRICES = ("q", "k", "v")
+POSTSHARE_PAIRS_FILE = "postshare_pairs.json"  # in a PostShare run directory: the pairs its penalty pulled together
 _MATCH_FEATURES = {"qk": ("q", "k"), "q": ("q",), "k": ("k",), "v": ("v",), "qkv": ("q", "k", "v")}
 
 
@@ -41,18 +46,26 @@ def _unit_rows(feat: np.ndarray) -> np.ndarray:
   return feat / np.maximum(norms, 1e-12)
 
 
-def _select(feat: np.ndarray, num_layers: int, num_heads: int, n: int) -> tuple[dict[int, int], list[tuple[int, int]]]:
-  """DirectShare on per-head features ``[L*H, F]``: head -> representative map, and the N chosen pairs."""
+def _similarity(feat: np.ndarray) -> np.ndarray:
   unit = _unit_rows(feat.astype(np.float64))
-  sim = unit @ unit.T
+  return unit @ unit.T
+
+
+def _candidate_pairs(sim: np.ndarray, num_layers: int, num_heads: int, n: int) -> list[tuple[int, int]]:
+  """Every head after layer 0 with its most similar head in a strictly earlier layer; the n most similar pairs."""
   candidates = []
   for i in range(num_heads, num_layers * num_heads):
     earlier = sim[i, : (i // num_heads) * num_heads]
     j = int(np.argmax(earlier))
     candidates.append((-float(earlier[j]), i, j))
   candidates.sort()  # highest similarity first; ties broken by head index, deterministically
-  pairs = [(i, j) for _, i, j in candidates[:n]]
-  parent = list(range(num_layers * num_heads))
+  return [(i, j) for _, i, j in candidates[:n]]
+
+
+def _representatives(sim: np.ndarray, pairs: list[tuple[int, int]]) -> dict[int, int]:
+  """Head -> the head whose weights it uses: the connected components of the pairs, each tied to its member with the
+  highest mean similarity to the others."""
+  parent = list(range(sim.shape[0]))
 
   def find(a: int) -> int:
     while parent[a] != a:
@@ -63,7 +76,7 @@ def _select(feat: np.ndarray, num_layers: int, num_heads: int, n: int) -> tuple[
   for i, j in pairs:
     parent[find(i)] = find(j)
   components: dict[int, list[int]] = {}
-  for a in range(num_layers * num_heads):
+  for a in range(sim.shape[0]):
     components.setdefault(find(a), []).append(a)
   rep = {}
   for members in components.values():
@@ -75,11 +88,40 @@ def _select(feat: np.ndarray, num_layers: int, num_heads: int, n: int) -> tuple[
     best = members[int(np.argmax(mean_to_others))]
     for a in members:
       rep[a] = best
-  return rep, pairs
+  return rep
+
+
+def _per_head(weights: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], tuple[int, int]]:
+  shapes = {m: weights[m].shape for m in MATRICES}
+  if len({s for s in shapes.values()}) != 1 or len(shapes["q"]) != 4:
+    raise ValueError(f"weights must all be [L, D, H, d] of one shape (MHA), got {shapes}")
+  L, D, H, d = shapes["q"]
+  return {m: np.asarray(weights[m]).transpose(0, 2, 1, 3).reshape(L * H, D * d) for m in MATRICES}, (L, H)
+
+
+def _match_similarity(per_head: dict[str, np.ndarray], match: str) -> dict[str, np.ndarray]:
+  """Per matrix, the head similarity it is tied by: one shared match, or each matrix's own (``separately``)."""
+  if match not in _MATCH_FEATURES and match != "separately":
+    raise ValueError(f"match={match!r} is invalid: must be one of {', '.join(list(_MATCH_FEATURES) + ['separately'])}")
+  if match == "separately":
+    return {m: _similarity(per_head[m]) for m in MATRICES}
+  shared = _similarity(np.concatenate([per_head[m] for m in _MATCH_FEATURES[match]], axis=1))
+  return {m: shared for m in MATRICES}
+
+
+def _ties(chosen: dict[str, tuple[dict[int, int], list[tuple[int, int]]]], L: int, H: int) -> HeadTies:
+  rows, index, pairs = {}, {}, {}
+  for m, (rep, chosen_pairs) in chosen.items():
+    reps = sorted(set(rep.values()))
+    row_of = {r: k for k, r in enumerate(reps)}
+    rows[m] = tuple(divmod(r, H) for r in reps)
+    index[m] = tuple(tuple(row_of[rep[l * H + h]] for h in range(H)) for l in range(L))
+    pairs[m] = tuple(tuple(p) for p in chosen_pairs)
+  return HeadTies(rows, index, pairs)
 
 
 def direct_share(weights: dict[str, np.ndarray], num_tied: int, match: str = "qk") -> HeadTies:
-  """Choose the head ties of DirectShare.
+  """Choose the head ties of DirectShare (Alg. 1-2).
 
   Args:
     weights: ``{"q", "k", "v"}`` kernels ``[L, D, H, d]`` (every layer's own projections, MHA).
@@ -93,32 +135,56 @@ def direct_share(weights: dict[str, np.ndarray], num_tied: int, match: str = "qk
   Raises:
     ValueError: unknown match function, shapes that disagree, or N larger than the heads outside layer 0.
   """
-  if match not in _MATCH_FEATURES and match != "separately":
-    raise ValueError(f"match={match!r} is invalid: must be one of {', '.join(list(_MATCH_FEATURES) + ['separately'])}")
-  shapes = {m: weights[m].shape for m in MATRICES}
-  if len({s for s in shapes.values()}) != 1 or len(shapes["q"]) != 4:
-    raise ValueError(f"weights must all be [L, D, H, d] of one shape (MHA), got {shapes}")
-  L, D, H, d = shapes["q"]
+  per_head, (L, H) = _per_head(weights)
+  sims = _match_similarity(per_head, match)
   if not 0 <= num_tied <= (L - 1) * H:
     raise ValueError(f"num_tied={num_tied} is invalid: must be in 0..{(L - 1) * H}")
-  per_head = {m: np.asarray(weights[m]).transpose(0, 2, 1, 3).reshape(L * H, D * d) for m in MATRICES}
+  chosen = {}
+  for m in MATRICES:
+    pairs = _candidate_pairs(sims[m], L, H, num_tied)
+    chosen[m] = (_representatives(sims[m], pairs), pairs)
+  return _ties(chosen, L, H)
 
-  def feature(names: tuple[str, ...]) -> np.ndarray:
-    return np.concatenate([per_head[m] for m in names], axis=1)
 
-  if match == "separately":
-    chosen = {m: _select(feature((m,)), L, H, num_tied) for m in MATRICES}
-  else:
-    shared = _select(feature(_MATCH_FEATURES[match]), L, H, num_tied)
-    chosen = {m: shared for m in MATRICES}
-  rows, index, pairs = {}, {}, {}
-  for m, (rep, chosen_pairs) in chosen.items():
-    reps = sorted(set(rep.values()))
-    row_of = {r: k for k, r in enumerate(reps)}
-    rows[m] = tuple(divmod(r, H) for r in reps)
-    index[m] = tuple(tuple(row_of[rep[l * H + h]] for h in range(H)) for l in range(L))
-    pairs[m] = tuple(chosen_pairs)
-  return HeadTies(rows, index, pairs)
+def ties_from_pairs(weights: dict[str, np.ndarray], pairs: dict[str, list], match: str = "qk") -> HeadTies:
+  """DirectShare's ties over given pairs (PostShare: the pairs it penalised, chosen before post-training), each
+  component's representative chosen on ``weights`` (the post-trained ones) as in :func:`direct_share`.
+
+  Raises:
+    ValueError: as :func:`direct_share`, or a pair that does not match a head to one of an earlier layer.
+  """
+  per_head, (L, H) = _per_head(weights)
+  sims = _match_similarity(per_head, match)
+  chosen = {}
+  for m in MATRICES:
+    given = [tuple(int(a) for a in p) for p in pairs[m]]
+    for i, j in given:
+      if not (0 <= j < L * H and 0 <= i < L * H and j // H < i // H):
+        raise ValueError(f"pair {(i, j)} for {m} is invalid: head i must be matched to a head of an earlier layer "
+                         f"({L} layers x {H} heads)")
+    chosen[m] = (_representatives(sims[m], given), given)
+  return _ties(chosen, L, H)
+
+
+def save_pairs(path, ties: HeadTies, match: str, ratio: float) -> None:
+  """Write PostShare's penalised pairs (with their match function and ratio) as JSON."""
+  Path(path).write_text(json.dumps({"match": match, "ratio": ratio,
+                                    "pairs": {m: [list(p) for p in ties.pairs[m]] for m in MATRICES}}))
+
+
+def load_pairs(path) -> dict:
+  """``{"match", "ratio", "pairs": {m: [[i, j], ...]}}`` as :func:`save_pairs` wrote them.
+
+  Raises:
+    ConfigError: unreadable or malformed file.
+  """
+  try:
+    data = json.loads(Path(path).read_text())
+    if not isinstance(data, dict) or set(data) != {"match", "ratio", "pairs"} or set(data["pairs"]) != set(MATRICES):
+      raise ValueError("expected {match, ratio, pairs: {q, k, v}}")
+  except (OSError, ValueError) as e:
+    raise ConfigError(f"PostShare pairs file {str(path)!r} is unreadable or malformed: {e}") from e
+  return data
 
 
 def tie_weights(weights: dict[str, np.ndarray], ties: HeadTies) -> dict[str, np.ndarray]:

@@ -3,7 +3,7 @@
 import pytest
 
 from jaxshare import accounting
-from jaxshare.config import HeadwiseConfig, LisaConfig, ModelConfig, SAConfig, ScheduleConfig
+from jaxshare.config import HeadwiseConfig, LisaConfig, LisaGroupConfig, ModelConfig, SAConfig, ScheduleConfig
 from jaxshare.schedule import compile_schedule
 
 LLAMA2_7B = ModelConfig(vocab_size=32000, num_layers=32, d_model=4096, num_heads=32, mlp_dim=11008)
@@ -90,3 +90,27 @@ def test_headwise_parameter_counts_table3(model, before, after):
   assert round(accounting.param_count(model, s).total / 1e9, 2) == after
   assert accounting.kv_cache_bytes_per_token(model, s) == accounting.kv_cache_bytes_per_token(
     model, compile_schedule(model, ScheduleConfig()))
+
+
+def test_lisa_sl_7_plus_10_mixes_linear_and_direct_sharing_llama3_8b():
+  # LISA Table 4's LISA_SL(7+10): LISA_SL (r=32, aligner 2H x H) on 5, 6, 17-21 and DS on 22-31 (1-based).
+  groups = [LisaGroupConfig(layers=[4, 5, 16, 17, 18, 19, 20], integrator="linear"),
+            LisaGroupConfig(layers=list(range(21, 31)), integrator="none")]
+  sched = ScheduleConfig(kind="gqa+lisa", kv_heads=8, lisa=LisaConfig(groups=groups, rank=32))
+  s = compile_schedule(LLAMA3_8B, sched)
+  # per LISA_SL layer: W_LR^Q 4096x1024 + W_LR^K 4096x256 (LISA 1.2) + the 64x32 linear aligner; DS adds nothing
+  assert accounting.param_count(LLAMA3_8B, s).sharing == 7 * (4096 * 1024 + 4096 * 256 + 64 * 32)
+  # KV elements per token: 15 full layers 2*G*d, 7 LISA_SL layers G*(d + r), 10 DS layers G*d (V only)
+  retained = (15 * 2 * 8 * 128 + 7 * 8 * (128 + 32) + 10 * 8 * 128) / (32 * 2 * 8 * 128)
+  assert kv_ratio(LLAMA3_8B, sched) == retained
+  assert round(100 * retained, 1) == 76.2
+
+
+def test_lisa_keep_qk_keeps_the_projections_not_the_cache():
+  base = dict(kind="gqa+lisa", kv_heads=8)
+  lisa = compile_schedule(LLAMA3_8B, ScheduleConfig(**base, lisa=LisaConfig(layers=LISA_17, rank=20, hidden=256)))
+  kept = compile_schedule(LLAMA3_8B, ScheduleConfig(**base, lisa=LisaConfig(layers=LISA_17, rank=20, hidden=256,
+                                                                           keep_qk=True)))
+  extra = accounting.param_count(LLAMA3_8B, kept).total - accounting.param_count(LLAMA3_8B, lisa).total
+  assert extra == 17 * (4096 * 4096 + 4096 * 1024)  # W_q and W_k (8 K/V heads) of the 17 LISA layers
+  assert accounting.kv_cache_bytes_per_token(LLAMA3_8B, kept) == accounting.kv_cache_bytes_per_token(LLAMA3_8B, lisa)

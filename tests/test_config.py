@@ -27,6 +27,8 @@ def test_repo_experiment_files_load():
   (["model.rotary_pct=0.01"], "model.rotary_pct"),
   (["train.steps"], "key=value"),
   (["mesh.data=-1", "mesh.fsdp=-1"], "at most one mesh axis"),
+  (["train.recipe=uniattn_two_stage", "train.trainable=sharing"],
+   "train.trainable='sharing' is invalid: must be all with train.recipe=uniattn_two_stage"),
 ])
 def test_invalid_values_name_the_field(override, needle):
   with pytest.raises(ConfigError) as e:

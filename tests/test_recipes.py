@@ -8,12 +8,14 @@ import numpy as np
 import pytest
 
 from conftest import tiny_config
+from jaxshare.config import ConfigError
 from jaxshare.headwise import direct_share
 from jaxshare.model.params import layer_params
 from jaxshare.schedule import compile_schedule
 from jaxshare.train.checkpoint import Checkpointer
 from jaxshare.train.loop import train
-from jaxshare.train.state import initial_params, load_run, setup_run, trainable_for
+from jaxshare.train.optimizer import learning_rate_schedule
+from jaxshare.train.state import compute_ties, initial_params, load_run, setup_run, trainable_for
 from jaxshare.train.step import distillation_loss, postshare_penalty
 
 
@@ -78,10 +80,10 @@ def test_postshare_penalty_pulls_matched_heads_together(tmp_path):
   params = jax.device_get(jax.jit(lambda: initial_params(setup, 0))())
   weights = {m: np.stack([layer_params(params, setup.schedule, l)["attn"][f"{m}_proj"]["kernel"] for l in range(4)])
              for m in "qkv"}
-  pairs = direct_share(weights, 3, "qk")
+  pairs = direct_share(weights, 6, "qk").pairs  # 6 = the heads alpha = 0.3 ties in this model
   penalty = float(postshare_penalty(params, setup.schedule, pairs))
   expected = np.mean([sum(np.linalg.norm(weights[m][i // 4, :, i % 4] - weights[m][j // 4, :, j % 4])
-                          for m in "qkv") for i, j in pairs.pairs["q"]])
+                          for m in "qkv") for i, j in pairs["q"]])
   assert penalty == pytest.approx(expected, rel=1e-5)
   grads = jax.grad(postshare_penalty)(params, setup.schedule, pairs)
   assert all(np.isfinite(np.asarray(g)).all() for g in jax.tree.leaves(grads))
@@ -97,6 +99,53 @@ def test_postshare_penalty_pulls_matched_heads_together(tmp_path):
   without, _ = run(0.0, "plain")
   assert "postshare_loss" in recs[0]
   assert with_penalty < without
+  # the penalised pairs, chosen on the initial weights, are kept in the run ...
+  saved = json.loads((tmp_path / "post" / "postshare_pairs.json").read_text())
+  assert saved["match"] == "qk" and saved["ratio"] == 0.3
+  assert {m: [tuple(p) for p in ps] for m, ps in saved["pairs"].items()} == {m: list(ps) for m, ps in pairs.items()}
+  # ... and DirectShare from the post-trained run ties exactly those
+  headwise = tiny_config("schedule.kind=headwise", "schedule.headwise.ratio=0.3",
+                         f"train.init_from={tmp_path / 'post'}")
+  ties = compute_ties(headwise, compile_schedule(headwise.model, headwise.schedule), 0)
+  assert ties.pairs == pairs
+  for bad, needle in ((["schedule.headwise.ratio=0.2"], "penalised 6 head pairs"),
+                      (["schedule.headwise.match=v"], "were matched with 'qk'")):
+    cfg = tiny_config("schedule.kind=headwise", "schedule.headwise.ratio=0.3", *bad,
+                      f"train.init_from={tmp_path / 'post'}")
+    with pytest.raises(ConfigError, match=needle):
+      compute_ties(cfg, compile_schedule(cfg.model, cfg.schedule), 0)
+
+
+def test_lisa_keep_qk_keeps_the_teachers_projections_frozen(teacher, tmp_path):
+  cfg = tiny_config("schedule.kind=lisa_plus", "schedule.lisa.layers=[1,2]", "schedule.lisa.keep_qk=true",
+                    f"train.init_from={teacher}", "train.steps=2", "train.warmup_steps=1", "train.eval_every=2",
+                    "train.checkpoint_every=2",
+                    f"train.run_dir={tmp_path}")
+  summary = train(cfg)  # train.trainable=all: everything trains except the kept W_q/W_k
+  setup = setup_run(cfg)
+  student, dense = params_at(tmp_path, 2), params_at(teacher, 10)
+  dense_schedule = compile_schedule(tiny_config().model, tiny_config().schedule)
+  for layer in (1, 2):
+    s_attn = layer_params(student, setup.schedule, layer)["attn"]
+    t_attn = layer_params(dense, dense_schedule, layer)["attn"]
+    for name in ("q_proj", "k_proj"):
+      np.testing.assert_array_equal(s_attn[name]["kernel"], t_attn[name]["kernel"])
+    assert not np.array_equal(s_attn["o_proj"]["kernel"], t_attn["o_proj"]["kernel"])
+  kept = 2 * 2 * 32 * 32  # W_q and W_k of two layers, D=32
+  assert summary["trainable_params"] == summary["num_params"] - kept
+
+
+def test_uniattn_compensation_has_no_weight_decay():
+  cfg = tiny_config("schedule.kind=uniattn", "schedule.uniattn.start=0", "schedule.uniattn.block_size=2")
+  setup = setup_run(cfg)
+  params = jax.jit(lambda: initial_params(setup, 0))()
+  params = jax.tree.map(lambda p: p + 1.0, params)  # W_c starts at zero: give it something to decay
+  zero_grads = jax.tree.map(jnp.zeros_like, params)
+  _, opt_state = setup.tx.update(zero_grads, setup.tx.init(params), params)  # step 0's lr is 0 (warm-up)
+  updates, _ = setup.tx.update(zero_grads, opt_state, params)
+  moved = {jax.tree_util.keystr(k) for k, u in jax.tree_util.tree_leaves_with_path(updates) if np.any(np.asarray(u))}
+  assert any("mlp" in k for k in moved)  # with zero gradients only weight decay moves parameters
+  assert not any("compensation" in k for k in moved)
 
 
 def test_uniattn_two_stage_recipe_and_resume(tmp_path):
@@ -108,6 +157,11 @@ def test_uniattn_two_stage_recipe_and_resume(tmp_path):
   summary = train(cfg)
   records = metrics(tmp_path / "a")
   assert [r["stage"] for r in records] == [1, 2, 2, 2]  # stage 1 ends after its 4th step
+  # stage 2 restarts the learning-rate schedule: warm-up again, cosine over the 4 remaining steps
+  stage2 = learning_rate_schedule(cfg.train, start_step=4)
+  for r in records[2:]:
+    assert r["lr"] == pytest.approx(float(stage2(r["step"] - 1 - 4)))  # the lr of the record's last update
+  assert records[2]["lr"] < records[1]["lr"]
   assert records[0]["trainable_params"] < records[-1]["trainable_params"] == summary["num_params"]
   moved_stage1 = changed_modules(params_at(tmp_path / "a", 2), params_at(tmp_path / "a", 4))
   assert moved_stage1 and all("compensation" in k for k in moved_stage1)

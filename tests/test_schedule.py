@@ -1,6 +1,6 @@
 import pytest
 
-from jaxshare.config import ModelConfig, ScheduleConfig, UniAttnConfig
+from jaxshare.config import LisaConfig, LisaGroupConfig, ModelConfig, ScheduleConfig, UniAttnConfig
 from jaxshare.schedule import ScheduleError, compile_schedule, mlkv_owners
 
 
@@ -118,3 +118,38 @@ def test_layers_read_by_position_stay_alone():
   s = compile_schedule(M, sched(kind="explicit", sources="0_1_2_1_4_5"))
   assert [(r.start, r.length, r.role.kv_from) for r in s.superblocks[1].runs] == [(0, 1, None), (1, 1, None),
                                                                                    (2, 1, 0)]
+
+
+def test_lisa_default_layers_follow_the_paper():
+  # LISA Table 4: layers 1-3 and the last two are never shared; LISA(27) on 32 layers is 4-30 (1-based)
+  s = compile_schedule(ModelConfig(num_layers=32, num_heads=4, d_model=32), sched(kind="lisa"))
+  assert [p.index + 1 for p in s.layers if p.score_reuse] == list(range(4, 31))
+  with pytest.raises(ScheduleError, match=r"schedule.lisa.layers=\[\] is invalid for model.num_layers=5"):
+    compile_schedule(ModelConfig(num_layers=5, num_heads=4, d_model=32), sched(kind="lisa_plus"))
+
+
+def test_lisa_groups_give_one_integrator_per_group():
+  # LISA_SL(7+10) (1-based 5, 6, 17-21 linear and 22-31 direct sharing) on 32 layers
+  groups = [LisaGroupConfig(layers=[4, 5, 16, 17, 18, 19, 20], integrator="linear"),
+            LisaGroupConfig(layers=list(range(21, 31)), integrator="none")]
+  s = compile_schedule(ModelConfig(num_layers=32, num_heads=4, d_model=32),
+                       sched(kind="lisa", lisa=LisaConfig(groups=groups)))
+  assert {p.index: p.integrator for p in s.layers if p.score_reuse} == {
+    **{n: "linear" for n in (4, 5, *range(16, 21))}, **{n: "none" for n in range(21, 31)}}
+  assert runs(s)[-2][1] == [("P", 1), ("Pl/linear", 5), ("Pl/none", 10)]  # one chain, two runs
+
+
+@pytest.mark.parametrize("kw, needle", [
+  (dict(kind="lisa_plus", lisa=LisaConfig(groups=[LisaGroupConfig(layers=[2])])), "lisa_plus fixes the integrator"),
+  (dict(kind="lisa", lisa=LisaConfig(layers=[2], groups=[LisaGroupConfig(layers=[3])])), "together with"),
+  (dict(kind="lisa", lisa=LisaConfig(groups=[LisaGroupConfig(layers=[2, 3]), LisaGroupConfig(layers=[3])])),
+   "layer 3 is in two groups"),
+  (dict(kind="lisa", lisa=LisaConfig(groups=[LisaGroupConfig(layers=[2], integrator="sum")])),
+   "groups[0].integrator='sum'"),
+  (dict(kind="lisa", lisa=LisaConfig(layers=[2], hidden=7)), "schedule.lisa.hidden=7"),
+  (dict(kind="lisa", lisa=LisaConfig(layers=[0])), "layer 0 must be in 1..5"),
+])
+def test_invalid_lisa_settings_raise_clear_errors(kw, needle):
+  with pytest.raises(ScheduleError) as e:
+    compile_schedule(M, sched(**kw))
+  assert needle in str(e.value)

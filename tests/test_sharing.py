@@ -15,6 +15,7 @@ import reference_numpy
 from conftest import tiny_config
 from jaxshare import accounting
 from jaxshare.model.params import copy_shared_weights
+from jaxshare.train.state import build_model
 from test_model import randomized, tokens
 
 SCORE_SCHEDULES = {
@@ -33,11 +34,16 @@ SCORE_SCHEDULES = {
   "gqa_per_layer_lisa_plus": ["schedule.kind=gqa+lisa_plus", "schedule.kv_heads_per_layer=[4,2,4,4]",
                               "schedule.lisa.layers=[1,2]"],
   "gqa_per_layer_ds": ["schedule.kind=gqa+ds", "schedule.kv_heads_per_layer=[2,4,1,4]", "schedule.lisa.layers=[1,2,3]"],
+  # one integrator per group (LISA_SL(7+10)-style): a linear layer, then a DS chain reading its logits
+  "lisa_groups": ["schedule.kind=lisa", "schedule.lisa.groups=[{layers: [1], integrator: linear}, "
+                  "{layers: [2, 3], integrator: none}]"],
+  # LISA layers keep their (unused, frozen) W_q/W_k for NF decoding
+  "lisa_plus_keep_qk": ["schedule.kind=lisa_plus", "schedule.lisa.layers=[2,3]", "schedule.lisa.keep_qk=true"],
   "cla_uniattn": ["model.num_layers=6", "schedule.kind=cla+uniattn", "schedule.producers=[0,2,3,4,5]",
                   "schedule.uniattn.start=2", "schedule.uniattn.block_size=2"],
 }
 RECOMPUTABLE = ["sa_reference_code", "sa_paper", "uniattn", "lisa_plus", "lisa_plus_rope", "ds", "gqa_lisa_plus",
-                "cla_uniattn", "gqa_per_layer_lisa_plus", "gqa_per_layer_ds"]
+                "cla_uniattn", "gqa_per_layer_lisa_plus", "gqa_per_layer_ds", "lisa_plus_keep_qk"]
 
 
 @pytest.mark.parametrize("name", sorted(SCORE_SCHEDULES))
@@ -144,3 +150,25 @@ def test_capture_returns_each_layers_logits():
   np.testing.assert_array_equal(np.asarray(attn[2]), np.asarray(attn[1]))  # layers 2, 3 reuse layer 1's scores
   np.testing.assert_array_equal(np.asarray(attn[3]), np.asarray(attn[1]))
   assert not np.allclose(np.asarray(attn[0]), np.asarray(attn[1]))
+
+
+@pytest.mark.parametrize("integrator", ["ffn", "linear"])
+def test_lisa_aligners_start_as_lisa_plus(integrator):
+  """LISA's aligners are initialised to A_{n-1} + A_delta: with every other weight random, the fresh aligner gives
+  LISA_plus's output (the ffn through relu(s) - relu(-s) pairs, the extra units' output weights zero)."""
+  layers = ["schedule.lisa.layers=[1,2]", "schedule.lisa.hidden=12"]
+  cfg = tiny_config("schedule.kind=lisa", f"schedule.lisa.integrator={integrator}", *layers)
+  schedule, graphdef, params = randomized(cfg)
+  fresh = nnx.to_pure_dict(nnx.state(build_model(cfg, schedule, 5), nnx.Param))
+  params = jax.tree_util.tree_map_with_path(  # the aligner as initialised, everything else randomised
+    lambda k, v, f: f if "align" in jax.tree_util.keystr(k) else v, params, fresh)
+  plus_cfg = tiny_config("schedule.kind=lisa_plus", *layers)
+  plus_schedule, plus_graphdef, plus_params = randomized(plus_cfg, seed=7)
+  plus_params = copy_shared_weights(params, schedule, plus_params, plus_schedule)
+  x = tokens()
+  out = np.asarray(nnx.merge(graphdef, params)(x))
+  np.testing.assert_allclose(out, np.asarray(nnx.merge(plus_graphdef, plus_params)(x)), atol=1e-5, rtol=1e-5)
+  _, _, other = randomized(cfg, seed=11)  # with another (here: random) aligner the outputs differ
+  params = jax.tree_util.tree_map_with_path(lambda k, v, o: o if "align" in jax.tree_util.keystr(k) else v,
+                                            params, other)
+  assert not np.allclose(out, np.asarray(nnx.merge(graphdef, params)(x)), atol=1e-3)

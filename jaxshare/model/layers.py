@@ -15,7 +15,7 @@ from jaxshare import parallel
 def param(rngs: nnx.Rngs, shape: tuple[int, ...], logical_axes: tuple[str, ...], std: float | None,
           dtype: jnp.dtype, trainable: bool = True) -> nnx.Param:
   """A parameter drawn from N(0, std²), or zeros when ``std`` is None. ``trainable=False`` marks a parameter the
-  optimizer must never update (metadata read by :func:`jaxshare.train.optimizer.frozen_mask`)."""
+  optimizer must never update (metadata read by :func:`jaxshare.train.optimizer.frozen_paths`)."""
   value = jnp.zeros(shape, dtype) if std is None else std * jax.random.normal(rngs.params(), shape, dtype)
   return nnx.Param(value, logical_axes=logical_axes, trainable=trainable)
 

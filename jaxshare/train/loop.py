@@ -126,8 +126,9 @@ def train(cfg: Config, *, mesh=None, stop_after: int | None = None) -> dict[str,
     check_resume_compatible(config_from_yaml_text((run_dir / "config.yaml").read_text()), cfg)
   meta = ckpt.read_meta(latest) if latest is not None else {}
   stage = meta.get("stage", 0) or (1 if two_stage else 0)
+  stage_start = meta.get("stage_start", 0)  # the step the current stage's learning-rate schedule started at
   source, source_params = _load_source(cfg, mesh)
-  setup = setup_run(cfg, mesh, trainable_for(cfg, stage))
+  setup = setup_run(cfg, mesh, trainable_for(cfg, stage), start_step=stage_start)
   (run_dir / "config.yaml").write_text(to_yaml(cfg))
 
   data_iter = data.train_iter()
@@ -172,7 +173,8 @@ def train(cfg: Config, *, mesh=None, stop_after: int | None = None) -> dict[str,
   end = tcfg.steps if stop_after is None else min(tcfg.steps, stop_after)
 
   def save(step: int) -> None:
-    ckpt.save(step, state, data_iter, {"step": step, "stage": stage, "stage1": monitor.state()})
+    ckpt.save(step, state, data_iter, {"step": step, "stage": stage, "stage_start": stage_start,
+                                       "stage1": monitor.state()})
 
   with jax.set_mesh(setup.mesh), _StopFlag() as stop:
     while step < end and not stop.requested:
@@ -182,8 +184,10 @@ def train(cfg: Config, *, mesh=None, stop_after: int | None = None) -> dict[str,
       pending.append(metrics)
       log.advance(1)
       if stage == 1 and monitor.update(float(metrics["loss"])):
-        stage = 2  # UniAttn stage 2: everything trains, with a fresh optimizer state
-        setup = setup_run(cfg, mesh, trainable_for(cfg, stage), ties=setup.ties)
+        # UniAttn stage 2: everything trains, with a fresh optimizer state and a learning-rate schedule (warm-up,
+        # cosine) over the remaining steps
+        stage, stage_start = 2, step
+        setup = setup_run(cfg, mesh, trainable_for(cfg, stage), ties=setup.ties, start_step=stage_start)
         params = state["params"]
         opt_state = jax.jit(setup.tx.init, out_shardings=setup.state_shardings["opt_state"])(params)
         state = {"params": params, "opt_state": opt_state, "step": state["step"]}

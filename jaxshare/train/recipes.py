@@ -3,10 +3,12 @@ two-stage schedule."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import jax
 
 from jaxshare.config import Config, ConfigError
-from jaxshare.headwise import dense_kernels, direct_share
+from jaxshare.headwise import POSTSHARE_PAIRS_FILE, dense_kernels, direct_share, load_pairs, save_pairs
 from jaxshare.schedule import tied_head_count
 from jaxshare.train.state import RunSetup, initial_params
 from jaxshare.train.step import Objective
@@ -39,8 +41,15 @@ class Stage1Monitor:
 
 
 def build_objective(cfg: Config, setup: RunSetup, teacher: RunSetup | None, teacher_params: dict | None) -> Objective:
-  """The auxiliary losses of ``cfg``; PostShare's pairs are selected on the pretrained weights (``init_from``) or,
-  from scratch, on the initial ones."""
+  """The auxiliary losses of ``cfg``.
+
+  PostShare's pairs are selected once, on the pretrained weights (``init_from``) or, from scratch, on the initial
+  ones, and written to ``<run_dir>/postshare_pairs.json``: a resumed run penalises the same pairs, and a head-wise run
+  initialised from this one ties exactly them (:func:`jaxshare.train.state.compute_ties`).
+
+  Raises:
+    ConfigError: distillation without LISA layers, PostShare on a model that is not an untied dense MHA model.
+  """
   t = cfg.train
   kd_layers = tuple(p.index for p in setup.schedule.layers if p.score_reuse == "logits")
   if t.kd_beta > 0 and not kd_layers:
@@ -52,12 +61,17 @@ def build_objective(cfg: Config, setup: RunSetup, teacher: RunSetup | None, teac
            for p in setup.schedule.layers) or setup.ties is not None:
       raise ConfigError(f"train.postshare_gamma={t.postshare_gamma} needs an untied dense MHA model; schedule.kind="
                         f"{cfg.schedule.kind!r} is not")
-    n = tied_head_count(cfg.model, t.postshare_ratio)
-    if teacher is not None:
-      weights = dense_kernels(jax.device_get(teacher_params), teacher.schedule, cfg.model.num_layers)
+    path = Path(t.run_dir) / POSTSHARE_PAIRS_FILE
+    if path.exists():  # resuming: the pairs chosen when the run started
+      pairs = {m: tuple(tuple(p) for p in ps) for m, ps in load_pairs(path)["pairs"].items()}
     else:
-      weights = dense_kernels(jax.device_get(initial_params(setup, t.seed)), setup.schedule, cfg.model.num_layers)
-    pairs = direct_share(weights, n, cfg.schedule.headwise.match)
+      source = (teacher_params, teacher.schedule) if teacher is not None else (initial_params(setup, t.seed),
+                                                                               setup.schedule)
+      weights = dense_kernels(jax.device_get(source[0]), source[1], cfg.model.num_layers)
+      ties = direct_share(weights, tied_head_count(cfg.model, t.postshare_ratio), cfg.schedule.headwise.match)
+      if jax.process_index() == 0:
+        save_pairs(path, ties, cfg.schedule.headwise.match, t.postshare_ratio)
+      pairs = ties.pairs
   return Objective(kd_beta=t.kd_beta, kd_delta=t.kd_delta, kd_layers=kd_layers,
                    teacher_graphdef=teacher.graphdef if teacher is not None else None,
                    postshare_gamma=t.postshare_gamma, postshare_pairs=pairs, schedule=setup.schedule)

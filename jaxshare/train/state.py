@@ -15,12 +15,14 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxshare import accounting, parallel
 from jaxshare.config import Config, ConfigError, MeshConfig, config_from_yaml_text
-from jaxshare.headwise import HeadTies, dense_kernels, direct_share, tied_params_from_dense
+from jaxshare.headwise import (POSTSHARE_PAIRS_FILE, HeadTies, dense_kernels, direct_share, load_pairs,
+                               ties_from_pairs, tied_params_from_dense)
 from jaxshare.model import Transformer
 from jaxshare.model.params import copy_shared_weights
 from jaxshare.schedule import Schedule, compile_schedule
 from jaxshare.train.checkpoint import CheckpointError, Checkpointer
-from jaxshare.train.optimizer import SHARING_MODULES, count_trainable, learning_rate_schedule, make_optimizer
+from jaxshare.train.optimizer import (SHARING_MODULES, count_trainable, frozen_paths, learning_rate_schedule,
+                                      make_optimizer)
 from jaxshare.train.step import TrainState
 
 
@@ -39,24 +41,39 @@ def dense_counterpart(cfg: Config) -> tuple[Config, Schedule]:
 
 def compute_ties(cfg: Config, schedule: Schedule, seed: int) -> HeadTies | None:
   """DirectShare's head ties (None without head-wise sharing), selected on the dense model the run starts from:
-  ``train.init_from`` when set (uptraining), else the dense model initialised from ``seed``.
+  ``train.init_from`` when set (uptraining), else the dense model initialised from ``seed``. A PostShare run as
+  ``init_from`` gives exactly the pairs its penalty pulled together (each component's representative chosen on its
+  trained weights).
 
   Raises:
-    ConfigError: ``train.init_from`` is not a dense MHA run.
+    ConfigError: ``train.init_from`` is not a dense MHA run, or is a PostShare run whose pairs disagree with
+      ``schedule.headwise`` (another count or match function).
   """
   if not schedule.tied_heads:
     return None
-  if cfg.train.init_from:
-    src_cfg, src_setup, params, _ = load_run(cfg.train.init_from)
-    if src_setup.schedule.kind != "dense":
-      raise ConfigError(f"train.init_from={cfg.train.init_from!r} has schedule {src_setup.schedule.kind!r}: "
-                        "head-wise sharing is selected on a dense MHA model")
-    dense_schedule = src_setup.schedule
-  else:
+  if not cfg.train.init_from:
     dense_cfg, dense_schedule = dense_counterpart(cfg)
     params = nnx.to_pure_dict(nnx.state(build_model(dense_cfg, dense_schedule, seed), nnx.Param))
-  weights = dense_kernels(params, dense_schedule, cfg.model.num_layers)
-  return direct_share(weights, schedule.tied_heads, cfg.schedule.headwise.match)
+    return direct_share(dense_kernels(params, dense_schedule, cfg.model.num_layers), schedule.tied_heads,
+                        cfg.schedule.headwise.match)
+  _, src_setup, params, _ = load_run(cfg.train.init_from)
+  if src_setup.schedule.kind != "dense":
+    raise ConfigError(f"train.init_from={cfg.train.init_from!r} has schedule {src_setup.schedule.kind!r}: "
+                      "head-wise sharing is selected on a dense MHA model")
+  weights = dense_kernels(params, src_setup.schedule, cfg.model.num_layers)
+  pairs_file = locate(cfg.train.init_from)[0] / POSTSHARE_PAIRS_FILE
+  if not pairs_file.exists():
+    return direct_share(weights, schedule.tied_heads, cfg.schedule.headwise.match)
+  post = load_pairs(pairs_file)
+  if len(post["pairs"]["q"]) != schedule.tied_heads:
+    raise ConfigError(f"train.init_from={cfg.train.init_from!r} is a PostShare run that penalised "
+                      f"{len(post['pairs']['q'])} head pairs (train.postshare_ratio={post['ratio']}); "
+                      f"schedule.headwise.ratio={cfg.schedule.headwise.ratio} would tie {schedule.tied_heads}: set "
+                      f"schedule.headwise.ratio={post['ratio']} to tie exactly the penalised pairs")
+  if post["match"] != cfg.schedule.headwise.match:
+    raise ConfigError(f"schedule.headwise.match={cfg.schedule.headwise.match!r} is invalid with train.init_from="
+                      f"{cfg.train.init_from!r}: its PostShare pairs were matched with {post['match']!r}")
+  return ties_from_pairs(weights, post["pairs"], post["match"])
 
 
 def trainable_for(cfg: Config, stage: int) -> tuple[str, ...] | None:
@@ -83,6 +100,7 @@ class RunSetup:
   batch_sharding: NamedSharding
   ties: HeadTies | None = None
   trainable: tuple[str, ...] | None = None
+  frozen: frozenset[tuple] = frozenset()  # optimizer.frozen_paths: parameters the model marks as never trained
 
   @property
   def num_params(self) -> int:
@@ -90,16 +108,17 @@ class RunSetup:
 
   @property
   def num_trainable(self) -> int:
-    return count_trainable(nnx.to_pure_dict(self.abstract_params), self.trainable)
+    return count_trainable(nnx.to_pure_dict(self.abstract_params), self.trainable, self.frozen)
 
 
 def setup_run(cfg: Config, mesh: Mesh | None = None, trainable: tuple[str, ...] | None = None,
-              ties: HeadTies | None = None) -> RunSetup:
+              ties: HeadTies | None = None, start_step: int = 0) -> RunSetup:
   """Compile the schedule, trace the model abstractly and derive every sharding (nothing is allocated).
 
   Args:
     trainable: module names the optimizer updates (None: all); see :func:`trainable_for`.
     ties: head-wise sharing's ties when already known (default: :func:`compute_ties`).
+    start_step: where this optimizer's learning-rate schedule starts (a recipe stage's first step).
 
   Raises:
     ScheduleError / ConfigError: the schedule or mesh does not fit the model or the devices.
@@ -110,17 +129,19 @@ def setup_run(cfg: Config, mesh: Mesh | None = None, trainable: tuple[str, ...] 
   abstract_model = nnx.eval_shape(lambda: build_model(cfg, schedule, 0, ties))
   graphdef, abstract_params = nnx.split(abstract_model, nnx.Param)
   p_shard = parallel.param_shardings(abstract_params, mesh)
-  tx = make_optimizer(cfg.train, trainable)
+  frozen = frozen_paths(abstract_params)
+  tx = make_optimizer(cfg.train, trainable, frozen, start_step)
   abstract_opt = jax.eval_shape(tx.init, nnx.to_pure_dict(abstract_params))
   replicated = NamedSharding(mesh, P())
-  frozen = optax.MaskedNode  # a frozen parameter's slot in a masked optimizer state: keep it empty
-  opt_shard = optax.tree_map_params(tx, lambda x, s: x if isinstance(x, frozen) else s, abstract_opt, p_shard,
+  empty = optax.MaskedNode  # a frozen parameter's slot in a masked optimizer state: keep it empty
+  opt_shard = optax.tree_map_params(tx, lambda x, s: x if isinstance(x, empty) else s, abstract_opt, p_shard,
                                     transform_non_params=lambda _: replicated,
-                                    is_leaf=lambda x: isinstance(x, frozen))
+                                    is_leaf=lambda x: isinstance(x, empty))
   batch_axes = tuple(a for a in ("data", "fsdp") if mesh.shape[a] > 1) or None
-  return RunSetup(cfg, schedule, mesh, graphdef, abstract_params, p_shard, tx, learning_rate_schedule(cfg.train),
+  lr = learning_rate_schedule(cfg.train, start_step)
+  return RunSetup(cfg, schedule, mesh, graphdef, abstract_params, p_shard, tx, lambda step: lr(step - start_step),
                   {"params": p_shard, "opt_state": opt_shard, "step": replicated},
-                  NamedSharding(mesh, P(batch_axes, None)), ties, trainable)
+                  NamedSharding(mesh, P(batch_axes, None)), ties, trainable, frozen)
 
 
 def initial_params(setup: RunSetup, seed: int) -> dict:

@@ -11,7 +11,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jaxshare.headwise import MATRICES, HeadTies
+from jaxshare.headwise import MATRICES
 from jaxshare.kernels.reference import attention_mask
 from jaxshare.model.params import layer_params
 from jaxshare.schedule import Schedule
@@ -29,7 +29,8 @@ class Objective:
       L_LM`` with ``L_KD`` the Huber loss (delta) between the student's and the frozen teacher's pre-softmax
       attention logits on ``kd_layers``, averaged over causal, same-document cells and layers.
     postshare_gamma / postshare_pairs / schedule: PostShare (Head-wise Shareable Attention, Sec. 3.3): ``gamma *
-      L_w``, ``L_w = (1/|N|) sum_{(i,j) in N} sum_{m in q,k,v} ||W_i^m - W_j^m||_F`` over the selected head pairs.
+      L_w``, ``L_w = (1/|N|) sum_{(i,j) in N} sum_{m in q,k,v} ||W_i^m - W_j^m||_F`` over the selected head pairs
+      (``{"q", "k", "v"}: ((head, matched earlier head), ...)``, flat indices ``layer * H + head``).
   """
 
   kd_beta: float = 0.0
@@ -37,7 +38,7 @@ class Objective:
   kd_layers: tuple[int, ...] = ()
   teacher_graphdef: Any = None
   postshare_gamma: float = 0.0
-  postshare_pairs: HeadTies | None = None
+  postshare_pairs: dict[str, tuple[tuple[int, int], ...]] | None = None
   schedule: Schedule | None = None
 
 
@@ -47,7 +48,7 @@ def _safe_norm(x: jax.Array) -> jax.Array:
   return jnp.sqrt(jnp.maximum(sq, 1e-12))
 
 
-def postshare_penalty(params: dict, schedule: Schedule, pairs: HeadTies) -> jax.Array:
+def postshare_penalty(params: dict, schedule: Schedule, pairs: dict[str, tuple[tuple[int, int], ...]]) -> jax.Array:
   """PostShare's ``L_w`` (float32 scalar) for the pairs chosen by DirectShare; see :class:`Objective`."""
   L = len(schedule.layers)
   total = jnp.zeros((), jnp.float32)
@@ -55,7 +56,7 @@ def postshare_penalty(params: dict, schedule: Schedule, pairs: HeadTies) -> jax.
   for m in MATRICES:
     w = jnp.stack([layer_params(params, schedule, layer)["attn"][f"{m}_proj"]["kernel"] for layer in range(L)])
     H = w.shape[2]
-    idx = np.asarray(pairs.pairs[m], np.int32).reshape(-1, 2)
+    idx = np.asarray(pairs[m], np.int32).reshape(-1, 2)
     for i, j in idx:
       total = total + _safe_norm(w[i // H, :, i % H, :] - w[j // H, :, j % H, :])
     n = max(n, len(idx))
