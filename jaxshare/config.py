@@ -62,8 +62,9 @@ class ModelConfig:
   init_std: float = _f(0.02, "Standard deviation of the normal weight initialiser.")
   dtype: str = _f("float32", "Compute dtype of activations and matmuls.", ("float32", "bfloat16"))
   param_dtype: str = _f("float32", "Storage dtype of parameters and optimizer state.", ("float32", "bfloat16"))
-  scan_layers: bool = _f(True, "Run each segment of identical superblocks as one nnx.scan (compile time "
-                         "independent of depth); false unrolls the same math.")
+  scan_layers: bool = _f(True, "Scan each segment of identical superblocks and each run of identical layers inside "
+                         "a superblock (K/V consumers, probability reusers, LISA chains): compile time independent of "
+                         "depth. false unrolls the same math.")
   remat: str = _f("none", "Rematerialise each superblock in the backward pass: none | full.", ("none", "full"))
 
   @property
@@ -174,10 +175,12 @@ class AttentionConfig:
 
   impl: str = _f("auto", "auto | xla. auto picks the best implementation for the platform (XLA on CPU).",
                  ("auto", "xla"))
-  score_sharing: str = _f("recompute", "How layers that reuse attention scores get them. recompute: from the "
-                          "source's Q, K and log-sum-exp (SA/UniAttn) or one attention over concatenated features "
-                          "(LISA_plus, DS), keeping nothing [B,H,T,T] alive per layer; materialize: pass the "
-                          "probabilities/logits tensors. Same numbers; full LISA (ffn/linear) always materialises.",
+  score_sharing: str = _f("recompute", "How layers that reuse attention scores get them. recompute: probability "
+                          "reusers recompute exp(scale q k^T - lse) from the producer's own q, k and log-sum-exp (its "
+                          "softmax to float32 rounding, in bf16 too); LISA_plus/DS chains attend over concatenated "
+                          "float32 features [q/sqrt(d), q_LR/sqrt(r), ...]; nothing [B,H,T,T] is kept per reusing "
+                          "layer. materialize: hand the probabilities / logits tensors on. Same numbers; full LISA "
+                          "(ffn/linear) always materialises.",
                           ("recompute", "materialize"))
 
 

@@ -165,6 +165,8 @@ class Attention(nnx.Module):
         out = reference.apply_probs(score_in.probs, v, self.dtype)
       return self.o_proj(out), (k, v), None, None
     if isinstance(score_in, ScoreFeatures):  # LISA_plus / DS chain: one attention over the chain's features
+      if role.integrator not in ("add", "none"):
+        raise ValueError(f"the {role.integrator} aligner mixes materialised logits; see scores.chain_entry")
       state = score_in
       if role.has_low_rank:
         state = scores.add_low_rank(state, *self._low_rank(x, positions), slot)
