@@ -173,8 +173,10 @@ class ScheduleConfig:
 class AttentionConfig:
   """Attention implementation switch (kernels arrive in a later issue) and score-sharing memory mode."""
 
-  impl: str = _f("auto", "auto | xla. auto picks the best implementation for the platform (XLA on CPU).",
-                 ("auto", "xla"))
+  impl: str = _f("auto", "auto | xla | reference. xla: XLA attention whose backward recomputes the probabilities "
+                 "from the saved log-sum-exp (FlashAttention-2 style, O(T) residuals per layer); reference: plain "
+                 "autodiff (saves [B,H,T,T] probabilities; the numerical source of truth). auto picks the best "
+                 "implementation for the platform (xla on CPU).", ("auto", "xla", "reference"))
   score_sharing: str = _f("recompute", "How layers that reuse attention scores get them. recompute: probability "
                           "reusers recompute exp(scale q k^T - lse) from the producer's own q, k and log-sum-exp (its "
                           "softmax to float32 rounding, in bf16 too); LISA_plus/DS chains attend over concatenated "

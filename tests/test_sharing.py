@@ -89,22 +89,31 @@ def test_recompute_equals_materialized_values_and_grads(name):
     np.testing.assert_allclose(np.asarray(u), np.asarray(v), atol=1e-6, rtol=2e-4)
 
 
+def _score_sized_residuals(cfg) -> int:
+  _, graphdef, params = randomized(cfg)
+  x = tokens(2, 64)
+  buf = io.StringIO()
+  with contextlib.redirect_stdout(buf):  # jax's public API prints the residuals
+    ad_checkpoint.print_saved_residuals(lambda p: jnp.mean(nnx.merge(graphdef, p)(x)), params)
+  return sum(1 for line in buf.getvalue().splitlines() if re.match(r"\S+\[2,4,64,64\]", line))
+
+
 def test_recompute_keeps_no_score_tensor_per_consumer():
-  """The recompute path saves no [B,H,T,T] residual for probability-reusing layers (only the producer's own)."""
+  """The recompute path saves no [B,H,T,T] residual for probability-reusing layers: with the reference attention
+  only the producer's own; with the xla attention (O(T) residuals) none at all, in dense models too."""
   sa = ["schedule.kind=sa", "schedule.sa.start=1", "schedule.sa.end=3"]  # layers 1-3 reuse layer 0's probabilities
   counts = {}
-  for mode, sched in (("recompute", sa), ("materialize", sa), ("dense", [])):
-    cfg = tiny_config("data.seq_len=64", *sched, "model.scan_layers=false",
-                      f"attention.score_sharing={'materialize' if mode == 'materialize' else 'recompute'}")
-    _, graphdef, params = randomized(cfg)
-    x = tokens(2, 64)
-    buf = io.StringIO()
-    with contextlib.redirect_stdout(buf):  # jax's public API prints the residuals
-      ad_checkpoint.print_saved_residuals(lambda p: jnp.mean(nnx.merge(graphdef, p)(x)), params)
-    counts[mode] = sum(1 for line in buf.getvalue().splitlines() if re.match(r"\S+\[2,4,64,64\]", line))
-  assert counts["dense"] > 0 and counts["recompute"] * 4 == counts["dense"]  # only the one producer's
+  for impl in ("reference", "xla"):
+    for mode, sched in (("recompute", sa), ("materialize", sa), ("dense", [])):
+      counts[impl, mode] = _score_sized_residuals(tiny_config(
+        "data.seq_len=64", *sched, "model.scan_layers=false", f"attention.impl={impl}",
+        f"attention.score_sharing={'materialize' if mode == 'materialize' else 'recompute'}"))
+  assert counts["reference", "dense"] > 0
+  assert counts["reference", "recompute"] * 4 == counts["reference", "dense"]  # only the one producer's
   # materialised consumers apply the producer's own probabilities tensor: no copy per consumer either
-  assert counts["materialize"] == counts["recompute"]
+  assert counts["reference", "materialize"] == counts["reference", "recompute"]
+  assert counts["xla", "dense"] == counts["xla", "recompute"] == 0
+  assert counts["xla", "materialize"] == counts["reference", "materialize"]  # materialising is what it says
 
 
 def test_lisa_plus_with_zero_delta_equals_ds_equals_sa():

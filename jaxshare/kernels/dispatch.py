@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from typing import Callable
 
-from jaxshare.kernels import reference
+from jaxshare.kernels import reference, xla
 
-IMPLEMENTATIONS: dict[str, Callable] = {"xla": reference.attention}
+# xla: FlashAttention-style backward (O(T) residuals); reference: plain autodiff, the numerical source of truth.
+IMPLEMENTATIONS: dict[str, Callable] = {"xla": xla.attention, "reference": reference.attention}
 
 
 def get_attention(impl: str) -> Callable:
-  """The attention function for ``impl`` (``auto`` resolves to the best available; XLA until kernels land).
+  """The attention function for ``impl`` (``auto`` resolves to the best available: ``xla`` until Pallas kernels land).
 
   Raises:
     ValueError: unknown implementation name.

@@ -1,0 +1,74 @@
+"""XLA attention with a FlashAttention-style backward pass: keeps O(T) softmax statistics, not ``[B, H, T, S]``.
+
+Autodiff of :func:`jaxshare.kernels.reference.attention` saves the probabilities and the mask for the backward pass;
+under the layer ``scan`` those residuals are stacked per layer (``[L, B, H, T, S]``, zero-filled, then written and
+read back), which costs more than the attention math itself on a CPU. Here the forward saves ``q, k, v, out, lse``
+and the backward recomputes ``P = exp(s·qkᵀ − lse)`` (FlashAttention-2, Dao 2023, Alg. 2, untiled):
+
+  dV = Pᵀ dO,   dP = dO Vᵀ,   dS = P ∘ (dP − D + dlse),   D = rowsum(dO ∘ O),   dQ = s·dS K,   dK = s·dSᵀ Q
+
+where ``dlse`` is the cotangent of the returned log-sum-exp (probability reusers read it: ∂lse/∂S = P). Same forward
+numbers as the reference bit for bit; gradients equal to float32 rounding.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jaxshare.kernels import reference
+
+
+def _grouped(x: jax.Array, groups: int) -> jax.Array:
+  b, t, h, e = x.shape
+  return x.reshape(b, t, groups, h // groups, e)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _attention(q, k, v, q_segment_ids, kv_segment_ids, causal, scale):
+  return _forward(q, k, v, q_segment_ids, kv_segment_ids, causal, scale)[0]
+
+
+def _forward(q, k, v, q_segment_ids, kv_segment_ids, causal, scale):
+  mask = reference.attention_mask(q_segment_ids, kv_segment_ids, causal)
+  probs, lse = reference.masked_softmax(reference.scores(q, k, scale), mask)
+  out = reference.apply_probs(probs, v, q.dtype)
+  return (out, lse), (q, k, v, q_segment_ids, kv_segment_ids, out, lse)
+
+
+def _backward(causal, scale, res, cotangents):
+  q, k, v, q_segment_ids, kv_segment_ids, out, lse = res
+  d_out, d_lse = cotangents
+  b, t, h, _ = q.shape
+  s, g = k.shape[1], k.shape[2]
+  mask = reference.attention_mask(q_segment_ids, kv_segment_ids, causal)
+  probs = reference.probs_from_lse(q, k, lse, mask, scale)  # [B, H, T, S] f32, zero where masked
+  pg = probs.reshape(b, g, h // g, t, s)
+  dog = _grouped(d_out, g)  # [B, T, G, H/G, d]
+  d_v = jnp.einsum("bkgts,btkgd->bskd", pg.astype(v.dtype), dog.astype(v.dtype),
+                   preferred_element_type=jnp.float32).astype(v.dtype)
+  d_p = jnp.einsum("btkgd,bskd->bkgts", dog, v, preferred_element_type=jnp.float32)
+  delta = jnp.einsum("btkgd,btkgd->bkgt", dog.astype(jnp.float32), _grouped(out, g).astype(jnp.float32))
+  d_s = pg * (d_p - delta[..., None] + d_lse.reshape(b, g, h // g, t)[..., None]) * scale
+  d_q = jnp.einsum("bkgts,bske->btkge", d_s.astype(k.dtype), k, preferred_element_type=jnp.float32)
+  d_k = jnp.einsum("bkgts,btkge->bske", d_s.astype(q.dtype), _grouped(q, g), preferred_element_type=jnp.float32)
+  return d_q.reshape(q.shape).astype(q.dtype), d_k.astype(k.dtype), d_v, None, None
+
+
+def _fwd_rule(q, k, v, q_segment_ids, kv_segment_ids, causal, scale):
+  return _forward(q, k, v, q_segment_ids, kv_segment_ids, causal, scale)
+
+
+_attention.defvjp(_fwd_rule, _backward)
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_segment_ids: jax.Array, kv_segment_ids: jax.Array,
+              *, causal: bool = True, scale: float | None = None,
+              return_lse: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
+  """Same contract as :func:`jaxshare.kernels.reference.attention` (shapes, GQA grouping, packed segments, LSE);
+  only the backward pass differs (see the module docstring)."""
+  scale = q.shape[-1] ** -0.5 if scale is None else scale
+  out, lse = _attention(q, k, v, q_segment_ids, kv_segment_ids, causal, scale)
+  return (out, lse) if return_lse else out
