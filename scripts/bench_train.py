@@ -1,0 +1,284 @@
+"""Training throughput of jaxshare against the PyTorch tools a researcher would otherwise use, side by side.
+
+Every contestant is a worker process that builds its model, compiles and warms up, then waits; the parent runs them
+**interleaved** (round r: each worker trains ``--steps`` steps in turn, alone on the machine), so drifts of clock
+speed or load hit all contestants alike. Compilation and warm-up are excluded. Synthetic byte-level batches, fp32,
+AdamW with clipping, the same thread count (every core) for XLA and PyTorch.
+
+  python scripts/bench_train.py                               # all shapes, dense
+  python scripts/bench_train.py --shapes default --schedules dense,cla2,mlkv,uniattn,lisa_plus
+
+Prints per shape: tokens/s of each contestant (median over rounds), jaxshare's ratio to each peer, jaxshare's model
+GFLOP/s against the matmul roofline measured on the model's own matmul shapes, and per-round ratios for spread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# name: dims, the PyTorch peers to race, and whether jaxshare is Llama- or NeoX-flavoured.
+SHAPES = {
+  "default": dict(flavor="llama", layers=4, d=128, heads=4, mlp=384, vocab=256, seq_len=128, batch=32,
+                  rotary_pct=1.0, theta=10000.0, peers=("nanogpt",)),
+  "6x256_llama": dict(flavor="llama", layers=6, d=256, heads=4, mlp=688, vocab=256, seq_len=256, batch=8,
+                      rotary_pct=1.0, theta=10000.0, peers=("hf_llama",)),
+  "6x256_neox": dict(flavor="neox", layers=6, d=256, heads=4, mlp=1024, vocab=256, seq_len=256, batch=8,
+                     rotary_pct=0.25, theta=10000.0, peers=("hf_neox",)),
+  "20m_llama": dict(flavor="llama", layers=6, d=512, heads=8, mlp=1376, vocab=256, seq_len=256, batch=8,
+                    rotary_pct=1.0, theta=10000.0, peers=("hf_llama",)),
+}
+
+SCHEDULES = {
+  "dense": [],
+  "cla2": ["schedule.kind=cla", "schedule.factor=2"],
+  "mlkv": ["schedule.kind=mlkv", "schedule.kv_layers=2", "schedule.kv_heads=2"],
+  "uniattn": ["schedule.kind=uniattn"],
+  "lisa_plus": ["schedule.kind=lisa_plus", "schedule.lisa.layers=[1,2]", "schedule.lisa.rank=8"],
+}
+
+
+def synthetic_batches(shape: dict, n: int = 4) -> list[tuple[np.ndarray, np.ndarray]]:
+  """``n`` (inputs, targets) pairs of ``[batch, seq_len]`` int32 bytes, identical for every contestant."""
+  rng = np.random.default_rng(0)
+  out = []
+  for _ in range(n):
+    seq = rng.integers(0, shape["vocab"], (shape["batch"], shape["seq_len"] + 1), dtype=np.int32)
+    out.append((seq[:, :-1], seq[:, 1:]))
+  return out
+
+
+def jax_overrides(shape: dict, schedule: str) -> list[str]:
+  return [f"model.flavor={shape['flavor']}", f"model.num_layers={shape['layers']}", f"model.d_model={shape['d']}",
+          f"model.num_heads={shape['heads']}", f"model.mlp_dim={shape['mlp']}", f"model.vocab_size={shape['vocab']}",
+          f"model.rotary_pct={shape['rotary_pct']}", f"model.rope_theta={shape['theta']}",
+          f"data.seq_len={shape['seq_len']}", f"train.batch_size={shape['batch']}", "train.steps=100000",
+          "model.dtype=float32", "model.param_dtype=float32", *SCHEDULES[schedule]]
+
+
+class JaxTrainer:
+  """jaxshare's own train step (the function ``train.py`` jits) on device-resident synthetic batches."""
+
+  def __init__(self, shape: dict, schedule: str, overrides: list[str]):
+    import jax
+    from jaxshare import accounting
+    from jaxshare.config import load_config
+    from jaxshare.train.loop import _jit_step
+    from jaxshare.train.state import init_state, setup_run, shard_batch
+    from jaxshare.train.step import Objective
+
+    self.jax = jax
+    cfg = load_config(ROOT / "configs" / "base.yaml", jax_overrides(shape, schedule) + overrides)
+    self.setup = setup_run(cfg)
+    self.state = init_state(self.setup)
+    self.step_fn = _jit_step(self.setup, Objective(), None)
+    t = shape["seq_len"]
+    self.batches = [shard_batch(self.setup, {
+      "inputs": x, "targets": y, "positions": np.broadcast_to(np.arange(t, dtype=np.int32), x.shape),
+      "segment_ids": np.ones_like(x), "loss_mask": np.ones_like(x)}) for x, y in synthetic_batches(shape)]
+    self.flops_per_token = accounting.train_flops_per_token(cfg.model, self.setup.schedule, t)
+    self.num_params = self.setup.num_params
+    self.i = 0
+
+  def step(self) -> None:
+    with self.jax.set_mesh(self.setup.mesh):
+      self.state, self.metrics = self.step_fn(self.state, self.batches[self.i % len(self.batches)], None)
+    self.i += 1
+
+  def sync(self) -> None:
+    self.jax.block_until_ready(self.metrics)
+
+
+def matmul_roofline(shape: dict) -> float:
+  """FLOP/s of jitted fp32 XLA matmuls of the model's own shapes (projections, MLP, LM head; forward and the two
+  backward products), timed back to back: what the step would reach if it were all matmul."""
+  import jax
+  import jax.numpy as jnp
+  n = shape["batch"] * shape["seq_len"]
+  d, f, v = shape["d"], shape["mlp"], shape["vocab"]
+  dims = [(d, 3 * d), (d, d), (d, 2 * f if shape["flavor"] == "llama" else f), (f, d), (d, v)]
+  fns, flops = [], 0
+  key = jax.random.PRNGKey(0)
+  for k, m in dims:
+    a, w, g = (jax.random.normal(key, s, jnp.float32) for s in ((n, k), (k, m), (n, m)))
+    fwd = jax.jit(lambda a, w: a @ w)
+    dx = jax.jit(lambda g, w: g @ w.T)
+    dw = jax.jit(lambda a, g: a.T @ g)
+    fns += [(fwd, a, w), (dx, g, w), (dw, a, g)]
+    flops += 3 * 2 * n * k * m
+  for fn, x, y in fns:
+    fn(x, y).block_until_ready()
+  best = float("inf")
+  for _ in range(5):
+    t = time.perf_counter()
+    for fn, x, y in fns:
+      fn(x, y).block_until_ready()
+    best = min(best, time.perf_counter() - t)
+  return flops / best
+
+
+def worker(kind: str, shape_name: str, schedule: str, overrides: list[str]) -> None:
+  """Build, warm up, announce; then answer ``run K`` with the seconds K steps took, until ``quit``."""
+  shape = SHAPES[shape_name]
+  if kind == "jaxshare":
+    trainer = JaxTrainer(shape, schedule, overrides)
+    info = {"params": trainer.num_params, "flops_per_token": trainer.flops_per_token,
+            "roofline_flops": matmul_roofline(shape)}
+  elif kind == "jax_minimal":
+    import jax_minimal
+    trainer = jax_minimal.MinimalTrainer(shape, synthetic_batches(shape))
+    info = {"params": trainer.num_params}
+  else:
+    import torch
+    import torch_peers
+    torch.set_num_threads(os.cpu_count())
+    trainer = torch_peers.PeerTrainer(kind, shape, synthetic_batches(shape))
+    trainer.sync = lambda: None  # every PyTorch step ends in loss.item()
+    info = {"params": torch_peers.num_params(trainer.model)}
+  for _ in range(3):
+    trainer.step()
+  trainer.sync()
+  print(json.dumps({"ready": True, **info}), flush=True)
+  for line in sys.stdin:
+    cmd = line.split()
+    if cmd[0] == "quit":
+      return
+    t = time.perf_counter()
+    for _ in range(int(cmd[1])):
+      trainer.step()
+    trainer.sync()
+    print(json.dumps({"seconds": time.perf_counter() - t}), flush=True)
+
+
+class Worker:
+  def __init__(self, kind: str, shape: str, schedule: str, overrides: list[str] = (), tree: Path = ROOT):
+    self.kind, self.schedule, self.overrides, self.tree = kind, schedule, list(overrides), tree
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tree), str(ROOT / "scripts")]))
+    for o in self.overrides:  # env:NAME=VALUE sets the worker's environment (e.g. XLA_FLAGS)
+      if o.startswith("env:"):
+        name, value = o[4:].split("=", 1)
+        env[name] = f"{env.get(name, '')} {value}".strip() if name == "XLA_FLAGS" else value
+    config = [o for o in self.overrides if not o.startswith("env:")]
+    self.proc = subprocess.Popen([sys.executable, __file__, "--worker", kind, "--shapes", shape, "--schedules",
+                                  schedule, *[f"--override={o}" for o in config]], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    self.info = self._read()
+
+  def _read(self) -> dict:
+    line = self.proc.stdout.readline()
+    if not line:
+      raise RuntimeError(f"benchmark worker {self.kind} died (see its stderr above)")
+    return json.loads(line)
+
+  def run(self, steps: int) -> float:
+    self.proc.stdin.write(f"run {steps}\n")
+    self.proc.stdin.flush()
+    return self._read()["seconds"]
+
+  def close(self) -> None:
+    self.proc.stdin.write("quit\n")
+    self.proc.stdin.flush()
+    self.proc.wait()
+
+  @property
+  def label(self) -> str:
+    if self.kind != "jaxshare":
+      return self.kind
+    tree = "" if self.tree == ROOT else f"@{self.tree}"
+    return " ".join([f"jaxshare{tree} {self.schedule}", *self.overrides])
+
+
+def bench_shape(name: str, schedules: list[str], variants: list[list[str]], trees: list[Path], steps: int,
+                rounds: int, minimal: bool) -> list[dict]:
+  shape = SHAPES[name]
+  tokens = shape["batch"] * shape["seq_len"] * steps
+  workers = [Worker("jaxshare", name, s, v, t) for t in trees for s in schedules for v in variants]
+  workers += [Worker(p, name, "dense") for p in shape["peers"] + (("jax_minimal",) if minimal else ())]
+  times: dict[str, list[float]] = {w.label: [] for w in workers}
+  for _ in range(rounds):
+    for w in workers:
+      times[w.label].append(w.run(steps))
+  for w in workers:
+    w.close()
+  rows = []
+  peer_labels = [w.label for w in workers if w.kind != "jaxshare"]
+  for w in workers:
+    tps = [tokens / t for t in times[w.label]]
+    row = {"shape": name, "contestant": w.label, "params": w.info["params"], "tokens_per_sec": statistics.median(tps),
+           "ms_per_step": 1e3 * statistics.median(times[w.label]) / steps}
+    if w.kind == "jaxshare":
+      for p in peer_labels:
+        per_round = [b / a for a, b in zip(times[w.label], times[p])]
+        row[f"vs_{p}"] = statistics.median(per_round)
+        row[f"vs_{p}_range"] = (min(per_round), max(per_round))
+      row["gflops"] = w.info["flops_per_token"] * row["tokens_per_sec"] / 1e9
+      row["roofline_gflops"] = w.info["roofline_flops"] / 1e9
+    rows.append(row)
+  return rows
+
+
+def report(rows: list[dict]) -> str:
+  lines = ["| shape | contestant | params | tok/s | ms/step | jaxshare / peer (median, range over rounds) | "
+           "model GFLOP/s (% of matmul roofline) |", "|---|---|---|---|---|---|---|"]
+  for r in rows:
+    ratios = "; ".join(f"{r[k]:.2f}x vs {k[3:]} ({r[k + '_range'][0]:.2f}-{r[k + '_range'][1]:.2f})"
+                       for k in r if k.startswith("vs_") and not k.endswith("_range"))
+    flops = f"{r['gflops']:.0f} ({100 * r['gflops'] / r['roofline_gflops']:.0f}% of {r['roofline_gflops']:.0f})" \
+      if "gflops" in r else ""
+    lines.append(f"| {r['shape']} | {r['contestant']} | {r['params']:,} | {r['tokens_per_sec']:,.0f} | "
+                 f"{r['ms_per_step']:.0f} | {ratios} | {flops} |")
+  return "\n".join(lines)
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, from {list(SHAPES)}")
+  parser.add_argument("--schedules", default="dense", help=f"jaxshare schedules, comma-separated, from "
+                      f"{list(SCHEDULES)} (peers always run dense)")
+  parser.add_argument("--steps", type=int, default=10, help="steps per contestant per round")
+  parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds")
+  parser.add_argument("--override", action="append", default=[],
+                      help="config override for the jaxshare workers, e.g. model.scan_layers=false")
+  parser.add_argument("--variant", action="append", default=[],
+                      help="race an extra jaxshare variant: shell-quoted config overrides, or env:NAME=VALUE for the worker's "
+                      "environment (env:XLA_FLAGS=... appends flags), e.g. \"'env:XLA_FLAGS=--a --b' model.x=1\"")
+  parser.add_argument("--compare-tree", type=Path, action="append", default=[],
+                      help="also race jaxshare from this checkout (e.g. a git worktree of an older commit)")
+  parser.add_argument("--minimal", action="store_true",
+                      help="also race jax_minimal.py, a bare pure-JAX Llama step (llama shapes): the compiler's floor")
+  parser.add_argument("--json", type=Path, help="also write the rows as JSON here")
+  parser.add_argument("--worker", help=argparse.SUPPRESS)
+  args = parser.parse_args()
+  shapes, schedules = args.shapes.split(","), args.schedules.split(",")
+  for value, allowed, flag in ((shapes, SHAPES, "--shapes"), (schedules, SCHEDULES, "--schedules")):
+    bad = [v for v in value if v not in allowed]
+    if bad:
+      parser.error(f"{flag} {bad} invalid: choose from {list(allowed)}")
+  if args.worker:
+    worker(args.worker, shapes[0], schedules[0], args.override)
+    return
+  print(f"{os.cpu_count()} CPU threads for every contestant; {args.rounds} rounds x {args.steps} steps each",
+        flush=True)
+  rows = []
+  for name in shapes:
+    variants = [args.override] + [args.override + shlex.split(v) for v in args.variant]
+    rows += bench_shape(name, schedules, variants, [ROOT, *args.compare_tree], args.steps, args.rounds,
+                        args.minimal and SHAPES[name]["flavor"] == "llama")
+    print(report([r for r in rows if r["shape"] == name]), flush=True)
+  print("\n" + report(rows))
+  if args.json:
+    args.json.write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+  main()

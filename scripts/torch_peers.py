@@ -1,0 +1,119 @@
+"""PyTorch peers for ``bench_train.py``: a nanoGPT-style minimal Llama and transformers' Llama / GPT-NeoX, each
+trained with AdamW as nanoGPT and HF users would (eager, fp32, decay on matrices, global-norm clipping)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class _Rope(nn.Module):
+  """Rotate-half RoPE over the first ``rotary_dim`` dims (as HF Llama / GPT-NeoX and jaxshare)."""
+
+  def __init__(self, rotary_dim: int, seq_len: int, theta: float):
+    super().__init__()
+    inv_freq = 1.0 / theta ** (torch.arange(0, rotary_dim, 2).float() / rotary_dim)
+    angles = torch.outer(torch.arange(seq_len).float(), inv_freq)
+    emb = torch.cat([angles, angles], dim=-1)
+    self.register_buffer("cos", emb.cos()[None, None], persistent=False)
+    self.register_buffer("sin", emb.sin()[None, None], persistent=False)
+
+  def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, H, T, d]
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    t = x.shape[2]
+    return x * self.cos[:, :, :t] + rotated * self.sin[:, :, :t]
+
+
+class _Block(nn.Module):
+  def __init__(self, d: int, heads: int, mlp: int, rope: _Rope):
+    super().__init__()
+    self.heads, self.rope = heads, rope
+    self.norm1, self.norm2 = nn.RMSNorm(d, eps=1e-5), nn.RMSNorm(d, eps=1e-5)
+    self.qkv = nn.Linear(d, 3 * d, bias=False)
+    self.o = nn.Linear(d, d, bias=False)
+    self.gate_up = nn.Linear(d, 2 * mlp, bias=False)
+    self.down = nn.Linear(mlp, d, bias=False)
+
+  def forward(self, x: torch.Tensor) -> torch.Tensor:
+    b, t, d = x.shape
+    q, k, v = self.qkv(self.norm1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+    y = F.scaled_dot_product_attention(self.rope(q), self.rope(k), v, is_causal=True)
+    x = x + self.o(y.transpose(1, 2).reshape(b, t, d))
+    gate, up = self.gate_up(self.norm2(x)).chunk(2, dim=-1)
+    return x + self.down(F.silu(gate) * up)
+
+
+class NanoLlama(nn.Module):
+  """nanoGPT's ``model.py`` structure (fused QKV, SDPA causal attention, pre-norm blocks) with the Llama layer of
+  jaxshare's default model (RMSNorm, RoPE, SwiGLU, untied head), so that both frameworks train the same math."""
+
+  def __init__(self, vocab: int, layers: int, d: int, heads: int, mlp: int, seq_len: int, theta: float):
+    super().__init__()
+    rope = _Rope(d // heads, seq_len, theta)
+    self.embed = nn.Embedding(vocab, d)
+    self.blocks = nn.ModuleList(_Block(d, heads, mlp, rope) for _ in range(layers))
+    self.norm = nn.RMSNorm(d, eps=1e-5)
+    self.head = nn.Linear(d, vocab, bias=False)
+    for p in self.parameters():
+      nn.init.normal_(p, std=0.02) if p.dim() >= 2 else None
+
+  def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    x = self.embed(tokens)
+    for block in self.blocks:
+      x = block(x)
+    return self.head(self.norm(x))
+
+
+def build(kind: str, shape: dict) -> nn.Module:
+  """``kind``: ``nanogpt`` | ``hf_llama`` | ``hf_neox``; ``shape``: the benchmark's shape dict."""
+  if kind == "nanogpt":
+    return NanoLlama(shape["vocab"], shape["layers"], shape["d"], shape["heads"], shape["mlp"], shape["seq_len"],
+                     shape["theta"])
+  import transformers
+  common = dict(vocab_size=shape["vocab"], hidden_size=shape["d"], num_hidden_layers=shape["layers"],
+                num_attention_heads=shape["heads"], intermediate_size=shape["mlp"],
+                max_position_embeddings=shape["seq_len"], tie_word_embeddings=False)
+  if kind == "hf_llama":
+    cfg = transformers.LlamaConfig(**common, num_key_value_heads=shape["heads"], rms_norm_eps=1e-5,
+                                   rope_theta=shape["theta"])
+    model = transformers.LlamaForCausalLM(cfg)
+  elif kind == "hf_neox":
+    cfg = transformers.GPTNeoXConfig(**common, rotary_pct=shape["rotary_pct"], rotary_emb_base=shape["theta"],
+                                     use_parallel_residual=True, hidden_act="gelu")
+    model = transformers.GPTNeoXForCausalLM(cfg)
+  else:
+    raise ValueError(f"peer kind {kind!r} is invalid: must be nanogpt, hf_llama or hf_neox")
+  model.config.use_cache = False
+  return model
+
+
+class PeerTrainer:
+  """One AdamW step per call on a fixed set of synthetic batches: forward, cross-entropy, backward, clip, update."""
+
+  def __init__(self, kind: str, shape: dict, batches: list, lr: float = 3e-3, clip: float = 1.0):
+    torch.manual_seed(0)
+    self.kind, self.model, self.clip = kind, build(kind, shape).train(), clip
+    decay = [p for p in self.model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in self.model.parameters() if p.dim() < 2]
+    self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                                 lr=lr, betas=(0.9, 0.95), eps=1e-8)
+    self.batches = [(torch.from_numpy(x).long(), torch.from_numpy(y).long()) for x, y in batches]
+    self.i = 0
+
+  def step(self) -> float:
+    x, y = self.batches[self.i % len(self.batches)]
+    self.i += 1
+    logits = self.model(x) if self.kind == "nanogpt" else self.model(input_ids=x).logits
+    loss = F.cross_entropy(logits.view(-1, logits.shape[-1]), y.view(-1))
+    self.opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
+    self.opt.step()
+    return loss.item()  # the host sync every PyTorch loop has
+
+
+def num_params(model: nn.Module) -> int:
+  return sum(p.numel() for p in model.parameters())
+
