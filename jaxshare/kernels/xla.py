@@ -57,11 +57,7 @@ def _backward(causal, scale, res, cotangents):
   return d_q.reshape(q.shape).astype(q.dtype), d_k.astype(k.dtype), d_v, None, None
 
 
-def _fwd_rule(q, k, v, q_segment_ids, kv_segment_ids, causal, scale):
-  return _forward(q, k, v, q_segment_ids, kv_segment_ids, causal, scale)
-
-
-_attention.defvjp(_fwd_rule, _backward)
+_attention.defvjp(_forward, _backward)
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_segment_ids: jax.Array, kv_segment_ids: jax.Array,
