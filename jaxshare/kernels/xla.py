@@ -21,11 +21,6 @@ import jax.numpy as jnp
 from jaxshare.kernels import reference
 
 
-def _grouped(x: jax.Array, groups: int) -> jax.Array:
-  b, t, h, e = x.shape
-  return x.reshape(b, t, groups, h // groups, e)
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
 def _attention(q, k, v, q_segment_ids, kv_segment_ids, causal, scale):
   return _forward(q, k, v, q_segment_ids, kv_segment_ids, causal, scale)[0]
@@ -45,16 +40,21 @@ def _backward(causal, scale, res, cotangents):
   s, g = k.shape[1], k.shape[2]
   mask = reference.attention_mask(q_segment_ids, kv_segment_ids, causal)
   probs = reference.probs_from_lse(q, k, lse, mask, scale)  # [B, H, T, S] f32, zero where masked
-  pg = probs.reshape(b, g, h // g, t, s)
-  dog = _grouped(d_out, g)  # [B, T, G, H/G, d]
-  d_v = jnp.einsum("bkgts,btkgd->bskd", pg.astype(v.dtype), dog.astype(v.dtype),
-                   preferred_element_type=jnp.float32).astype(v.dtype)
-  d_p = jnp.einsum("btkgd,bskd->bkgts", dog, v, preferred_element_type=jnp.float32)
-  delta = jnp.einsum("btkgd,btkgd->bkgt", dog.astype(jnp.float32), _grouped(out, g).astype(jnp.float32))
-  d_s = pg * (d_p - delta[..., None] + d_lse.reshape(b, g, h // g, t)[..., None]) * scale
-  d_q = jnp.einsum("bkgts,bske->btkge", d_s.astype(k.dtype), k, preferred_element_type=jnp.float32)
-  d_k = jnp.einsum("bkgts,btkge->bske", d_s.astype(q.dtype), _grouped(q, g), preferred_element_type=jnp.float32)
-  return d_q.reshape(q.shape).astype(q.dtype), d_k.astype(k.dtype), d_v, None, None
+  rows = lambda x: x.reshape(b, g, h // g * t, s)  # noqa: E731  [B, H, T, S] -> [B, G, R·T, S], free
+  do_h = reference.heads_major(d_out, g)  # [B, G, R·T, d]
+  # dV and dK come out transposed ([B, G, d, S]): contracting the rows of both operands in that order is the
+  # orientation XLA's CPU dots run ~2x faster than [B, G, S, d]; the transpose back is needed either way.
+  d_vt = jnp.einsum("bgms,bgmd->bgds", rows(probs).astype(v.dtype), do_h.astype(v.dtype),
+                    preferred_element_type=jnp.float32)
+  d_p = jnp.einsum("bgmd,bgsd->bgms", do_h, v.transpose(0, 2, 1, 3), preferred_element_type=jnp.float32)
+  delta = jnp.einsum("bthd,bthd->bht", d_out.astype(jnp.float32), out.astype(jnp.float32))
+  d_s = probs * (d_p.reshape(b, h, t, s) - delta[..., None] + d_lse[..., None]) * scale
+  d_q = jnp.einsum("bgms,bgse->bgme", rows(d_s).astype(k.dtype), k.transpose(0, 2, 1, 3),
+                   preferred_element_type=jnp.float32)
+  d_kt = jnp.einsum("bgms,bgme->bges", rows(d_s).astype(q.dtype), reference.heads_major(q, g),
+                    preferred_element_type=jnp.float32)
+  return (reference.from_heads_major(d_q, t).astype(q.dtype), d_kt.transpose(0, 3, 1, 2).astype(k.dtype),
+          d_vt.transpose(0, 3, 1, 2).astype(v.dtype), None, None)
 
 
 _attention.defvjp(_forward, _backward)
