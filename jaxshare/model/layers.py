@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxshare import parallel
+from jaxshare.kernels.swiglu import swiglu
 
 
 def param(rngs: nnx.Rngs, shape: tuple[int, ...], logical_axes: tuple[str, ...], std: float | None,
@@ -99,8 +100,8 @@ class MLP(nnx.Module):
 
   def __call__(self, x: jax.Array) -> jax.Array:
     if self.gate is not None:
-      h = jax.nn.silu(self.gate(x)) * self.up(x)
-    else:
-      h = jax.nn.gelu(self.up(x), approximate=False)
+      kernels = (self.gate.kernel, self.up.kernel, self.down.kernel)
+      return swiglu(x.astype(self.down.dtype), *(k[...].astype(self.down.dtype) for k in kernels))
+    h = jax.nn.gelu(self.up(x), approximate=False)
     h = parallel.constrain(h, ("activation_batch", "activation_length", "activation_mlp"))
     return self.down(h)
