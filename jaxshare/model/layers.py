@@ -9,8 +9,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxshare import parallel
-from jaxshare.kernels.swiglu import swiglu
+from jaxshare.kernels.mlp import gelu_mlp, swiglu
 
 
 def param(rngs: nnx.Rngs, shape: tuple[int, ...], logical_axes: tuple[str, ...], std: float | None,
@@ -83,7 +82,8 @@ def make_norm(flavor: str, dim: int, eps: float, param_dtype) -> nnx.Module:
 class MLP(nnx.Module):
   """SwiGLU (llama: ``down(silu(gate x) * up x)``) or GELU (neox: ``down(gelu(up x + b) ) + b``) MLP.
 
-  Shapes: ``x [B,T,D] -> [B,T,D]``; hidden width F.
+  Shapes: ``x [B,T,D] -> [B,T,D]``; hidden width F. Runs as one op with a hand-written backward pass
+  (:mod:`jaxshare.kernels.mlp`); the parameters are the ``gate``/``up``/``down`` projections' kernels and biases.
   """
 
   def __init__(self, flavor: str, d_model: int, hidden: int, *, std: float, out_std: float, dtype, param_dtype,
@@ -99,9 +99,9 @@ class MLP(nnx.Module):
                              bias_shape=(d_model,) if bias else None, bias_axes=("embed",), **kw)
 
   def __call__(self, x: jax.Array) -> jax.Array:
+    dtype = self.down.dtype
     if self.gate is not None:
-      kernels = (self.gate.kernel, self.up.kernel, self.down.kernel)
-      return swiglu(x.astype(self.down.dtype), *(k[...].astype(self.down.dtype) for k in kernels))
-    h = jax.nn.gelu(self.up(x), approximate=False)
-    h = parallel.constrain(h, ("activation_batch", "activation_length", "activation_mlp"))
-    return self.down(h)
+      return swiglu(x.astype(dtype), *(p[...].astype(dtype) for p in (self.gate.kernel, self.up.kernel,
+                                                                         self.down.kernel)))
+    return gelu_mlp(x.astype(dtype), *(p[...].astype(dtype) for p in (self.up.kernel, self.up.bias,
+                                                                        self.down.kernel, self.down.bias)))
