@@ -88,7 +88,7 @@ class MLP(nnx.Module):
 
   def __init__(self, flavor: str, d_model: int, hidden: int, *, std: float, out_std: float, dtype, param_dtype,
                rngs: nnx.Rngs):
-    self.flavor = flavor
+    self.flavor, self.dtype = flavor, dtype
     bias = flavor == "neox"
     kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     self.gate = (DenseGeneral("btd,df->btf", (d_model, hidden), ("embed", "mlp"), std=std, bias_shape=None, **kw)
@@ -99,7 +99,7 @@ class MLP(nnx.Module):
                              bias_shape=(d_model,) if bias else None, bias_axes=("embed",), **kw)
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    dtype = self.down.dtype
+    dtype = self.dtype
     if self.gate is not None:
       return swiglu(x.astype(dtype), *(p[...].astype(dtype) for p in (self.gate.kernel, self.up.kernel,
                                                                          self.down.kernel)))
