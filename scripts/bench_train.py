@@ -1,8 +1,8 @@
 """Training throughput of jaxshare against the PyTorch tools a researcher would otherwise use, side by side.
 
 Every contestant is a worker process that builds its model, compiles and warms up, then waits; the parent runs them
-**interleaved** (round r: each worker trains ``--steps`` steps in turn, alone on the machine), so drifts of clock
-speed or load hit all contestants alike. Compilation and warm-up are excluded. Synthetic byte-level batches, fp32,
+**interleaved** (round r: each worker trains ``--steps`` steps in turn, alone on the machine, starting from the r-th
+so that every contestant runs in every slot), so drifts of clock speed or load hit all contestants alike. Compilation and warm-up are excluded. Synthetic byte-level batches, fp32,
 AdamW with clipping, the same thread count (every core) for XLA and PyTorch.
 
   python scripts/bench_train.py                               # all shapes, dense
@@ -204,16 +204,24 @@ class Worker:
     return " ".join([f"jaxshare{tree} {self.schedule}", *self.overrides])
 
 
+def race(workers: list, rounds: int, steps: int) -> dict[str, list[float]]:
+  """Seconds each worker took for ``steps`` steps, per round. Round r starts at worker r (mod n): every contestant
+  runs in every slot equally often, so what the previous contestant leaves behind (PyTorch's spinning OpenMP
+  threads, a cold cache) does not fall on one of them only."""
+  times: dict[str, list[float]] = {w.label: [] for w in workers}
+  for r in range(rounds):
+    for w in workers[r % len(workers):] + workers[:r % len(workers)]:
+      times[w.label].append(w.run(steps))
+  return times
+
+
 def bench_shape(name: str, schedules: list[str], variants: list[list[str]], trees: list[Path], steps: int,
                 rounds: int, minimal: bool) -> list[dict]:
   shape = SHAPES[name]
   tokens = shape["batch"] * shape["seq_len"] * steps
   workers = [Worker("jaxshare", name, s, v, t) for t in trees for s in schedules for v in variants]
   workers += [Worker(p, name, "dense") for p in shape["peers"] + (("jax_minimal",) if minimal else ())]
-  times: dict[str, list[float]] = {w.label: [] for w in workers}
-  for _ in range(rounds):
-    for w in workers:
-      times[w.label].append(w.run(steps))
+  times = race(workers, rounds, steps)
   for w in workers:
     w.close()
   rows = []

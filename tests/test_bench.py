@@ -32,3 +32,23 @@ def test_peer_trains():
   first = trainer.step()
   assert abs(first - 5.545) < 0.1  # ln(256): a fresh model predicts uniformly
   assert min(trainer.step() for _ in range(20)) < first - 0.5  # it learns the repeated batch
+
+
+def test_race_rotates_the_order_every_round():
+  """Each contestant takes every slot of the round equally often, so slot effects (a peer whose threads are still
+  spinning, a warm cache) are not read as differences between contestants."""
+  order = []
+
+  class Fake:
+    def __init__(self, label):
+      self.label = label
+
+    def run(self, steps):
+      order.append(self.label)
+      return float(steps)
+
+  times = bench_train.race([Fake(c) for c in "abc"], rounds=6, steps=2)
+  assert times == {c: [2.0] * 6 for c in "abc"}
+  slots = [order[i:i + 3] for i in range(0, 18, 3)]
+  for c in "abc":
+    assert sorted(s.index(c) for s in slots) == [0, 0, 1, 1, 2, 2]
