@@ -38,4 +38,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+  from jaxshare.allocator import reexec_with_tuned_allocator
+
+  reexec_with_tuned_allocator()  # before JAX allocates anything: see jaxshare/allocator.py
   sys.exit(main())

@@ -128,4 +128,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+  from jaxshare.allocator import reexec_with_tuned_allocator
+
+  reexec_with_tuned_allocator()  # before JAX allocates anything: see jaxshare/allocator.py
   main()

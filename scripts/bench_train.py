@@ -6,7 +6,7 @@ so that every contestant runs in every slot), so drifts of clock speed or load h
 AdamW with clipping, the same thread count (every core) for XLA and PyTorch.
 
   python scripts/bench_train.py                               # all shapes, dense
-  python scripts/bench_train.py --shapes default --schedules dense,cla2,mlkv,uniattn,lisa_plus
+  python scripts/bench_train.py --shapes default --schedules dense,cla2,mlkv,sa,uniattn,lisa_plus
 
 Prints per shape: tokens/s of each contestant (median over rounds), jaxshare's ratio to each peer (median and range
 over rounds), jaxshare's model GFLOP/s, and the matmul roofline of XLA (jaxshare rows) and of PyTorch (peer rows),
@@ -46,6 +46,7 @@ SCHEDULES = {
   "dense": [],
   "cla2": ["schedule.kind=cla", "schedule.factor=2"],
   "mlkv": ["schedule.kind=mlkv", "schedule.kv_layers=2", "schedule.kv_heads=2"],
+  "sa": ["schedule.kind=sa", "schedule.sa.start=2", "schedule.sa.end=3"],
   "uniattn": ["schedule.kind=uniattn"],
   "lisa_plus": ["schedule.kind=lisa_plus", "schedule.lisa.layers=[1,2]", "schedule.lisa.rank=8"],
 }
@@ -231,7 +232,9 @@ def bench_shape(name: str, schedules: list[str], variants: list[list[str]], tree
     row = {"shape": name, "contestant": w.label, "params": w.info["params"], "tokens_per_sec": statistics.median(tps),
            "ms_per_step": 1e3 * statistics.median(times[w.label]) / steps}
     if w.kind == "jaxshare":
-      for p in peer_labels:
+      # a sharing schedule is also measured against dense jaxshare of the same shape, round by round
+      baseline = [] if w.label == "jaxshare dense" or "jaxshare dense" not in times else ["jaxshare dense"]
+      for p in peer_labels + baseline:
         per_round = [b / a for a, b in zip(times[w.label], times[p])]
         row[f"vs_{p}"] = statistics.median(per_round)
         row[f"vs_{p}_range"] = (min(per_round), max(per_round))
@@ -243,7 +246,7 @@ def bench_shape(name: str, schedules: list[str], variants: list[list[str]], tree
 
 
 def report(rows: list[dict]) -> str:
-  lines = ["| shape | contestant | params | tok/s | ms/step | jaxshare / peer (median, range over rounds) | "
+  lines = ["| shape | contestant | params | tok/s | ms/step | speed vs peer (median, range over rounds) | "
            "model GFLOP/s (% of its matmul roofline) | matmul roofline GFLOP/s |",
            "|---|---|---|---|---|---|---|---|"]
   for r in rows:
@@ -281,6 +284,13 @@ def main() -> None:
     if bad:
       parser.error(f"{flag} {bad} invalid: choose from {list(allowed)}")
   if args.worker:
+    if args.worker in ("jaxshare", "jax_minimal"):  # XLA workers run with the allocator settings train.py uses
+      try:
+        from jaxshare.allocator import reexec_with_tuned_allocator
+      except ImportError:  # a --compare-tree checkout from before them runs as it did then
+        pass
+      else:
+        reexec_with_tuned_allocator()
     worker(args.worker, shapes[0], schedules[0], args.override)
     return
   print(f"{os.cpu_count()} CPU threads for every contestant; {args.rounds} rounds x {args.steps} steps each",
