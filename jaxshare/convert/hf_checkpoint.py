@@ -14,7 +14,7 @@ import struct
 from collections.abc import Iterator
 from pathlib import Path
 
-import ml_dtypes  # noqa: F401  registers bfloat16 with NumPy
+import ml_dtypes
 import numpy as np
 import safetensors
 
@@ -24,7 +24,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "vocab.json", "merges.txt", "generation_config.json")
 _PICKLE_PATTERNS = ("pytorch_model*.bin", "*.pt", "*.pth", "*.ckpt")
 # safetensors dtype names -> numpy dtypes (bf16 through ml_dtypes, which JAX depends on)
-_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64", "I64": "int64", "I32": "int32",
+_DTYPES = {"F32": "float32", "F16": "float16", "BF16": ml_dtypes.bfloat16, "F64": "float64", "I64": "int64", "I32": "int32",
            "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
 
 
