@@ -27,6 +27,13 @@ def _run_params(params: dict, s_idx: int, r_idx: int) -> dict:
   return params["segments"][s_idx]["blocks"]["runs"][r_idx]["layers"]
 
 
+def layer_slot(params: dict, schedule: Schedule, layer: int) -> tuple[dict, tuple[int, int]]:
+  """Where a layer lives: its run's stacked parameter dict and the ``(superblock, position)`` index into every leaf
+  (for writing a layer in place into NumPy stacks)."""
+  s_idx, c, r_idx, i = layer_location(schedule, layer)
+  return _run_params(params, s_idx, r_idx), (c, i)
+
+
 def layer_params(params: dict, schedule: Schedule, layer: int) -> dict[str, Any]:
   """The unstacked parameters of one layer (``attn``, ``mlp``, ``norm1``, ...), leaves indexed out of the stack
   (parameters are stacked ``[superblocks of the segment, layers of the run, ...]``)."""

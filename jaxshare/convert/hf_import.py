@@ -1,0 +1,62 @@
+"""A local Hugging Face checkpoint as a jaxshare model: config, schedule and parameters."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from jaxshare.config import Config, load_config
+from jaxshare.convert.hf_checkpoint import HFCheckpoint
+from jaxshare.convert.llama import LLAMA
+from jaxshare.convert.mapping import Architecture, Dims, UnsupportedModelError, hf_to_params
+from jaxshare.convert.neox import NEOX
+
+ARCHITECTURES: tuple[Architecture, ...] = (LLAMA, NEOX)
+
+
+def architecture_for(ckpt: HFCheckpoint) -> Architecture:
+  """The table for a checkpoint's ``architectures[0]`` (or ``model_type``).
+
+  Raises:
+    UnsupportedModelError: not a supported architecture; lists the supported ones.
+  """
+  names = {ckpt.architecture, str(ckpt.config.get("model_type", ""))}
+  for arch in ARCHITECTURES:
+    if names & set(arch.hf_names):
+      return arch
+  supported = sorted(n for a in ARCHITECTURES for n in a.hf_names if n[0].isupper())
+  raise UnsupportedModelError(f"config.json architectures={ckpt.architecture!r} is not supported; supported: "
+                              f"{', '.join(supported)}")
+
+
+def dims(cfg: Config) -> Dims:
+  """The :class:`Dims` of a uniform (every layer alike) model config."""
+  m = cfg.model
+  return Dims(D=m.d_model, H=m.num_heads, G=cfg.schedule.kv_heads or m.num_heads, d=m.resolved_head_dim,
+              F=m.mlp_dim, V=m.vocab_size)
+
+
+def load_hf_model(directory: str | Path, overrides: Sequence[str] = ()) -> tuple[Config, object, dict]:
+  """Read an HF directory into ``(config, run setup, parameters)``; parameters are a pure dict of NumPy arrays in
+  the config's ``param_dtype`` (float32 unless overridden), every leaf converted from a named HF tensor.
+
+  Args:
+    directory: a local HF model directory (see :class:`HFCheckpoint`).
+    overrides: further jaxshare config overrides (``train.*``, ``data.*``; model fields come from the checkpoint).
+
+  Raises:
+    HFCheckpointError: unreadable directory, missing or mis-shaped tensors.
+    UnsupportedModelError: an architecture, config value or tensor jaxshare cannot represent exactly.
+  """
+  from jaxshare.train.state import abstract_state, setup_run
+
+  ckpt = HFCheckpoint(directory)
+  arch = architecture_for(ckpt)
+  cfg = load_config(None, arch.config_overrides(ckpt.config) + list(overrides))
+  setup = setup_run(cfg)
+  template = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), abstract_state(setup)["params"])
+  params = hf_to_params(arch, cfg, dims(cfg), setup.schedule, template, ckpt.read, ckpt.names())
+  return cfg, setup, params

@@ -1,0 +1,62 @@
+"""Llama (``LlamaForCausalLM``) and Mistral without a sliding window: the HF <-> jaxshare table.
+
+RMSNorm, rotate-half RoPE over the whole head, SwiGLU, GQA, optional tied embeddings, ``head_dim`` that may differ
+from ``hidden_size / num_attention_heads``; no biases.
+"""
+
+from __future__ import annotations
+
+from jaxshare.convert import hf_config as C
+from jaxshare.convert.mapping import Architecture, Rule, linear, same
+
+_L = "model.layers.{i}."
+
+
+def config_overrides(config: dict) -> list[str]:
+  """HF config -> jaxshare overrides. Raises UnsupportedModelError (activation, biases, RoPE scaling, window)."""
+  D = C.field(config, "hidden_size", required=True)
+  H = C.field(config, "num_attention_heads", required=True)
+  G = C.field(config, "num_key_value_heads", H)
+  d = C.field(config, "head_dim", D // H)
+  C.require(config, "hidden_act", C.field(config, "hidden_act", "silu"), ("silu",), "the llama flavour's MLP is SwiGLU")
+  C.require(config, "attention_bias", bool(C.field(config, "attention_bias", False)), (False,),
+            "the llama flavour has no attention biases")
+  C.require(config, "mlp_bias", bool(C.field(config, "mlp_bias", False)), (False,), "the llama flavour has no MLP biases")
+  C.require(config, "sliding_window", C.field(config, "sliding_window"), (None,),
+            "sliding-window attention is not modelled yet")
+  theta, rope_type, _, _ = C.rope(config)
+  C.require(config, "rope_type", rope_type, ("default",), "RoPE scaling is not modelled yet")
+  kv = [] if G == H else ["schedule.kind=gqa", f"schedule.kv_heads={G}"]
+  return ["model.flavor=llama", f"model.vocab_size={C.field(config, 'vocab_size', required=True)}",
+          f"model.num_layers={C.field(config, 'num_hidden_layers', required=True)}", f"model.d_model={D}",
+          f"model.num_heads={H}", f"model.head_dim={d}",
+          f"model.mlp_dim={C.field(config, 'intermediate_size', required=True)}", f"model.rope_theta={theta}",
+          "model.rotary_pct=1.0", f"model.tie_embeddings={str(bool(C.field(config, 'tie_word_embeddings', False))).lower()}",
+          f"model.norm_eps={C.field(config, 'rms_norm_eps', 1e-6)}", *kv]
+
+
+def global_rules(cfg) -> list[Rule]:
+  rules = [same("model.embed_tokens.weight", "embedding", lambda n: (n.V, n.D)),
+           same("model.norm.weight", "final_norm/scale", lambda n: (n.D,))]
+  if not cfg.model.tie_embeddings:
+    rules.append(linear("lm_head.weight", "lm_head/kernel", lambda n: (n.V,), lambda n: n.D))
+  return rules
+
+
+def layer_rules(cfg) -> list[Rule]:
+  del cfg
+  return [
+    same(_L + "input_layernorm.weight", "norm1/scale", lambda n: (n.D,)),
+    same(_L + "post_attention_layernorm.weight", "norm2/scale", lambda n: (n.D,)),
+    linear(_L + "self_attn.q_proj.weight", "attn/q_proj/kernel", lambda n: (n.H, n.d), lambda n: n.D),
+    linear(_L + "self_attn.k_proj.weight", "attn/k_proj/kernel", lambda n: (n.G, n.d), lambda n: n.D),
+    linear(_L + "self_attn.v_proj.weight", "attn/v_proj/kernel", lambda n: (n.G, n.d), lambda n: n.D),
+    linear(_L + "self_attn.o_proj.weight", "attn/o_proj/kernel", lambda n: (n.D,), None, heads_in=lambda n: (n.H, n.d)),
+    linear(_L + "mlp.gate_proj.weight", "mlp/gate/kernel", lambda n: (n.F,), lambda n: n.D),
+    linear(_L + "mlp.up_proj.weight", "mlp/up/kernel", lambda n: (n.F,), lambda n: n.D),
+    linear(_L + "mlp.down_proj.weight", "mlp/down/kernel", lambda n: (n.D,), lambda n: n.F),
+  ]
+
+
+LLAMA = Architecture(("LlamaForCausalLM", "MistralForCausalLM", "llama", "mistral"), config_overrides, global_rules,
+                     layer_rules, ignored=("rotary_emb.inv_freq",))

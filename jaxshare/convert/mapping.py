@@ -1,0 +1,194 @@
+"""Mapping tables between Hugging Face state dicts and jaxshare parameter trees.
+
+An architecture is one :class:`Architecture`: how its ``config.json`` becomes jaxshare config overrides, and a table
+of :class:`Rule` s, each turning one or more HF tensors into one or more jaxshare leaves (and back). Layer rules
+address a layer's unstacked parameters (``attn/q_proj/kernel``) and HF names with ``{i}`` for the layer index, so one
+table serves every schedule (``model/params.py`` finds the layer in the scanned stacks).
+
+HF linear weights are ``[out, in]``; jaxshare kernels are ``[in, ...out]`` with heads split out (``[D, H, d]`` for
+Q/K/V, ``[H, d, D]`` for the output projection), so most rules are a transpose and a reshape.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from jaxshare.model import params as P
+
+
+class UnsupportedModelError(ValueError):
+  """An HF model jaxshare cannot represent exactly: names the config field, its value and what is supported."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Dims:
+  """Model dimensions the rules reshape with: D model width, H query heads, G K/V heads, d head width, F MLP width,
+  V vocabulary."""
+
+  D: int
+  H: int
+  G: int
+  d: int
+  F: int
+  V: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+  """HF tensors ``hf`` (names; ``{i}`` is the layer) <-> jaxshare leaves ``paths`` ('/'-separated within the layer,
+  or from the tree's root for global rules).
+
+  ``hf_shapes(dims)`` gives the HF shapes, checked before conversion; ``to_jax`` / ``to_hf`` map lists of arrays in
+  the order of ``hf`` and ``paths``.
+  """
+
+  hf: tuple[str, ...]
+  paths: tuple[str, ...]
+  hf_shapes: Callable[[Dims], Sequence[tuple[int, ...]]]
+  to_jax: Callable[[list[np.ndarray], Dims], list[np.ndarray]]
+  to_hf: Callable[[list[np.ndarray], Dims], list[np.ndarray]]
+
+
+def same(hf: str, path: str, shape: Callable[[Dims], tuple[int, ...]]) -> Rule:
+  """A tensor stored identically on both sides (norm scales and biases, embeddings)."""
+  return Rule((hf,), (path,), lambda n: [shape(n)], lambda a, n: list(a), lambda a, n: list(a))
+
+
+def linear(hf: str, path: str, out_shape: Callable[[Dims], tuple[int, ...]], in_dim: Callable[[Dims], int],
+           *, heads_in: Callable[[Dims], tuple[int, ...]] | None = None) -> Rule:
+  """An HF ``[out, in]`` weight <-> a jaxshare ``[in, *out_shape]`` kernel, or ``[*heads_in, out]`` when the input
+  side is split into heads (the attention output projection, HF ``[D, H·d]`` <-> ``[H, d, D]``)."""
+  if heads_in is None:
+    def to_jax(a, n):
+      return [a[0].T.reshape(in_dim(n), *out_shape(n))]
+
+    def to_hf(a, n):
+      return [a[0].reshape(in_dim(n), -1).T]
+
+    return Rule((hf,), (path,), lambda n: [(int(np.prod(out_shape(n))), in_dim(n))], to_jax, to_hf)
+
+  def to_jax_heads(a, n):
+    return [a[0].T.reshape(*heads_in(n), *out_shape(n))]
+
+  def to_hf_heads(a, n):
+    return [a[0].reshape(int(np.prod(heads_in(n))), -1).T]
+
+  return Rule((hf,), (path,), lambda n: [(int(np.prod(out_shape(n))), int(np.prod(heads_in(n))))], to_jax_heads,
+              to_hf_heads)
+
+
+@dataclasses.dataclass(frozen=True)
+class Architecture:
+  """One HF architecture: its names, config translation and tensor tables.
+
+  Attributes:
+    hf_names: ``architectures[0]`` values (and ``model_type``) this table reads.
+    config_overrides: HF ``config.json`` -> jaxshare dotted overrides; raises :class:`UnsupportedModelError`.
+    dims: jaxshare config -> :class:`Dims`.
+    global_rules / layer_rules: the tables; ``layer_rules(cfg)`` may depend on the config (tied embeddings, biases).
+    ignored: HF tensor-name suffixes that carry no parameters (rotary caches, causal-mask buffers).
+  """
+
+  hf_names: tuple[str, ...]
+  config_overrides: Callable[[dict], list[str]]
+  global_rules: Callable[[object], list[Rule]]
+  layer_rules: Callable[[object], list[Rule]]
+  ignored: tuple[str, ...] = ()
+
+
+def _get(tree: dict, path: str):
+  for key in path.split("/"):
+    tree = tree[key]
+  return tree
+
+
+def _set(tree: dict, path: str, value) -> None:
+  *head, last = path.split("/")
+  for key in head:
+    tree = tree[key]
+  tree[last] = value
+
+
+def hf_to_params(arch: Architecture, cfg, dims: Dims, schedule, template: dict, read, names: Sequence[str]) -> dict:
+  """Fill a copy of ``template`` (a pure-dict parameter tree of the target model) from HF tensors.
+
+  Args:
+    read: ``read(name, shape) -> np.ndarray`` (e.g. :meth:`HFCheckpoint.read`, which checks the shape).
+    names: every tensor name of the checkpoint; any that no rule consumes (and not ``arch.ignored``) is an error.
+
+  Returns:
+    The parameter tree as NumPy arrays in the template's dtypes.
+
+  Raises:
+    UnsupportedModelError: tensors the table does not know (unexpected tensors).
+  """
+  out = {k: _to_numpy(v) for k, v in template.items()}
+  used: set[str] = set()
+
+  def apply(rule: Rule, fmt: dict, dst: dict, index=None):
+    names_ = [h.format(**fmt) for h in rule.hf]
+    arrays = [read(h, s) for h, s in zip(names_, rule.hf_shapes(dims))]
+    used.update(names_)
+    for path, value in zip(rule.paths, rule.to_jax(arrays, dims)):
+      leaf = _get(dst, path)
+      target = leaf if index is None else leaf[index]
+      if tuple(value.shape) != tuple(target.shape):
+        raise UnsupportedModelError(f"{names_} converts to shape {list(value.shape)} but jaxshare's {path} is "
+                                    f"{list(target.shape)}")
+      if index is None:
+        _set(dst, path, value.astype(leaf.dtype))
+      else:
+        leaf[index] = value.astype(leaf.dtype)
+
+  for rule in arch.global_rules(cfg):
+    apply(rule, {}, out)
+  unfilled = sorted(set(_leaf_paths({k: v for k, v in out.items() if k != "segments"}))
+                    - {p for r in arch.global_rules(cfg) for p in r.paths})
+  layer_paths = {p for r in arch.layer_rules(cfg) for p in r.paths}
+  for layer in range(cfg.model.num_layers):
+    run_tree, index = P.layer_slot(out, schedule, layer)
+    for rule in arch.layer_rules(cfg):
+      apply(rule, {"i": layer}, run_tree, index)
+    unfilled += [f"layer {layer}: {p}" for p in sorted(set(_leaf_paths(run_tree)) - layer_paths)]
+  if unfilled:
+    raise UnsupportedModelError(f"jaxshare parameters with no source in the {arch.hf_names[0]} table: {unfilled[:8]}")
+  unexpected = sorted(n for n in names if n not in used and not any(n.endswith(suffix) for suffix in arch.ignored))
+  if unexpected:
+    raise UnsupportedModelError(f"the checkpoint has tensors the {arch.hf_names[0]} table does not map "
+                                f"(a feature jaxshare does not model?): {unexpected[:8]}"
+                                + (f" and {len(unexpected) - 8} more" if len(unexpected) > 8 else ""))
+  return out
+
+
+def params_to_hf(arch: Architecture, cfg, dims: Dims, schedule, params: dict) -> dict[str, np.ndarray]:
+  """The HF state dict of a parameter tree (NumPy arrays in the tree's dtypes)."""
+  tensors: dict[str, np.ndarray] = {}
+
+  def emit(rule: Rule, fmt: dict, leaves: list[np.ndarray]):
+    for name, value, shape in zip(rule.hf, rule.to_hf(leaves, dims), rule.hf_shapes(dims)):
+      assert tuple(value.shape) == tuple(shape), (name, value.shape, shape)
+      tensors[name.format(**fmt)] = np.ascontiguousarray(value)
+
+  for rule in arch.global_rules(cfg):
+    emit(rule, {}, [np.asarray(_get(params, p)) for p in rule.paths])
+  for layer in range(cfg.model.num_layers):
+    layer_tree = P.layer_params(params, schedule, layer)
+    for rule in arch.layer_rules(cfg):
+      emit(rule, {"i": layer}, [np.asarray(_get(layer_tree, p)) for p in rule.paths])
+  return tensors
+
+
+def _leaf_paths(tree: dict, prefix: str = "") -> list[str]:
+  out = []
+  for k, v in tree.items():
+    out += _leaf_paths(v, f"{prefix}{k}/") if isinstance(v, dict) else [prefix + k]
+  return out
+
+
+def _to_numpy(tree):
+  if isinstance(tree, dict):
+    return {k: _to_numpy(v) for k, v in tree.items()}
+  return np.array(tree)

@@ -1,0 +1,98 @@
+"""HF -> jaxshare import: tiny random transformers models saved locally give the same logits in jaxshare as in
+PyTorch on real corpus text, for each architecture option; unsupported configs and unknown tensors are refused."""
+
+import json
+
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxshare.convert.hf_import import load_hf_model
+from jaxshare.convert.mapping import UnsupportedModelError
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+_LLAMA = dict(vocab_size=256, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+              rms_norm_eps=1e-5)
+_NEOX = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+             rotary_pct=0.25, rope_theta=10000.0)
+
+CASES = {
+  "llama_gqa": (transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(_LLAMA, num_key_value_heads=2)),
+  "llama_mqa_tied": (transformers.LlamaConfig, transformers.LlamaForCausalLM,
+                     dict(_LLAMA, num_key_value_heads=1, tie_word_embeddings=True)),
+  "llama_head_dim": (transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(_LLAMA, head_dim=16)),
+  "neox_partial_rotary": (transformers.GPTNeoXConfig, transformers.GPTNeoXForCausalLM, _NEOX),
+  "neox_tied_full_rotary": (transformers.GPTNeoXConfig, transformers.GPTNeoXForCausalLM,
+                            dict(_NEOX, rotary_pct=1.0, tie_word_embeddings=True)),
+}
+
+
+def _save(tmp_path, case, dtype=None):
+  config_cls, model_cls, kw = CASES[case]
+  torch.manual_seed(0)
+  model = model_cls(config_cls(**kw)).eval()
+  with torch.no_grad():  # random norms and biases, so that a swapped scale/bias or q/k/v slice shows in the logits
+    for name, p in model.named_parameters():
+      if "norm" in name or name.endswith("bias"):
+        p.add_(0.1 * torch.randn_like(p))
+  if dtype is not None:
+    model = model.to(dtype)
+  model.save_pretrained(tmp_path)
+  return model.float()
+
+
+def _tokens(corpus, n=64):
+  return np.frombuffer(corpus.read_bytes()[1000:1000 + n], np.uint8).astype(np.int32)[None]
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_imported_logits_match_pytorch(tmp_path, corpus, case):
+  model = _save(tmp_path, case)
+  tokens = _tokens(corpus)
+  with torch.no_grad():
+    want = model(torch.from_numpy(tokens).long()).logits.numpy()
+  cfg, setup, params = load_hf_model(tmp_path)
+  got = np.asarray(nnx.merge(setup.graphdef, params)(tokens))
+  np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+  assert np.abs(want).max() > 0.1  # the comparison is not between two near-zero outputs
+
+
+def test_bf16_checkpoint_imports_exactly_widened(tmp_path, corpus):
+  model = _save(tmp_path, "llama_gqa", torch.bfloat16)  # stored bf16; PyTorch reference runs the same values in f32
+  tokens = _tokens(corpus)
+  with torch.no_grad():
+    want = model(torch.from_numpy(tokens).long()).logits.numpy()
+  _, setup, params = load_hf_model(tmp_path)
+  np.testing.assert_allclose(np.asarray(nnx.merge(setup.graphdef, params)(tokens)), want, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("field,value,match", [
+  ("hidden_act", "gelu_new", "hidden_act='gelu_new' is not supported.*'silu'"),
+  ("rope_scaling", {"rope_type": "yarn", "factor": 2.0}, "rope_type='yarn' is not supported.*'default'"),
+  ("sliding_window", 16, "sliding_window=16 is not supported"),
+  ("architectures", ["FalconForCausalLM"], "architectures='FalconForCausalLM' is not supported; supported: "
+                                           "GPTNeoXForCausalLM, LlamaForCausalLM"),
+])
+def test_unsupported_config_is_refused_by_name(tmp_path, field, value, match):
+  _save(tmp_path, "llama_gqa")
+  config = json.loads((tmp_path / "config.json").read_text())
+  config[field] = value
+  if field == "architectures":
+    config["model_type"] = "falcon"
+  config.pop("rope_parameters", None) if field == "rope_scaling" else None
+  (tmp_path / "config.json").write_text(json.dumps(config))
+  with pytest.raises(UnsupportedModelError, match=match):
+    load_hf_model(tmp_path)
+
+
+def test_unknown_tensor_is_refused(tmp_path):
+  from safetensors.numpy import load_file, save_file
+
+  _save(tmp_path, "llama_gqa")
+  tensors = load_file(tmp_path / "model.safetensors")
+  tensors["model.layers.0.self_attn.q_norm.weight"] = np.ones(8, np.float32)
+  save_file(tensors, tmp_path / "model.safetensors")
+  with pytest.raises(UnsupportedModelError, match="does not map.*q_norm"):
+    load_hf_model(tmp_path)
