@@ -8,6 +8,7 @@ import pytest
 from flax import nnx
 
 from jaxshare.convert.hf_import import load_hf_model
+from jaxshare.evaluation.evaluate import greedy_sample
 from jaxshare.convert.mapping import UnsupportedModelError
 
 torch = pytest.importorskip("torch")
@@ -54,9 +55,15 @@ def test_imported_logits_match_pytorch(tmp_path, corpus, case):
   with torch.no_grad():
     want = model(torch.from_numpy(tokens).long()).logits.numpy()
   cfg, setup, params = load_hf_model(tmp_path)
-  got = np.asarray(nnx.merge(setup.graphdef, params)(tokens))
+  jax_model = nnx.merge(setup.graphdef, params)
+  got = np.asarray(jax_model(tokens))
   np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
   assert np.abs(want).max() > 0.1  # the comparison is not between two near-zero outputs
+  prompt = tokens[0, :16].tolist()
+  with torch.no_grad():
+    continuation = model.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False,
+                                  pad_token_id=0)[0, 16:].tolist()
+  assert greedy_sample(jax_model, prompt, 20, 64) == continuation
 
 
 def test_bf16_checkpoint_imports_exactly_widened(tmp_path, corpus):
@@ -96,3 +103,46 @@ def test_unknown_tensor_is_refused(tmp_path):
   save_file(tensors, tmp_path / "model.safetensors")
   with pytest.raises(UnsupportedModelError, match="does not map.*q_norm"):
     load_hf_model(tmp_path)
+
+
+def test_cli_import_writes_a_run_that_eval_and_uptraining_read(tmp_path, corpus):
+  import jax
+
+  from conftest import tiny_config
+  from jaxshare.convert.__main__ import main
+  from jaxshare.data import Datasets
+  from jaxshare.evaluation.evaluate import evaluate_run
+  from jaxshare.train.loop import train
+  from jaxshare.train.state import load_run
+
+  hf, run = tmp_path / "hf", tmp_path / "run"
+  model = _save(hf, "neox_partial_rotary")
+  assert main(["import", str(hf), str(run), "data.seq_len=32"]) == 0
+  _, _, want = load_hf_model(hf)
+  cfg, _, params, step = load_run(run)
+  assert step == 0 and cfg.model.flavor == "neox" and cfg.model.rotary_pct == 0.25
+  jax.tree.map(np.testing.assert_array_equal, params, want)
+  assert np.isfinite(evaluate_run(run, max_batches=2, sample_tokens=4)["val_loss"])
+
+  # uptraining from it: the first step's loss (computed before the update) is PyTorch's loss on that batch
+  up = tiny_config("train.steps=1", "train.warmup_steps=0", "train.log_every=1", "train.eval_every=0", "train.batch_size=4",
+                   f"train.init_from={run}", f"train.run_dir={tmp_path / 'up'}",
+                   *[f"model.{k}={v}" for k, v in (("flavor", "neox"), ("num_layers", 3), ("d_model", 32),
+                                                   ("mlp_dim", 64), ("rotary_pct", 0.25))])
+  summary = train(up)
+  batch = next(Datasets(up.data, up.train.batch_size).train_iter())
+  with torch.no_grad():
+    logits = model(torch.from_numpy(batch["inputs"]).long()).logits
+    want_loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), torch.from_numpy(batch["targets"]).long()
+                                                  .flatten()).item()
+  assert batch["loss_mask"].all()
+  assert abs(summary["loss"] - want_loss) < 1e-4, (summary["loss"], want_loss)
+
+
+def test_cli_refuses_bad_input_with_exit_code_2(tmp_path, capsys):
+  from jaxshare.convert.__main__ import main
+
+  (tmp_path / "hf").mkdir()
+  assert main(["import", str(tmp_path / "hf"), str(tmp_path / "run")]) == 2
+  assert "no config.json" in capsys.readouterr().err
+  assert not (tmp_path / "run").exists()

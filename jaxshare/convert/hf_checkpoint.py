@@ -21,7 +21,8 @@ import safetensors
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                   "vocab.json", "merges.txt", "generation_config.json")
+                   "vocab.json", "merges.txt")
+_TOKENIZER_CORE = ("tokenizer.json", "tokenizer.model", "vocab.json")  # without one of these there is no tokenizer
 _PICKLE_PATTERNS = ("pytorch_model*.bin", "*.pt", "*.pth", "*.ckpt")
 # safetensors dtype names -> numpy dtypes (bf16 through ml_dtypes, which JAX depends on)
 _DTYPES = {"F32": "float32", "F16": "float16", "BF16": ml_dtypes.bfloat16, "F64": "float64", "I64": "int64", "I32": "int32",
@@ -128,7 +129,9 @@ class HFCheckpoint:
       yield name, self.read(name)
 
   def tokenizer_files(self) -> list[Path]:
-    """The tokenizer files present (``tokenizer.json`` etc.)."""
+    """The tokenizer files present (``tokenizer.json`` etc.); none unless a vocabulary file is among them."""
+    if not any((self.directory / f).is_file() for f in _TOKENIZER_CORE):
+      return []
     return [self.directory / f for f in TOKENIZER_FILES if (self.directory / f).is_file()]
 
 

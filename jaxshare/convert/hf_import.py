@@ -39,13 +39,15 @@ def dims(cfg: Config) -> Dims:
               F=m.mlp_dim, V=m.vocab_size)
 
 
-def load_hf_model(directory: str | Path, overrides: Sequence[str] = ()) -> tuple[Config, object, dict]:
+def load_hf_model(directory: str | Path, overrides: Sequence[str] = (), *, progress: bool = False
+                  ) -> tuple[Config, object, dict]:
   """Read an HF directory into ``(config, run setup, parameters)``; parameters are a pure dict of NumPy arrays in
   the config's ``param_dtype`` (float32 unless overridden), every leaf converted from a named HF tensor.
 
   Args:
     directory: a local HF model directory (see :class:`HFCheckpoint`).
     overrides: further jaxshare config overrides (``train.*``, ``data.*``; model fields come from the checkpoint).
+    progress: show a progress bar over the layers.
 
   Raises:
     HFCheckpointError: unreadable directory, missing or mis-shaped tensors.
@@ -58,5 +60,5 @@ def load_hf_model(directory: str | Path, overrides: Sequence[str] = ()) -> tuple
   cfg = load_config(None, arch.config_overrides(ckpt.config) + list(overrides))
   setup = setup_run(cfg)
   template = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), abstract_state(setup)["params"])
-  params = hf_to_params(arch, cfg, dims(cfg), setup.schedule, template, ckpt.read, ckpt.names())
+  params = hf_to_params(arch, cfg, dims(cfg), setup.schedule, template, ckpt.read, ckpt.names(), progress=progress)
   return cfg, setup, params

@@ -15,6 +15,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 
 import numpy as np
+from tqdm.auto import tqdm
 
 from jaxshare.model import params as P
 
@@ -112,12 +113,14 @@ def _set(tree: dict, path: str, value) -> None:
   tree[last] = value
 
 
-def hf_to_params(arch: Architecture, cfg, dims: Dims, schedule, template: dict, read, names: Sequence[str]) -> dict:
+def hf_to_params(arch: Architecture, cfg, dims: Dims, schedule, template: dict, read, names: Sequence[str], *,
+                 progress: bool = False) -> dict:
   """Fill a copy of ``template`` (a pure-dict parameter tree of the target model) from HF tensors.
 
   Args:
     read: ``read(name, shape) -> np.ndarray`` (e.g. :meth:`HFCheckpoint.read`, which checks the shape).
     names: every tensor name of the checkpoint; any that no rule consumes (and not ``arch.ignored``) is an error.
+    progress: a tqdm bar over the layers (large checkpoints).
 
   Returns:
     The parameter tree as NumPy arrays in the template's dtypes.
@@ -148,7 +151,7 @@ def hf_to_params(arch: Architecture, cfg, dims: Dims, schedule, template: dict, 
   unfilled = sorted(set(_leaf_paths({k: v for k, v in out.items() if k != "segments"}))
                     - {p for r in arch.global_rules(cfg) for p in r.paths})
   layer_paths = {p for r in arch.layer_rules(cfg) for p in r.paths}
-  for layer in range(cfg.model.num_layers):
+  for layer in tqdm(range(cfg.model.num_layers), desc="layers", disable=not progress, dynamic_ncols=True):
     run_tree, index = P.layer_slot(out, schedule, layer)
     for rule in arch.layer_rules(cfg):
       apply(rule, {"i": layer}, run_tree, index)

@@ -1,0 +1,50 @@
+"""Convert between Hugging Face checkpoints and jaxshare run directories.
+
+  python -m jaxshare.convert import HF_DIR RUN_DIR [overrides...]
+      a local HF directory (config.json, safetensors, tokenizer) -> a jaxshare run directory; then e.g.
+      python train.py train.init_from=RUN_DIR ...   or   python eval.py RUN_DIR
+
+Weights are read through safetensors only; nothing is unpickled and nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+  parser = argparse.ArgumentParser(prog="python -m jaxshare.convert", description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  sub = parser.add_subparsers(dest="command", required=True)
+  imp = sub.add_parser("import", help="HF directory -> jaxshare run directory")
+  imp.add_argument("hf_dir", help="local HF model directory (config.json, model.safetensors[.index.json])")
+  imp.add_argument("run_dir", help="new jaxshare run directory to write")
+  imp.add_argument("overrides", nargs="*", help="jaxshare config overrides for the run (train.*, data.*)")
+  args = parser.parse_args(argv)
+
+  from jaxshare.config import ConfigError
+  from jaxshare.convert.hf_checkpoint import HFCheckpoint, HFCheckpointError
+  from jaxshare.convert.hf_import import load_hf_model
+  from jaxshare.convert.mapping import UnsupportedModelError
+  from jaxshare.convert.run_dir import write_run
+
+  try:
+    if args.command == "import":
+      cfg, setup, params = load_hf_model(args.hf_dir, args.overrides, progress=True)
+      ckpt = HFCheckpoint(args.hf_dir)
+      run = write_run(args.run_dir, cfg, setup, params, tokenizer_files=ckpt.tokenizer_files(),
+                      meta={"imported_from": str(args.hf_dir), "architecture": ckpt.architecture})
+      print(f"imported {ckpt.architecture} ({setup.num_params:,} parameters, {setup.schedule.describe()}) "
+            f"into {run}")
+  except (HFCheckpointError, UnsupportedModelError, ConfigError, FileExistsError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  return 0
+
+
+if __name__ == "__main__":
+  from jaxshare.allocator import reexec_with_tuned_allocator
+
+  reexec_with_tuned_allocator()
+  sys.exit(main())
