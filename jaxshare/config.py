@@ -334,6 +334,18 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tu
   try:
     for node in _expand(Path(path)) if path is not None else []:
       merged = OmegaConf.merge(merged, node)
+  except OmegaConfBaseException as e:
+    raise ConfigError(_friendly(e)) from None
+  return _with_overrides(merged, overrides)
+
+
+def apply_overrides(cfg: Config, overrides: list[str] | tuple[str, ...]) -> Config:
+  """A copy of ``cfg`` with dotted overrides applied, validated. Raises ConfigError as :func:`load_config`."""
+  return _with_overrides(OmegaConf.structured(cfg), overrides)
+
+
+def _with_overrides(merged, overrides) -> Config:
+  try:
     parsed = []
     for ov in overrides:
       if "=" not in ov:

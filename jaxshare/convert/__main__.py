@@ -3,6 +3,9 @@
   python -m jaxshare.convert import HF_DIR RUN_DIR [overrides...]
       a local HF directory (config.json, safetensors, tokenizer) -> a jaxshare run directory; then e.g.
       python train.py train.init_from=RUN_DIR ...   or   python eval.py RUN_DIR
+  python -m jaxshare.convert export RUN_DIR HF_DIR
+      a run's latest checkpoint -> an HF directory: LlamaForCausalLM / GPTNeoXForCausalLM for dense and GQA
+      models (transformers loads it offline), jaxshare's own layout for any other schedule (re-imports exactly)
 
 Weights are read through safetensors only; nothing is unpickled and nothing is downloaded.
 """
@@ -21,13 +24,18 @@ def main(argv: list[str] | None = None) -> int:
   imp.add_argument("hf_dir", help="local HF model directory (config.json, model.safetensors[.index.json])")
   imp.add_argument("run_dir", help="new jaxshare run directory to write")
   imp.add_argument("overrides", nargs="*", help="jaxshare config overrides for the run (train.*, data.*)")
+  exp = sub.add_parser("export", help="jaxshare run directory -> HF directory")
+  exp.add_argument("run_dir", help="run directory (latest checkpoint) or checkpoint step directory")
+  exp.add_argument("hf_dir", help="new output directory")
   args = parser.parse_args(argv)
 
   from jaxshare.config import ConfigError
   from jaxshare.convert.hf_checkpoint import HFCheckpoint, HFCheckpointError
+  from jaxshare.convert.hf_export import export_run
   from jaxshare.convert.hf_import import load_hf_model
   from jaxshare.convert.mapping import UnsupportedModelError
   from jaxshare.convert.run_dir import write_run
+  from jaxshare.train.checkpoint import CheckpointError
 
   try:
     if args.command == "import":
@@ -37,7 +45,11 @@ def main(argv: list[str] | None = None) -> int:
                       meta={"imported_from": str(args.hf_dir), "architecture": ckpt.architecture})
       print(f"imported {ckpt.architecture} ({setup.num_params:,} parameters, {setup.schedule.describe()}) "
             f"into {run}")
-  except (HFCheckpointError, UnsupportedModelError, ConfigError, FileExistsError) as e:
+    else:
+      arch, why_native = export_run(args.run_dir, args.hf_dir)
+      print(f"exported {args.run_dir} as {arch} into {args.hf_dir}"
+            + (f" (jaxshare layout: {why_native}; transformers cannot load it)" if why_native else ""))
+  except (HFCheckpointError, UnsupportedModelError, ConfigError, CheckpointError, FileExistsError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
   return 0

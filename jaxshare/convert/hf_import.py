@@ -8,7 +8,8 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from jaxshare.config import Config, load_config
+from jaxshare.config import Config, apply_overrides, load_config
+from jaxshare.convert import native
 from jaxshare.convert.hf_checkpoint import HFCheckpoint
 from jaxshare.convert.llama import LLAMA
 from jaxshare.convert.mapping import Architecture, Dims, UnsupportedModelError, hf_to_params
@@ -53,12 +54,22 @@ def load_hf_model(directory: str | Path, overrides: Sequence[str] = (), *, progr
     HFCheckpointError: unreadable directory, missing or mis-shaped tensors.
     UnsupportedModelError: an architecture, config value or tensor jaxshare cannot represent exactly.
   """
-  from jaxshare.train.state import abstract_state, setup_run
+  from jaxshare.train.state import setup_run
 
   ckpt = HFCheckpoint(directory)
+  if ckpt.architecture == native.ARCHITECTURE:  # a jaxshare model with a sharing schedule, exported by us
+    cfg = apply_overrides(native.read_config(ckpt.config), overrides)
+    setup = setup_run(cfg)
+    return cfg, setup, native.fill(_template(setup), ckpt.read, ckpt.names())
   arch = architecture_for(ckpt)
   cfg = load_config(None, arch.config_overrides(ckpt.config) + list(overrides))
   setup = setup_run(cfg)
-  template = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), abstract_state(setup)["params"])
-  params = hf_to_params(arch, cfg, dims(cfg), setup.schedule, template, ckpt.read, ckpt.names(), progress=progress)
+  params = hf_to_params(arch, cfg, dims(cfg), setup.schedule, _template(setup), ckpt.read, ckpt.names(),
+                        progress=progress)
   return cfg, setup, params
+
+
+def _template(setup) -> dict:
+  from jaxshare.train.state import abstract_state
+
+  return jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), abstract_state(setup)["params"])

@@ -35,6 +35,19 @@ def config_overrides(config: dict) -> list[str]:
           f"model.norm_eps={C.field(config, 'rms_norm_eps', 1e-6)}", *kv]
 
 
+def hf_config(cfg) -> dict:
+  """The ``LlamaForCausalLM`` config.json of a llama-flavour dense/GQA jaxshare config (both the transformers v5
+  ``rope_parameters`` and the older ``rope_theta`` key, so that either reads it)."""
+  m = cfg.model
+  return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": m.vocab_size,
+          "hidden_size": m.d_model, "intermediate_size": m.mlp_dim, "num_hidden_layers": m.num_layers,
+          "num_attention_heads": m.num_heads, "num_key_value_heads": cfg.schedule.kv_heads or m.num_heads,
+          "head_dim": m.resolved_head_dim, "hidden_act": "silu", "rms_norm_eps": m.norm_eps,
+          "rope_theta": m.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": m.rope_theta},
+          "tie_word_embeddings": m.tie_embeddings, "attention_bias": False, "mlp_bias": False,
+          "max_position_embeddings": max(cfg.data.seq_len, 2048), "torch_dtype": m.param_dtype}
+
+
 def global_rules(cfg) -> list[Rule]:
   rules = [same("model.embed_tokens.weight", "embedding", lambda n: (n.V, n.D)),
            same("model.norm.weight", "final_norm/scale", lambda n: (n.D,))]
@@ -58,5 +71,5 @@ def layer_rules(cfg) -> list[Rule]:
   ]
 
 
-LLAMA = Architecture(("LlamaForCausalLM", "MistralForCausalLM", "llama", "mistral"), config_overrides, global_rules,
-                     layer_rules, ignored=("rotary_emb.inv_freq",))
+LLAMA = Architecture(("LlamaForCausalLM", "MistralForCausalLM", "llama", "mistral"), config_overrides, hf_config,
+                     global_rules, layer_rules, ignored=("rotary_emb.inv_freq",))

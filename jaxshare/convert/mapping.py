@@ -88,6 +88,7 @@ class Architecture:
   Attributes:
     hf_names: ``architectures[0]`` values (and ``model_type``) this table reads.
     config_overrides: HF ``config.json`` -> jaxshare dotted overrides; raises :class:`UnsupportedModelError`.
+    hf_config: jaxshare config -> HF ``config.json`` (export; the inverse of ``config_overrides``).
     dims: jaxshare config -> :class:`Dims`.
     global_rules / layer_rules: the tables; ``layer_rules(cfg)`` may depend on the config (tied embeddings, biases).
     ignored: HF tensor-name suffixes that carry no parameters (rotary caches, causal-mask buffers).
@@ -95,6 +96,7 @@ class Architecture:
 
   hf_names: tuple[str, ...]
   config_overrides: Callable[[dict], list[str]]
+  hf_config: Callable[[object], dict]
   global_rules: Callable[[object], list[Rule]]
   layer_rules: Callable[[object], list[Rule]]
   ignored: tuple[str, ...] = ()

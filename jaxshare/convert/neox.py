@@ -37,6 +37,20 @@ def config_overrides(config: dict) -> list[str]:
           f"model.norm_eps={C.field(config, 'layer_norm_eps', 1e-5)}"]
 
 
+def hf_config(cfg) -> dict:
+  """The ``GPTNeoXForCausalLM`` config.json of a neox-flavour dense jaxshare config (v5 ``rope_parameters`` and the
+  older ``rotary_pct`` / ``rotary_emb_base`` keys)."""
+  m = cfg.model
+  return {"architectures": ["GPTNeoXForCausalLM"], "model_type": "gpt_neox", "vocab_size": m.vocab_size,
+          "hidden_size": m.d_model, "intermediate_size": m.mlp_dim, "num_hidden_layers": m.num_layers,
+          "num_attention_heads": m.num_heads, "hidden_act": "gelu", "layer_norm_eps": m.norm_eps,
+          "rotary_pct": m.rotary_pct, "rotary_emb_base": m.rope_theta,
+          "rope_parameters": {"rope_type": "default", "rope_theta": m.rope_theta,
+                              "partial_rotary_factor": m.rotary_pct},
+          "use_parallel_residual": True, "attention_bias": True, "tie_word_embeddings": m.tie_embeddings,
+          "max_position_embeddings": max(cfg.data.seq_len, 2048), "torch_dtype": m.param_dtype}
+
+
 def _qkv_weight() -> Rule:
   def to_jax(a, n):
     w = a[0].reshape(n.H, 3, n.d, n.D)
@@ -88,5 +102,5 @@ def layer_rules(cfg) -> list[Rule]:
   ]
 
 
-NEOX = Architecture(("GPTNeoXForCausalLM", "gpt_neox"), config_overrides, global_rules, layer_rules,
+NEOX = Architecture(("GPTNeoXForCausalLM", "gpt_neox"), config_overrides, hf_config, global_rules, layer_rules,
                     ignored=("attention.bias", "attention.masked_bias", "rotary_emb.inv_freq"))

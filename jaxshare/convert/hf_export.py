@@ -1,0 +1,86 @@
+"""A jaxshare run as a Hugging Face directory.
+
+Dense and GQA models of the llama and neox flavours become ``LlamaForCausalLM`` / ``GPTNeoXForCausalLM`` directories
+(``config.json``, ``model.safetensors``, the run's tokenizer files) that ``transformers.AutoModelForCausalLM
+.from_pretrained`` loads offline. Any other schedule is written in the native layout (:mod:`jaxshare.convert.native`),
+which only jaxshare reads back, bit-exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import jax.numpy as jnp
+from safetensors.flax import save_file
+
+from jaxshare.config import Config
+from jaxshare.convert import native
+from jaxshare.convert.hf_checkpoint import SINGLE_FILE, TOKENIZER_FILES
+from jaxshare.convert.hf_import import dims
+from jaxshare.convert.llama import LLAMA
+from jaxshare.convert.mapping import params_to_hf
+from jaxshare.convert.neox import NEOX
+from jaxshare.schedule import Schedule
+
+
+def hf_incompatibility(cfg: Config, schedule: Schedule) -> str | None:
+  """Why no HF class can hold this model (None when one can): any layer reusing K/V or scores, UniAttn's W_c,
+  tied heads, per-layer K/V head counts, or a neox model with GQA or a head width other than D/H."""
+  plans = schedule.layers
+  if schedule.tied_heads:
+    return "head-wise sharing ties heads across layers"
+  if any(p.kv_source != p.index for p in plans):
+    return "layers read another layer's K/V"
+  if any(p.score_reuse or p.compensation for p in plans):
+    return "layers reuse attention scores"
+  heads = {p.num_kv_heads for p in plans}
+  if len(heads) > 1:
+    return f"layers have different K/V head counts {sorted(heads)}"
+  m = cfg.model
+  if m.flavor == "neox" and (heads != {m.num_heads} or m.resolved_head_dim * m.num_heads != m.d_model):
+    return "GPT-NeoX has neither GQA nor a head width other than hidden_size / num_heads"
+  return None
+
+
+def export_params(cfg: Config, schedule: Schedule, params: dict, out_dir: str | Path, *,
+                  tokenizer_dir: str | Path | None = None) -> str:
+  """Write ``params`` as an HF directory; returns the ``architectures[0]`` written.
+
+  Raises:
+    FileExistsError: ``out_dir`` exists and is not empty.
+  """
+  out = Path(out_dir)
+  if out.exists() and any(out.iterdir()):
+    raise FileExistsError(f"output directory {str(out)!r} exists and is not empty; choose a new one")
+  out.mkdir(parents=True, exist_ok=True)
+  if hf_incompatibility(cfg, schedule) is None:
+    arch = LLAMA if cfg.model.flavor == "llama" else NEOX
+    tensors = params_to_hf(arch, cfg, dims(cfg), schedule, params)
+    config = arch.hf_config(cfg)
+    if tokenizer_dir is None:  # the byte tokenizer: EOS (and padding) is byte 0
+      config.update(bos_token_id=None, eos_token_id=0, pad_token_id=0)
+  else:
+    tensors, config = native.flatten(params), native.config_json(cfg)
+  save_file({k: jnp.asarray(v) for k, v in tensors.items()}, out / SINGLE_FILE, metadata={"format": "pt"})
+  (out / "config.json").write_text(json.dumps(config, indent=2))
+  if tokenizer_dir is not None:
+    for name in TOKENIZER_FILES:
+      if (Path(tokenizer_dir) / name).is_file():
+        shutil.copy2(Path(tokenizer_dir) / name, out / name)
+  return config["architectures"][0]
+
+
+def export_run(run: str | Path, out_dir: str | Path) -> tuple[str, str | None]:
+  """Export a run's latest checkpoint; returns ``(architecture written, why not a transformers class or None)``.
+
+  Raises:
+    ConfigError / CheckpointError: unreadable run. FileExistsError: ``out_dir`` not empty.
+  """
+  from jaxshare.train.state import load_run
+
+  cfg, setup, params, _ = load_run(run)
+  tokenizer = None if cfg.data.tokenizer == "byte" else cfg.data.tokenizer
+  arch = export_params(cfg, setup.schedule, params, out_dir, tokenizer_dir=tokenizer)
+  return arch, hf_incompatibility(cfg, setup.schedule)

@@ -1,0 +1,58 @@
+"""The HF-style directory of a model that no HF class can hold (any sharing schedule beyond dense/GQA): every
+parameter under its jaxshare path in ``model.safetensors``, and ``config.json`` carrying the whole jaxshare config
+(schedule included) under ``jaxshare_config``. It re-imports bit-exactly; transformers does not load it."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from jaxshare.config import Config, config_from_yaml_text, to_yaml
+from jaxshare.convert.mapping import UnsupportedModelError
+
+ARCHITECTURE = "JaxshareForCausalLM"
+
+
+def flatten(params: dict, prefix: str = "") -> dict[str, np.ndarray]:
+  """``{"segments/0/blocks/.../kernel": array}`` of a pure-dict parameter tree (list-like levels keyed by index)."""
+  out: dict[str, np.ndarray] = {}
+  for k, v in params.items():
+    name = f"{prefix}{k}"
+    out.update(flatten(v, name + "/") if isinstance(v, dict) else {name: np.asarray(v)})
+  return out
+
+
+def config_json(cfg: Config) -> dict:
+  return {"architectures": [ARCHITECTURE], "model_type": "jaxshare", "jaxshare_config": to_yaml(cfg)}
+
+
+def read_config(config: dict) -> Config:
+  """The jaxshare config a native directory carries.
+
+  Raises:
+    UnsupportedModelError: ``jaxshare_config`` missing or unreadable.
+  """
+  text = config.get("jaxshare_config")
+  if not isinstance(text, str):
+    raise UnsupportedModelError(f"config.json says {ARCHITECTURE} but has no 'jaxshare_config' text")
+  return config_from_yaml_text(text)
+
+
+def fill(template: dict, read, names: list[str]) -> dict:
+  """The parameter tree of ``template``'s structure with every leaf read by its path (shape checked by ``read``).
+
+  Raises:
+    UnsupportedModelError: tensors in the file that the model has no parameter for.
+  """
+  wanted = flatten(template)
+  extra = sorted(set(names) - set(wanted))
+  if extra:
+    raise UnsupportedModelError(f"the file has tensors this jaxshare config has no parameter for: {extra[:8]}")
+  leaves = {name: read(name, arr.shape).astype(arr.dtype) for name, arr in wanted.items()}
+  return _unflatten_like(template, leaves)
+
+
+def _unflatten_like(template: dict, leaves: dict, prefix: str = "") -> dict:
+  return {k: _unflatten_like(v, leaves, f"{prefix}{k}/") if isinstance(v, dict) else leaves[f"{prefix}{k}"]
+          for k, v in template.items()}
+
+
