@@ -13,7 +13,8 @@ from jaxshare.schedule import Schedule
 
 
 def _has_bias(model: ModelConfig) -> bool:
-  return model.flavor == "neox"
+  """Q/K/V projection biases."""
+  return model.qkv_biases
 
 
 def _mlp_matrices(model: ModelConfig) -> int:
@@ -110,12 +111,12 @@ def param_count(model: ModelConfig, schedule: Schedule, match_params: bool = Fal
   ``match_params``) and head-wise Table 3 exactly.
   """
   D, H, d = model.d_model, model.num_heads, model.resolved_head_dim
-  bias = _has_bias(model)
+  bias, out_bias = _has_bias(model), model.flavor == "neox"
   F = mlp_dim(model, schedule, match_params)
   attn = sharing = 0
   for p in schedule.layers:
     full_qk = p.has_query_key or p.keep_qk
-    attn += H * d * D + (D if bias else 0)  # o projection
+    attn += H * d * D + (D if out_bias else 0)  # o projection
     if full_qk:
       attn += D * H * d + (H * d if bias else 0)
     if p.is_producer:
@@ -123,7 +124,7 @@ def param_count(model: ModelConfig, schedule: Schedule, match_params: bool = Fal
       attn += (D * g * d + (g * d if bias else 0)) * (2 if full_qk else 1)
     sharing += sharing_params(model, schedule, p)
   attn -= schedule.tied_heads * 3 * (D * d + (d if bias else 0))
-  per_mlp = _mlp_matrices(model) * D * F + ((F + D) if bias else 0)
+  per_mlp = _mlp_matrices(model) * D * F + ((F + D) if out_bias else 0)
   norm_size = 2 * D if model.flavor == "neox" else D  # LayerNorm has a bias
   return ParamCount(
     embedding=model.vocab_size * D,

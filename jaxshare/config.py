@@ -58,6 +58,11 @@ class ModelConfig:
   rope_theta: float = _f(10000.0, "RoPE base frequency.")
   rotary_pct: float = _f(1.0, "Fraction of each head's dims that RoPE rotates (Pythia: 0.25).")
   tie_embeddings: bool = _f(False, "Share the input embedding with the output projection.")
+  qkv_bias: bool = _f(False, "llama flavour: biases on the Q/K/V projections, none on the output projection or MLP "
+                      "(Qwen2). The neox flavour always has Q/K/V, output and MLP biases.")
+  residual: str = _f("auto", "auto: the flavour's (parallel for neox, sequential for llama). parallel: "
+                     "y = x + attn(norm1 x) + mlp(norm2 x) (GPT-NeoX use_parallel_residual=true); sequential: "
+                     "h = x + attn(norm1 x), y = h + mlp(norm2 h).", ("auto", "parallel", "sequential"))
   norm_eps: float = _f(1e-5, "Epsilon of RMSNorm / LayerNorm.")
   init_std: float = _f(0.02, "Standard deviation of the normal weight initialiser.")
   dtype: str = _f("float32", "Compute dtype of activations and matmuls.", ("float32", "bfloat16"))
@@ -70,6 +75,15 @@ class ModelConfig:
   @property
   def resolved_head_dim(self) -> int:
     return self.head_dim or self.d_model // self.num_heads
+
+  @property
+  def qkv_biases(self) -> bool:
+    """The Q/K/V projections have biases (neox, or llama with ``qkv_bias``)."""
+    return self.flavor == "neox" or self.qkv_bias
+
+  @property
+  def parallel_residual(self) -> bool:
+    return self.residual == "parallel" or (self.residual == "auto" and self.flavor == "neox")
 
 
 @dataclasses.dataclass

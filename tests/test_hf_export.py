@@ -32,7 +32,9 @@ def _random_params(cfg, seed=0):
   ("model.tie_embeddings=true",),
   ("model.flavor=neox", "model.rotary_pct=0.25"),
   ("model.flavor=neox", "model.tie_embeddings=true"),
-], ids=["llama_gqa_head_dim", "llama_tied", "neox", "neox_tied"])
+  ("model.flavor=neox", "model.residual=sequential"),
+  ("model.qkv_bias=true", "schedule.kind=gqa", "schedule.kv_heads=2"),
+], ids=["llama_gqa_head_dim", "llama_tied", "neox", "neox_tied", "neox_sequential", "qwen2"])
 def test_transformers_loads_the_export_with_the_same_logits(tmp_path, corpus, overrides):
   cfg = tiny_config(*overrides)
   setup, params = _random_params(cfg)
@@ -47,7 +49,7 @@ def test_transformers_loads_the_export_with_the_same_logits(tmp_path, corpus, ov
   assert np.abs(got).max() > 0.1
 
 
-@pytest.mark.parametrize("case", ["llama_gqa", "llama_mqa_tied", "neox_partial_rotary"])
+@pytest.mark.parametrize("case", ["llama_gqa", "llama_mqa_tied", "neox_partial_rotary", "qwen2_gqa_tied"])
 def test_import_export_reproduces_the_checkpoint_bit_for_bit(tmp_path, case):
   from safetensors.numpy import load_file
 
@@ -67,6 +69,7 @@ def test_import_export_reproduces_the_checkpoint_bit_for_bit(tmp_path, case):
   (("schedule.kind=uniattn",), "reuse attention scores"),
   (("schedule.kind=gqa", "schedule.kv_heads_per_layer=[4,2,2,1]"), "different K/V head counts"),
   (("model.flavor=neox", "schedule.kind=gqa", "schedule.kv_heads=2"), "GPT-NeoX has neither GQA"),
+  (("model.residual=parallel",), "Llama has no parallel residual"),
 ])
 def test_other_schedules_round_trip_exactly_in_the_native_layout(tmp_path, corpus, overrides, why):
   from jaxshare.convert.run_dir import write_run

@@ -27,6 +27,10 @@ CASES = {
   "neox_partial_rotary": (transformers.GPTNeoXConfig, transformers.GPTNeoXForCausalLM, _NEOX),
   "neox_tied_full_rotary": (transformers.GPTNeoXConfig, transformers.GPTNeoXForCausalLM,
                             dict(_NEOX, rotary_pct=1.0, tie_word_embeddings=True)),
+  "neox_sequential": (transformers.GPTNeoXConfig, transformers.GPTNeoXForCausalLM,
+                      dict(_NEOX, use_parallel_residual=False)),
+  "qwen2_gqa_tied": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM,
+                     dict(_LLAMA, num_key_value_heads=2, tie_word_embeddings=True)),
 }
 
 

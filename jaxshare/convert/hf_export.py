@@ -27,7 +27,8 @@ from jaxshare.schedule import Schedule
 
 def hf_incompatibility(cfg: Config, schedule: Schedule) -> str | None:
   """Why no HF class can hold this model (None when one can): any layer reusing K/V or scores, UniAttn's W_c,
-  tied heads, per-layer K/V head counts, or a neox model with GQA or a head width other than D/H."""
+  tied heads, per-layer K/V head counts, a llama model with the parallel residual, or a neox model with GQA or a
+  head width other than D/H."""
   plans = schedule.layers
   if schedule.tied_heads:
     return "head-wise sharing ties heads across layers"
@@ -39,6 +40,8 @@ def hf_incompatibility(cfg: Config, schedule: Schedule) -> str | None:
   if len(heads) > 1:
     return f"layers have different K/V head counts {sorted(heads)}"
   m = cfg.model
+  if m.flavor == "llama" and m.parallel_residual:
+    return "Llama has no parallel residual"
   if m.flavor == "neox" and (heads != {m.num_heads} or m.resolved_head_dim * m.num_heads != m.d_model):
     return "GPT-NeoX has neither GQA nor a head width other than hidden_size / num_heads"
   return None

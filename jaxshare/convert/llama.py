@@ -1,7 +1,7 @@
-"""Llama (``LlamaForCausalLM``) and Mistral without a sliding window: the HF <-> jaxshare table.
+"""Llama (``LlamaForCausalLM``), Mistral without a sliding window and Qwen2: the HF <-> jaxshare table.
 
 RMSNorm, rotate-half RoPE over the whole head, SwiGLU, GQA, optional tied embeddings, ``head_dim`` that may differ
-from ``hidden_size / num_attention_heads``; no biases.
+from ``hidden_size / num_attention_heads``; no biases, except Qwen2's on Q/K/V (``model.qkv_bias``).
 """
 
 from __future__ import annotations
@@ -19,11 +19,12 @@ def config_overrides(config: dict) -> list[str]:
   G = C.field(config, "num_key_value_heads", H)
   d = C.field(config, "head_dim", D // H)
   C.require(config, "hidden_act", C.field(config, "hidden_act", "silu"), ("silu",), "the llama flavour's MLP is SwiGLU")
+  qwen2 = config.get("model_type") == "qwen2"  # Qwen2 always has Q/K/V biases and no flag for them
   C.require(config, "attention_bias", bool(C.field(config, "attention_bias", False)), (False,),
-            "the llama flavour has no attention biases")
+            "Llama's attention_bias also biases the output projection, which the llama flavour does not model")
   C.require(config, "mlp_bias", bool(C.field(config, "mlp_bias", False)), (False,), "the llama flavour has no MLP biases")
-  C.require(config, "sliding_window", C.field(config, "sliding_window"), (None,),
-            "sliding-window attention is not modelled yet")
+  window = C.field(config, "sliding_window") if not qwen2 or C.field(config, "use_sliding_window", False) else None
+  C.require(config, "sliding_window", window, (None,), "sliding-window attention is not modelled yet")
   theta, rope_type, _, _ = C.rope(config)
   C.require(config, "rope_type", rope_type, ("default",), "RoPE scaling is not modelled yet")
   kv = [] if G == H else ["schedule.kind=gqa", f"schedule.kv_heads={G}"]
@@ -32,12 +33,20 @@ def config_overrides(config: dict) -> list[str]:
           f"model.num_heads={H}", f"model.head_dim={d}",
           f"model.mlp_dim={C.field(config, 'intermediate_size', required=True)}", f"model.rope_theta={theta}",
           "model.rotary_pct=1.0", f"model.tie_embeddings={str(bool(C.field(config, 'tie_word_embeddings', False))).lower()}",
-          f"model.norm_eps={C.field(config, 'rms_norm_eps', 1e-6)}", *kv]
+          f"model.norm_eps={C.field(config, 'rms_norm_eps', 1e-6)}", f"model.qkv_bias={str(qwen2).lower()}", *kv]
 
 
 def hf_config(cfg) -> dict:
   """The ``LlamaForCausalLM`` config.json of a llama-flavour dense/GQA jaxshare config (both the transformers v5
   ``rope_parameters`` and the older ``rope_theta`` key, so that either reads it)."""
+  m = cfg.model
+  if m.qkv_bias:  # Qwen2 is the HF class with Q/K/V biases only
+    return {**_llama_config(cfg), "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2",
+            "use_sliding_window": False, "sliding_window": None}
+  return _llama_config(cfg)
+
+
+def _llama_config(cfg) -> dict:
   m = cfg.model
   return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": m.vocab_size,
           "hidden_size": m.d_model, "intermediate_size": m.mlp_dim, "num_hidden_layers": m.num_layers,
@@ -56,9 +65,16 @@ def global_rules(cfg) -> list[Rule]:
   return rules
 
 
+def _bias(m: str, heads) -> Rule:
+  """Qwen2's ``[heads·d]`` projection bias <-> jaxshare's ``[heads, d]``."""
+  return Rule((_L + f"self_attn.{m}_proj.bias",), (f"attn/{m}_proj/bias",), lambda n: [(heads(n) * n.d,)],
+              lambda a, n: [a[0].reshape(heads(n), n.d)], lambda a, n: [a[0].reshape(-1)])
+
+
 def layer_rules(cfg) -> list[Rule]:
-  del cfg
-  return [
+  biases = [_bias("q", lambda n: n.H), _bias("k", lambda n: n.G), _bias("v", lambda n: n.G)] \
+    if cfg.model.qkv_bias else []
+  return biases + [
     same(_L + "input_layernorm.weight", "norm1/scale", lambda n: (n.D,)),
     same(_L + "post_attention_layernorm.weight", "norm2/scale", lambda n: (n.D,)),
     linear(_L + "self_attn.q_proj.weight", "attn/q_proj/kernel", lambda n: (n.H, n.d), lambda n: n.D),
@@ -71,5 +87,6 @@ def layer_rules(cfg) -> list[Rule]:
   ]
 
 
-LLAMA = Architecture(("LlamaForCausalLM", "MistralForCausalLM", "llama", "mistral"), config_overrides, hf_config,
+LLAMA = Architecture(("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "llama", "mistral", "qwen2"),
+                     config_overrides, hf_config,
                      global_rules, layer_rules, ignored=("rotary_emb.inv_freq",))

@@ -1,7 +1,7 @@
 """GPT-NeoX / Pythia (``GPTNeoXForCausalLM``): the HF <-> jaxshare table.
 
 LayerNorm with biases, partial rotate-half RoPE (Pythia: 25% of each head), exact-erf GELU MLP with biases, biased
-Q/K/V/output projections, parallel residual. HF fuses Q, K and V into one ``query_key_value`` projection whose
+Q/K/V/output projections, parallel or sequential residual (``use_parallel_residual``). HF fuses Q, K and V into one ``query_key_value`` projection whose
 output is laid out per head, ``[H, (q, k, v), d]``; the table splits and re-fuses it in that order.
 """
 
@@ -16,13 +16,11 @@ _L = "gpt_neox.layers.{i}."
 
 
 def config_overrides(config: dict) -> list[str]:
-  """HF config -> jaxshare overrides. Raises UnsupportedModelError (activation, residual, biases, RoPE scaling)."""
+  """HF config -> jaxshare overrides. Raises UnsupportedModelError (activation, biases, RoPE scaling)."""
   D = C.field(config, "hidden_size", required=True)
   H = C.field(config, "num_attention_heads", required=True)
   C.require(config, "hidden_act", C.field(config, "hidden_act", "gelu"), ("gelu",),
             "the neox flavour's MLP uses the exact (erf) GELU")
-  C.require(config, "use_parallel_residual", bool(C.field(config, "use_parallel_residual", True)), (True,),
-            "the neox flavour has the parallel residual (sequential is not modelled yet)")
   C.require(config, "attention_bias", bool(C.field(config, "attention_bias", True)), (True,),
             "the neox flavour's attention projections have biases")
   theta, rope_type, partial, _ = C.rope(config, theta_keys=("rope_theta", "rotary_emb_base"),
@@ -34,7 +32,8 @@ def config_overrides(config: dict) -> list[str]:
           f"model.mlp_dim={C.field(config, 'intermediate_size', 4 * D)}", f"model.rope_theta={theta}",
           f"model.rotary_pct={partial}",
           f"model.tie_embeddings={str(bool(C.field(config, 'tie_word_embeddings', False))).lower()}",
-          f"model.norm_eps={C.field(config, 'layer_norm_eps', 1e-5)}"]
+          f"model.norm_eps={C.field(config, 'layer_norm_eps', 1e-5)}",
+          f"model.residual={'parallel' if C.field(config, 'use_parallel_residual', True) else 'sequential'}"]
 
 
 def hf_config(cfg) -> dict:
@@ -47,7 +46,7 @@ def hf_config(cfg) -> dict:
           "rotary_pct": m.rotary_pct, "rotary_emb_base": m.rope_theta,
           "rope_parameters": {"rope_type": "default", "rope_theta": m.rope_theta,
                               "partial_rotary_factor": m.rotary_pct},
-          "use_parallel_residual": True, "attention_bias": True, "tie_word_embeddings": m.tie_embeddings,
+          "use_parallel_residual": m.parallel_residual, "attention_bias": True, "tie_word_embeddings": m.tie_embeddings,
           "max_position_embeddings": max(cfg.data.seq_len, 2048), "torch_dtype": m.param_dtype}
 
 

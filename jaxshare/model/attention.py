@@ -67,7 +67,7 @@ class Attention(nnx.Module):
   def __init__(self, cfg: ModelConfig, role: LayerRole, *, attention_impl: str, score_sharing: str, rngs: nnx.Rngs):
     D, H, d, g = cfg.d_model, cfg.num_heads, cfg.resolved_head_dim, role.num_kv_heads
     dtype, pdtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
-    bias = cfg.flavor == "neox"
+    qkv_bias, out_bias = cfg.qkv_biases, cfg.flavor == "neox"
     std, out_std = cfg.init_std, cfg.init_std / math.sqrt(2 * cfg.num_layers)
     self.role, self.head_dim, self.dtype = role, d, dtype
     self.theta, self.rotary_dim = cfg.rope_theta, int(d * cfg.rotary_pct)
@@ -76,7 +76,7 @@ class Attention(nnx.Module):
 
     def proj(heads: int, axes: str, width: int, trainable: bool = True) -> DenseGeneral:
       return DenseGeneral("btd,dhk->bthk", (D, heads, width), ("embed", axes, "head_dim"), std=std,
-                          bias_shape=(heads, width) if bias and width == d else None, bias_axes=(axes, "head_dim"),
+                          bias_shape=(heads, width) if qkv_bias and width == d else None, bias_axes=(axes, "head_dim"),
                           dtype=dtype, param_dtype=pdtype, trainable=trainable, rngs=rngs)
 
     own = not role.tied_qkv  # head-wise sharing: W_q, W_k, W_v come from the model's head table
@@ -86,7 +86,7 @@ class Attention(nnx.Module):
     self.k_proj = proj(g, "kv_heads", d, trained_qk) if own and role.is_producer and full_qk else None
     self.v_proj = proj(g, "kv_heads", d) if own and role.is_producer else None
     self.o_proj = DenseGeneral("bthk,hkd->btd", (H, d, D), ("heads", "head_dim", "embed"), std=out_std,
-                               bias_shape=(D,) if bias else None, bias_axes=("embed",), dtype=dtype,
+                               bias_shape=(D,) if out_bias else None, bias_axes=("embed",), dtype=dtype,
                                param_dtype=pdtype, rngs=rngs)
     self.q_lr = proj(H, "heads", role.lisa_rank) if role.has_low_rank else None
     self.k_lr = proj(g, "kv_heads", role.lisa_rank) if role.has_low_rank else None

@@ -23,8 +23,8 @@ _RESIDUAL = ("activation_batch", "activation_length", "activation_embed")
 class DecoderLayer(nnx.Module):
   """Pre-norm transformer layer.
 
-  llama: ``h = x + attn(norm1 x); y = h + mlp(norm2 h)``.
-  neox (parallel residual, GPT-NeoX/Pythia): ``y = x + attn(norm1 x) + mlp(norm2 x)``.
+  Sequential residual (llama's default): ``h = x + attn(norm1 x); y = h + mlp(norm2 h)``.
+  Parallel residual (neox's default, GPT-NeoX/Pythia): ``y = x + attn(norm1 x) + mlp(norm2 x)``.
   With UniAttn's compensation the attention output gains ``x W_c`` (Eq. 5; ``W_c [D, D]``, no bias, zero-initialised
   so that training starts from plain probability reuse), its input being the residual ``x`` or ``norm1 x``.
   """
@@ -32,7 +32,7 @@ class DecoderLayer(nnx.Module):
   def __init__(self, cfg: ModelConfig, role: LayerRole, *, mlp_dim: int, attention_impl: str, score_sharing: str,
                rngs: nnx.Rngs):
     pdtype = jnp.dtype(cfg.param_dtype)
-    self.parallel_residual, self.wc_normed = cfg.flavor == "neox", role.wc_normed
+    self.parallel_residual, self.wc_normed = cfg.parallel_residual, role.wc_normed
     self.norm1 = make_norm(cfg.flavor, cfg.d_model, cfg.norm_eps, pdtype)
     self.attn = Attention(cfg, role, attention_impl=attention_impl, score_sharing=score_sharing, rngs=rngs)
     self.compensation = DenseGeneral(
