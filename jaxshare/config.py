@@ -57,6 +57,13 @@ class ModelConfig:
   mlp_dim: int = _f(512, "MLP hidden width F (before any schedule.match_params widening).")
   rope_theta: float = _f(10000.0, "RoPE base frequency.")
   rotary_pct: float = _f(1.0, "Fraction of each head's dims that RoPE rotates (Pythia: 0.25).")
+  rope_scaling: str = _f("none", "RoPE frequency scaling, as transformers' rope_type: none; linear (every frequency "
+                         "divided by rope_scaling_factor); llama3 (Llama 3.1: low frequencies divided by the factor, "
+                         "high ones kept, a blend between).", ("none", "linear", "llama3"))
+  rope_scaling_factor: float = _f(1.0, "linear/llama3: the scaling factor.")
+  rope_low_freq_factor: float = _f(1.0, "llama3: wavelengths above original_max_positions / this are scaled.")
+  rope_high_freq_factor: float = _f(4.0, "llama3: wavelengths below original_max_positions / this are kept.")
+  rope_original_max_positions: int = _f(8192, "llama3: the context length the model was pretrained with.")
   tie_embeddings: bool = _f(False, "Share the input embedding with the output projection.")
   qkv_bias: bool = _f(False, "llama flavour: biases on the Q/K/V projections, none on the output projection or MLP "
                       "(Qwen2). The neox flavour always has Q/K/V, output and MLP biases.")
@@ -75,6 +82,14 @@ class ModelConfig:
   @property
   def resolved_head_dim(self) -> int:
     return self.head_dim or self.d_model // self.num_heads
+
+  @property
+  def rope(self):
+    """The :class:`~jaxshare.model.rope.RopeScaling` of these fields."""
+    from jaxshare.model.rope import RopeScaling
+
+    return RopeScaling(self.rope_scaling, self.rope_scaling_factor, self.rope_low_freq_factor,
+                       self.rope_high_freq_factor, self.rope_original_max_positions)
 
   @property
   def qkv_biases(self) -> bool:
@@ -425,6 +440,12 @@ def validate(cfg: Config) -> None:
   _require(rot % 2 == 0 and rot > 0, "model.rotary_pct", m.rotary_pct,
            f"must rotate an even, positive number of the {m.resolved_head_dim} head dims (got {rot})")
   _require(m.rope_theta > 0, "model.rope_theta", m.rope_theta, "must be > 0")
+  _require(m.rope_scaling_factor > 0, "model.rope_scaling_factor", m.rope_scaling_factor, "must be > 0")
+  _require(m.rope_scaling != "llama3" or m.rope_high_freq_factor > m.rope_low_freq_factor > 0,
+           "model.rope_high_freq_factor", m.rope_high_freq_factor,
+           f"llama3 scaling needs rope_high_freq_factor > rope_low_freq_factor={m.rope_low_freq_factor} > 0")
+  _require(m.rope_original_max_positions > 0, "model.rope_original_max_positions", m.rope_original_max_positions,
+           "must be > 0")
   _require(m.init_std > 0, "model.init_std", m.init_std, "must be > 0")
   _require(d.seq_len > 0, "data.seq_len", d.seq_len, "must be a positive integer")
   _require(0.0 < d.val_fraction < 1.0, "data.val_fraction", d.val_fraction, "must be in (0, 1)")

@@ -34,7 +34,11 @@ def _random_params(cfg, seed=0):
   ("model.flavor=neox", "model.tie_embeddings=true"),
   ("model.flavor=neox", "model.residual=sequential"),
   ("model.qkv_bias=true", "schedule.kind=gqa", "schedule.kv_heads=2"),
-], ids=["llama_gqa_head_dim", "llama_tied", "neox", "neox_tied", "neox_sequential", "qwen2"])
+  ("model.rope_theta=500", "model.rope_scaling=llama3", "model.rope_scaling_factor=8",
+   "model.rope_original_max_positions=16"),
+  ("model.flavor=neox", "model.rope_scaling=linear", "model.rope_scaling_factor=4"),
+], ids=["llama_gqa_head_dim", "llama_tied", "neox", "neox_tied", "neox_sequential", "qwen2", "llama3_rope",
+        "neox_linear_rope"])
 def test_transformers_loads_the_export_with_the_same_logits(tmp_path, corpus, overrides):
   cfg = tiny_config(*overrides)
   setup, params = _random_params(cfg)

@@ -27,6 +27,12 @@ CASES = {
   "neox_partial_rotary": (transformers.GPTNeoXConfig, transformers.GPTNeoXForCausalLM, _NEOX),
   "neox_tied_full_rotary": (transformers.GPTNeoXConfig, transformers.GPTNeoXForCausalLM,
                             dict(_NEOX, rotary_pct=1.0, tie_word_embeddings=True)),
+  "llama_rope_linear": (transformers.LlamaConfig, transformers.LlamaForCausalLM,
+                        dict(_LLAMA, rope_parameters={"rope_type": "linear", "rope_theta": 500.0, "factor": 4.0})),
+  "llama_rope_llama3": (transformers.LlamaConfig, transformers.LlamaForCausalLM,
+                        dict(_LLAMA, num_key_value_heads=2, rope_parameters={
+                          "rope_type": "llama3", "rope_theta": 500.0, "factor": 8.0, "low_freq_factor": 1.0,
+                          "high_freq_factor": 4.0, "original_max_position_embeddings": 16})),
   "neox_sequential": (transformers.GPTNeoXConfig, transformers.GPTNeoXForCausalLM,
                       dict(_NEOX, use_parallel_residual=False)),
   "qwen2_gqa_tied": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM,

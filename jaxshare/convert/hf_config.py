@@ -38,3 +38,32 @@ def require(config: dict, name: str, value: Any, allowed: tuple, why: str) -> No
   if value not in allowed:
     raise UnsupportedModelError(f"config.json {name}={value!r} is not supported: {why}; supported: "
                                 f"{', '.join(map(repr, allowed))}")
+
+
+def rope_overrides(config: dict, rope_type: str, params: dict) -> list[str]:
+  """jaxshare ``model.rope_*`` overrides for HF's ``rope_type`` and its parameters.
+
+  Raises:
+    UnsupportedModelError: a rope_type other than default, linear and llama3 (dynamic, yarn, longrope, ... change
+      the attention too and are not modelled).
+  """
+  require(config, "rope_type", rope_type, ("default", "linear", "llama3"), "other RoPE scalings are not modelled")
+  if rope_type == "default":
+    return []
+  out = ["model.rope_scaling=" + rope_type, f"model.rope_scaling_factor={float(params['factor'])}"]
+  if rope_type == "llama3":
+    out += [f"model.rope_low_freq_factor={float(params['low_freq_factor'])}",
+            f"model.rope_high_freq_factor={float(params['high_freq_factor'])}",
+            f"model.rope_original_max_positions={int(params['original_max_position_embeddings'])}"]
+  return out
+
+
+def rope_parameters(model) -> dict:
+  """HF ``rope_parameters`` (v5) of a jaxshare model config: type, theta and the scaling's parameters."""
+  out = {"rope_type": "default" if model.rope_scaling == "none" else model.rope_scaling, "rope_theta": model.rope_theta}
+  if model.rope_scaling != "none":
+    out["factor"] = model.rope_scaling_factor
+  if model.rope_scaling == "llama3":
+    out.update(low_freq_factor=model.rope_low_freq_factor, high_freq_factor=model.rope_high_freq_factor,
+               original_max_position_embeddings=model.rope_original_max_positions)
+  return out

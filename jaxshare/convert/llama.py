@@ -25,15 +25,15 @@ def config_overrides(config: dict) -> list[str]:
   C.require(config, "mlp_bias", bool(C.field(config, "mlp_bias", False)), (False,), "the llama flavour has no MLP biases")
   window = C.field(config, "sliding_window") if not qwen2 or C.field(config, "use_sliding_window", False) else None
   C.require(config, "sliding_window", window, (None,), "sliding-window attention is not modelled yet")
-  theta, rope_type, _, _ = C.rope(config)
-  C.require(config, "rope_type", rope_type, ("default",), "RoPE scaling is not modelled yet")
+  theta, rope_type, _, rope_params = C.rope(config)
   kv = [] if G == H else ["schedule.kind=gqa", f"schedule.kv_heads={G}"]
   return ["model.flavor=llama", f"model.vocab_size={C.field(config, 'vocab_size', required=True)}",
           f"model.num_layers={C.field(config, 'num_hidden_layers', required=True)}", f"model.d_model={D}",
           f"model.num_heads={H}", f"model.head_dim={d}",
           f"model.mlp_dim={C.field(config, 'intermediate_size', required=True)}", f"model.rope_theta={theta}",
           "model.rotary_pct=1.0", f"model.tie_embeddings={str(bool(C.field(config, 'tie_word_embeddings', False))).lower()}",
-          f"model.norm_eps={C.field(config, 'rms_norm_eps', 1e-6)}", f"model.qkv_bias={str(qwen2).lower()}", *kv]
+          f"model.norm_eps={C.field(config, 'rms_norm_eps', 1e-6)}", f"model.qkv_bias={str(qwen2).lower()}", *kv,
+          *C.rope_overrides(config, rope_type, rope_params)]
 
 
 def hf_config(cfg) -> dict:
@@ -52,7 +52,7 @@ def _llama_config(cfg) -> dict:
           "hidden_size": m.d_model, "intermediate_size": m.mlp_dim, "num_hidden_layers": m.num_layers,
           "num_attention_heads": m.num_heads, "num_key_value_heads": cfg.schedule.kv_heads or m.num_heads,
           "head_dim": m.resolved_head_dim, "hidden_act": "silu", "rms_norm_eps": m.norm_eps,
-          "rope_theta": m.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": m.rope_theta},
+          "rope_theta": m.rope_theta, "rope_parameters": C.rope_parameters(m),
           "tie_word_embeddings": m.tie_embeddings, "attention_bias": False, "mlp_bias": False,
           "max_position_embeddings": max(cfg.data.seq_len, 2048), "torch_dtype": m.param_dtype}
 

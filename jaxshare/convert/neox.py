@@ -23,9 +23,8 @@ def config_overrides(config: dict) -> list[str]:
             "the neox flavour's MLP uses the exact (erf) GELU")
   C.require(config, "attention_bias", bool(C.field(config, "attention_bias", True)), (True,),
             "the neox flavour's attention projections have biases")
-  theta, rope_type, partial, _ = C.rope(config, theta_keys=("rope_theta", "rotary_emb_base"),
+  theta, rope_type, partial, rope_params = C.rope(config, theta_keys=("rope_theta", "rotary_emb_base"),
                                         partial_keys=("partial_rotary_factor", "rotary_pct"))
-  C.require(config, "rope_type", rope_type, ("default",), "RoPE scaling is not modelled yet")
   return ["model.flavor=neox", f"model.vocab_size={C.field(config, 'vocab_size', required=True)}",
           f"model.num_layers={C.field(config, 'num_hidden_layers', required=True)}", f"model.d_model={D}",
           f"model.num_heads={H}", f"model.head_dim={D // H}",
@@ -33,7 +32,8 @@ def config_overrides(config: dict) -> list[str]:
           f"model.rotary_pct={partial}",
           f"model.tie_embeddings={str(bool(C.field(config, 'tie_word_embeddings', False))).lower()}",
           f"model.norm_eps={C.field(config, 'layer_norm_eps', 1e-5)}",
-          f"model.residual={'parallel' if C.field(config, 'use_parallel_residual', True) else 'sequential'}"]
+          f"model.residual={'parallel' if C.field(config, 'use_parallel_residual', True) else 'sequential'}",
+          *C.rope_overrides(config, rope_type, rope_params)]
 
 
 def hf_config(cfg) -> dict:
@@ -44,8 +44,7 @@ def hf_config(cfg) -> dict:
           "hidden_size": m.d_model, "intermediate_size": m.mlp_dim, "num_hidden_layers": m.num_layers,
           "num_attention_heads": m.num_heads, "hidden_act": "gelu", "layer_norm_eps": m.norm_eps,
           "rotary_pct": m.rotary_pct, "rotary_emb_base": m.rope_theta,
-          "rope_parameters": {"rope_type": "default", "rope_theta": m.rope_theta,
-                              "partial_rotary_factor": m.rotary_pct},
+          "rope_parameters": {**C.rope_parameters(m), "partial_rotary_factor": m.rotary_pct},
           "use_parallel_residual": m.parallel_residual, "attention_bias": True, "tie_word_embeddings": m.tie_embeddings,
           "max_position_embeddings": max(cfg.data.seq_len, 2048), "torch_dtype": m.param_dtype}
 

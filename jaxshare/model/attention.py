@@ -70,7 +70,7 @@ class Attention(nnx.Module):
     qkv_bias, out_bias = cfg.qkv_biases, cfg.flavor == "neox"
     std, out_std = cfg.init_std, cfg.init_std / math.sqrt(2 * cfg.num_layers)
     self.role, self.head_dim, self.dtype = role, d, dtype
-    self.theta, self.rotary_dim = cfg.rope_theta, int(d * cfg.rotary_pct)
+    self.theta, self.rotary_dim, self.rope_scaling = cfg.rope_theta, int(d * cfg.rotary_pct), cfg.rope
     self.recompute = score_sharing == "recompute"
     self.attend = get_attention(attention_impl)
 
@@ -110,14 +110,15 @@ class Attention(nnx.Module):
     k = None
     if not self.role.score_reuse:
       k = parallel.constrain(apply_rope(self._project("k", x, head_kernels), positions, self.theta,
-                                        self.rotary_dim), _BTG)
+                                        self.rotary_dim, self.rope_scaling), _BTG)
     return k, parallel.constrain(self._project("v", x, head_kernels), _BTG)
 
   def _low_rank(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
     q, k = self.q_lr(x), self.k_lr(x)
     if self.role.lisa_rope:
       rot = self.role.lisa_rank - self.role.lisa_rank % 2
-      q, k = apply_rope(q, positions, self.theta, rot), apply_rope(k, positions, self.theta, rot)
+      q = apply_rope(q, positions, self.theta, rot, self.rope_scaling)
+      k = apply_rope(k, positions, self.theta, rot, self.rope_scaling)
     return q, k
 
   def _integrate(self, a_prev: jax.Array, a_delta: jax.Array) -> jax.Array:
@@ -186,8 +187,8 @@ class Attention(nnx.Module):
     if k is None:
       raise ValueError("this layer computes its own scores but its K/V producer has no K")
     role, scale = self.role, self.head_dim ** -0.5
-    q = parallel.constrain(apply_rope(self._project("q", x, head_kernels), positions, self.theta, self.rotary_dim),
-                           _BTH)
+    q = parallel.constrain(apply_rope(self._project("q", x, head_kernels), positions, self.theta, self.rotary_dim,
+                                      self.rope_scaling), _BTH)
     if role.feeds and not self.recompute:  # materialise once: for this layer's output and for its readers
       a = reference.scores(q, k, scale)
       probs, _ = reference.masked_softmax(a, reference.attention_mask(segment_ids, segment_ids, True))
