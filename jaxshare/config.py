@@ -65,6 +65,8 @@ class ModelConfig:
   rope_high_freq_factor: float = _f(4.0, "llama3: wavelengths below original_max_positions / this are kept.")
   rope_original_max_positions: int = _f(8192, "llama3: the context length the model was pretrained with.")
   tie_embeddings: bool = _f(False, "Share the input embedding with the output projection.")
+  sliding_window: int = _f(0, "Sliding-window attention (Mistral): each query attends to itself and the "
+                           "sliding_window - 1 keys before it, in every layer. 0: full causal attention.")
   qkv_bias: bool = _f(False, "llama flavour: biases on the Q/K/V projections, none on the output projection or MLP "
                       "(Qwen2). The neox flavour always has Q/K/V, output and MLP biases.")
   residual: str = _f("auto", "auto: the flavour's (parallel for neox, sequential for llama). parallel: "
@@ -440,6 +442,7 @@ def validate(cfg: Config) -> None:
   _require(rot % 2 == 0 and rot > 0, "model.rotary_pct", m.rotary_pct,
            f"must rotate an even, positive number of the {m.resolved_head_dim} head dims (got {rot})")
   _require(m.rope_theta > 0, "model.rope_theta", m.rope_theta, "must be > 0")
+  _require(m.sliding_window >= 0, "model.sliding_window", m.sliding_window, "must be >= 0 (0: no window)")
   _require(m.rope_scaling_factor > 0, "model.rope_scaling_factor", m.rope_scaling_factor, "must be > 0")
   _require(m.rope_scaling != "llama3" or m.rope_high_freq_factor > m.rope_low_freq_factor > 0,
            "model.rope_high_freq_factor", m.rope_high_freq_factor,

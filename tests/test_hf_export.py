@@ -37,8 +37,9 @@ def _random_params(cfg, seed=0):
   ("model.rope_theta=500", "model.rope_scaling=llama3", "model.rope_scaling_factor=8",
    "model.rope_original_max_positions=16"),
   ("model.flavor=neox", "model.rope_scaling=linear", "model.rope_scaling_factor=4"),
+  ("model.sliding_window=12", "schedule.kind=gqa", "schedule.kv_heads=2"),
 ], ids=["llama_gqa_head_dim", "llama_tied", "neox", "neox_tied", "neox_sequential", "qwen2", "llama3_rope",
-        "neox_linear_rope"])
+        "neox_linear_rope", "mistral_window"])
 def test_transformers_loads_the_export_with_the_same_logits(tmp_path, corpus, overrides):
   cfg = tiny_config(*overrides)
   setup, params = _random_params(cfg)
@@ -74,6 +75,7 @@ def test_import_export_reproduces_the_checkpoint_bit_for_bit(tmp_path, case):
   (("schedule.kind=gqa", "schedule.kv_heads_per_layer=[4,2,2,1]"), "different K/V head counts"),
   (("model.flavor=neox", "schedule.kind=gqa", "schedule.kv_heads=2"), "GPT-NeoX has neither GQA"),
   (("model.residual=parallel",), "Llama has no parallel residual"),
+  (("model.flavor=neox", "model.sliding_window=8"), "only Mistral has a sliding window"),
 ])
 def test_other_schedules_round_trip_exactly_in_the_native_layout(tmp_path, corpus, overrides, why):
   from jaxshare.convert.run_dir import write_run

@@ -33,6 +33,8 @@ CASES = {
                         dict(_LLAMA, num_key_value_heads=2, rope_parameters={
                           "rope_type": "llama3", "rope_theta": 500.0, "factor": 8.0, "low_freq_factor": 1.0,
                           "high_freq_factor": 4.0, "original_max_position_embeddings": 16})),
+  "mistral_window": (transformers.MistralConfig, transformers.MistralForCausalLM,
+                     dict(_LLAMA, num_key_value_heads=2, head_dim=8, sliding_window=12)),
   "neox_sequential": (transformers.GPTNeoXConfig, transformers.GPTNeoXForCausalLM,
                       dict(_NEOX, use_parallel_residual=False)),
   "qwen2_gqa_tied": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM,
@@ -85,15 +87,18 @@ def test_bf16_checkpoint_imports_exactly_widened(tmp_path, corpus):
   np.testing.assert_allclose(np.asarray(nnx.merge(setup.graphdef, params)(tokens)), want, atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("field,value,match", [
-  ("hidden_act", "gelu_new", "hidden_act='gelu_new' is not supported.*'silu'"),
-  ("rope_scaling", {"rope_type": "yarn", "factor": 2.0}, "rope_type='yarn' is not supported.*'default'"),
-  ("sliding_window", 16, "sliding_window=16 is not supported"),
-  ("architectures", ["FalconForCausalLM"], "architectures='FalconForCausalLM' is not supported; supported: "
-                                           "GPTNeoXForCausalLM, LlamaForCausalLM"),
+@pytest.mark.parametrize("case,field,value,match", [
+  ("llama_gqa", "hidden_act", "gelu_new", "hidden_act='gelu_new' is not supported.*'silu'"),
+  ("llama_gqa", "rope_scaling", {"rope_type": "yarn", "factor": 2.0},
+   "rope_type='yarn' is not supported.*'default', 'linear', 'llama3'"),
+  ("llama_gqa", "attention_bias", True, "attention_bias=True is not supported: .*output projection"),
+  ("qwen2_gqa_tied", "use_sliding_window", True, "use_sliding_window=True is not supported: .*per-layer"),
+  ("neox_partial_rotary", "hidden_act", "gelu_new", "hidden_act='gelu_new' is not supported.*exact"),
+  ("llama_gqa", "architectures", ["FalconForCausalLM"], "architectures='FalconForCausalLM' is not supported; "
+   "supported: GPTNeoXForCausalLM, LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM"),
 ])
-def test_unsupported_config_is_refused_by_name(tmp_path, field, value, match):
-  _save(tmp_path, "llama_gqa")
+def test_unsupported_config_is_refused_by_name(tmp_path, case, field, value, match):
+  _save(tmp_path, case)
   config = json.loads((tmp_path / "config.json").read_text())
   config[field] = value
   if field == "architectures":

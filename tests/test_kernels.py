@@ -27,29 +27,38 @@ def _inputs(shape, dtype, packed):
   return q, k, v, jnp.asarray(seg), jax.random.normal(k4, (b, t, h, d)), jax.random.normal(k5, (b, h, t))
 
 
-def _loss(fn, causal):
+def _loss(fn, causal, window=0):
   def loss(q, k, v, seg, w_out, w_lse):
-    out, lse = fn(q, k, v, seg, seg, causal=causal, return_lse=True)
+    out, lse = fn(q, k, v, seg, seg, causal=causal, window=window, return_lse=True)
     return jnp.sum(out.astype(jnp.float32) * w_out) + jnp.sum(lse * w_lse)
   return loss
 
 
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("dtype,tol", [(jnp.float32, 2e-5), (jnp.bfloat16, 2e-2)])
-@pytest.mark.parametrize("causal,packed", [(True, True), (True, False), (False, True)])
-def test_xla_matches_reference(shape, dtype, tol, causal, packed):
+@pytest.mark.parametrize("causal,packed,window", [(True, True, 0), (True, False, 0), (False, True, 0), (True, True, 5)])
+def test_xla_matches_reference(shape, dtype, tol, causal, packed, window):
   q, k, v, seg, w_out, w_lse = _inputs(shape, dtype, packed)
-  out_x, lse_x = xla.attention(q, k, v, seg, seg, causal=causal, return_lse=True)
-  out_r, lse_r = reference.attention(q, k, v, seg, seg, causal=causal, return_lse=True)
+  out_x, lse_x = xla.attention(q, k, v, seg, seg, causal=causal, window=window, return_lse=True)
+  out_r, lse_r = reference.attention(q, k, v, seg, seg, causal=causal, window=window, return_lse=True)
   np.testing.assert_array_equal(np.asarray(out_x, np.float32), np.asarray(out_r, np.float32))
   np.testing.assert_array_equal(np.asarray(lse_x), np.asarray(lse_r))
   args = (q, k, v, seg, w_out, w_lse)
-  grads_x = jax.grad(_loss(xla.attention, causal), argnums=(0, 1, 2))(*args)
-  grads_r = jax.grad(_loss(reference.attention, causal), argnums=(0, 1, 2))(*args)
+  grads_x = jax.grad(_loss(xla.attention, causal, window), argnums=(0, 1, 2))(*args)
+  grads_r = jax.grad(_loss(reference.attention, causal, window), argnums=(0, 1, 2))(*args)
   for name, gx, gr in zip("qkv", grads_x, grads_r):
     assert gx.dtype == gr.dtype == dtype, name
     gx, gr = np.asarray(gx, np.float32), np.asarray(gr, np.float32)
     np.testing.assert_allclose(gx, gr, atol=tol * np.abs(gr).max(), err_msg=f"d{name}")
+
+
+def test_sliding_window_mask_is_the_band_within_each_document():
+  seg = jnp.asarray([[1, 1, 1, 1, 1, 2, 2, 2]], jnp.int32)
+  got = np.asarray(reference.attention_mask(seg, seg, True, 3))[0]
+  t, s = np.indices((8, 8))
+  want = (t - s >= 0) & (t - s < 3) & (np.asarray(seg)[0][:, None] == np.asarray(seg)[0][None, :])
+  np.testing.assert_array_equal(got, want)
+  assert got.sum(1).tolist() == [1, 2, 3, 3, 3, 1, 2, 3]
 
 
 def test_backward_keeps_no_score_sized_residual(capsys):

@@ -1,4 +1,4 @@
-"""Llama (``LlamaForCausalLM``), Mistral without a sliding window and Qwen2: the HF <-> jaxshare table.
+"""Llama (``LlamaForCausalLM``), Mistral (sliding window) and Qwen2: the HF <-> jaxshare table.
 
 RMSNorm, rotate-half RoPE over the whole head, SwiGLU, GQA, optional tied embeddings, ``head_dim`` that may differ
 from ``hidden_size / num_attention_heads``; no biases, except Qwen2's on Q/K/V (``model.qkv_bias``).
@@ -23,8 +23,10 @@ def config_overrides(config: dict) -> list[str]:
   C.require(config, "attention_bias", bool(C.field(config, "attention_bias", False)), (False,),
             "Llama's attention_bias also biases the output projection, which the llama flavour does not model")
   C.require(config, "mlp_bias", bool(C.field(config, "mlp_bias", False)), (False,), "the llama flavour has no MLP biases")
-  window = C.field(config, "sliding_window") if not qwen2 or C.field(config, "use_sliding_window", False) else None
-  C.require(config, "sliding_window", window, (None,), "sliding-window attention is not modelled yet")
+  if qwen2:  # Qwen2 windows only the layers from max_window_layers on: per-layer windows are not modelled
+    C.require(config, "use_sliding_window", bool(C.field(config, "use_sliding_window", False)), (False,),
+              "Qwen2's per-layer sliding windows are not modelled")
+  window = 0 if qwen2 else int(C.field(config, "sliding_window", 0))
   theta, rope_type, _, rope_params = C.rope(config)
   kv = [] if G == H else ["schedule.kind=gqa", f"schedule.kv_heads={G}"]
   return ["model.flavor=llama", f"model.vocab_size={C.field(config, 'vocab_size', required=True)}",
@@ -32,7 +34,8 @@ def config_overrides(config: dict) -> list[str]:
           f"model.num_heads={H}", f"model.head_dim={d}",
           f"model.mlp_dim={C.field(config, 'intermediate_size', required=True)}", f"model.rope_theta={theta}",
           "model.rotary_pct=1.0", f"model.tie_embeddings={str(bool(C.field(config, 'tie_word_embeddings', False))).lower()}",
-          f"model.norm_eps={C.field(config, 'rms_norm_eps', 1e-6)}", f"model.qkv_bias={str(qwen2).lower()}", *kv,
+          f"model.norm_eps={C.field(config, 'rms_norm_eps', 1e-6)}", f"model.qkv_bias={str(qwen2).lower()}",
+          f"model.sliding_window={window}", *kv,
           *C.rope_overrides(config, rope_type, rope_params)]
 
 
@@ -43,6 +46,9 @@ def hf_config(cfg) -> dict:
   if m.qkv_bias:  # Qwen2 is the HF class with Q/K/V biases only
     return {**_llama_config(cfg), "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2",
             "use_sliding_window": False, "sliding_window": None}
+  if m.sliding_window:
+    return {**_llama_config(cfg), "architectures": ["MistralForCausalLM"], "model_type": "mistral",
+            "sliding_window": m.sliding_window}
   return _llama_config(cfg)
 
 

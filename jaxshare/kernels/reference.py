@@ -1,4 +1,4 @@
-"""XLA reference attention: grouped einsum (no K/V repeat), causal, packed-sequence segment ids.
+"""XLA reference attention: grouped einsum (no K/V repeat), causal, sliding window, packed-sequence segment ids.
 
 The source of truth every kernel is tested against. Score tensors use the layout ``[B, H, T, S]`` with query head
 ``h = g * (H/G) + j`` reading K/V head ``g`` (contiguous groups, as in GQA).
@@ -12,12 +12,17 @@ import jax.numpy as jnp
 _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
-def attention_mask(q_segment_ids: jax.Array, kv_segment_ids: jax.Array, causal: bool = True) -> jax.Array:
-  """Boolean ``[B, T, S]`` mask: query t may attend key s (same segment, and s <= t when causal)."""
+def attention_mask(q_segment_ids: jax.Array, kv_segment_ids: jax.Array, causal: bool = True,
+                   window: int = 0) -> jax.Array:
+  """Boolean ``[B, T, S]`` mask: query t may attend key s (same segment; s <= t when causal; t - s < window when
+  ``window`` > 0, Mistral's sliding window: each query sees itself and the ``window - 1`` keys before it)."""
   mask = q_segment_ids[:, :, None] == kv_segment_ids[:, None, :]
+  t, s = q_segment_ids.shape[1], kv_segment_ids.shape[1]
+  offset = jnp.arange(t)[:, None] - jnp.arange(s)[None, :]
   if causal:
-    t, s = q_segment_ids.shape[1], kv_segment_ids.shape[1]
-    mask = mask & (jnp.arange(t)[:, None] >= jnp.arange(s)[None, :])[None]
+    mask = mask & (offset >= 0)[None]
+  if window:
+    mask = mask & (offset < window)[None]
   return mask
 
 
@@ -70,7 +75,7 @@ def apply_probs(probs: jax.Array, v: jax.Array, dtype) -> jax.Array:
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_segment_ids: jax.Array, kv_segment_ids: jax.Array,
-              *, causal: bool = True, scale: float | None = None,
+              *, causal: bool = True, scale: float | None = None, window: int = 0,
               return_lse: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
   """Softmax attention with grouped query heads.
 
@@ -82,6 +87,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_segment_ids: jax.Array
       attend within their document.
     causal: mask future keys (key index > query index).
     scale: logit scale; default ``1/sqrt(e)``.
+    window: sliding window (0: none); see :func:`attention_mask`.
     return_lse: also return the log-sum-exp of the masked logits, ``[B, H, T]`` float32 (the softmax statistics
       that probability-reusing layers recompute from).
 
@@ -89,20 +95,21 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_segment_ids: jax.Array
     ``[B, T, H, d]`` in q's dtype (and the LSE). Logits and softmax are computed in float32.
   """
   scale = q.shape[-1] ** -0.5 if scale is None else scale
-  probs, lse = masked_softmax(scores(q, k, scale), attention_mask(q_segment_ids, kv_segment_ids, causal))
+  probs, lse = masked_softmax(scores(q, k, scale), attention_mask(q_segment_ids, kv_segment_ids, causal, window))
   out = apply_probs(probs, v, q.dtype)
   return (out, lse) if return_lse else out
 
 
 def attention_from_lse(q: jax.Array, k: jax.Array, lse: jax.Array, v: jax.Array, q_segment_ids: jax.Array,
-                       kv_segment_ids: jax.Array, *, scale: float, causal: bool = True) -> jax.Array:
+                       kv_segment_ids: jax.Array, *, scale: float, causal: bool = True,
+                       window: int = 0) -> jax.Array:
   """Apply another layer's softmax probabilities, recomputed as ``exp(scale q kᵀ - lse)``, to values ``v``.
 
   Same math as reusing the materialised probabilities (Shared Attention Alg. 1, UniAttn Eq. 3) without a softmax
   reduction; under ``jax.checkpoint`` (as the model uses it) nothing of size ``[B, H, T, S]`` is kept for the
   backward pass. Shapes as :func:`attention`, ``lse [B, H, T]``.
   """
-  probs = probs_from_lse(q, k, lse, attention_mask(q_segment_ids, kv_segment_ids, causal), scale)
+  probs = probs_from_lse(q, k, lse, attention_mask(q_segment_ids, kv_segment_ids, causal, window), scale)
   return apply_probs(probs, v, v.dtype)
 
 

@@ -21,24 +21,24 @@ import jax.numpy as jnp
 from jaxshare.kernels import reference
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def _attention(q, k, v, q_segment_ids, kv_segment_ids, causal, scale):
-  return _forward(q, k, v, q_segment_ids, kv_segment_ids, causal, scale)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _attention(q, k, v, q_segment_ids, kv_segment_ids, causal, scale, window):
+  return _forward(q, k, v, q_segment_ids, kv_segment_ids, causal, scale, window)[0]
 
 
-def _forward(q, k, v, q_segment_ids, kv_segment_ids, causal, scale):
-  mask = reference.attention_mask(q_segment_ids, kv_segment_ids, causal)
+def _forward(q, k, v, q_segment_ids, kv_segment_ids, causal, scale, window):
+  mask = reference.attention_mask(q_segment_ids, kv_segment_ids, causal, window)
   probs, lse = reference.masked_softmax(reference.scores(q, k, scale), mask)
   out = reference.apply_probs(probs, v, q.dtype)
   return (out, lse), (q, k, v, q_segment_ids, kv_segment_ids, out, lse)
 
 
-def _backward(causal, scale, res, cotangents):
+def _backward(causal, scale, window, res, cotangents):
   q, k, v, q_segment_ids, kv_segment_ids, out, lse = res
   d_out, d_lse = cotangents
   b, t, h, _ = q.shape
   s, g = k.shape[1], k.shape[2]
-  mask = reference.attention_mask(q_segment_ids, kv_segment_ids, causal)
+  mask = reference.attention_mask(q_segment_ids, kv_segment_ids, causal, window)
   probs = reference.probs_from_lse(q, k, lse, mask, scale)  # [B, H, T, S] f32, zero where masked
   rows = lambda x: x.reshape(b, g, h // g * t, s)  # noqa: E731  [B, H, T, S] -> [B, G, R·T, S], free
   do_h = reference.heads_major(d_out, g)  # [B, G, R·T, d]
@@ -61,10 +61,11 @@ _attention.defvjp(_forward, _backward)
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_segment_ids: jax.Array, kv_segment_ids: jax.Array,
-              *, causal: bool = True, scale: float | None = None,
+              *, causal: bool = True, scale: float | None = None, window: int = 0,
               return_lse: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
-  """Same contract as :func:`jaxshare.kernels.reference.attention` (shapes, GQA grouping, packed segments, LSE);
+  """Same contract as :func:`jaxshare.kernels.reference.attention` (shapes, GQA grouping, packed segments, sliding
+  window, LSE);
   only the backward pass differs (see the module docstring)."""
   scale = q.shape[-1] ** -0.5 if scale is None else scale
-  out, lse = _attention(q, k, v, q_segment_ids, kv_segment_ids, causal, scale)
+  out, lse = _attention(q, k, v, q_segment_ids, kv_segment_ids, causal, scale, window)
   return (out, lse) if return_lse else out

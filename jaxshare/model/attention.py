@@ -8,6 +8,7 @@ reads are :mod:`jaxshare.model.scores` states.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -72,7 +73,8 @@ class Attention(nnx.Module):
     self.role, self.head_dim, self.dtype = role, d, dtype
     self.theta, self.rotary_dim, self.rope_scaling = cfg.rope_theta, int(d * cfg.rotary_pct), cfg.rope
     self.recompute = score_sharing == "recompute"
-    self.attend = get_attention(attention_impl)
+    self.window = cfg.sliding_window
+    self.attend = functools.partial(get_attention(attention_impl), window=self.window)
 
     def proj(heads: int, axes: str, width: int, trainable: bool = True) -> DenseGeneral:
       return DenseGeneral("btd,dhk->bthk", (D, heads, width), ("embed", axes, "head_dim"), std=std,
@@ -160,7 +162,7 @@ class Attention(nnx.Module):
     if role.score_reuse == "probs":
       if isinstance(score_in, ScoreFeatures):  # exp(s q kᵀ - lse) applied to V, nothing [B,H,T,S] kept
         reuse = jax.checkpoint(lambda q, k_, lse, v_: reference.attention_from_lse(
-          q, k_, lse, v_, segment_ids, segment_ids, scale=score_in.scale))
+          q, k_, lse, v_, segment_ids, segment_ids, scale=score_in.scale, window=self.window))
         out = reuse(score_in.q, score_in.k, score_in.lse, v).astype(self.dtype)
       else:
         out = reference.apply_probs(score_in.probs, v, self.dtype)
@@ -178,7 +180,7 @@ class Attention(nnx.Module):
       if role.has_low_rank:
         q_lr, k_lr = self._low_rank(x, positions)
         a = self._integrate(a, reference.scores(q_lr, k_lr, role.lisa_rank ** -0.5))
-      probs, _ = reference.masked_softmax(a, reference.attention_mask(segment_ids, segment_ids, True))
+      probs, _ = reference.masked_softmax(a, reference.attention_mask(segment_ids, segment_ids, True, self.window))
       out = reference.apply_probs(probs, v, self.dtype)
       state = ScoreTensors(logits=a)
     return self.o_proj(out.astype(self.dtype)), (k, v), state, state
@@ -191,7 +193,7 @@ class Attention(nnx.Module):
                                       self.rope_scaling), _BTH)
     if role.feeds and not self.recompute:  # materialise once: for this layer's output and for its readers
       a = reference.scores(q, k, scale)
-      probs, _ = reference.masked_softmax(a, reference.attention_mask(segment_ids, segment_ids, True))
+      probs, _ = reference.masked_softmax(a, reference.attention_mask(segment_ids, segment_ids, True, self.window))
       out = reference.apply_probs(probs, v, self.dtype)
       state = ScoreTensors(logits=a) if role.feeds == "logits" else ScoreTensors(probs=probs)
       return self.o_proj(out), (k, v), state, ScoreTensors(logits=a)
