@@ -273,8 +273,14 @@ class TrainConfig:
                           "peak of a known TPU/GPU, or on CPU the host's matmul roofline measured at start.")
   progress_bar: bool = _f(True, "Show a tqdm progress bar (log lines are printed either way).")
   init_from: str = _f("", "Uptraining: initialise from this run directory or checkpoint (e.g. a dense model): "
-                      "every parameter with the same layer, name and shape is copied, new modules keep their "
-                      "initialisation. Empty: train from scratch.")
+                      "every parameter with the same layer, name and shape is copied, each K/V producer's "
+                      "projections are pooled from the source (train.init_kv_pool), new modules keep their "
+                      "initialisation; the log lists which rule built each. Empty: train from scratch.")
+  init_kv_pool: str = _f("auto", "Uptraining into K/V sharing: how a producer's K/V are built from the source layers "
+                         "that read them (heads always mean-pooled into the target's groups, GQA Sec. 2.1). mean: "
+                         "uniform mean over the layers (MLKV); running: pythia-mlkv's running pairwise mean; "
+                         "producer: the producer layer's own (CLA); auto: producer for cla, mean otherwise.",
+                         ("auto", "mean", "running", "producer"))
   trainable: str = _f("all", "Parameters the optimizer updates: all, or sharing (only the modules the sharing "
                       "methods add: LISA's low-rank Q/K and aligner, UniAttn's W_c); the rest are frozen with "
                       "optax masks.", ("all", "sharing"))

@@ -13,12 +13,13 @@ import numpy as np
 
 from jaxshare import accounting, parallel
 from jaxshare.config import Config, ConfigError, config_from_yaml_text, to_yaml
+from jaxshare.convert.uptrain import init_report
 from jaxshare.data import Datasets
 from jaxshare.train.checkpoint import Checkpointer
 from jaxshare.train.metrics import MetricsLogger, resolve_peak
 from jaxshare.train.recipes import Stage1Monitor, build_objective
-from jaxshare.train.state import (RunSetup, abstract_state, init_state, load_run, setup_run, shard_batch,
-                                  trainable_for)
+from jaxshare.train.state import (RunSetup, abstract_state, init_kv_pool, init_state, load_run, setup_run,
+                                  shard_batch, trainable_for)
 from jaxshare.train.step import Objective, make_eval_step, make_train_step
 
 # Fields a resumed run must share with the run that wrote its checkpoints (the rest, e.g. train.steps, may change).
@@ -159,6 +160,9 @@ def train(cfg: Config, *, mesh=None, stop_after: int | None = None) -> dict[str,
             + (f"resumed at step {start}" if latest is not None else
                f"initialised from {tcfg.init_from}" if source is not None else "fresh start")
             + (f" | recipe {tcfg.recipe}, stage {stage}" if two_stage else ""))
+  if source is not None and latest is None and setup.ties is None:
+    for line in init_report(source_params, source.schedule, state["params"], setup.schedule, init_kv_pool(cfg)):
+      log.print(f"init | {line}")
   log.print(f"MFU against {peak.label}; {flops_per_token / 1e6:.2f} MFLOP per trained token (model FLOPs)"
             if peak is not None else "MFU not shown: unknown accelerator peak (set train.peak_tflops)")
 

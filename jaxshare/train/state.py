@@ -18,6 +18,7 @@ from jaxshare.config import Config, ConfigError, MeshConfig, config_from_yaml_te
 from jaxshare.headwise import (POSTSHARE_PAIRS_FILE, HeadTies, dense_kernels, direct_share, load_pairs,
                                ties_from_pairs, tied_params_from_dense)
 from jaxshare.model import Transformer
+from jaxshare.convert.uptrain import convert_kv
 from jaxshare.model.params import copy_shared_weights
 from jaxshare.schedule import Schedule, compile_schedule
 from jaxshare.train.checkpoint import CheckpointError, Checkpointer
@@ -154,10 +155,18 @@ def initial_params(setup: RunSetup, seed: int) -> dict:
   return tied_params_from_dense(dense, params, setup.ties, dense_schedule)
 
 
+def init_kv_pool(cfg: Config) -> str:
+  """``train.init_kv_pool`` resolved (``auto``: the producer's own K/V for CLA, the group mean otherwise)."""
+  if cfg.train.init_kv_pool != "auto":
+    return cfg.train.init_kv_pool
+  return "producer" if "cla" in cfg.schedule.kind.split("+") else "mean"
+
+
 def _fresh_state(setup: RunSetup, seed: int, from_params: tuple[dict, Schedule] | None = None) -> TrainState:
   params = initial_params(setup, seed)
   if from_params is not None and setup.ties is None:
     params = copy_shared_weights(from_params[0], from_params[1], params, setup.schedule)
+    params = convert_kv(from_params[0], from_params[1], params, setup.schedule, kv_pool=init_kv_pool(setup.cfg))
   elif from_params is not None:  # DirectShare uptraining: the head table from the source's tied heads
     params = tied_params_from_dense(from_params[0], params, setup.ties, from_params[1])
   return {"params": params, "opt_state": setup.tx.init(params), "step": jnp.zeros((), jnp.int32)}

@@ -1,0 +1,104 @@
+"""Uptraining conversions: K/V heads and layers pooled exactly as GQA / MLKV / pythia-mlkv / CLA do it (checked
+against direct NumPy arithmetic), a trivial conversion keeps the logits, and the report names every tensor's rule."""
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxshare.convert.uptrain import combine_layers, init_report, pool_heads
+from jaxshare.model import params as P
+from jaxshare.train.state import init_kv_pool, init_state, setup_run
+
+from conftest import tiny_config
+
+
+def test_pool_heads_is_the_mean_of_consecutive_groups():
+  x = np.random.default_rng(0).normal(size=(5, 8, 3)).astype(np.float32)
+  got = np.asarray(pool_heads(x, 2))
+  np.testing.assert_allclose(got[:, 0], x[:, 0:4].mean(1), rtol=1e-6)
+  np.testing.assert_allclose(got[:, 1], x[:, 4:8].mean(1), rtol=1e-6)
+  with pytest.raises(ValueError, match="cannot mean-pool 8 K/V heads into 3 groups"):
+    pool_heads(x, 3)
+
+
+def test_running_pairwise_mean_weights_the_last_layer_half():
+  a, b, c = (np.full(2, v, np.float32) for v in (1.0, 2.0, 4.0))
+  np.testing.assert_allclose(np.asarray(combine_layers([a, b, c], "running")), a / 4 + b / 4 + c / 2)
+  np.testing.assert_allclose(np.asarray(combine_layers([a, b, c], "mean")), (a + b + c) / 3)
+  np.testing.assert_array_equal(np.asarray(combine_layers([a, b, c], "producer")), a)
+
+
+def _dense_source():
+  cfg = tiny_config()
+  setup = setup_run(cfg)
+  return setup, init_state(setup, seed=3)["params"]
+
+
+@pytest.mark.parametrize("overrides,groups", [
+  (("schedule.kind=mlkv", "schedule.kv_layers=2", "schedule.kv_heads=2"), {0: [0, 1], 2: [2, 3]}),
+  (("schedule.kind=mlkv", "schedule.kv_layers=2", "schedule.kv_heads=2", "train.init_kv_pool=running"),
+   {0: [0, 1], 2: [2, 3]}),
+  (("schedule.kind=mlkv", "schedule.kv_layers=1", "schedule.kv_heads=1"), {0: [0, 1, 2, 3]}),
+  (("schedule.kind=cla", "schedule.factor=2"), {0: [0, 1], 2: [2, 3]}),
+  (("schedule.kind=gqa", "schedule.kv_heads=2"), {0: [0], 1: [1], 2: [2], 3: [3]}),
+])
+def test_producers_kv_are_pooled_from_their_readers(overrides, groups):
+  src_setup, src = _dense_source()
+  cfg = tiny_config(*overrides)
+  setup = setup_run(cfg)
+  dst = init_state(setup, from_params=(src, src_setup.schedule))["params"]
+  pool = init_kv_pool(cfg)
+  for producer, readers in groups.items():
+    for m in ("k_proj", "v_proj"):
+      got = np.asarray(P.layer_params(dst, setup.schedule, producer)["attn"][m]["kernel"])
+      g = got.shape[1]
+      per_layer = []
+      for r in readers:  # [D, H, d] -> [D, G, H/G, d] mean: NumPy, independently of pool_heads
+        w = np.asarray(P.layer_params(src, src_setup.schedule, r)["attn"][m]["kernel"])
+        per_layer.append(w.reshape(w.shape[0], g, -1, w.shape[-1]).mean(2))
+      if pool == "producer":
+        want = per_layer[0]
+      elif pool == "running":
+        want = per_layer[0]
+        for w in per_layer[1:]:
+          want = (want + w) / 2
+      else:
+        want = np.mean(per_layer, axis=0)
+      np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7, err_msg=f"layer {producer} {m}")
+
+
+def test_trivial_conversion_keeps_the_logits(corpus):
+  src_setup, src = _dense_source()
+  dst = init_state(src_setup, from_params=(src, src_setup.schedule))["params"]
+  tokens = np.frombuffer(corpus.read_bytes()[:32], np.uint8).astype(np.int32)[None]
+  np.testing.assert_array_equal(np.asarray(nnx.merge(src_setup.graphdef, dst)(tokens)),
+                                np.asarray(nnx.merge(src_setup.graphdef, src)(tokens)))
+
+
+def test_report_names_every_rule_and_the_new_tensors():
+  src_setup, src = _dense_source()
+  cfg = tiny_config("schedule.kind=mlkv", "schedule.kv_layers=2", "schedule.kv_heads=2")
+  setup = setup_run(cfg)
+  dst = init_state(setup, from_params=(src, src_setup.schedule))["params"]
+  lines = init_report(src, src_setup.schedule, dst, setup.schedule, "running")
+  assert lines[1:] == ["layer 0 k_proj/v_proj: running pairwise mean over layers [0, 1], 4 -> 2 heads (mean of groups)",
+                       "layer 2 k_proj/v_proj: running pairwise mean over layers [2, 3], 4 -> 2 heads (mean of groups)"]
+  assert lines[0] == f"{_per_layer_leaves(dst, setup.schedule) - 4} tensors copied (same layer, name and shape)"
+
+  cfg = tiny_config("schedule.kind=gqa+uniattn", "schedule.kv_heads=2")
+  setup = setup_run(cfg)
+  dst = init_state(setup, from_params=(src, src_setup.schedule))["params"]
+  lines = init_report(src, src_setup.schedule, dst, setup.schedule, "mean")
+  assert "layer 3 k_proj/v_proj: from layer 3, 4 -> 2 heads (mean of groups)" in lines
+  assert lines[-1] == "NEW (fresh initialisation): layer 3 compensation/kernel"
+  kv_leaves = sum(len(jax.tree.leaves({m: v for m, v in P.layer_params(dst, setup.schedule, i)["attn"].items()
+                                       if m in ("k_proj", "v_proj")})) for i in range(4))
+  assert lines[0] == (f"{_per_layer_leaves(dst, setup.schedule) - kv_leaves - 1} tensors copied "
+                      "(same layer, name and shape)")
+
+
+def _per_layer_leaves(params, schedule):
+  """Leaves counted per layer (a stacked run's leaf is one tensor per layer), plus the global ones."""
+  per_layer = sum(len(jax.tree.leaves(P.layer_params(params, schedule, i))) for i in range(len(schedule.layers)))
+  return per_layer + len(jax.tree.leaves({k: v for k, v in params.items() if k != "segments"}))
