@@ -51,7 +51,8 @@ def test_wrong_shape_and_missing_tensor_are_named(tmp_path):
 def test_pickle_only_directory_is_refused_without_unpickling(tmp_path):
   (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
   (tmp_path / "pytorch_model.bin").write_bytes(b"not even a pickle: reading it would fail differently")
-  with pytest.raises(HFCheckpointError, match=r"only pickle weights \(pytorch_model.bin\).*safetensors.*save_pretrained"):
+  with pytest.raises(HFCheckpointError,
+                     match=r"only pickle weights \(pytorch_model.bin\).*safetensors.*save_pretrained"):
     HFCheckpoint(tmp_path)
 
 

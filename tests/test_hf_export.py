@@ -61,7 +61,8 @@ def test_import_export_reproduces_the_checkpoint_bit_for_bit(tmp_path, case):
   _save(tmp_path / "hf", case)
   cfg, setup, params = load_hf_model(tmp_path / "hf")
   export_params(cfg, setup.schedule, params, tmp_path / "out")
-  original, exported = load_file(tmp_path / "hf" / "model.safetensors"), load_file(tmp_path / "out" / "model.safetensors")
+  original = load_file(tmp_path / "hf" / "model.safetensors")
+  exported = load_file(tmp_path / "out" / "model.safetensors")
   assert sorted(exported) == sorted(original)
   for name in original:
     np.testing.assert_array_equal(exported[name], original[name], err_msg=name)

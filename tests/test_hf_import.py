@@ -140,7 +140,8 @@ def test_cli_import_writes_a_run_that_eval_and_uptraining_read(tmp_path, corpus)
   assert np.isfinite(evaluate_run(run, max_batches=2, sample_tokens=4)["val_loss"])
 
   # uptraining from it: the first step's loss (computed before the update) is PyTorch's loss on that batch
-  up = tiny_config("train.steps=1", "train.warmup_steps=0", "train.log_every=1", "train.eval_every=0", "train.batch_size=4",
+  up = tiny_config("train.steps=1", "train.warmup_steps=0", "train.log_every=1", "train.eval_every=0",
+                   "train.batch_size=4",
                    f"train.init_from={run}", f"train.run_dir={tmp_path / 'up'}",
                    *[f"model.{k}={v}" for k, v in (("flavor", "neox"), ("num_layers", 3), ("d_model", 32),
                                                    ("mlp_dim", 64), ("rotary_pct", 0.25))])

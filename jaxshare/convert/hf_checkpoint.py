@@ -25,8 +25,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 _TOKENIZER_CORE = ("tokenizer.json", "tokenizer.model", "vocab.json")  # without one of these there is no tokenizer
 _PICKLE_PATTERNS = ("pytorch_model*.bin", "*.pt", "*.pth", "*.ckpt")
 # safetensors dtype names -> numpy dtypes (bf16 through ml_dtypes, which JAX depends on)
-_DTYPES = {"F32": "float32", "F16": "float16", "BF16": ml_dtypes.bfloat16, "F64": "float64", "I64": "int64", "I32": "int32",
-           "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
+_DTYPES = {"F32": "float32", "F16": "float16", "BF16": ml_dtypes.bfloat16, "F64": "float64", "I64": "int64",
+           "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
 
 
 class HFCheckpointError(ValueError):

@@ -22,7 +22,8 @@ def config_overrides(config: dict) -> list[str]:
   qwen2 = config.get("model_type") == "qwen2"  # Qwen2 always has Q/K/V biases and no flag for them
   C.require(config, "attention_bias", bool(C.field(config, "attention_bias", False)), (False,),
             "Llama's attention_bias also biases the output projection, which the llama flavour does not model")
-  C.require(config, "mlp_bias", bool(C.field(config, "mlp_bias", False)), (False,), "the llama flavour has no MLP biases")
+  C.require(config, "mlp_bias", bool(C.field(config, "mlp_bias", False)), (False,),
+            "the llama flavour has no MLP biases")
   if qwen2:  # Qwen2 windows only the layers from max_window_layers on: per-layer windows are not modelled
     C.require(config, "use_sliding_window", bool(C.field(config, "use_sliding_window", False)), (False,),
               "Qwen2's per-layer sliding windows are not modelled")
@@ -33,7 +34,8 @@ def config_overrides(config: dict) -> list[str]:
           f"model.num_layers={C.field(config, 'num_hidden_layers', required=True)}", f"model.d_model={D}",
           f"model.num_heads={H}", f"model.head_dim={d}",
           f"model.mlp_dim={C.field(config, 'intermediate_size', required=True)}", f"model.rope_theta={theta}",
-          "model.rotary_pct=1.0", f"model.tie_embeddings={str(bool(C.field(config, 'tie_word_embeddings', False))).lower()}",
+          "model.rotary_pct=1.0",
+          f"model.tie_embeddings={str(bool(C.field(config, 'tie_word_embeddings', False))).lower()}",
           f"model.norm_eps={C.field(config, 'rms_norm_eps', 1e-6)}", f"model.qkv_bias={str(qwen2).lower()}",
           f"model.sliding_window={window}", *kv,
           *C.rope_overrides(config, rope_type, rope_params)]

@@ -1,8 +1,9 @@
 """GPT-NeoX / Pythia (``GPTNeoXForCausalLM``): the HF <-> jaxshare table.
 
 LayerNorm with biases, partial rotate-half RoPE (Pythia: 25% of each head), exact-erf GELU MLP with biases, biased
-Q/K/V/output projections, parallel or sequential residual (``use_parallel_residual``). HF fuses Q, K and V into one ``query_key_value`` projection whose
-output is laid out per head, ``[H, (q, k, v), d]``; the table splits and re-fuses it in that order.
+Q/K/V/output projections, parallel or sequential residual (``use_parallel_residual``). HF fuses Q, K and V into one
+``query_key_value`` projection whose output is laid out per head, ``[H, (q, k, v), d]``; the table splits and
+re-fuses it in that order.
 """
 
 from __future__ import annotations
