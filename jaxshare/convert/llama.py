@@ -69,7 +69,7 @@ def global_rules(cfg) -> list[Rule]:
   rules = [same("model.embed_tokens.weight", "embedding", lambda n: (n.V, n.D)),
            same("model.norm.weight", "final_norm/scale", lambda n: (n.D,))]
   if not cfg.model.tie_embeddings:
-    rules.append(linear("lm_head.weight", "lm_head/kernel", lambda n: (n.V,), lambda n: n.D))
+    rules.append(linear("lm_head.weight", "lm_head/kernel", lambda n: (n.D,), lambda n: (n.V,)))
   return rules
 
 
@@ -85,13 +85,13 @@ def layer_rules(cfg) -> list[Rule]:
   return biases + [
     same(_L + "input_layernorm.weight", "norm1/scale", lambda n: (n.D,)),
     same(_L + "post_attention_layernorm.weight", "norm2/scale", lambda n: (n.D,)),
-    linear(_L + "self_attn.q_proj.weight", "attn/q_proj/kernel", lambda n: (n.H, n.d), lambda n: n.D),
-    linear(_L + "self_attn.k_proj.weight", "attn/k_proj/kernel", lambda n: (n.G, n.d), lambda n: n.D),
-    linear(_L + "self_attn.v_proj.weight", "attn/v_proj/kernel", lambda n: (n.G, n.d), lambda n: n.D),
-    linear(_L + "self_attn.o_proj.weight", "attn/o_proj/kernel", lambda n: (n.D,), None, heads_in=lambda n: (n.H, n.d)),
-    linear(_L + "mlp.gate_proj.weight", "mlp/gate/kernel", lambda n: (n.F,), lambda n: n.D),
-    linear(_L + "mlp.up_proj.weight", "mlp/up/kernel", lambda n: (n.F,), lambda n: n.D),
-    linear(_L + "mlp.down_proj.weight", "mlp/down/kernel", lambda n: (n.D,), lambda n: n.F),
+    linear(_L + "self_attn.q_proj.weight", "attn/q_proj/kernel", lambda n: (n.D,), lambda n: (n.H, n.d)),
+    linear(_L + "self_attn.k_proj.weight", "attn/k_proj/kernel", lambda n: (n.D,), lambda n: (n.G, n.d)),
+    linear(_L + "self_attn.v_proj.weight", "attn/v_proj/kernel", lambda n: (n.D,), lambda n: (n.G, n.d)),
+    linear(_L + "self_attn.o_proj.weight", "attn/o_proj/kernel", lambda n: (n.H, n.d), lambda n: (n.D,)),
+    linear(_L + "mlp.gate_proj.weight", "mlp/gate/kernel", lambda n: (n.D,), lambda n: (n.F,)),
+    linear(_L + "mlp.up_proj.weight", "mlp/up/kernel", lambda n: (n.D,), lambda n: (n.F,)),
+    linear(_L + "mlp.down_proj.weight", "mlp/down/kernel", lambda n: (n.F,), lambda n: (n.D,)),
   ]
 
 

@@ -58,27 +58,17 @@ def same(hf: str, path: str, shape: Callable[[Dims], tuple[int, ...]]) -> Rule:
   return Rule((hf,), (path,), lambda n: [shape(n)], lambda a, n: list(a), lambda a, n: list(a))
 
 
-def linear(hf: str, path: str, out_shape: Callable[[Dims], tuple[int, ...]], in_dim: Callable[[Dims], int],
-           *, heads_in: Callable[[Dims], tuple[int, ...]] | None = None) -> Rule:
-  """An HF ``[out, in]`` weight <-> a jaxshare ``[in, *out_shape]`` kernel, or ``[*heads_in, out]`` when the input
-  side is split into heads (the attention output projection, HF ``[D, H·d]`` <-> ``[H, d, D]``)."""
-  if heads_in is None:
-    def to_jax(a, n):
-      return [a[0].T.reshape(in_dim(n), *out_shape(n))]
+def linear(hf: str, path: str, in_shape: Callable[[Dims], tuple[int, ...]],
+           out_shape: Callable[[Dims], tuple[int, ...]]) -> Rule:
+  """An HF ``[out, in]`` weight <-> a jaxshare ``[*in_shape, *out_shape]`` kernel: ``in_shape`` ``(D,)`` and
+  ``out_shape`` ``(H, d)`` for a Q projection, ``(H, d)`` and ``(D,)`` for the output projection."""
+  def to_jax(a, n):
+    return [a[0].T.reshape(*in_shape(n), *out_shape(n))]
 
-    def to_hf(a, n):
-      return [a[0].reshape(in_dim(n), -1).T]
+  def to_hf(a, n):
+    return [a[0].reshape(int(np.prod(in_shape(n))), int(np.prod(out_shape(n)))).T]
 
-    return Rule((hf,), (path,), lambda n: [(int(np.prod(out_shape(n))), in_dim(n))], to_jax, to_hf)
-
-  def to_jax_heads(a, n):
-    return [a[0].T.reshape(*heads_in(n), *out_shape(n))]
-
-  def to_hf_heads(a, n):
-    return [a[0].reshape(int(np.prod(heads_in(n))), -1).T]
-
-  return Rule((hf,), (path,), lambda n: [(int(np.prod(out_shape(n))), int(np.prod(heads_in(n))))], to_jax_heads,
-              to_hf_heads)
+  return Rule((hf,), (path,), lambda n: [(int(np.prod(out_shape(n))), int(np.prod(in_shape(n))))], to_jax, to_hf)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,7 +79,6 @@ class Architecture:
     hf_names: ``architectures[0]`` values (and ``model_type``) this table reads.
     config_overrides: HF ``config.json`` -> jaxshare dotted overrides; raises :class:`UnsupportedModelError`.
     hf_config: jaxshare config -> HF ``config.json`` (export; the inverse of ``config_overrides``).
-    dims: jaxshare config -> :class:`Dims`.
     global_rules / layer_rules: the tables; ``layer_rules(cfg)`` may depend on the config (tied embeddings, biases).
     ignored: HF tensor-name suffixes that carry no parameters (rotary caches, causal-mask buffers).
   """

@@ -80,7 +80,7 @@ def global_rules(cfg) -> list[Rule]:
            same("gpt_neox.final_layer_norm.weight", "final_norm/scale", lambda n: (n.D,)),
            same("gpt_neox.final_layer_norm.bias", "final_norm/bias", lambda n: (n.D,))]
   if not cfg.model.tie_embeddings:
-    rules.append(linear("embed_out.weight", "lm_head/kernel", lambda n: (n.V,), lambda n: n.D))
+    rules.append(linear("embed_out.weight", "lm_head/kernel", lambda n: (n.D,), lambda n: (n.V,)))
   return rules
 
 
@@ -92,11 +92,11 @@ def layer_rules(cfg) -> list[Rule]:
     same(_L + "post_attention_layernorm.weight", "norm2/scale", lambda n: (n.D,)),
     same(_L + "post_attention_layernorm.bias", "norm2/bias", lambda n: (n.D,)),
     _qkv_weight(), _qkv_bias(),
-    linear(_L + "attention.dense.weight", "attn/o_proj/kernel", lambda n: (n.D,), None, heads_in=lambda n: (n.H, n.d)),
+    linear(_L + "attention.dense.weight", "attn/o_proj/kernel", lambda n: (n.H, n.d), lambda n: (n.D,)),
     same(_L + "attention.dense.bias", "attn/o_proj/bias", lambda n: (n.D,)),
-    linear(_L + "mlp.dense_h_to_4h.weight", "mlp/up/kernel", lambda n: (n.F,), lambda n: n.D),
+    linear(_L + "mlp.dense_h_to_4h.weight", "mlp/up/kernel", lambda n: (n.D,), lambda n: (n.F,)),
     same(_L + "mlp.dense_h_to_4h.bias", "mlp/up/bias", lambda n: (n.F,)),
-    linear(_L + "mlp.dense_4h_to_h.weight", "mlp/down/kernel", lambda n: (n.D,), lambda n: n.F),
+    linear(_L + "mlp.dense_4h_to_h.weight", "mlp/down/kernel", lambda n: (n.F,), lambda n: (n.D,)),
     same(_L + "mlp.dense_4h_to_h.bias", "mlp/down/bias", lambda n: (n.D,)),
   ]
 
