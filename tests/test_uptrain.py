@@ -102,3 +102,22 @@ def _per_layer_leaves(params, schedule):
   """Leaves counted per layer (a stacked run's leaf is one tensor per layer), plus the global ones."""
   per_layer = sum(len(jax.tree.leaves(P.layer_params(params, schedule, i))) for i in range(len(schedule.layers)))
   return per_layer + len(jax.tree.leaves({k: v for k, v in params.items() if k != "segments"}))
+
+
+def test_cli_uptrain_writes_the_converted_run_and_reports_it(tmp_path, capsys):
+  from jaxshare.convert.__main__ import main
+  from jaxshare.convert.run_dir import write_run
+  from jaxshare.train.state import load_run
+
+  src_setup, src = _dense_source()
+  write_run(tmp_path / "dense", src_setup.cfg, src_setup, src)
+  overrides = ["schedule.kind=mlkv", "schedule.kv_layers=1", "schedule.kv_heads=1", "train.init_kv_pool=running"]
+  assert main(["uptrain", str(tmp_path / "dense"), str(tmp_path / "mlkv"), *overrides]) == 0
+  out = capsys.readouterr().out
+  assert "layer 0 k_proj/v_proj: running pairwise mean over layers [0, 1, 2, 3], 4 -> 1 heads" in out
+  cfg, setup, params, step = load_run(tmp_path / "mlkv")
+  assert step == 0 and cfg.schedule.kind == "mlkv" and cfg.train.init_from == str(tmp_path / "dense")
+  want = init_state(setup, from_params=(src, src_setup.schedule))["params"]
+  jax.tree.map(np.testing.assert_array_equal, params, want)
+  assert main(["uptrain", str(tmp_path / "dense"), str(tmp_path / "bad"), "schedule.kind=nope"]) == 2
+  assert "schedule.kind='nope' is invalid" in capsys.readouterr().err

@@ -6,6 +6,10 @@
   python -m jaxshare.convert export RUN_DIR HF_DIR
       a run's latest checkpoint -> an HF directory: LlamaForCausalLM / GPTNeoXForCausalLM for dense and GQA
       models (transformers loads it offline), jaxshare's own layout for any other schedule (re-imports exactly)
+  python -m jaxshare.convert uptrain SRC_RUN OUT_RUN schedule.kind=mlkv schedule.kv_layers=2 [overrides...]
+      a trained run converted into another schedule (the source's config plus the overrides): K/V pooled per
+      train.init_kv_pool, shared tensors copied, the rest freshly initialised; prints which rule built each tensor.
+      Then train it: python train.py <same overrides> train.init_from=OUT_RUN train.run_dir=NEW_DIR
 
 Weights are read through safetensors only; nothing is unpickled and nothing is downloaded.
 """
@@ -27,6 +31,11 @@ def main(argv: list[str] | None = None) -> int:
   exp = sub.add_parser("export", help="jaxshare run directory -> HF directory")
   exp.add_argument("run_dir", help="run directory (latest checkpoint) or checkpoint step directory")
   exp.add_argument("hf_dir", help="new output directory")
+  up = sub.add_parser("uptrain", help="jaxshare run -> the same model converted into another schedule")
+  up.add_argument("src_run", help="source run directory (e.g. a dense model, imported or trained)")
+  up.add_argument("out_run", help="new run directory to write")
+  up.add_argument("overrides", nargs="+", help="overrides of the source's config, e.g. schedule.kind=gqa "
+                  "schedule.kv_heads=2 train.init_kv_pool=running")
   args = parser.parse_args(argv)
 
   from jaxshare.config import ConfigError
@@ -35,6 +44,7 @@ def main(argv: list[str] | None = None) -> int:
   from jaxshare.convert.hf_import import load_hf_model
   from jaxshare.convert.mapping import UnsupportedModelError
   from jaxshare.convert.run_dir import write_run
+  from jaxshare.convert.uptrain import uptrain_run
   from jaxshare.train.checkpoint import CheckpointError
 
   try:
@@ -45,6 +55,9 @@ def main(argv: list[str] | None = None) -> int:
                       meta={"imported_from": str(args.hf_dir), "architecture": ckpt.architecture})
       print(f"imported {ckpt.architecture} ({setup.num_params:,} parameters, {setup.schedule.describe()}) "
             f"into {run}")
+    elif args.command == "uptrain":
+      for line in uptrain_run(args.src_run, args.out_run, args.overrides):
+        print(line)
     else:
       arch, why_native = export_run(args.run_dir, args.hf_dir)
       print(f"exported {args.run_dir} as {arch} into {args.hf_dir}"

@@ -32,7 +32,7 @@ def write_run(run_dir: str | Path, cfg: Config, setup, params: dict, *, tokenize
   run_dir = Path(run_dir).absolute()
   if run_dir.exists() and any(run_dir.iterdir()):
     raise FileExistsError(f"run directory {str(run_dir)!r} exists and is not empty; choose a new one")
-  if not tokenizer_files and cfg.model.vocab_size < 256:
+  if not tokenizer_files and cfg.data.tokenizer == "byte" and cfg.model.vocab_size < 256:
     raise UnsupportedModelError(f"the checkpoint has no tokenizer files and model.vocab_size={cfg.model.vocab_size} "
                                 "is smaller than the byte tokenizer's 256")
   run_dir.mkdir(parents=True, exist_ok=True)

@@ -148,3 +148,26 @@ def _shapes(tree, prefix: str = "") -> dict[str, tuple[int, ...]]:
   for k, v in tree.items():
     out.update(_shapes(v, f"{prefix}{k}/") if isinstance(v, dict) else {f"{prefix}{k}": tuple(v.shape)})
   return out
+
+
+def uptrain_run(src_run, out_run, overrides) -> list[str]:
+  """Convert a run into another schedule and write it as a new run directory (step 0); returns the report lines.
+
+  The target config is the source's with ``overrides`` applied (``train.init_from`` set to the source), its
+  parameters exactly those ``train.py`` would start from with ``train.init_from``.
+
+  Raises:
+    ConfigError / CheckpointError: unreadable source or invalid overrides. FileExistsError: ``out_run`` not empty.
+  """
+  from jaxshare.config import apply_overrides
+  from jaxshare.convert.run_dir import write_run
+  from jaxshare.train.state import init_kv_pool, init_state, load_run, setup_run
+
+  src_cfg, src_setup, src_params, step = load_run(src_run)
+  cfg = apply_overrides(src_cfg, [*overrides, f"train.init_from={src_run}"])
+  setup = setup_run(cfg)
+  params = init_state(setup, from_params=(src_params, src_setup.schedule))["params"]
+  lines = init_report(src_params, src_setup.schedule, params, setup.schedule, init_kv_pool(cfg)) \
+    if setup.ties is None else ["head-wise sharing: DirectShare's tying of the source's heads (jaxshare/headwise.py)"]
+  write_run(out_run, cfg, setup, params, meta={"uptrained_from": str(src_run), "source_step": step})
+  return [f"{src_setup.schedule.describe()} -> {setup.schedule.describe()}", *lines, f"written to {out_run}"]
