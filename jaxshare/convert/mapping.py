@@ -139,14 +139,14 @@ def hf_to_params(arch: Architecture, cfg, dims: Dims, schedule, template: dict, 
 
   for rule in arch.global_rules(cfg):
     apply(rule, {}, out)
-  unfilled = sorted(set(_leaf_paths({k: v for k, v in out.items() if k != "segments"}))
+  unfilled = sorted(set(P.flat_leaves({k: v for k, v in out.items() if k != "segments"}))
                     - {p for r in arch.global_rules(cfg) for p in r.paths})
   layer_paths = {p for r in arch.layer_rules(cfg) for p in r.paths}
   for layer in tqdm(range(cfg.model.num_layers), desc="layers", disable=not progress, dynamic_ncols=True):
     run_tree, index = P.layer_slot(out, schedule, layer)
     for rule in arch.layer_rules(cfg):
       apply(rule, {"i": layer}, run_tree, index)
-    unfilled += [f"layer {layer}: {p}" for p in sorted(set(_leaf_paths(run_tree)) - layer_paths)]
+    unfilled += [f"layer {layer}: {p}" for p in sorted(set(P.flat_leaves(run_tree)) - layer_paths)]
   if unfilled:
     raise UnsupportedModelError(f"jaxshare parameters with no source in the {arch.hf_names[0]} table: {unfilled[:8]}")
   unexpected = sorted(n for n in names if n not in used and not any(n.endswith(suffix) for suffix in arch.ignored))
@@ -173,13 +173,6 @@ def params_to_hf(arch: Architecture, cfg, dims: Dims, schedule, params: dict) ->
     for rule in arch.layer_rules(cfg):
       emit(rule, {"i": layer}, [np.asarray(_get(layer_tree, p)) for p in rule.paths])
   return tensors
-
-
-def _leaf_paths(tree: dict, prefix: str = "") -> list[str]:
-  out = []
-  for k, v in tree.items():
-    out += _leaf_paths(v, f"{prefix}{k}/") if isinstance(v, dict) else [prefix + k]
-  return out
 
 
 def _to_numpy(tree):

@@ -8,17 +8,14 @@ import numpy as np
 
 from jaxshare.config import Config, config_from_yaml_text, to_yaml
 from jaxshare.convert.mapping import UnsupportedModelError
+from jaxshare.model import params as P
 
 ARCHITECTURE = "JaxshareForCausalLM"
 
 
-def flatten(params: dict, prefix: str = "") -> dict[str, np.ndarray]:
+def flatten(params: dict) -> dict[str, np.ndarray]:
   """``{"segments/0/blocks/.../kernel": array}`` of a pure-dict parameter tree (list-like levels keyed by index)."""
-  out: dict[str, np.ndarray] = {}
-  for k, v in params.items():
-    name = f"{prefix}{k}"
-    out.update(flatten(v, name + "/") if isinstance(v, dict) else {name: np.asarray(v)})
-  return out
+  return {name: np.asarray(v) for name, v in P.flat_leaves(params).items()}
 
 
 def config_json(cfg: Config) -> dict:

@@ -143,11 +143,8 @@ def init_report(src: dict, src_schedule: Schedule, dst: dict, dst_schedule: Sche
   return lines
 
 
-def _shapes(tree, prefix: str = "") -> dict[str, tuple[int, ...]]:
-  out = {}
-  for k, v in tree.items():
-    out.update(_shapes(v, f"{prefix}{k}/") if isinstance(v, dict) else {f"{prefix}{k}": tuple(v.shape)})
-  return out
+def _shapes(tree: dict) -> dict[str, tuple[int, ...]]:
+  return {path: tuple(v.shape) for path, v in P.flat_leaves(tree).items()}
 
 
 def uptrain_run(src_run, out_run, overrides) -> list[str]:

@@ -9,6 +9,15 @@ import jax
 from jaxshare.schedule import Schedule
 
 
+def flat_leaves(tree: dict, prefix: str = "") -> dict[str, Any]:
+  """``{"attn/q_proj/kernel": leaf, ...}``: a pure-dict tree's leaves by '/'-joined path (integer keys, as
+  ``nnx.List`` levels give, written as digits)."""
+  out: dict[str, Any] = {}
+  for k, v in tree.items():
+    out.update(flat_leaves(v, f"{prefix}{k}/") if isinstance(v, dict) else {f"{prefix}{k}": v})
+  return out
+
+
 def layer_location(schedule: Schedule, layer: int) -> tuple[int, int, int, int]:
   """``(segment, superblock within the segment, run within the superblock, position within the run)`` of a layer.
 
