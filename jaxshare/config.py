@@ -281,6 +281,10 @@ class TrainConfig:
                          "uniform mean over the layers (MLKV); running: pythia-mlkv's running pairwise mean; "
                          "producer: the producer layer's own (CLA); auto: producer for cla, mean otherwise.",
                          ("auto", "mean", "running", "producer"))
+  init_mlp_widen: str = _f("zero", "Uptraining with schedule.match_params: how a widened MLP's new hidden units start. "
+                           "zero: fresh input weights, zero output rows (the source's function is kept); duplicate: "
+                           "copies of the first units, as pythia-mlkv's conversion (the function changes).",
+                           ("zero", "duplicate"))
   trainable: str = _f("all", "Parameters the optimizer updates: all, or sharing (only the modules the sharing "
                       "methods add: LISA's low-rank Q/K and aligner, UniAttn's W_c); the rest are frozen with "
                       "optax masks.", ("all", "sharing"))

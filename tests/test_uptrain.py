@@ -121,3 +121,82 @@ def test_cli_uptrain_writes_the_converted_run_and_reports_it(tmp_path, capsys):
   jax.tree.map(np.testing.assert_array_equal, params, want)
   assert main(["uptrain", str(tmp_path / "dense"), str(tmp_path / "bad"), "schedule.kind=nope"]) == 2
   assert "schedule.kind='nope' is invalid" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("rule", ["zero", "duplicate"])
+def test_mlkv_parameter_matching_widens_every_mlp_from_the_source(rule):
+  src_setup, src = _dense_source()
+  cfg = tiny_config("schedule.kind=mlkv", "schedule.kv_layers=2", "schedule.kv_heads=2",
+                    "schedule.match_params=true", f"train.init_mlp_widen={rule}")
+  setup = setup_run(cfg)
+  fresh = init_state(setup, seed=11)["params"]
+  dst = init_state(setup, seed=11, from_params=(src, src_setup.schedule))["params"]
+  for layer in range(4):
+    s, d, f0 = (P.layer_params(t, sch, layer)["mlp"] for t, sch in
+                ((src, src_setup.schedule), (dst, setup.schedule), (fresh, setup.schedule)))
+    f, f_new = s["up"]["kernel"].shape[1], d["up"]["kernel"].shape[1]
+    assert f_new > f
+    extra = np.arange(f_new - f) % f
+    for name in ("gate", "up"):
+      np.testing.assert_array_equal(np.asarray(d[name]["kernel"][:, :f]), np.asarray(s[name]["kernel"]))
+      want = np.asarray(s[name]["kernel"])[:, extra] if rule == "duplicate" else np.asarray(f0[name]["kernel"])[:, f:]
+      np.testing.assert_array_equal(np.asarray(d[name]["kernel"][:, f:]), want)
+    np.testing.assert_array_equal(np.asarray(d["down"]["kernel"][:f]), np.asarray(s["down"]["kernel"]))
+    want = np.asarray(s["down"]["kernel"])[extra] if rule == "duplicate" else np.zeros((f_new - f, 32), np.float32)
+    np.testing.assert_array_equal(np.asarray(d["down"]["kernel"][f:]), want)
+  lines = init_report(src, src_setup.schedule, dst, setup.schedule, "mean", rule)
+  assert any(line.startswith("layer 3 mlp: widened 64 -> ") for line in lines)
+  assert not any(line.startswith("NEW") for line in lines)
+
+
+@pytest.mark.parametrize("flavor", ["llama", "neox"])
+def test_zero_widening_keeps_the_function(corpus, flavor):
+  """A dense model into the same model with wider MLPs: the zero rule leaves the logits unchanged."""
+  cfg = tiny_config(f"model.flavor={flavor}")
+  src_setup = setup_run(cfg)
+  src = init_state(src_setup, seed=3)["params"]
+  setup = setup_run(tiny_config(f"model.flavor={flavor}", "model.mlp_dim=96"))
+  dst = init_state(setup, from_params=(src, src_setup.schedule))["params"]
+  tokens = np.frombuffer(corpus.read_bytes()[:32], np.uint8).astype(np.int32)[None]
+  np.testing.assert_allclose(np.asarray(nnx.merge(setup.graphdef, dst)(tokens)),
+                             np.asarray(nnx.merge(src_setup.graphdef, src)(tokens)), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["lisa_plus", "lisa"])
+def test_converted_lisa_starts_as_ds(corpus, kind):
+  """k_lr = 0 makes A_delta vanish: the converted LISA model computes what DS (pure logits reuse) computes."""
+  src_setup, src = _dense_source()
+  layers = "schedule.lisa.layers=[1,2,3]"
+  ds_setup = setup_run(tiny_config("schedule.kind=ds", layers))
+  ds = init_state(ds_setup, from_params=(src, src_setup.schedule))["params"]
+  setup = setup_run(tiny_config(f"schedule.kind={kind}", layers))
+  dst = init_state(setup, from_params=(src, src_setup.schedule))["params"]
+  tokens = np.frombuffer(corpus.read_bytes()[:32], np.uint8).astype(np.int32)[None]
+  np.testing.assert_allclose(np.asarray(nnx.merge(setup.graphdef, dst)(tokens)),
+                             np.asarray(nnx.merge(ds_setup.graphdef, ds)(tokens)), rtol=1e-5, atol=1e-5)
+  lines = init_report(src, src_setup.schedule, dst, setup.schedule, "mean")
+  assert any(line.startswith("layers [1, 2, 3] attn/k_lr: zero") for line in lines)
+  fresh = init_state(setup)["params"]  # from scratch nothing is zeroed
+  assert np.abs(np.asarray(P.layer_params(fresh, setup.schedule, 1)["attn"]["k_lr"]["kernel"])).max() > 0
+
+
+def test_cli_uptrain_into_uniattn_fits_wc_on_calibration_batches(tmp_path, capsys):
+  from jaxshare.convert.__main__ import main
+  from jaxshare.convert.run_dir import write_run
+  from jaxshare.train.state import load_run
+
+  src_setup, src = _dense_source()
+  write_run(tmp_path / "dense", src_setup.cfg, src_setup, src)
+  overrides = ["schedule.kind=uniattn", "schedule.uniattn.start=2", "schedule.uniattn.block_size=2"]
+  assert main(["uptrain", str(tmp_path / "dense"), str(tmp_path / "uni"), *overrides,
+               "--calibration-batches", "2"]) == 0
+  out = capsys.readouterr().out
+  assert "W_c by least squares on calibration batches (UniAttn Thm 3.1 / Alg. 1, bottom-up, fit=mean)" in out
+  assert "layer 3 compensation: error" in out
+  _, setup, params, _ = load_run(tmp_path / "uni")
+  w = np.asarray(P.layer_params(params, setup.schedule, 3)["compensation"]["kernel"])
+  assert np.abs(w).max() > 0
+  assert main(["uptrain", str(tmp_path / "dense"), str(tmp_path / "uni0"), *overrides,
+               "--calibration-batches", "0"]) == 0
+  _, setup, params, _ = load_run(tmp_path / "uni0")
+  assert not np.asarray(P.layer_params(params, setup.schedule, 3)["compensation"]["kernel"]).any()

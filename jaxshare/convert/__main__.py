@@ -8,7 +8,8 @@
       models (transformers loads it offline), jaxshare's own layout for any other schedule (re-imports exactly)
   python -m jaxshare.convert uptrain SRC_RUN OUT_RUN schedule.kind=mlkv schedule.kv_layers=2 [overrides...]
       a trained run converted into another schedule (the source's config plus the overrides): K/V pooled per
-      train.init_kv_pool, shared tensors copied, the rest freshly initialised; prints which rule built each tensor.
+      train.init_kv_pool, MLPs widened per train.init_mlp_widen, UniAttn's W_c fitted by least squares on
+      calibration batches, shared tensors copied, the rest freshly initialised; prints which rule built each tensor.
       Then train it: python train.py <same overrides> train.init_from=OUT_RUN train.run_dir=NEW_DIR
 
 Weights are read through safetensors only; nothing is unpickled and nothing is downloaded.
@@ -36,9 +37,16 @@ def main(argv: list[str] | None = None) -> int:
   up.add_argument("out_run", help="new run directory to write")
   up.add_argument("overrides", nargs="+", help="overrides of the source's config, e.g. schedule.kind=gqa "
                   "schedule.kv_heads=2 train.init_kv_pool=running")
+  up.add_argument("--calibration-batches", type=int, default=8, metavar="N",
+                  help="UniAttn: fit each W_c by least squares on the first N training batches (Thm 3.1 / Alg. 1, "
+                  "bottom-up); 0 keeps W_c at zero (default: %(default)s)")
+  up.add_argument("--wc-fit", choices=("mean", "tokens"), default="mean",
+                  help="UniAttn W_c fit: mean (the paper's: sample means per position) or tokens (least squares over "
+                  "every calibration token) (default: %(default)s)")
   args = parser.parse_args(argv)
 
   from jaxshare.config import ConfigError
+  from jaxshare.data import DataError
   from jaxshare.convert.hf_checkpoint import HFCheckpoint, HFCheckpointError
   from jaxshare.convert.hf_export import export_run
   from jaxshare.convert.hf_import import load_hf_model
@@ -56,13 +64,14 @@ def main(argv: list[str] | None = None) -> int:
       print(f"imported {ckpt.architecture} ({setup.num_params:,} parameters, {setup.schedule.describe()}) "
             f"into {run}")
     elif args.command == "uptrain":
-      for line in uptrain_run(args.src_run, args.out_run, args.overrides):
+      for line in uptrain_run(args.src_run, args.out_run, args.overrides, calibration_batches=args.calibration_batches,
+                              wc_fit=args.wc_fit):
         print(line)
     else:
       arch, why_native = export_run(args.run_dir, args.hf_dir)
       print(f"exported {args.run_dir} as {arch} into {args.hf_dir}"
             + (f" (jaxshare layout: {why_native}; transformers cannot load it)" if why_native else ""))
-  except (HFCheckpointError, UnsupportedModelError, ConfigError, CheckpointError, FileExistsError) as e:
+  except (HFCheckpointError, UnsupportedModelError, ConfigError, CheckpointError, DataError, FileExistsError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
   return 0

@@ -13,6 +13,20 @@ Every target layer that projects K/V (a producer) serves a group of reader layer
   group's layers in order, which weights the last layer by 1/2 and the first by 1/2^(n-1)), or ``producer`` (CLA:
   the producer layer's own projection, the consumers' dropped).
 
+MLP widening (``schedule.match_params``, MLKV's parameter matching): the first F neurons of each widened MLP are the
+source's; the F' - F new ones follow ``train.init_mlp_widen``: ``duplicate`` (pythia-mlkv's conversion script: copies
+of the source's first F' - F neurons, in- and out-weights and biases, so their contribution doubles and the function
+changes) or ``zero`` (fresh input weights, zero output rows: the widened MLP computes exactly the source's function,
+and the new neurons still learn, since their output rows receive gradients).
+
+LISA's new modules (:func:`init_low_rank`): the low-rank ``k_lr`` starts at zero, so ``A_delta = Q_lr K_lr^T = 0``
+and, with the aligners' identity-on-``A_{n-1}`` initialisation (:func:`jaxshare.model.attention.sum_aligner`), every
+LISA layer starts as DS, the exact reuse of the previous layer's logits that the papers evaluate untrained (LISA
+Sec. 3; UniAttn's unification without W_c). A random ``A_delta`` would add noise carrying nothing about the source;
+an SVD of the layer's own ``W_q W_k^T`` approximates its logits, not the difference to the reused ones, and is not
+position-independent under RoPE. As in LoRA's zero-initialised factor, ``q_lr`` stays random so that ``k_lr``
+receives gradients from the first step (``dL/dK_lr = Q_lr^T dL/dA_delta``).
+
 Everything else is copied where the source has the same layer, name and shape (:func:`copy_shared_weights`).
 :func:`init_report` names the rule used for every target parameter and lists the ones that keep their fresh
 initialisation.
@@ -27,6 +41,7 @@ from jaxshare.model import params as P
 from jaxshare.schedule import Schedule
 
 KV_POOLS = ("mean", "running", "producer")
+MLP_WIDENS = ("zero", "duplicate")
 _KV = ("k_proj", "v_proj")
 
 
@@ -97,6 +112,68 @@ def convert_kv(src: dict, src_schedule: Schedule, dst: dict, dst_schedule: Sched
   return out
 
 
+def widen_mlp(src: dict, src_schedule: Schedule, dst: dict, dst_schedule: Schedule, *, rule: str = "zero") -> dict:
+  """``dst`` with every MLP wider than the source's (F' > F hidden units) built from it by ``rule`` (see the module
+  docstring; ``duplicate`` repeats the source's neurons cyclically when F' > 2F). Traceable.
+
+  Raises:
+    ValueError: ``rule`` is invalid.
+  """
+  if rule not in MLP_WIDENS:
+    raise ValueError(f"train.init_mlp_widen={rule!r} is invalid: must be one of {', '.join(MLP_WIDENS)}")
+  out = dst
+  for layer in range(len(dst_schedule.layers)):
+    s_mlp = P.layer_params(src, src_schedule, layer)["mlp"]
+    d_layer = P.layer_params(out, dst_schedule, layer)
+    f, f_new = s_mlp["up"]["kernel"].shape[-1], d_layer["mlp"]["up"]["kernel"].shape[-1]
+    if f_new <= f:
+      continue
+    extra = jnp.arange(f_new - f) % f
+    mlp = {}
+    for name, proj in d_layer["mlp"].items():
+      leaves = {}
+      for leaf, target in proj.items():
+        source = s_mlp[name][leaf]
+        hidden_axis = 0 if name == "down" else -1  # [D, F] in, [F, D] out; biases [F] in, [D] out
+        if source.shape == target.shape:
+          leaves[leaf] = source
+          continue
+        if rule == "duplicate":
+          new = jnp.take(source, extra, axis=hidden_axis)
+        elif name == "down":
+          new = jnp.zeros((f_new - f, *source.shape[1:]), source.dtype)
+        else:
+          new = jax.lax.slice_in_dim(target, f, f_new, axis=hidden_axis)
+        leaves[leaf] = jnp.concatenate([source, new.astype(source.dtype)], axis=hidden_axis)
+      mlp[name] = leaves
+    out = P.replace_layer(out, dst_schedule, layer, {**d_layer, "mlp": mlp})
+  return out
+
+
+def widened_layers(src: dict, src_schedule: Schedule, dst: dict, dst_schedule: Schedule) -> dict[int, tuple[int, int]]:
+  """``{layer: (F, F')}`` for the layers whose MLP :func:`widen_mlp` builds (shapes only)."""
+  def width(params, schedule, layer):
+    return jax.eval_shape(lambda: P.layer_params(params, schedule, layer)["mlp"]["up"]["kernel"]).shape[-1]
+  out = {}
+  for layer in range(len(dst_schedule.layers)):
+    f, f_new = width(src, src_schedule, layer), width(dst, dst_schedule, layer)
+    if f_new > f:
+      out[layer] = (f, f_new)
+  return out
+
+
+def init_low_rank(dst: dict, dst_schedule: Schedule) -> dict:
+  """``dst`` with every LISA layer's ``k_lr`` zeroed (``A_delta = 0``: the layer starts as DS; see the module
+  docstring). Traceable."""
+  out = dst
+  for plan in dst_schedule.layers:
+    layer = P.layer_params(out, dst_schedule, plan.index)
+    if "k_lr" in layer["attn"]:
+      attn = {**layer["attn"], "k_lr": jax.tree.map(jnp.zeros_like, layer["attn"]["k_lr"])}
+      out = P.replace_layer(out, dst_schedule, plan.index, {**layer, "attn": attn})
+  return out
+
+
 def kv_report(src_schedule: Schedule, dst_schedule: Schedule, kv_pool: str) -> list[str]:
   """One line per target producer layer saying how its K/V were built (static: shapes and schedules only)."""
   h_src = {p.index: p.num_kv_heads for p in src_schedule.layers}
@@ -116,10 +193,14 @@ def kv_report(src_schedule: Schedule, dst_schedule: Schedule, kv_pool: str) -> l
   return lines
 
 
-def init_report(src: dict, src_schedule: Schedule, dst: dict, dst_schedule: Schedule, kv_pool: str) -> list[str]:
+def init_report(src: dict, src_schedule: Schedule, dst: dict, dst_schedule: Schedule, kv_pool: str,
+                mlp_widen: str = "zero") -> list[str]:
   """How each parameter of ``dst`` was initialised from ``src`` (shapes only, nothing computed): the number copied
-  unchanged, one line per K/V producer (:func:`kv_report`), and every parameter left at its fresh initialisation."""
+  unchanged, one line per K/V producer (:func:`kv_report`), the widened MLPs, LISA's zeroed ``k_lr``, and every
+  parameter left at its fresh initialisation."""
   converted = convertible_groups(src_schedule, dst_schedule)
+  widened = widened_layers(src, src_schedule, dst, dst_schedule)
+  low_rank = []
   copied, new = 0, []
   for key in dst:
     if key == "segments":
@@ -133,11 +214,23 @@ def init_report(src: dict, src_schedule: Schedule, dst: dict, dst_schedule: Sche
     for path, shape in d.items():
       if path.split("/")[:2] in (["attn", "k_proj"], ["attn", "v_proj"]) and layer in converted:
         continue
+      if path.startswith("mlp/") and layer in widened:
+        continue
+      if path.startswith("attn/k_lr/"):
+        low_rank.append(layer)
+        continue
       if s.get(path) == shape:
         copied += 1
       else:
         new.append(f"layer {layer} {path}")
   lines = [f"{copied} tensors copied (same layer, name and shape)", *kv_report(src_schedule, dst_schedule, kv_pool)]
+  how = {"zero": "new neurons: fresh input weights, zero output rows (same function)",
+         "duplicate": "new neurons: copies of the first ones (pythia-mlkv)"}[mlp_widen]
+  lines += [f"layer {layer} mlp: widened {f} -> {f_new} hidden units, the first {f} copied; {how}"
+            for layer, (f, f_new) in widened.items()]
+  if low_rank:
+    lines.append(f"layers {sorted(set(low_rank))} attn/k_lr: zero (LISA's A_delta = 0: each starts as DS, the "
+                 "previous layer's logits; q_lr random, aligners identity on A_(n-1))")
   if new:
     lines.append(f"NEW (fresh initialisation): {', '.join(new)}")
   return lines
@@ -147,24 +240,38 @@ def _shapes(tree: dict) -> dict[str, tuple[int, ...]]:
   return {path: tuple(v.shape) for path, v in P.flat_leaves(tree).items()}
 
 
-def uptrain_run(src_run, out_run, overrides) -> list[str]:
+def uptrain_run(src_run, out_run, overrides, *, calibration_batches: int = 8, wc_fit: str = "mean") -> list[str]:
   """Convert a run into another schedule and write it as a new run directory (step 0); returns the report lines.
 
   The target config is the source's with ``overrides`` applied (``train.init_from`` set to the source), its
-  parameters exactly those ``train.py`` would start from with ``train.init_from``.
+  parameters those ``train.py`` would start from with ``train.init_from``, except that UniAttn's W_c are fitted by
+  least squares on the first ``calibration_batches`` training batches (:mod:`jaxshare.convert.calibrate`; 0 keeps
+  them at zero).
 
   Raises:
-    ConfigError / CheckpointError: unreadable source or invalid overrides. FileExistsError: ``out_run`` not empty.
+    ConfigError / CheckpointError: unreadable source or invalid overrides. DataError: the calibration data cannot be
+      read. ValueError: invalid ``wc_fit``. FileExistsError: ``out_run`` not empty.
   """
+  import itertools
+
   from jaxshare.config import apply_overrides
+  from jaxshare.convert.calibrate import calibrate_compensation, format_fits
   from jaxshare.convert.run_dir import write_run
+  from jaxshare.data import Datasets
   from jaxshare.train.state import init_kv_pool, init_state, load_run, setup_run
 
   src_cfg, src_setup, src_params, step = load_run(src_run)
   cfg = apply_overrides(src_cfg, [*overrides, f"train.init_from={src_run}"])
   setup = setup_run(cfg)
   params = init_state(setup, from_params=(src_params, src_setup.schedule))["params"]
-  lines = init_report(src_params, src_setup.schedule, params, setup.schedule, init_kv_pool(cfg)) \
+  lines = init_report(src_params, src_setup.schedule, params, setup.schedule, init_kv_pool(cfg),
+                      cfg.train.init_mlp_widen) \
     if setup.ties is None else ["head-wise sharing: DirectShare's tying of the source's heads (jaxshare/headwise.py)"]
+  if calibration_batches and any(p.compensation for p in setup.schedule.layers):
+    data = Datasets(cfg.data, cfg.train.batch_size, process_index=0, process_count=1)
+    batches = list(itertools.islice(data.train_iter(), calibration_batches))
+    params, fits, losses = calibrate_compensation((src_setup.graphdef, src_params), (setup.graphdef, params),
+                                                  setup.schedule, batches, fit=wc_fit)
+    lines += format_fits(fits, losses, wc_fit)
   write_run(out_run, cfg, setup, params, meta={"uptrained_from": str(src_run), "source_step": step})
   return [f"{src_setup.schedule.describe()} -> {setup.schedule.describe()}", *lines, f"written to {out_run}"]

@@ -4,6 +4,7 @@ score references)."""
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +19,16 @@ from jaxshare.model.scores import ScoreFeatures, ScoreState
 from jaxshare.schedule import LayerRole, Run
 
 _RESIDUAL = ("activation_batch", "activation_length", "activation_embed")
+CAPTURES = ("logits", "mha")  # what a forward pass can return per layer besides the logits
+
+
+class MHAActivations(NamedTuple):
+  """One layer's attention block seen from the residual stream, ``[B, T, D]`` each (UniAttn Eq. 5's terms):
+  ``input`` the residual x, ``normed`` Norm(x) (what the projections read), ``output`` x' = x + MHA(x) (+ x W_c)."""
+
+  input: jax.Array
+  normed: jax.Array
+  output: jax.Array
 
 
 class DecoderLayer(nnx.Module):
@@ -45,18 +56,20 @@ class DecoderLayer(nnx.Module):
 
   def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array, kv_in: KV | None,
                score_in: ScoreState | None, slot: jax.Array | int = 0, head_kernels: dict | None = None
-               ) -> tuple[jax.Array, KV, ScoreState | None, ScoreState | None]:
-    """``x [B,T,D] -> ([B,T,D], (K, V), state handed on, state used)``; see :meth:`Attention.__call__`."""
+               ) -> tuple[jax.Array, KV, ScoreState | None, ScoreState | None, MHAActivations]:
+    """``x [B,T,D] -> ([B,T,D], (K, V), state handed on, state used, MHA activations)``; see
+    :meth:`Attention.__call__`."""
     h = self.norm1(x)
     a, kv, state, used = self.attn(h, positions, segment_ids, kv_in, score_in, slot, head_kernels)
     if self.compensation is not None:
       a = a + self.compensation(h if self.wc_normed else x)
+    mha = MHAActivations(x, h, x + a)
     if self.parallel_residual:
       y = x + a + self.mlp(self.norm2(x))
     else:
       y = x + a
       y = y + self.mlp(self.norm2(y))
-    return parallel.constrain(y.astype(x.dtype), _RESIDUAL), kv, state, used
+    return parallel.constrain(y.astype(x.dtype), _RESIDUAL), kv, state, used, mha
 
 
 class LayerRun(nnx.Module):
@@ -80,18 +93,19 @@ class LayerRun(nnx.Module):
     self.layers = make(rngs)
 
   def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array, kv_in: KV | None,
-               score_in: ScoreState | None, head_kernels: dict | None, capture: bool
-               ) -> tuple[jax.Array, KV | None, ScoreState | None, list[jax.Array]]:
+               score_in: ScoreState | None, head_kernels: dict | None, capture: str | None
+               ) -> tuple[jax.Array, KV | None, ScoreState | None, list]:
     """Apply the run.
 
     Args:
       kv_in / score_in: what every layer reads (a LISA chain: the state of the layer before the run).
       head_kernels: head-wise sharing's kernels ``[length, D, H, d]`` per matrix.
-      capture: also return the logits each layer used (``[B, H, T, S]`` float32 each; none for probability
-        reusers, whose source's logits stand for theirs).
+      capture: ``"logits"``: also return the logits each layer used (``[B, H, T, S]`` float32 each; none for
+        probability reusers, whose source's logits stand for theirs); ``"mha"``: each layer's
+        :class:`MHAActivations`.
 
     Returns:
-      ``(x, (K, V), handed-on state, captured logits)``; K/V and a non-chain state only for a run of one layer
+      ``(x, (K, V), handed-on state, captured per layer)``; K/V and a non-chain state only for a run of one layer
       (longer runs hold no layer that another layer reads by position).
     """
     role = self.role
@@ -106,9 +120,10 @@ class LayerRun(nnx.Module):
     def body(layer: DecoderLayer, carry, i, kernels):
       x, state = carry
       slot = base + i * role.lisa_rank
-      y, kv, out_state, used = layer(x, positions, segment_ids, kv_in, state if chain else score_in, slot, kernels)
-      logits = scores.logits(used) if capture and used is not None else None
-      return (y, out_state if chain else None), (kv, out_state, logits)
+      y, kv, out_state, used, mha = layer(x, positions, segment_ids, kv_in, state if chain else score_in, slot,
+                                          kernels)
+      item = mha if capture == "mha" else scores.logits(used) if capture and used is not None else None
+      return (y, out_state if chain else None), (kv, out_state, item)
 
     if self.length == 1 or not self.scan:
       graphdef, params = nnx.split(self.layers)
@@ -121,7 +136,7 @@ class LayerRun(nnx.Module):
       x = carry[0]
       if self.length > 1:
         kv, state = None, carry[1]
-      return x, kv, state, captured if capture and role.score_reuse != "probs" else []
+      return x, kv, state, captured if self._captures(capture) else []
 
     def step(layer, carry, i, kernels):
       carry, (_, _, logits) = body(layer, carry, i, kernels)
@@ -129,8 +144,12 @@ class LayerRun(nnx.Module):
 
     scan = nnx.scan(step, in_axes=(0, nnx.Carry, 0, 0), out_axes=(nnx.Carry, 0))
     (x, state), logits = scan(self.layers, (x, score_in if chain else None), jnp.arange(self.length), head_kernels)
-    captured = [logits[i] for i in range(self.length)] if capture and role.score_reuse != "probs" else []
+    captured = [jax.tree.map(lambda a: a[i], logits) for i in range(self.length)] if self._captures(capture) else []
     return x, None, state, captured
+
+  def _captures(self, capture: str | None) -> bool:
+    """Whether this run returns its own captures (a probability reuser has no logits of its own)."""
+    return capture == "mha" or (capture == "logits" and self.role.score_reuse != "probs")
 
 
 class Superblock(nnx.Module):
@@ -147,10 +166,10 @@ class Superblock(nnx.Module):
     self.runs = nnx.List([LayerRun(cfg, run, mlp_dim=mlp_dim, attention_impl=attention_impl,
                                    score_sharing=score_sharing, rngs=rngs) for run in runs])
 
-  def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array, capture: bool = False,
-               head_kernels: dict | None = None) -> tuple[jax.Array, tuple[jax.Array, ...]]:
-    """Returns the residual stream and, with ``capture``, each layer's pre-softmax logits ``[B,H,T,T]`` (f32; a
-    probability reuser's are its source's).
+  def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array, capture: str | None = None,
+               head_kernels: dict | None = None) -> tuple[jax.Array, tuple]:
+    """Returns the residual stream and, per layer, with ``capture="logits"`` the pre-softmax logits ``[B,H,T,T]``
+    (f32; a probability reuser's are its source's), with ``capture="mha"`` its :class:`MHAActivations`.
 
     ``head_kernels`` (head-wise sharing): ``{"q", "k", "v"}`` kernels ``[superblock size, D, H, d]``.
     """
@@ -167,5 +186,5 @@ class Superblock(nnx.Module):
       x, kvs[run.start], states[run.start], caps = module(x, positions, segment_ids, kv_in, score_in, kernels, capture)
       previous = states[run.start]
       if capture:
-        captured.extend(caps if role.score_reuse != "probs" else [captured[role.score_from]] * run.length)
+        captured.extend(caps if module._captures(capture) else [captured[role.score_from]] * run.length)
     return x, tuple(captured)

@@ -8,7 +8,7 @@ from flax import nnx
 
 from jaxshare import parallel
 from jaxshare.config import ModelConfig
-from jaxshare.model.block import Superblock
+from jaxshare.model.block import MHAActivations, Superblock
 from jaxshare.headwise import MATRICES, HeadTies
 from jaxshare.model.layers import DenseGeneral, make_norm, param
 from jaxshare.schedule import Schedule, Segment
@@ -29,9 +29,9 @@ class StackedSegment(nnx.Module):
 
     self.blocks = make(rngs)
 
-  def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array, capture: bool = False,
-               head_kernels: dict | None = None) -> tuple[jax.Array, list[jax.Array]]:
-    """Residual stream out and, with ``capture``, the per-layer logits (``count * superblock_size`` arrays).
+  def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array, capture: str | None = None,
+               head_kernels: dict | None = None) -> tuple[jax.Array, list]:
+    """Residual stream out and the per-layer captures (``count * superblock_size``; see :class:`Superblock`).
 
     ``head_kernels``: head-wise sharing's gathered kernels, ``[count, superblock size, D, H, d]`` each.
     """
@@ -43,7 +43,7 @@ class StackedSegment(nnx.Module):
     if self.scan:
       body = nnx.scan(apply, in_axes=(0, nnx.Carry, None, None, 0), out_axes=(nnx.Carry, 0))
       x, ys = body(self.blocks, x, positions, segment_ids, head_kernels)
-      return x, [y[c] for c in range(self.count) for y in ys]
+      return x, [jax.tree.map(lambda a: a[c], y) for c in range(self.count) for y in ys]
     graphdef, state = nnx.split(self.blocks)
     captured: list[jax.Array] = []
     for i in range(self.count):
@@ -108,7 +108,8 @@ class Transformer(nnx.Module):
       dtype=self.dtype, param_dtype=pdtype, rngs=rngs)
 
   def __call__(self, tokens: jax.Array, positions: jax.Array | None = None, segment_ids: jax.Array | None = None,
-               capture_attention: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
+               capture_attention: bool = False, capture_mha: bool = False
+               ) -> jax.Array | tuple[jax.Array, jax.Array] | tuple[jax.Array, MHAActivations]:
     """Next-token logits.
 
     Args:
@@ -117,10 +118,19 @@ class Transformer(nnx.Module):
       segment_ids: ``[B, T]`` int32 document ids (default: one document).
       capture_attention: also return every layer's pre-softmax attention logits (unmasked, scaled by 1/sqrt(d);
         for a reusing layer the logits it used), for distillation and analysis.
+      capture_mha: also return every layer's attention block in residual-stream terms (UniAttn's calibration).
 
     Returns:
-      ``[B, T, V]`` float32 logits; with ``capture_attention`` also ``[L, B, H, T, T]`` float32 attention logits.
+      ``[B, T, V]`` float32 logits; with ``capture_attention`` also ``[L, B, H, T, T]`` float32 attention logits;
+      with ``capture_mha`` also :class:`~jaxshare.model.block.MHAActivations` of ``[L, B, T, D]`` arrays (compute
+      dtype).
+
+    Raises:
+      ValueError: both captures requested.
     """
+    if capture_attention and capture_mha:
+      raise ValueError("capture_attention and capture_mha are exclusive: request one per forward pass")
+    capture = "logits" if capture_attention else "mha" if capture_mha else None
     b, t = tokens.shape
     if positions is None:
       positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
@@ -133,7 +143,7 @@ class Transformer(nnx.Module):
     for seg, (start, count, size) in zip(self.segments, self.segment_spans):
       kernels = None if all_kernels is None else {
         m: w[start:start + count * size].reshape(count, size, *w.shape[1:]) for m, w in all_kernels.items()}
-      x, ys = seg(x, positions, segment_ids, capture_attention, kernels)
+      x, ys = seg(x, positions, segment_ids, capture, kernels)
       captured.extend(ys)
     x = self.final_norm(x)
     if self.lm_head is None:
@@ -142,4 +152,6 @@ class Transformer(nnx.Module):
       logits = self.lm_head(x)
     logits = parallel.constrain(logits.astype(jnp.float32), ("activation_batch", "activation_length",
                                                               "activation_vocab"))
-    return (logits, jnp.stack(captured)) if capture_attention else logits
+    if capture is None:
+      return logits
+    return logits, jax.tree.map(lambda *a: jnp.stack(a), *captured)

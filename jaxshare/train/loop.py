@@ -161,7 +161,8 @@ def train(cfg: Config, *, mesh=None, stop_after: int | None = None) -> dict[str,
                f"initialised from {tcfg.init_from}" if source is not None else "fresh start")
             + (f" | recipe {tcfg.recipe}, stage {stage}" if two_stage else ""))
   if source is not None and latest is None and setup.ties is None:
-    for line in init_report(source_params, source.schedule, state["params"], setup.schedule, init_kv_pool(cfg)):
+    for line in init_report(source_params, source.schedule, state["params"], setup.schedule, init_kv_pool(cfg),
+                            cfg.train.init_mlp_widen):
       log.print(f"init | {line}")
   log.print(f"MFU against {peak.label}; {flops_per_token / 1e6:.2f} MFLOP per trained token (model FLOPs)"
             if peak is not None else "MFU not shown: unknown accelerator peak (set train.peak_tflops)")

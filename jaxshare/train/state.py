@@ -18,7 +18,7 @@ from jaxshare.config import Config, ConfigError, MeshConfig, config_from_yaml_te
 from jaxshare.headwise import (POSTSHARE_PAIRS_FILE, HeadTies, dense_kernels, direct_share, load_pairs,
                                ties_from_pairs, tied_params_from_dense)
 from jaxshare.model import Transformer
-from jaxshare.convert.uptrain import convert_kv
+from jaxshare.convert.uptrain import convert_kv, init_low_rank, widen_mlp
 from jaxshare.model.params import copy_shared_weights
 from jaxshare.schedule import Schedule, compile_schedule
 from jaxshare.train.checkpoint import CheckpointError, Checkpointer
@@ -167,6 +167,8 @@ def _fresh_state(setup: RunSetup, seed: int, from_params: tuple[dict, Schedule] 
   if from_params is not None and setup.ties is None:
     params = copy_shared_weights(from_params[0], from_params[1], params, setup.schedule)
     params = convert_kv(from_params[0], from_params[1], params, setup.schedule, kv_pool=init_kv_pool(setup.cfg))
+    params = widen_mlp(from_params[0], from_params[1], params, setup.schedule, rule=setup.cfg.train.init_mlp_widen)
+    params = init_low_rank(params, setup.schedule)
   elif from_params is not None:  # DirectShare uptraining: the head table from the source's tied heads
     params = tied_params_from_dense(from_params[0], params, setup.ties, from_params[1])
   return {"params": params, "opt_state": setup.tx.init(params), "step": jnp.zeros((), jnp.int32)}
