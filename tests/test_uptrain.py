@@ -177,7 +177,10 @@ def test_converted_lisa_starts_as_ds(corpus, kind):
   lines = init_report(src, src_setup.schedule, dst, setup.schedule, "mean")
   assert any(line.startswith("layers [1, 2, 3] attn/k_lr: zero") for line in lines)
   fresh = init_state(setup)["params"]  # from scratch nothing is zeroed
-  assert np.abs(np.asarray(P.layer_params(fresh, setup.schedule, 1)["attn"]["k_lr"]["kernel"])).max() > 0
+  k_lr = np.asarray(P.layer_params(fresh, setup.schedule, 1)["attn"]["k_lr"]["kernel"])
+  assert np.abs(k_lr).max() > 0
+  again = init_state(setup, from_params=(fresh, setup.schedule))["params"]  # a LISA source's k_lr is kept
+  np.testing.assert_array_equal(np.asarray(P.layer_params(again, setup.schedule, 1)["attn"]["k_lr"]["kernel"]), k_lr)
 
 
 def test_cli_uptrain_into_uniattn_fits_wc_on_calibration_batches(tmp_path, capsys):

@@ -162,16 +162,22 @@ def widened_layers(src: dict, src_schedule: Schedule, dst: dict, dst_schedule: S
   return out
 
 
-def init_low_rank(dst: dict, dst_schedule: Schedule) -> dict:
-  """``dst`` with every LISA layer's ``k_lr`` zeroed (``A_delta = 0``: the layer starts as DS; see the module
-  docstring). Traceable."""
+def init_low_rank(src: dict, src_schedule: Schedule, dst: dict, dst_schedule: Schedule) -> dict:
+  """``dst`` with ``k_lr`` zeroed in every LISA layer the source has no low-rank K for (``A_delta = 0``: the layer
+  starts as DS; see the module docstring); a LISA source's trained ``k_lr`` stays as copied. Traceable."""
   out = dst
   for plan in dst_schedule.layers:
     layer = P.layer_params(out, dst_schedule, plan.index)
-    if "k_lr" in layer["attn"]:
+    if "k_lr" in layer["attn"] and not _same_shapes(P.layer_params(src, src_schedule, plan.index)["attn"].get("k_lr"),
+                                                    layer["attn"]["k_lr"]):
       attn = {**layer["attn"], "k_lr": jax.tree.map(jnp.zeros_like, layer["attn"]["k_lr"])}
       out = P.replace_layer(out, dst_schedule, plan.index, {**layer, "attn": attn})
   return out
+
+
+def _same_shapes(a, b) -> bool:
+  return a is not None and jax.tree.structure(a) == jax.tree.structure(b) and all(
+    x.shape == y.shape for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 
 def kv_report(src_schedule: Schedule, dst_schedule: Schedule, kv_pool: str) -> list[str]:
@@ -205,8 +211,7 @@ def init_report(src: dict, src_schedule: Schedule, dst: dict, dst_schedule: Sche
   for key in dst:
     if key == "segments":
       continue
-    same = key in src and jax.tree.structure(src[key]) == jax.tree.structure(dst[key]) and all(
-      a.shape == b.shape for a, b in zip(jax.tree.leaves(src[key]), jax.tree.leaves(dst[key])))
+    same = _same_shapes(src.get(key), dst[key])
     copied, new = (copied + len(jax.tree.leaves(dst[key])), new) if same else (copied, new + [key])
   for layer in range(len(dst_schedule.layers)):
     d = _shapes(jax.eval_shape(lambda: P.layer_params(dst, dst_schedule, layer)))
@@ -216,11 +221,10 @@ def init_report(src: dict, src_schedule: Schedule, dst: dict, dst_schedule: Sche
         continue
       if path.startswith("mlp/") and layer in widened:
         continue
-      if path.startswith("attn/k_lr/"):
-        low_rank.append(layer)
-        continue
       if s.get(path) == shape:
         copied += 1
+      elif path.startswith("attn/k_lr/"):
+        low_rank.append(layer)
       else:
         new.append(f"layer {layer} {path}")
   lines = [f"{copied} tensors copied (same layer, name and shape)", *kv_report(src_schedule, dst_schedule, kv_pool)]

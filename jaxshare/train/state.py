@@ -168,7 +168,7 @@ def _fresh_state(setup: RunSetup, seed: int, from_params: tuple[dict, Schedule] 
     params = copy_shared_weights(from_params[0], from_params[1], params, setup.schedule)
     params = convert_kv(from_params[0], from_params[1], params, setup.schedule, kv_pool=init_kv_pool(setup.cfg))
     params = widen_mlp(from_params[0], from_params[1], params, setup.schedule, rule=setup.cfg.train.init_mlp_widen)
-    params = init_low_rank(params, setup.schedule)
+    params = init_low_rank(from_params[0], from_params[1], params, setup.schedule)
   elif from_params is not None:  # DirectShare uptraining: the head table from the source's tied heads
     params = tied_params_from_dense(from_params[0], params, setup.ties, from_params[1])
   return {"params": params, "opt_state": setup.tx.init(params), "step": jnp.zeros((), jnp.int32)}
