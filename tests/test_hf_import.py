@@ -3,6 +3,7 @@ PyTorch on real corpus text, for each architecture option; unsupported configs a
 
 import json
 
+import jax
 import numpy as np
 import pytest
 from flax import nnx
@@ -162,3 +163,22 @@ def test_cli_refuses_bad_input_with_exit_code_2(tmp_path, capsys):
   assert main(["import", str(tmp_path / "hf"), str(tmp_path / "run")]) == 2
   assert "no config.json" in capsys.readouterr().err
   assert not (tmp_path / "run").exists()
+
+
+def test_a_converted_run_trains_in_its_own_directory(tmp_path):
+  """write_run stores parameters only; training in that directory starts a fresh optimizer from them at step 0,
+  exactly as train.init_from=<that run> does in a new directory."""
+  from conftest import tiny_config
+  from jaxshare.convert.run_dir import write_run
+  from jaxshare.train.loop import train
+  from jaxshare.train.state import init_state, setup_run
+
+  cfg = tiny_config("train.steps=3", "train.eval_every=3", "train.checkpoint_every=3")
+  setup = setup_run(cfg)
+  write_run(tmp_path / "in_place", cfg, setup, jax.tree.map(np.asarray, init_state(setup, seed=5)["params"]))
+  in_place = train(tiny_config("train.steps=3", "train.eval_every=3", "train.checkpoint_every=3",
+                               f"train.run_dir={tmp_path / 'in_place'}"))
+  fresh_dir = train(tiny_config("train.steps=3", "train.eval_every=3", "train.checkpoint_every=3",
+                                f"train.run_dir={tmp_path / 'new'}", f"train.init_from={tmp_path / 'in_place'}/checkpoints/0"))
+  assert in_place["step"] == fresh_dir["step"] == 3
+  np.testing.assert_allclose(in_place["val_loss"], fresh_dir["val_loss"], rtol=1e-5)

@@ -12,8 +12,8 @@ import json
 import shutil
 from pathlib import Path
 
-import jax.numpy as jnp
-from safetensors.flax import save_file
+import numpy as np
+from safetensors.numpy import save_file
 
 from jaxshare.config import Config
 from jaxshare.convert import native
@@ -68,7 +68,8 @@ def export_params(cfg: Config, schedule: Schedule, params: dict, out_dir: str | 
       config.update(bos_token_id=None, eos_token_id=0, pad_token_id=0)
   else:
     tensors, config = native.flatten(params), native.config_json(cfg)
-  save_file({k: jnp.asarray(v) for k, v in tensors.items()}, out / SINGLE_FILE, metadata={"format": "pt"})
+  # safetensors.numpy writes straight from each array's buffer (the flax variant would copy the model first)
+  save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, out / SINGLE_FILE, metadata={"format": "pt"})
   (out / "config.json").write_text(json.dumps(config, indent=2))
   if tokenizer_dir is not None:
     for name in TOKENIZER_FILES:

@@ -106,7 +106,8 @@ def _set(tree: dict, path: str, value) -> None:
 
 def hf_to_params(arch: Architecture, cfg, dims: Dims, schedule, template: dict, read, names: Sequence[str], *,
                  progress: bool = False) -> dict:
-  """Fill a copy of ``template`` (a pure-dict parameter tree of the target model) from HF tensors.
+  """Fill ``template`` (a pure-dict tree of writable NumPy arrays, the target model's parameters) in place from HF
+  tensors, one tensor at a time (no second copy of the model is made).
 
   Args:
     read: ``read(name, shape) -> np.ndarray`` (e.g. :meth:`HFCheckpoint.read`, which checks the shape).
@@ -119,7 +120,7 @@ def hf_to_params(arch: Architecture, cfg, dims: Dims, schedule, template: dict, 
   Raises:
     UnsupportedModelError: tensors the table does not know (unexpected tensors).
   """
-  out = {k: _to_numpy(v) for k, v in template.items()}
+  out = template
   used: set[str] = set()
 
   def apply(rule: Rule, fmt: dict, dst: dict, index=None):
@@ -173,9 +174,3 @@ def params_to_hf(arch: Architecture, cfg, dims: Dims, schedule, params: dict) ->
     for rule in arch.layer_rules(cfg):
       emit(rule, {"i": layer}, [np.asarray(_get(layer_tree, p)) for p in rule.paths])
   return tensors
-
-
-def _to_numpy(tree):
-  if isinstance(tree, dict):
-    return {k: _to_numpy(v) for k, v in tree.items()}
-  return np.array(tree)

@@ -1,5 +1,5 @@
-"""Writing converted parameters as a jaxshare run directory: ``config.yaml``, an orbax checkpoint at step 0 (fresh
-optimizer state) and the tokenizer, so that ``train.py train.init_from=<dir>``, ``eval.py`` and the analysis CLI
+"""Writing converted parameters as a jaxshare run directory: ``config.yaml``, an orbax checkpoint of the parameters
+at step 0 and the tokenizer, so that ``train.py train.init_from=<dir>``, ``eval.py`` and the analysis CLI
 read it like a trained run."""
 
 from __future__ import annotations
@@ -9,11 +9,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 
 from jaxshare.config import Config, to_yaml
 from jaxshare.convert.mapping import UnsupportedModelError
-from jaxshare.train.checkpoint import Checkpointer
+from jaxshare.train.checkpoint import PARAMS_ONLY, Checkpointer
 
 TOKENIZER_DIR = "tokenizer"
 
@@ -43,10 +42,11 @@ def write_run(run_dir: str | Path, cfg: Config, setup, params: dict, *, tokenize
     cfg.data.tokenizer = str(run_dir / TOKENIZER_DIR)
   cfg.train.run_dir = str(run_dir)
   (run_dir / "config.yaml").write_text(to_yaml(cfg))
-  params = jax.tree.map(jnp.asarray, params)
-  state = {"params": params, "opt_state": setup.tx.init(params), "step": jnp.zeros((), jnp.int32)}
+  # parameters only (no optimizer moments: two more copies of the model); load_run and train.init_from read just
+  # the parameters, and a run resumed in this directory starts a fresh optimizer (train/loop.py)
+  state = {"params": params}
   ckpt = Checkpointer(run_dir / "checkpoints", cfg.train.keep_checkpoints)
-  ckpt.save(0, state, None, {"step": 0, "stage": 0, **(meta or {})})
+  ckpt.save(0, state, None, {"step": 0, "stage": 0, PARAMS_ONLY: True, **(meta or {})})
   ckpt.wait()
   ckpt.close()
   return run_dir

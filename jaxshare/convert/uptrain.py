@@ -244,6 +244,15 @@ def _shapes(tree: dict) -> dict[str, tuple[int, ...]]:
   return {path: tuple(v.shape) for path, v in P.flat_leaves(tree).items()}
 
 
+def _without_compensation(line: str) -> str:
+  """A report line with the W_c entries dropped from its list of fresh tensors (they are fitted afterwards)."""
+  if not line.startswith("NEW"):
+    return line
+  head, entries = line.split(": ", 1)
+  kept = [e for e in entries.split(", ") if not e.endswith("compensation/kernel")]
+  return f"{head}: {', '.join(kept)}" if kept else ""
+
+
 def uptrain_run(src_run, out_run, overrides, *, calibration_batches: int = 8, wc_fit: str = "mean") -> list[str]:
   """Convert a run into another schedule and write it as a new run directory (step 0); returns the report lines.
 
@@ -272,10 +281,12 @@ def uptrain_run(src_run, out_run, overrides, *, calibration_batches: int = 8, wc
                       cfg.train.init_mlp_widen) \
     if setup.ties is None else ["head-wise sharing: DirectShare's tying of the source's heads (jaxshare/headwise.py)"]
   if calibration_batches and any(p.compensation for p in setup.schedule.layers):
+    lines = [_without_compensation(line) for line in lines]
     data = Datasets(cfg.data, cfg.train.batch_size, process_index=0, process_count=1)
     batches = list(itertools.islice(data.train_iter(), calibration_batches))
     params, fits, losses = calibrate_compensation((src_setup.graphdef, src_params), (setup.graphdef, params),
                                                   setup.schedule, batches, fit=wc_fit)
     lines += format_fits(fits, losses, wc_fit)
   write_run(out_run, cfg, setup, params, meta={"uptrained_from": str(src_run), "source_step": step})
-  return [f"{src_setup.schedule.describe()} -> {setup.schedule.describe()}", *lines, f"written to {out_run}"]
+  return [f"{src_setup.schedule.describe()} -> {setup.schedule.describe()}", *filter(None, lines),
+          f"written to {out_run}"]

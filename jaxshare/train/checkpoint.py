@@ -13,6 +13,9 @@ class CheckpointError(RuntimeError):
   """A checkpoint that is corrupt or does not match the run's config."""
 
 
+PARAMS_ONLY = "params_only"  # meta key of a checkpoint holding only the parameters (a converted model at step 0)
+
+
 class Checkpointer:
   """``CheckpointManager`` over ``<run_dir>/checkpoints`` with items ``state``, ``data`` and ``meta``."""
 
@@ -48,6 +51,24 @@ class Checkpointer:
         f"checkpoint {self.directory / str(step)} could not be restored: it is corrupt or was written by a run with "
         f"a different model/schedule ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from e
     return restored["state"], restored["meta"]
+
+  def restore_params(self, step: int, abstract_params: Any) -> Any:
+    """Restore only ``state["params"]`` at ``step`` (orbax partial restore: the optimizer state is never read, so
+    loading a model for evaluation or conversion costs one copy of its weights).
+
+    Raises:
+      CheckpointError: files missing or corrupt, or shapes that do not match the configured model.
+    """
+    target = {"params": abstract_params}
+    args = ocp.args.PyTreeRestore(target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+                                  partial_restore=True)
+    try:  # a standalone reader: the manager's "state" item stays bound to StandardSave/Restore
+      with ocp.PyTreeCheckpointer() as reader:
+        return reader.restore(self.directory / str(step) / "state", args=args)["params"]
+    except Exception as e:  # orbax/tensorstore raise many types for bad files
+      raise CheckpointError(
+        f"checkpoint {self.directory / str(step)} could not be restored: it is corrupt or was written by a run with "
+        f"a different model/schedule ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from e
 
   def read_meta(self, step: int) -> dict:
     """The ``meta`` item (step, recipe stage) of a checkpoint, without restoring arrays.

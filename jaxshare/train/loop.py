@@ -9,13 +9,14 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxshare import accounting, parallel
 from jaxshare.config import Config, ConfigError, config_from_yaml_text, to_yaml
 from jaxshare.convert.uptrain import init_report
 from jaxshare.data import Datasets
-from jaxshare.train.checkpoint import Checkpointer
+from jaxshare.train.checkpoint import PARAMS_ONLY, Checkpointer
 from jaxshare.train.metrics import MetricsLogger, resolve_peak
 from jaxshare.train.recipes import Stage1Monitor, build_objective
 from jaxshare.train.state import (RunSetup, abstract_state, init_kv_pool, init_state, load_run, setup_run,
@@ -133,7 +134,11 @@ def train(cfg: Config, *, mesh=None, stop_after: int | None = None) -> dict[str,
   (run_dir / "config.yaml").write_text(to_yaml(cfg))
 
   data_iter = data.train_iter()
-  if latest is not None:
+  if latest is not None and meta.get(PARAMS_ONLY):  # a converted model (convert/run_dir.py): a fresh optimizer
+    params = ckpt.restore_params(latest, abstract_state(setup)["params"])
+    state = jax.jit(lambda p: {"params": p, "opt_state": setup.tx.init(p), "step": jnp.asarray(latest, jnp.int32)},
+                    out_shardings=setup.state_shardings)(params)
+  elif latest is not None:
     state, _ = ckpt.restore(latest, abstract_state(setup), data_iter)
   elif source is not None:
     state = init_state(setup, from_params=(source_params, source.schedule))

@@ -240,6 +240,6 @@ def load_run(path: str | Path) -> tuple[Config, RunSetup, dict, int]:
     raise CheckpointError(f"run directory {str(run_dir)!r} has no checkpoint yet")
   stage = ckpt.read_meta(step).get("stage", 0)
   setup = setup_run(cfg, parallel.make_mesh(cfg.mesh, jax.devices()[:1]), trainable_for(cfg, stage))
-  state, _ = ckpt.restore(step, abstract_state(setup), None)
+  params = ckpt.restore_params(step, abstract_state(setup)["params"])
   ckpt.close()
-  return cfg, setup, state["params"], int(step)
+  return cfg, setup, params, int(step)
