@@ -11,7 +11,6 @@ Usage: python scripts/bench_convert.py [--layers 8 --d-model 1024] [--dtype bflo
 from __future__ import annotations
 
 import argparse
-import resource
 import subprocess
 import sys
 import tempfile
