@@ -134,10 +134,11 @@ def test_cli_import_writes_a_run_that_eval_and_uptraining_read(tmp_path, corpus)
   hf, run = tmp_path / "hf", tmp_path / "run"
   model = _save(hf, "neox_partial_rotary")
   assert main(["import", str(hf), str(run), "data.seq_len=32"]) == 0
-  _, _, want = load_hf_model(hf)
+  _, _, want = load_hf_model(hf)  # anonymous memory here, disk-backed in the CLI: the same values
   cfg, _, params, step = load_run(run)
   assert step == 0 and cfg.model.flavor == "neox" and cfg.model.rotary_pct == 0.25
   jax.tree.map(np.testing.assert_array_equal, params, want)
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "run"]  # the disk-backed scratch arrays are gone
   assert np.isfinite(evaluate_run(run, max_batches=2, sample_tokens=4)["val_loss"])
 
   # uptraining from it: the first step's loss (computed before the update) is PyTorch's loss on that batch

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
+from pathlib import Path
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -57,10 +59,14 @@ def main(argv: list[str] | None = None) -> int:
 
   try:
     if args.command == "import":
-      cfg, setup, params = load_hf_model(args.hf_dir, args.overrides, progress=True)
       ckpt = HFCheckpoint(args.hf_dir)
-      run = write_run(args.run_dir, cfg, setup, params, tokenizer_files=ckpt.tokenizer_files(),
-                      meta={"imported_from": str(args.hf_dir), "architecture": ckpt.architecture})
+      out = Path(args.run_dir).absolute()
+      out.parent.mkdir(parents=True, exist_ok=True)
+      with tempfile.TemporaryDirectory(prefix=".import-", dir=out.parent) as scratch:  # disk-backed parameters
+        cfg, setup, params = load_hf_model(ckpt, args.overrides, progress=True, scratch_dir=scratch)
+        run = write_run(out, cfg, setup, params, tokenizer_files=ckpt.tokenizer_files(),
+                        meta={"imported_from": str(args.hf_dir), "architecture": ckpt.architecture})
+        del params
       print(f"imported {ckpt.architecture} ({setup.num_params:,} parameters, {setup.schedule.describe()}) "
             f"into {run}")
     elif args.command == "uptrain":
@@ -68,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
                               wc_fit=args.wc_fit):
         print(line)
     else:
-      arch, why_native = export_run(args.run_dir, args.hf_dir)
+      arch, why_native = export_run(args.run_dir, args.hf_dir, progress=True)
       print(f"exported {args.run_dir} as {arch} into {args.hf_dir}"
             + (f" (jaxshare layout: {why_native}; transformers cannot load it)" if why_native else ""))
   except (HFCheckpointError, UnsupportedModelError, ConfigError, CheckpointError, DataError, FileExistsError) as e:

@@ -62,6 +62,7 @@ class HFCheckpoint:
     for name, file in self._file_of.items():
       if name not in self._headers[file]:
         raise HFCheckpointError(f"{INDEX_FILE} places tensor {name!r} in {file}, which does not contain it")
+    self._open: dict[str, object] = {}
 
   def _locate_weights(self) -> dict[str, str]:
     index = self.directory / INDEX_FILE
@@ -120,8 +121,10 @@ class HFCheckpoint:
     if shape is not None and tuple(shape) != stored:
       raise HFCheckpointError(f"tensor {name!r} has shape {list(stored)} ({dtype}) in {str(self.directory)!r}, "
                               f"expected {list(shape)}")
-    with safetensors.safe_open(self.directory / self._file_of[name], framework="flax") as f:
-      return np.asarray(f.get_tensor(name))
+    file = self._file_of[name]
+    if file not in self._open:  # one memory-mapped handle per shard, opened on first use
+      self._open[file] = safetensors.safe_open(self.directory / file, framework="flax")
+    return np.asarray(self._open[file].get_tensor(name))
 
   def tensors(self) -> Iterator[tuple[str, np.ndarray]]:
     """``(name, array)`` for every tensor, one at a time, in name order."""

@@ -50,8 +50,9 @@ def hf_incompatibility(cfg: Config, schedule: Schedule) -> str | None:
 
 
 def export_params(cfg: Config, schedule: Schedule, params: dict, out_dir: str | Path, *,
-                  tokenizer_dir: str | Path | None = None) -> str:
-  """Write ``params`` as an HF directory; returns the ``architectures[0]`` written.
+                  tokenizer_dir: str | Path | None = None, progress: bool = False) -> str:
+  """Write ``params`` as an HF directory; returns the ``architectures[0]`` written (``progress``: a bar over the
+  layers).
 
   Raises:
     FileExistsError: ``out_dir`` exists and is not empty.
@@ -62,7 +63,7 @@ def export_params(cfg: Config, schedule: Schedule, params: dict, out_dir: str | 
   out.mkdir(parents=True, exist_ok=True)
   if hf_incompatibility(cfg, schedule) is None:
     arch = LLAMA if cfg.model.flavor == "llama" else NEOX
-    tensors = params_to_hf(arch, cfg, dims(cfg), schedule, params)
+    tensors = params_to_hf(arch, cfg, dims(cfg), schedule, params, progress=progress)
     config = arch.hf_config(cfg)
     if tokenizer_dir is None:  # the byte tokenizer: EOS (and padding) is byte 0
       config.update(bos_token_id=None, eos_token_id=0, pad_token_id=0)
@@ -78,7 +79,7 @@ def export_params(cfg: Config, schedule: Schedule, params: dict, out_dir: str | 
   return config["architectures"][0]
 
 
-def export_run(run: str | Path, out_dir: str | Path) -> tuple[str, str | None]:
+def export_run(run: str | Path, out_dir: str | Path, *, progress: bool = False) -> tuple[str, str | None]:
   """Export a run's latest checkpoint; returns ``(architecture written, why not a transformers class or None)``.
 
   Raises:
@@ -88,5 +89,5 @@ def export_run(run: str | Path, out_dir: str | Path) -> tuple[str, str | None]:
 
   cfg, setup, params, _ = load_run(run)
   tokenizer = None if cfg.data.tokenizer == "byte" else cfg.data.tokenizer
-  arch = export_params(cfg, setup.schedule, params, out_dir, tokenizer_dir=tokenizer)
+  arch = export_params(cfg, setup.schedule, params, out_dir, tokenizer_dir=tokenizer, progress=progress)
   return arch, hf_incompatibility(cfg, setup.schedule)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -40,15 +41,19 @@ def dims(cfg: Config) -> Dims:
               F=m.mlp_dim, V=m.vocab_size)
 
 
-def load_hf_model(directory: str | Path, overrides: Sequence[str] = (), *, progress: bool = False
-                  ) -> tuple[Config, object, dict]:
+def load_hf_model(directory: str | Path | HFCheckpoint, overrides: Sequence[str] = (), *, progress: bool = False,
+                  scratch_dir: str | Path | None = None) -> tuple[Config, object, dict]:
   """Read an HF directory into ``(config, run setup, parameters)``; parameters are a pure dict of NumPy arrays in
-  the config's ``param_dtype`` (float32 unless overridden), every leaf converted from a named HF tensor.
+  the config's ``param_dtype`` (float32 unless overridden), every leaf converted from a named HF tensor, one tensor
+  at a time.
 
   Args:
-    directory: a local HF model directory (see :class:`HFCheckpoint`).
+    directory: a local HF model directory, or one already opened (see :class:`HFCheckpoint`).
     overrides: further jaxshare config overrides (``train.*``, ``data.*``; model fields come from the checkpoint).
     progress: show a progress bar over the layers.
+    scratch_dir: back the parameters by ``.npy`` memory maps in this (existing) directory instead of anonymous
+      memory: filled pages are written back to disk and can be evicted, so converting a model larger than RAM
+      holds only the tensor being converted (the caller deletes the files once done with the arrays).
 
   Raises:
     HFCheckpointError: unreadable directory, missing or mis-shaped tensors.
@@ -56,20 +61,26 @@ def load_hf_model(directory: str | Path, overrides: Sequence[str] = (), *, progr
   """
   from jaxshare.train.state import setup_run
 
-  ckpt = HFCheckpoint(directory)
+  ckpt = directory if isinstance(directory, HFCheckpoint) else HFCheckpoint(directory)
   if ckpt.architecture == native.ARCHITECTURE:  # a jaxshare model with a sharing schedule, exported by us
     cfg = apply_overrides(native.read_config(ckpt.config), overrides)
     setup = setup_run(cfg)
-    return cfg, setup, native.fill(_template(setup), ckpt.read, ckpt.names())
+    return cfg, setup, native.fill(_template(setup, scratch_dir), ckpt.read, ckpt.names())
   arch = architecture_for(ckpt)
   cfg = load_config(None, arch.config_overrides(ckpt.config) + list(overrides))
   setup = setup_run(cfg)
-  params = hf_to_params(arch, cfg, dims(cfg), setup.schedule, _template(setup), ckpt.read, ckpt.names(),
+  params = hf_to_params(arch, cfg, dims(cfg), setup.schedule, _template(setup, scratch_dir), ckpt.read, ckpt.names(),
                         progress=progress)
   return cfg, setup, params
 
 
-def _template(setup) -> dict:
+def _template(setup, scratch_dir: str | Path | None = None) -> dict:
+  """Zero parameter arrays of the model (lazily allocated pages, or ``.npy`` memory maps in ``scratch_dir``)."""
   from jaxshare.train.state import abstract_state
 
-  return jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), abstract_state(setup)["params"])
+  abstract = abstract_state(setup)["params"]
+  if scratch_dir is None:
+    return jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), abstract)
+  index = itertools.count()
+  return jax.tree.map(lambda s: np.lib.format.open_memmap(Path(scratch_dir) / f"{next(index)}.npy", mode="w+",
+                                                          dtype=s.dtype, shape=s.shape), abstract)

@@ -158,8 +158,9 @@ def hf_to_params(arch: Architecture, cfg, dims: Dims, schedule, template: dict, 
   return out
 
 
-def params_to_hf(arch: Architecture, cfg, dims: Dims, schedule, params: dict) -> dict[str, np.ndarray]:
-  """The HF state dict of a parameter tree (NumPy arrays in the tree's dtypes)."""
+def params_to_hf(arch: Architecture, cfg, dims: Dims, schedule, params: dict, *, progress: bool = False
+                 ) -> dict[str, np.ndarray]:
+  """The HF state dict of a parameter tree (NumPy arrays in the tree's dtypes); ``progress``: a bar over layers."""
   tensors: dict[str, np.ndarray] = {}
 
   def emit(rule: Rule, fmt: dict, leaves: list[np.ndarray]):
@@ -169,7 +170,7 @@ def params_to_hf(arch: Architecture, cfg, dims: Dims, schedule, params: dict) ->
 
   for rule in arch.global_rules(cfg):
     emit(rule, {}, [np.asarray(_get(params, p)) for p in rule.paths])
-  for layer in range(cfg.model.num_layers):
+  for layer in tqdm(range(cfg.model.num_layers), desc="layers", disable=not progress, dynamic_ncols=True):
     layer_tree = P.layer_params(params, schedule, layer)
     for rule in arch.layer_rules(cfg):
       emit(rule, {"i": layer}, [np.asarray(_get(layer_tree, p)) for p in rule.paths])

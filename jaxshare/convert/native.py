@@ -35,21 +35,16 @@ def read_config(config: dict) -> Config:
 
 
 def fill(template: dict, read, names: list[str]) -> dict:
-  """The parameter tree of ``template``'s structure with every leaf read by its path (shape checked by ``read``).
+  """``template`` (a tree of writable NumPy arrays) filled in place, every leaf read by its path (shape checked by
+  ``read``), one tensor at a time.
 
   Raises:
     UnsupportedModelError: tensors in the file that the model has no parameter for.
   """
-  wanted = flatten(template)
+  wanted = P.flat_leaves(template)
   extra = sorted(set(names) - set(wanted))
   if extra:
     raise UnsupportedModelError(f"the file has tensors this jaxshare config has no parameter for: {extra[:8]}")
-  leaves = {name: read(name, arr.shape).astype(arr.dtype) for name, arr in wanted.items()}
-  return _unflatten_like(template, leaves)
-
-
-def _unflatten_like(template: dict, leaves: dict, prefix: str = "") -> dict:
-  return {k: _unflatten_like(v, leaves, f"{prefix}{k}/") if isinstance(v, dict) else leaves[f"{prefix}{k}"]
-          for k, v in template.items()}
-
-
+  for name, arr in wanted.items():
+    arr[...] = read(name, arr.shape)
+  return template

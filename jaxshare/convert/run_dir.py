@@ -8,7 +8,6 @@ import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
-
 from jaxshare.config import Config, to_yaml
 from jaxshare.convert.mapping import UnsupportedModelError
 from jaxshare.train.checkpoint import PARAMS_ONLY, Checkpointer
