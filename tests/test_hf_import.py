@@ -11,6 +11,7 @@ from flax import nnx
 from jaxshare.convert.hf_import import load_hf_model
 from jaxshare.evaluation.evaluate import greedy_sample
 from jaxshare.convert.mapping import UnsupportedModelError
+from jaxshare.model import params as P
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -183,3 +184,26 @@ def test_a_converted_run_trains_in_its_own_directory(tmp_path):
                                 f"train.run_dir={tmp_path / 'new'}", f"train.init_from={tmp_path / 'in_place'}/checkpoints/0"))
   assert in_place["step"] == fresh_dir["step"] == 3
   np.testing.assert_allclose(in_place["val_loss"], fresh_dir["val_loss"], rtol=1e-5)
+
+
+def test_directshare_ties_the_heads_of_an_imported_model(tmp_path, capsys):
+  """DirectShare on an imported HF model: ties selected on the imported weights, every tied head's W_q/W_k/W_v the
+  imported weights of its representative (a stored row holds its own head's imported weights)."""
+  from jaxshare.convert.__main__ import main
+  from jaxshare.headwise import MATRICES
+  from jaxshare.train.state import load_run
+
+  hf, run, tied = tmp_path / "hf", tmp_path / "run", tmp_path / "tied"
+  _save(hf, "llama_head_dim")  # MHA (head-wise sharing ties bias-free projections)
+  assert main(["import", str(hf), str(run), "data.seq_len=32"]) == 0
+  assert main(["uptrain", str(run), str(tied), "schedule.kind=headwise", "schedule.headwise.ratio=0.3"]) == 0
+  assert "DirectShare" in capsys.readouterr().out
+  _, src_setup, src, _ = load_run(run)
+  _, setup, params, _ = load_run(tied)
+  assert setup.ties is not None and setup.schedule.tied_heads == round(0.3 * 4 * 3 * 4 / 3)
+  for m in MATRICES:
+    table = np.asarray(params["head_table"][m])
+    for row, (layer, head) in enumerate(setup.ties.rows[m]):
+      kernel = np.asarray(P.layer_params(src, src_setup.schedule, layer)["attn"][f"{m}_proj"]["kernel"])
+      np.testing.assert_array_equal(table[row], kernel[:, head, :])
+    assert len(setup.ties.rows[m]) == 3 * 4 - setup.schedule.tied_heads
