@@ -36,6 +36,17 @@ def test_causal_softmax_rows_are_causal_distributions():
     sim.causal_softmax(np.zeros((3, 4)))
 
 
+def test_causal_softmax_respects_a_sliding_window():
+  logits = np.random.default_rng(1).normal(size=(2, 7, 7))
+  p = sim.causal_softmax(logits, window=3)
+  t, s = np.arange(7)[:, None], np.arange(7)[None, :]
+  inside = (s <= t) & (t - s < 3)
+  assert np.all(p[:, ~inside] == 0)
+  np.testing.assert_allclose(p.sum(-1), 1.0, rtol=1e-12)
+  e = np.where(inside, np.exp(logits), 0.0)
+  np.testing.assert_allclose(p, e / e.sum(-1, keepdims=True), rtol=1e-12)
+
+
 def test_js_divergence_is_zero_symmetric_and_bounded_by_ln2():
   rng = np.random.default_rng(1)
   p, q = rng.dirichlet(np.ones(6), size=50), rng.dirichlet(np.ones(6), size=50)

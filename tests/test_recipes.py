@@ -50,6 +50,20 @@ def test_distillation_loss_values():
   assert float(distillation_loss(b, a, seg, 1.0)) == pytest.approx(2.5 / 3)
 
 
+
+def test_distillation_ignores_cells_outside_the_sliding_window():
+  rng = np.random.default_rng(0)
+  student, teacher = (jnp.asarray(rng.normal(size=(2, 1, 3, 6, 6)), jnp.float32) for _ in range(2))
+  seg = jnp.ones((1, 6), jnp.int32)
+  t, s = np.arange(6)[:, None], np.arange(6)[None, :]
+  cells = (s <= t) & (t - s < 3)  # window 3: the query and the two keys before it
+  d = np.abs(np.asarray(student) - np.asarray(teacher))
+  huber = np.where(d <= 1.0, 0.5 * d ** 2, d - 0.5)  # Huber, delta 1
+  want = huber[..., cells].mean()
+  assert float(distillation_loss(student, teacher, seg, 1.0, window=3)) == pytest.approx(want, rel=1e-5)
+  assert float(distillation_loss(student, teacher, seg, 1.0)) == pytest.approx(huber[..., s <= t].mean(), rel=1e-5)
+
+
 def test_lisa_uptraining_with_distillation_trains_only_new_modules(teacher, tmp_path):
   cfg = tiny_config("schedule.kind=lisa", "schedule.lisa.layers=[1,2]", "schedule.lisa.hidden=8",
                     f"train.init_from={teacher}", "train.kd_beta=0.25", "train.trainable=sharing",

@@ -77,7 +77,7 @@ def attention_probs(setup: RunSetup, params: dict, tokens: np.ndarray) -> np.nda
   def captured_logits(params, tokens):
     return nnx.merge(setup.graphdef, params)(tokens, capture_attention=True)[1]
 
-  return similarity.causal_softmax(np.asarray(captured_logits(params, tokens)))
+  return similarity.causal_softmax(np.asarray(captured_logits(params, tokens)), setup.cfg.model.sliding_window)
 
 
 def query_key_kernels(params: dict, schedule: Schedule) -> tuple[np.ndarray, np.ndarray] | None:

@@ -21,21 +21,24 @@ import math
 import numpy as np
 
 
-def causal_softmax(logits: np.ndarray) -> np.ndarray:
-  """Attention probabilities from unmasked logits: query ``t`` attends keys ``s <= t``.
+def causal_softmax(logits: np.ndarray, window: int = 0) -> np.ndarray:
+  """Attention probabilities from unmasked logits: query ``t`` attends keys ``s <= t`` (and ``t - s < window``
+  with a sliding ``window`` > 0, the model's ``model.sliding_window``).
 
   Args:
     logits: ``[..., T, T]`` float pre-softmax attention logits (already scaled by 1/sqrt(d)), e.g. the
       ``[L, B, H, T, T]`` that ``Transformer(..., capture_attention=True)`` returns.
 
   Returns:
-    Same shape and dtype; each row sums to 1 and is 0 above the diagonal.
+    Same shape and dtype; each row sums to 1 and is 0 above the diagonal (and before the window).
   """
   logits = np.asarray(logits)
   if logits.ndim < 2 or logits.shape[-1] != logits.shape[-2]:
     raise ValueError(f"logits has shape {logits.shape}: expected [..., T, T] (square in the last two axes)")
   t = logits.shape[-1]
   causal = np.tril(np.ones((t, t), bool))
+  if window:
+    causal &= np.triu(np.ones((t, t), bool), -(window - 1))
   masked = np.where(causal, logits, -np.inf)
   # Subtracting the row max keeps exp() finite; the diagonal is always unmasked, so the max is finite.
   e = np.exp(masked - masked.max(axis=-1, keepdims=True))

@@ -74,4 +74,5 @@ def build_objective(cfg: Config, setup: RunSetup, teacher: RunSetup | None, teac
       pairs = ties.pairs
   return Objective(kd_beta=t.kd_beta, kd_delta=t.kd_delta, kd_layers=kd_layers,
                    teacher_graphdef=teacher.graphdef if teacher is not None else None,
-                   postshare_gamma=t.postshare_gamma, postshare_pairs=pairs, schedule=setup.schedule)
+                   postshare_gamma=t.postshare_gamma, postshare_pairs=pairs, schedule=setup.schedule,
+                   window=cfg.model.sliding_window)

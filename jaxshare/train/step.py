@@ -31,6 +31,7 @@ class Objective:
     postshare_gamma / postshare_pairs / schedule: PostShare (Head-wise Shareable Attention, Sec. 3.3): ``gamma *
       L_w``, ``L_w = (1/|N|) sum_{(i,j) in N} sum_{m in q,k,v} ||W_i^m - W_j^m||_F`` over the selected head pairs
       (``{"q", "k", "v"}: ((head, matched earlier head), ...)``, flat indices ``layer * H + head``).
+    window: the model's sliding attention window (0: none); the distillation ignores cells outside it.
   """
 
   kd_beta: float = 0.0
@@ -40,6 +41,7 @@ class Objective:
   postshare_gamma: float = 0.0
   postshare_pairs: dict[str, tuple[tuple[int, int], ...]] | None = None
   schedule: Schedule | None = None
+  window: int = 0
 
 
 def _safe_norm(x: jax.Array) -> jax.Array:
@@ -63,9 +65,11 @@ def postshare_penalty(params: dict, schedule: Schedule, pairs: dict[str, tuple[t
   return total / max(n, 1)
 
 
-def distillation_loss(student: jax.Array, teacher: jax.Array, segment_ids: jax.Array, delta: float) -> jax.Array:
-  """Huber loss between ``[N, B, H, T, T]`` attention logits, averaged over causal same-document cells."""
-  mask = attention_mask(segment_ids, segment_ids, True)[None, :, None].astype(jnp.float32)
+def distillation_loss(student: jax.Array, teacher: jax.Array, segment_ids: jax.Array, delta: float,
+                      window: int = 0) -> jax.Array:
+  """Huber loss between ``[N, B, H, T, T]`` attention logits, averaged over the cells attention uses: causal,
+  same-document and, with a sliding ``window`` > 0 (``model.sliding_window``), within it."""
+  mask = attention_mask(segment_ids, segment_ids, True, window)[None, :, None].astype(jnp.float32)
   huber = optax.huber_loss(student, jax.lax.stop_gradient(teacher), delta=delta)
   return jnp.sum(huber * mask) / (jnp.sum(mask) * student.shape[0] * student.shape[2])
 
@@ -90,7 +94,8 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, lr
       teacher = nnx.merge(objective.teacher_graphdef, teacher_params)
       _, t_attn = teacher(mb["inputs"], mb["positions"], mb["segment_ids"], capture_attention=True)
       layers = np.asarray(objective.kd_layers)
-      kd_loss = distillation_loss(attn[layers], t_attn[layers], mb["segment_ids"], objective.kd_delta)
+      kd_loss = distillation_loss(attn[layers], t_attn[layers], mb["segment_ids"], objective.kd_delta,
+                                  objective.window)
     else:
       logits = model(mb["inputs"], mb["positions"], mb["segment_ids"])
       kd_loss = jnp.zeros((), jnp.float32)
