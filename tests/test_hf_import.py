@@ -207,3 +207,16 @@ def test_directshare_ties_the_heads_of_an_imported_model(tmp_path, capsys):
       kernel = np.asarray(P.layer_params(src, src_setup.schedule, layer)["attn"][f"{m}_proj"]["kernel"])
       np.testing.assert_array_equal(table[row], kernel[:, head, :])
     assert len(setup.ties.rows[m]) == 3 * 4 - setup.schedule.tied_heads
+
+
+def test_analysis_cli_reads_an_imported_run(tmp_path, corpus, capsys):
+  """python -m jaxshare.analysis on an imported Mistral (sliding window shorter than the windows analysed)."""
+  from jaxshare.analysis.__main__ import main as analyse
+  from jaxshare.convert.__main__ import main
+
+  hf, run, out = tmp_path / "hf", tmp_path / "run", tmp_path / "out"
+  _save(hf, "mistral_window")
+  assert main(["import", str(hf), str(run), "data.seq_len=32"]) == 0
+  assert analyse([str(run), "--text", str(corpus), "--out", str(out), "--samples", "2", "--seq-len", "16"]) == 0
+  assert "2 windows of 16 tokens" in capsys.readouterr().out
+  assert (out / "js_divergence.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
