@@ -194,7 +194,7 @@ def test_cli_uptrain_into_uniattn_fits_wc_on_calibration_batches(tmp_path, capsy
   assert main(["uptrain", str(tmp_path / "dense"), str(tmp_path / "uni"), *overrides,
                "--calibration-batches", "2"]) == 0
   out = capsys.readouterr().out
-  assert "W_c by least squares on calibration batches (UniAttn Thm 3.1 / Alg. 1, bottom-up, fit=mean)" in out
+  assert "W_c by least squares on calibration batches (UniAttn Thm 3.1 / Alg. 1, bottom-up, fit=tokens)" in out
   assert "layer 3 compensation: error" in out and "NEW" not in out
   _, setup, params, _ = load_run(tmp_path / "uni")
   w = np.asarray(P.layer_params(params, setup.schedule, 3)["compensation"]["kernel"])

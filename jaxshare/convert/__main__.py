@@ -42,9 +42,10 @@ def main(argv: list[str] | None = None) -> int:
   up.add_argument("--calibration-batches", type=int, default=8, metavar="N",
                   help="UniAttn: fit each W_c by least squares on the first N training batches (Thm 3.1 / Alg. 1, "
                   "bottom-up); 0 keeps W_c at zero (default: %(default)s)")
-  up.add_argument("--wc-fit", choices=("mean", "tokens"), default="mean",
-                  help="UniAttn W_c fit: mean (the paper's: sample means per position) or tokens (least squares over "
-                  "every calibration token) (default: %(default)s)")
+  up.add_argument("--wc-fit", choices=("mean", "tokens"), default="tokens",
+                  help="UniAttn W_c fit: tokens (least squares over every calibration token) or mean (the paper's "
+                  "v=1: sample means per position; when seq_len is not much larger than d_model it fits the mean "
+                  "error exactly with a W_c that fails on single tokens) (default: %(default)s)")
   args = parser.parse_args(argv)
 
   from jaxshare.config import ConfigError

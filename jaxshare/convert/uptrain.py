@@ -253,7 +253,7 @@ def _without_compensation(line: str) -> str:
   return f"{head}: {', '.join(kept)}" if kept else ""
 
 
-def uptrain_run(src_run, out_run, overrides, *, calibration_batches: int = 8, wc_fit: str = "mean") -> list[str]:
+def uptrain_run(src_run, out_run, overrides, *, calibration_batches: int = 8, wc_fit: str = "tokens") -> list[str]:
   """Convert a run into another schedule and write it as a new run directory (step 0); returns the report lines.
 
   The target config is the source's with ``overrides`` applied (``train.init_from`` set to the source), its
