@@ -48,6 +48,7 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--d-model", type=int, default=1024)
   parser.add_argument("--vocab", type=int, default=32000)
   parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+  parser.add_argument("--max-shard-gb", type=float, default=0.25, help="export shard size (GB)")
   args = parser.parse_args(argv)
   import torch
   from transformers import LlamaConfig, LlamaForCausalLM
@@ -64,7 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     del model
     base, base_anon, _ = peak_rss([sys.executable, "-c", "import jax, jax.numpy as jnp; jnp.zeros(1).block_until_ready()"])
     imp, imp_anon, t_imp = peak_rss([sys.executable, "-m", "jaxshare.convert", "import", str(tmp / "hf"), str(tmp / "run")])
-    exp, exp_anon, t_exp = peak_rss([sys.executable, "-m", "jaxshare.convert", "export", str(tmp / "run"), str(tmp / "out")])
+    exp, exp_anon, t_exp = peak_rss([sys.executable, "-m", "jaxshare.convert", "export", str(tmp / "run"),
+                                     str(tmp / "out"), "--max-shard-gb", str(args.max_shard_gb)])
   gib = 2 ** 30
   print(f"checkpoint: {n_params / 1e6:.1f}M parameters, {weights / gib:.3f} GiB of {args.dtype} safetensors")
   print(f"baseline (import jax):   peak RSS {base / gib:.3f} GiB, anonymous {base_anon / gib:.3f} GiB")

@@ -34,6 +34,9 @@ def main(argv: list[str] | None = None) -> int:
   exp = sub.add_parser("export", help="jaxshare run directory -> HF directory")
   exp.add_argument("run_dir", help="run directory (latest checkpoint) or checkpoint step directory")
   exp.add_argument("hf_dir", help="new output directory")
+  exp.add_argument("--max-shard-gb", type=float, default=5.0, metavar="GB",
+                   help="split the weights into safetensors shards of at most this size, with an index "
+                   "(default: %(default)s, as save_pretrained)")
   up = sub.add_parser("uptrain", help="jaxshare run -> the same model converted into another schedule")
   up.add_argument("src_run", help="source run directory (e.g. a dense model, imported or trained)")
   up.add_argument("out_run", help="new run directory to write")
@@ -75,7 +78,8 @@ def main(argv: list[str] | None = None) -> int:
                               wc_fit=args.wc_fit):
         print(line)
     else:
-      arch, why_native = export_run(args.run_dir, args.hf_dir, progress=True)
+      arch, why_native = export_run(args.run_dir, args.hf_dir, progress=True,
+                                    max_shard_bytes=int(args.max_shard_gb * 1e9))
       print(f"exported {args.run_dir} as {arch} into {args.hf_dir}"
             + (f" (jaxshare layout: {why_native}; transformers cannot load it)" if why_native else ""))
   except (HFCheckpointError, UnsupportedModelError, ConfigError, CheckpointError, DataError, FileExistsError) as e:

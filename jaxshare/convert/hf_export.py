@@ -1,7 +1,7 @@
 """A jaxshare run as a Hugging Face directory.
 
 Dense and GQA models of the llama and neox flavours become ``LlamaForCausalLM`` / ``GPTNeoXForCausalLM`` directories
-(``config.json``, ``model.safetensors``, the run's tokenizer files) that ``transformers.AutoModelForCausalLM
+(``config.json``, ``model.safetensors`` or shards with an index, the run's tokenizer files) that ``transformers.AutoModelForCausalLM
 .from_pretrained`` loads offline. Any other schedule is written in the native layout (:mod:`jaxshare.convert.native`),
 which only jaxshare reads back, bit-exactly.
 """
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
@@ -17,12 +18,14 @@ from safetensors.numpy import save_file
 
 from jaxshare.config import Config
 from jaxshare.convert import native
-from jaxshare.convert.hf_checkpoint import SINGLE_FILE, TOKENIZER_FILES
+from jaxshare.convert.hf_checkpoint import INDEX_FILE, SINGLE_FILE, TOKENIZER_FILES
 from jaxshare.convert.hf_import import dims
 from jaxshare.convert.llama import LLAMA
 from jaxshare.convert.mapping import params_to_hf
 from jaxshare.convert.neox import NEOX
 from jaxshare.schedule import Schedule
+
+DEFAULT_SHARD_BYTES = 5 * 10 ** 9  # save_pretrained's long-standing max_shard_size="5GB"
 
 
 def hf_incompatibility(cfg: Config, schedule: Schedule) -> str | None:
@@ -50,9 +53,15 @@ def hf_incompatibility(cfg: Config, schedule: Schedule) -> str | None:
 
 
 def export_params(cfg: Config, schedule: Schedule, params: dict, out_dir: str | Path, *,
-                  tokenizer_dir: str | Path | None = None, progress: bool = False) -> str:
-  """Write ``params`` as an HF directory; returns the ``architectures[0]`` written (``progress``: a bar over the
-  layers).
+                  tokenizer_dir: str | Path | None = None, progress: bool = False,
+                  max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> str:
+  """Write ``params`` as an HF directory; returns the ``architectures[0]`` written.
+
+  Args:
+    progress: a bar over the layers.
+    max_shard_bytes: weights above this size are split into ``model-0000i-of-0000n.safetensors`` shards plus
+      ``model.safetensors.index.json`` (as ``save_pretrained`` does); one layer's tensors are converted and held
+      at a time, so the export needs the parameters plus about one shard of memory.
 
   Raises:
     FileExistsError: ``out_dir`` exists and is not empty.
@@ -63,14 +72,13 @@ def export_params(cfg: Config, schedule: Schedule, params: dict, out_dir: str | 
   out.mkdir(parents=True, exist_ok=True)
   if hf_incompatibility(cfg, schedule) is None:
     arch = LLAMA if cfg.model.flavor == "llama" else NEOX
-    tensors = params_to_hf(arch, cfg, dims(cfg), schedule, params, progress=progress)
+    groups = params_to_hf(arch, cfg, dims(cfg), schedule, params, progress=progress)
     config = arch.hf_config(cfg)
     if tokenizer_dir is None:  # the byte tokenizer: EOS (and padding) is byte 0
       config.update(bos_token_id=None, eos_token_id=0, pad_token_id=0)
   else:
-    tensors, config = native.flatten(params), native.config_json(cfg)
-  # safetensors.numpy writes straight from each array's buffer (the flax variant would copy the model first)
-  save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, out / SINGLE_FILE, metadata={"format": "pt"})
+    groups, config = ({name: leaf} for name, leaf in native.flatten(params).items()), native.config_json(cfg)
+  write_shards(groups, out, max_shard_bytes)
   (out / "config.json").write_text(json.dumps(config, indent=2))
   if tokenizer_dir is not None:
     for name in TOKENIZER_FILES:
@@ -79,7 +87,37 @@ def export_params(cfg: Config, schedule: Schedule, params: dict, out_dir: str | 
   return config["architectures"][0]
 
 
-def export_run(run: str | Path, out_dir: str | Path, *, progress: bool = False) -> tuple[str, str | None]:
+def write_shards(groups: Iterable[dict[str, np.ndarray]], out: Path, max_shard_bytes: int) -> None:
+  """Write tensor groups (never split across shards) as ``model.safetensors``, or as shards of at most
+  ``max_shard_bytes`` (a larger group gets a shard of its own) with HF's index file when they do not fit in one."""
+  shards: list[list[str]] = []
+  total = 0
+  pending: dict[str, np.ndarray] = {}
+
+  def flush():
+    if pending:  # safetensors.numpy writes straight from each array's buffer (the flax variant copies first)
+      save_file(pending, out / f".shard-{len(shards)}.safetensors", metadata={"format": "pt"})
+      shards.append(list(pending))
+      pending.clear()
+
+  for group in groups:
+    size = sum(v.nbytes for v in group.values())
+    if pending and sum(v.nbytes for v in pending.values()) + size > max_shard_bytes:
+      flush()
+    pending.update(group)
+    total += size
+  flush()
+  if len(shards) == 1:
+    (out / ".shard-0.safetensors").rename(out / SINGLE_FILE)
+    return
+  weight_map = {}
+  for i, names in enumerate(shards):
+    file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+    (out / f".shard-{i}.safetensors").rename(out / file)
+    weight_map.update({name: file for name in names})
+  (out / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+def export_run(run: str | Path, out_dir: str | Path, *, progress: bool = False,
+               max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> tuple[str, str | None]:
   """Export a run's latest checkpoint; returns ``(architecture written, why not a transformers class or None)``.
 
   Raises:
@@ -89,5 +127,6 @@ def export_run(run: str | Path, out_dir: str | Path, *, progress: bool = False) 
 
   cfg, setup, params, _ = load_run(run)
   tokenizer = None if cfg.data.tokenizer == "byte" else cfg.data.tokenizer
-  arch = export_params(cfg, setup.schedule, params, out_dir, tokenizer_dir=tokenizer, progress=progress)
+  arch = export_params(cfg, setup.schedule, params, out_dir, tokenizer_dir=tokenizer, progress=progress,
+                       max_shard_bytes=max_shard_bytes)
   return arch, hf_incompatibility(cfg, setup.schedule)

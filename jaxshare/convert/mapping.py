@@ -12,7 +12,7 @@ Q/K/V, ``[H, d, D]`` for the output projection), so most rules are a transpose a
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 from tqdm.auto import tqdm
@@ -159,19 +159,20 @@ def hf_to_params(arch: Architecture, cfg, dims: Dims, schedule, template: dict, 
 
 
 def params_to_hf(arch: Architecture, cfg, dims: Dims, schedule, params: dict, *, progress: bool = False
-                 ) -> dict[str, np.ndarray]:
-  """The HF state dict of a parameter tree (NumPy arrays in the tree's dtypes); ``progress``: a bar over layers."""
-  tensors: dict[str, np.ndarray] = {}
-
-  def emit(rule: Rule, fmt: dict, leaves: list[np.ndarray]):
+                 ) -> Iterator[dict[str, np.ndarray]]:
+  """The HF state dict of a parameter tree (NumPy arrays in the tree's dtypes), one group at a time: the global
+  tensors, then each layer's, so that a writer holds one layer's converted tensors, not the model's.
+  ``progress``: a bar over layers."""
+  def emit(rule: Rule, fmt: dict, leaves: list[np.ndarray]) -> dict[str, np.ndarray]:
+    out = {}
     for name, value, shape in zip(rule.hf, rule.to_hf(leaves, dims), rule.hf_shapes(dims)):
       assert tuple(value.shape) == tuple(shape), (name, value.shape, shape)
-      tensors[name.format(**fmt)] = np.ascontiguousarray(value)
+      out[name.format(**fmt)] = np.ascontiguousarray(value)
+    return out
 
-  for rule in arch.global_rules(cfg):
-    emit(rule, {}, [np.asarray(_get(params, p)) for p in rule.paths])
+  yield {k: v for rule in arch.global_rules(cfg)
+         for k, v in emit(rule, {}, [np.asarray(_get(params, p)) for p in rule.paths]).items()}
   for layer in tqdm(range(cfg.model.num_layers), desc="layers", disable=not progress, dynamic_ncols=True):
     layer_tree = P.layer_params(params, schedule, layer)
-    for rule in arch.layer_rules(cfg):
-      emit(rule, {"i": layer}, [np.asarray(_get(layer_tree, p)) for p in rule.paths])
-  return tensors
+    yield {k: v for rule in arch.layer_rules(cfg)
+           for k, v in emit(rule, {"i": layer}, [np.asarray(_get(layer_tree, p)) for p in rule.paths]).items()}

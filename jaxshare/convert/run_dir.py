@@ -10,7 +10,7 @@ from pathlib import Path
 
 from jaxshare.config import Config, to_yaml
 from jaxshare.convert.mapping import UnsupportedModelError
-from jaxshare.train.checkpoint import PARAMS_ONLY, Checkpointer
+from jaxshare.train.checkpoint import save_params
 
 TOKENIZER_DIR = "tokenizer"
 
@@ -42,9 +42,5 @@ def write_run(run_dir: str | Path, cfg: Config, setup, params: dict, *, tokenize
   (run_dir / "config.yaml").write_text(to_yaml(cfg))
   # parameters only (no optimizer moments: two more copies of the model); load_run and train.init_from read just
   # the parameters, and a run resumed in this directory starts a fresh optimizer (train/loop.py)
-  state = {"params": params}
-  ckpt = Checkpointer(run_dir / "checkpoints", cfg.train.keep_checkpoints)
-  ckpt.save(0, state, None, {"step": 0, "stage": 0, PARAMS_ONLY: True, **(meta or {})})
-  ckpt.wait()
-  ckpt.close()
+  save_params(run_dir / "checkpoints", 0, params, {"step": 0, "stage": 0, **(meta or {})})
   return run_dir

@@ -1,4 +1,5 @@
-"""Orbax checkpoints holding the train state, the grain iterator state and run metadata together."""
+"""Orbax checkpoints holding the train state, the grain iterator state and run metadata together (or, for a
+converted model, its parameters alone)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ from pathlib import Path
 from typing import Any
 
 import grain
+import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 
@@ -14,6 +17,23 @@ class CheckpointError(RuntimeError):
 
 
 PARAMS_ONLY = "params_only"  # meta key of a checkpoint holding only the parameters (a converted model at step 0)
+
+
+def save_params(directory: str | Path, step: int, params: Any, meta: dict) -> None:
+  """Write a parameters-only checkpoint (``meta`` gains ``PARAMS_ONLY``) that :class:`Checkpointer` reads with
+  :meth:`~Checkpointer.restore_params` and :meth:`~Checkpointer.read_meta`, holding little more than one copy of
+  the model in memory: NumPy leaves become JAX arrays (on CPU these alias the NumPy buffers, e.g. disk-backed
+  memory maps), written uncompressed with at most 1 GB in flight. Orbax's defaults (compression, 96 GB in flight)
+  hold about two more copies while writing; that matters for converting a checkpoint near the machine's RAM."""
+  handler = ocp.PyTreeCheckpointHandler(use_compression=False, save_concurrent_gb=1)
+  manager = ocp.CheckpointManager(Path(directory).absolute(),
+                                  item_handlers={"state": handler, "meta": ocp.JsonCheckpointHandler()},
+                                  options=ocp.CheckpointManagerOptions(create=True))
+  state = {"params": jax.tree.map(jnp.asarray, params)}
+  manager.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(state),
+                                             meta=ocp.args.JsonSave({**meta, PARAMS_ONLY: True})), force=True)
+  manager.wait_until_finished()
+  manager.close()
 
 
 class Checkpointer:
