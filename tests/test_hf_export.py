@@ -108,6 +108,9 @@ def test_cli_export_and_refusal_to_overwrite(tmp_path, capsys):
   assert "JaxshareForCausalLM" in out and "another layer's K/V" in out
   assert main(["export", str(tmp_path / "run"), str(tmp_path / "out")]) == 2
   assert "exists and is not empty" in capsys.readouterr().err
+  with pytest.raises(SystemExit):
+    main(["export", str(tmp_path / "run"), str(tmp_path / "out2"), "--max-shard-gb", "0"])
+  assert "--max-shard-gb=0.0 is invalid: must be > 0" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("overrides", [("model.flavor=neox",), ("schedule.kind=cla", "schedule.factor=2")],

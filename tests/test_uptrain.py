@@ -199,6 +199,9 @@ def test_cli_uptrain_into_uniattn_fits_wc_on_calibration_batches(tmp_path, capsy
   _, setup, params, _ = load_run(tmp_path / "uni")
   w = np.asarray(P.layer_params(params, setup.schedule, 3)["compensation"]["kernel"])
   assert np.abs(w).max() > 0
+  with pytest.raises(SystemExit):
+    main(["uptrain", str(tmp_path / "dense"), str(tmp_path / "bad"), *overrides, "--calibration-batches", "-1"])
+  assert "--calibration-batches=-1 is invalid: must be >= 0" in capsys.readouterr().err
   assert main(["uptrain", str(tmp_path / "dense"), str(tmp_path / "uni0"), *overrides,
                "--calibration-batches", "0"]) == 0
   _, setup, params, _ = load_run(tmp_path / "uni0")

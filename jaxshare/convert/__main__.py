@@ -50,6 +50,10 @@ def main(argv: list[str] | None = None) -> int:
                   "v=1: sample means per position; when seq_len is not much larger than d_model it fits the mean "
                   "error exactly with a W_c that fails on single tokens) (default: %(default)s)")
   args = parser.parse_args(argv)
+  if args.command == "uptrain" and args.calibration_batches < 0:
+    parser.error(f"--calibration-batches={args.calibration_batches} is invalid: must be >= 0")
+  if args.command == "export" and args.max_shard_gb <= 0:
+    parser.error(f"--max-shard-gb={args.max_shard_gb} is invalid: must be > 0")
 
   from jaxshare.config import ConfigError
   from jaxshare.data import DataError
