@@ -21,12 +21,14 @@ from omegaconf import OmegaConf
 REPO = Path(__file__).resolve().parent.parent
 
 
-def run_variant(experiment: str, run_dir: Path, overrides: list[str]) -> dict:
-  """Train (or resume) one variant in a subprocess, then evaluate it; returns eval.py's JSON report."""
+def run_variant(experiment: str, run_dir: Path, overrides: list[str], sample_tokens: int = 0) -> dict:
+  """Train (or resume) one variant in a subprocess, then evaluate it; returns eval.py's JSON report (with a greedy
+  sample of ``sample_tokens`` tokens)."""
   cmd = [sys.executable, str(REPO / "train.py"), "--config", experiment, "--no-eval", *overrides,
          f"train.run_dir={run_dir}"]
   subprocess.run(cmd, check=True, cwd=REPO)
-  out = subprocess.run([sys.executable, str(REPO / "eval.py"), str(run_dir), "--json", "--sample-tokens", "0"],
+  out = subprocess.run([sys.executable, str(REPO / "eval.py"), str(run_dir), "--json", "--sample-tokens",
+                        str(sample_tokens)],
                        check=True, cwd=REPO, capture_output=True, text=True).stdout
   return json.loads(out)
 

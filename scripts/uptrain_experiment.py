@@ -72,9 +72,8 @@ def main(argv: list[str] | None = None) -> int:
   args = parser.parse_args(argv)
   out = (REPO / args.out).resolve()
   dense = out / "dense"
-  run_variant(EXPERIMENT, dense, [f"train.steps={args.dense_steps}",
-                                  f"train.warmup_steps={args.dense_steps // 12}"])
-  dense_eval = evaluate(dense, sample_tokens=100)
+  dense_eval = run_variant(EXPERIMENT, dense, [f"train.steps={args.dense_steps}",
+                                               f"train.warmup_steps={args.dense_steps // 12}"], sample_tokens=100)
 
   hf_dir = out / "hf_dense"
   if not hf_dir.exists():

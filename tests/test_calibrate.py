@@ -1,6 +1,7 @@
 """UniAttn's W_c initialisation (Thm 3.1 / Alg. 1): the closed form against an SVD computed here, bottom-up order,
 both fits, and the MHA activations the model captures."""
 
+import functools
 import itertools
 
 import jax
@@ -41,10 +42,15 @@ def _models(*extra):
   return src_setup, src, setup, dst, batches
 
 
+@functools.cache
+def _capture_fn(graphdef):
+  return jax.jit(lambda p, b: nnx.merge(graphdef, p)(b["inputs"], b["positions"], b["segment_ids"],
+                                                     capture_mha=True)[1])
+
+
 def _captured(setup, params, batches, key):
   """Per batch, every layer's captured MHA activation ``key`` ``[L, B, T, D]`` (float64)."""
-  fn = jax.jit(lambda p, b: nnx.merge(setup.graphdef, p)(b["inputs"], b["positions"], b["segment_ids"],
-                                                          capture_mha=True)[1])
+  fn = _capture_fn(setup.graphdef)
   return [np.asarray(getattr(fn(params, b), key), np.float64) for b in batches]
 
 

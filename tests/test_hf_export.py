@@ -85,7 +85,7 @@ def test_other_schedules_round_trip_exactly_in_the_native_layout(tmp_path, corpu
 
   cfg = tiny_config(*overrides)
   setup, params = _random_params(cfg)
-  write_run(tmp_path / "run", cfg, setup, params)
+  write_run(tmp_path / "run", cfg, params)
   arch, reason = export_run(tmp_path / "run", tmp_path / "out")
   assert arch == "JaxshareForCausalLM" and why in reason
   cfg2, setup2, params2 = load_hf_model(tmp_path / "out")
@@ -102,7 +102,7 @@ def test_cli_export_and_refusal_to_overwrite(tmp_path, capsys):
 
   cfg = tiny_config("schedule.kind=cla", "schedule.factor=2")
   setup, params = _random_params(cfg)
-  write_run(tmp_path / "run", cfg, setup, params)
+  write_run(tmp_path / "run", cfg, params)
   assert main(["export", str(tmp_path / "run"), str(tmp_path / "out")]) == 0
   out = capsys.readouterr().out
   assert "JaxshareForCausalLM" in out and "another layer's K/V" in out

@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
       out.parent.mkdir(parents=True, exist_ok=True)
       with tempfile.TemporaryDirectory(prefix=".import-", dir=out.parent) as scratch:  # disk-backed parameters
         cfg, setup, params = load_hf_model(ckpt, args.overrides, progress=True, scratch_dir=scratch)
-        run = write_run(out, cfg, setup, params, tokenizer_files=ckpt.tokenizer_files(),
+        run = write_run(out, cfg, params, tokenizer_files=ckpt.tokenizer_files(),
                         meta={"imported_from": str(args.hf_dir), "architecture": ckpt.architecture})
         del params
       print(f"imported {ckpt.architecture} ({setup.num_params:,} parameters, {setup.schedule.describe()}) "

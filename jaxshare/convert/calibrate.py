@@ -27,11 +27,11 @@ from typing import Callable, Iterable
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from flax import nnx
 
 from jaxshare.model import params as P
 from jaxshare.schedule import Schedule
+from jaxshare.train.step import masked_cross_entropy
 
 WC_FITS = ("mean", "tokens")
 
@@ -82,14 +82,12 @@ def _forward(graphdef: nnx.GraphDef) -> Callable:
   def fn(params, batch):
     logits, mha = nnx.merge(graphdef, params)(batch["inputs"], batch["positions"], batch["segment_ids"],
                                               capture_mha=True)
-    mask = batch["loss_mask"].astype(jnp.float32)
-    loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
-    return (loss * mask).sum(), mask.sum(), mha
+    return *masked_cross_entropy(logits, batch), mha
   return jax.jit(fn)
 
 
 def calibrate_compensation(src: tuple[nnx.GraphDef, dict], dst: tuple[nnx.GraphDef, dict], schedule: Schedule,
-                           batches: Iterable[dict[str, np.ndarray]], fit: str = "mean"
+                           batches: Iterable[dict[str, np.ndarray]], fit: str = "tokens"
                            ) -> tuple[dict, list[CompensationFit], dict[str, float]]:
   """Initialise every compensated layer's W_c of ``dst`` by Algorithm 1, bottom-up.
 
@@ -99,7 +97,7 @@ def calibrate_compensation(src: tuple[nnx.GraphDef, dict], dst: tuple[nnx.GraphD
     schedule: ``dst``'s compiled schedule (which layers have W_c, and whether W_c reads Norm(x)).
     batches: calibration batches (``inputs``, ``targets``, ``positions``, ``segment_ids``, ``loss_mask``;
       ``[B, T]`` each), e.g. the first training batches (the paper samples its post-training set).
-    fit: ``mean`` (Theorem 3.1 on sample means, the paper's) or ``tokens`` (least squares over all tokens).
+    fit: ``tokens`` (least squares over all tokens) or ``mean`` (Theorem 3.1 on sample means, the paper's).
 
   Returns:
     ``(dst params with fitted W_c, one CompensationFit per layer bottom-up, calibration loss in nats/token of the

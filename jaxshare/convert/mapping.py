@@ -97,13 +97,6 @@ def _get(tree: dict, path: str):
   return tree
 
 
-def _set(tree: dict, path: str, value) -> None:
-  *head, last = path.split("/")
-  for key in head:
-    tree = tree[key]
-  tree[last] = value
-
-
 def hf_to_params(arch: Architecture, cfg, dims: Dims, schedule, template: dict, read, names: Sequence[str], *,
                  progress: bool = False) -> dict:
   """Fill ``template`` (a pure-dict tree of writable NumPy arrays, the target model's parameters) in place from HF
@@ -129,14 +122,11 @@ def hf_to_params(arch: Architecture, cfg, dims: Dims, schedule, template: dict, 
     used.update(names_)
     for path, value in zip(rule.paths, rule.to_jax(arrays, dims)):
       leaf = _get(dst, path)
-      target = leaf if index is None else leaf[index]
-      if tuple(value.shape) != tuple(target.shape):
+      where = ... if index is None else index
+      if tuple(value.shape) != leaf[where].shape:
         raise UnsupportedModelError(f"{names_} converts to shape {list(value.shape)} but jaxshare's {path} is "
-                                    f"{list(target.shape)}")
-      if index is None:
-        _set(dst, path, value.astype(leaf.dtype))
-      else:
-        leaf[index] = value.astype(leaf.dtype)
+                                    f"{list(leaf[where].shape)}")
+      leaf[where] = value  # cast to the leaf's dtype by the assignment
 
   for rule in arch.global_rules(cfg):
     apply(rule, {}, out)

@@ -15,7 +15,7 @@ from jaxshare.train.checkpoint import save_params
 TOKENIZER_DIR = "tokenizer"
 
 
-def write_run(run_dir: str | Path, cfg: Config, setup, params: dict, *, tokenizer_files: Sequence[Path] = (),
+def write_run(run_dir: str | Path, cfg: Config, params: dict, *, tokenizer_files: Sequence[Path] = (),
               meta: dict | None = None) -> Path:
   """Save ``params`` (pure dict, NumPy or JAX arrays) as run directory ``run_dir`` at step 0.
 

@@ -200,10 +200,11 @@ def kv_report(src_schedule: Schedule, dst_schedule: Schedule, kv_pool: str) -> l
 
 
 def init_report(src: dict, src_schedule: Schedule, dst: dict, dst_schedule: Schedule, kv_pool: str,
-                mlp_widen: str = "zero") -> list[str]:
+                mlp_widen: str = "zero", wc_fitted: bool = False) -> list[str]:
   """How each parameter of ``dst`` was initialised from ``src`` (shapes only, nothing computed): the number copied
   unchanged, one line per K/V producer (:func:`kv_report`), the widened MLPs, LISA's zeroed ``k_lr``, and every
-  parameter left at its fresh initialisation."""
+  parameter left at its fresh initialisation (UniAttn's W_c excepted when ``wc_fitted``: the calibration reports
+  those)."""
   converted = convertible_groups(src_schedule, dst_schedule)
   widened = widened_layers(src, src_schedule, dst, dst_schedule)
   low_rank = []
@@ -219,7 +220,7 @@ def init_report(src: dict, src_schedule: Schedule, dst: dict, dst_schedule: Sche
     for path, shape in d.items():
       if path.split("/")[:2] in (["attn", "k_proj"], ["attn", "v_proj"]) and layer in converted:
         continue
-      if path.startswith("mlp/") and layer in widened:
+      if (path.startswith("mlp/") and layer in widened) or (path.startswith("compensation/") and wc_fitted):
         continue
       if s.get(path) == shape:
         copied += 1
@@ -242,15 +243,6 @@ def init_report(src: dict, src_schedule: Schedule, dst: dict, dst_schedule: Sche
 
 def _shapes(tree: dict) -> dict[str, tuple[int, ...]]:
   return {path: tuple(v.shape) for path, v in P.flat_leaves(tree).items()}
-
-
-def _without_compensation(line: str) -> str:
-  """A report line with the W_c entries dropped from its list of fresh tensors (they are fitted afterwards)."""
-  if not line.startswith("NEW"):
-    return line
-  head, entries = line.split(": ", 1)
-  kept = [e for e in entries.split(", ") if not e.endswith("compensation/kernel")]
-  return f"{head}: {', '.join(kept)}" if kept else ""
 
 
 def uptrain_run(src_run, out_run, overrides, *, calibration_batches: int = 8, wc_fit: str = "tokens") -> list[str]:
@@ -277,16 +269,15 @@ def uptrain_run(src_run, out_run, overrides, *, calibration_batches: int = 8, wc
   cfg = apply_overrides(src_cfg, [*overrides, f"train.init_from={src_run}"])
   setup = setup_run(cfg)
   params = init_state(setup, from_params=(src_params, src_setup.schedule))["params"]
+  calibrate = bool(calibration_batches) and any(p.compensation for p in setup.schedule.layers)
   lines = init_report(src_params, src_setup.schedule, params, setup.schedule, init_kv_pool(cfg),
-                      cfg.train.init_mlp_widen) \
+                      cfg.train.init_mlp_widen, wc_fitted=calibrate) \
     if setup.ties is None else ["head-wise sharing: DirectShare's tying of the source's heads (jaxshare/headwise.py)"]
-  if calibration_batches and any(p.compensation for p in setup.schedule.layers):
-    lines = [_without_compensation(line) for line in lines]
+  if calibrate:
     data = Datasets(cfg.data, cfg.train.batch_size, process_index=0, process_count=1)
     batches = list(itertools.islice(data.train_iter(), calibration_batches))
     params, fits, losses = calibrate_compensation((src_setup.graphdef, src_params), (setup.graphdef, params),
                                                   setup.schedule, batches, fit=wc_fit)
     lines += format_fits(fits, losses, wc_fit)
-  write_run(out_run, cfg, setup, params, meta={"uptrained_from": str(src_run), "source_step": step})
-  return [f"{src_setup.schedule.describe()} -> {setup.schedule.describe()}", *filter(None, lines),
-          f"written to {out_run}"]
+  write_run(out_run, cfg, params, meta={"uptrained_from": str(src_run), "source_step": step})
+  return [f"{src_setup.schedule.describe()} -> {setup.schedule.describe()}", *lines, f"written to {out_run}"]

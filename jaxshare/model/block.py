@@ -19,7 +19,6 @@ from jaxshare.model.scores import ScoreFeatures, ScoreState
 from jaxshare.schedule import LayerRole, Run
 
 _RESIDUAL = ("activation_batch", "activation_length", "activation_embed")
-CAPTURES = ("logits", "mha")  # what a forward pass can return per layer besides the logits
 
 
 class MHAActivations(NamedTuple):

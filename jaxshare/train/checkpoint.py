@@ -67,9 +67,7 @@ class Checkpointer:
     try:
       restored = self.manager.restore(step, args=ocp.args.Composite(**items))
     except Exception as e:  # orbax/tensorstore raise many types for bad files
-      raise CheckpointError(
-        f"checkpoint {self.directory / str(step)} could not be restored: it is corrupt or was written by a run with "
-        f"a different model/schedule ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from e
+      raise self._unreadable(step, e) from e
     return restored["state"], restored["meta"]
 
   def restore_params(self, step: int, abstract_params: Any) -> Any:
@@ -86,9 +84,12 @@ class Checkpointer:
       with ocp.PyTreeCheckpointer() as reader:
         return reader.restore(self.directory / str(step) / "state", args=args)["params"]
     except Exception as e:  # orbax/tensorstore raise many types for bad files
-      raise CheckpointError(
-        f"checkpoint {self.directory / str(step)} could not be restored: it is corrupt or was written by a run with "
-        f"a different model/schedule ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from e
+      raise self._unreadable(step, e) from e
+
+  def _unreadable(self, step: int, e: Exception) -> CheckpointError:
+    return CheckpointError(
+      f"checkpoint {self.directory / str(step)} could not be restored: it is corrupt or was written by a run with "
+      f"a different model/schedule ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
 
   def read_meta(self, step: int) -> dict:
     """The ``meta`` item (step, recipe stage) of a checkpoint, without restoring arrays.

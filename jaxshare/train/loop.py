@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxshare import accounting, parallel
@@ -20,7 +19,7 @@ from jaxshare.train.checkpoint import PARAMS_ONLY, Checkpointer
 from jaxshare.train.metrics import MetricsLogger, resolve_peak
 from jaxshare.train.recipes import Stage1Monitor, build_objective
 from jaxshare.train.state import (RunSetup, abstract_state, init_kv_pool, init_state, load_run, setup_run,
-                                  shard_batch, trainable_for)
+                                  shard_batch, state_from_params, trainable_for)
 from jaxshare.train.step import Objective, make_eval_step, make_train_step
 
 # Fields a resumed run must share with the run that wrote its checkpoints (the rest, e.g. train.steps, may change).
@@ -135,9 +134,7 @@ def train(cfg: Config, *, mesh=None, stop_after: int | None = None) -> dict[str,
 
   data_iter = data.train_iter()
   if latest is not None and meta.get(PARAMS_ONLY):  # a converted model (convert/run_dir.py): a fresh optimizer
-    params = ckpt.restore_params(latest, abstract_state(setup)["params"])
-    state = jax.jit(lambda p: {"params": p, "opt_state": setup.tx.init(p), "step": jnp.asarray(latest, jnp.int32)},
-                    out_shardings=setup.state_shardings)(params)
+    state = state_from_params(setup, ckpt.restore_params(latest, abstract_state(setup)["params"]), latest)
   elif latest is not None:
     state, _ = ckpt.restore(latest, abstract_state(setup), data_iter)
   elif source is not None:

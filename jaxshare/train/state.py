@@ -171,7 +171,18 @@ def _fresh_state(setup: RunSetup, seed: int, from_params: tuple[dict, Schedule] 
     params = init_low_rank(from_params[0], from_params[1], params, setup.schedule)
   elif from_params is not None:  # DirectShare uptraining: the head table from the source's tied heads
     params = tied_params_from_dense(from_params[0], params, setup.ties, from_params[1])
-  return {"params": params, "opt_state": setup.tx.init(params), "step": jnp.zeros((), jnp.int32)}
+  return _train_state(setup, params, 0)
+
+
+def _train_state(setup: RunSetup, params: dict, step: int) -> TrainState:
+  return {"params": params, "opt_state": setup.tx.init(params), "step": jnp.asarray(step, jnp.int32)}
+
+
+def state_from_params(setup: RunSetup, params: dict, step: int) -> TrainState:
+  """A train state at ``step`` around given parameters with a fresh optimizer, created sharded (a parameters-only
+  checkpoint resumed in its own run directory)."""
+  with jax.set_mesh(setup.mesh):
+    return jax.jit(lambda p: _train_state(setup, p, step), out_shardings=setup.state_shardings)(params)
 
 
 def init_state(setup: RunSetup, seed: int | None = None,

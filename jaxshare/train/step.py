@@ -99,8 +99,7 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, lr
     else:
       logits = model(mb["inputs"], mb["positions"], mb["segment_ids"])
       kd_loss = jnp.zeros((), jnp.float32)
-    ce = optax.softmax_cross_entropy_with_integer_labels(logits, mb["targets"])
-    lm_sum = jnp.sum(ce * mb["loss_mask"].astype(jnp.float32))
+    lm_sum, _ = masked_cross_entropy(logits, mb)
     value = lm_weight * lm_sum / total_count + objective.kd_beta * kd_loss / grad_accum_steps
     return value, (lm_sum, kd_loss)
 
@@ -147,7 +146,13 @@ def token_losses(graphdef: nnx.GraphDef, params: dict, batch: Batch) -> tuple[ja
   Returns:
     ``(sum_loss float32 scalar, count float32 scalar)``.
   """
-  logits = nnx.merge(graphdef, params)(batch["inputs"], batch["positions"], batch["segment_ids"])
+  return masked_cross_entropy(nnx.merge(graphdef, params)(batch["inputs"], batch["positions"], batch["segment_ids"]),
+                              batch)
+
+
+def masked_cross_entropy(logits: jax.Array, batch: Batch) -> tuple[jax.Array, jax.Array]:
+  """``(summed next-token cross-entropy in nats over targets with loss_mask 1, their count)`` for ``[B, T, V]``
+  float32 logits; float32 scalars."""
   ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
   mask = batch["loss_mask"].astype(jnp.float32)
   return jnp.sum(ce * mask), jnp.sum(mask)
