@@ -46,6 +46,9 @@ def test_wrong_shape_and_missing_tensor_are_named(tmp_path):
     ckpt.read(name, shape=(32, 32))
   with pytest.raises(HFCheckpointError, match="'model.layers.7.mlp.up_proj.weight' is missing"):
     ckpt.read("model.layers.7.mlp.up_proj.weight")
+  with pytest.raises(HFCheckpointError, match=r"'model.layers.7.mlp.up_proj.weight' is missing .*expected shape "
+                                              r"\[48, 32\] in F32, F16, BF16, F64"):
+    ckpt.read("model.layers.7.mlp.up_proj.weight", shape=(48, 32))
 
 
 def test_pickle_only_directory_is_refused_without_unpickling(tmp_path):

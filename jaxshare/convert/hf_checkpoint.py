@@ -115,8 +115,11 @@ class HFCheckpoint:
       shape: the shape the caller expects; a different stored shape is an error naming both.
 
     Raises:
-      HFCheckpointError: missing tensor or wrong shape.
+      HFCheckpointError: missing tensor (with the expected shape, when given) or wrong shape.
     """
+    if shape is not None and name not in self._file_of:
+      raise HFCheckpointError(f"tensor {name!r} is missing from {str(self.directory)!r}: expected shape "
+                              f"{list(shape)} in {', '.join(k for k in _DTYPES if k.startswith(('F', 'BF')))}")
     stored, dtype = self.spec(name)
     if shape is not None and tuple(shape) != stored:
       raise HFCheckpointError(f"tensor {name!r} has shape {list(stored)} ({dtype}) in {str(self.directory)!r}, "
