@@ -1,0 +1,400 @@
+"""Pallas flash attention that understands the sharing schedule: one kernel family for TPU (Mosaic) and GPU
+(Triton lowering), run with ``interpret=True`` on CPU.
+
+Three kernels, each a grid over (batch, head, block) with a loop over the other sequence axis in blocks
+(FlashAttention-2, Dao 2023, Alg. 1 and 2):
+
+- forward: online softmax over key blocks; writes the output and the log-sum-exp (the ``lse`` residual, also handed
+  to probability-reusing layers). With ``reuse`` the softmax statistics are an *input*: the output is
+  ``exp(s·q kᵀ − lse) · V`` with no reduction (Shared Attention Alg. 1, UniAttn Eq. 3), the V being a consumer's;
+- dQ: per query block, loop over key blocks;
+- dK/dV: per K/V head and key block, loop over the ``H/G`` query heads that read it and their query blocks, so GQA and
+  MQA never repeat K/V and their gradients are summed in the kernel.
+
+Both modes share the backward: with ``P = exp(s·q kᵀ − lse)`` recomputed per tile,
+``dV = Pᵀ dO``, ``dS = P ∘ (dO Vᵀ − δ)``, ``dQ = s·dS K``, ``dK = s·dSᵀ Q``, where flash attention has
+``δ = rowsum(dO ∘ O) − d̄lse`` (``d̄lse`` the cotangent of the returned LSE) and reuse has ``δ = 0`` and sends
+``d̄lse = −rowsum(dO ∘ O)`` to the source layer (``∂O/∂lse = −O``).
+
+Layout inside: heads-major ``[B, H, T, e]``; sequences padded to the block sizes (padded keys masked by index),
+feature widths padded with zeros to a power of two of at least 16 (Triton needs power-of-two tiles; zero features
+leave ``q kᵀ`` unchanged, so LISA_plus's concatenated widths work as they are). K/V blocks span the whole key
+sequence in on-chip memory: on TPU that bounds ``S·(e + d)`` per head to VMEM (about 16k keys at e = d = 128 bf16).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from jaxshare.kernels.reference import _MASK_VALUE
+
+_NT = (((1,), (1,)), ((), ()))  # a @ bᵀ
+
+BACKENDS = ("mosaic_tpu", "triton", "interpret")
+_DEFAULT_BACKEND = {"tpu": "mosaic_tpu", "gpu": "triton"}
+
+
+def platform() -> str:
+  """The platform being compiled for: the ambient mesh's devices (``jax.set_mesh``; a TPU topology mesh on a CPU
+  host compiles for TPU), else ``jax.default_backend()``."""
+  device = jax.sharding.get_abstract_mesh().abstract_device
+  return device.platform if device else jax.default_backend()
+
+
+def default_backend() -> str:
+  """The Pallas backend for :func:`platform`: Mosaic on TPU, Triton on GPU, interpret mode elsewhere."""
+  return _DEFAULT_BACKEND.get(platform(), "interpret")
+
+
+def _platform(backend: str) -> dict:
+  """``pallas_call`` keywords for a backend. Triton is named explicitly: jax's GPU default is Mosaic GPU, whose
+  kernels keep whole K/V blocks in shared memory. Every grid axis of these kernels is independent (the sequential
+  axis is the loop inside), so Mosaic may split all of them across TensorCores."""
+  if backend == "interpret":
+    return {"interpret": True}
+  if backend == "triton":
+    from jax.experimental.pallas import triton as pltriton
+    return {"compiler_params": pltriton.CompilerParams(num_warps=4, num_stages=2)}
+  if backend == "mosaic_tpu":
+    from jax.experimental.pallas import tpu as pltpu
+    return {"compiler_params": pltpu.CompilerParams(dimension_semantics=("parallel",) * 3)}
+  raise ValueError(f"Pallas backend {backend!r} is invalid: must be one of {BACKENDS}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Geometry:
+  """Static shape facts of one call: real lengths ``t``/``s``, block sizes, mask kind, logit scale."""
+
+  t: int
+  s: int
+  block_q: int
+  block_k: int
+  causal: bool
+  window: int
+  scale: float
+
+  @property
+  def t_padded(self) -> int:
+    return -(-self.t // self.block_q) * self.block_q
+
+  @property
+  def s_padded(self) -> int:
+    return -(-self.s // self.block_k) * self.block_k
+
+
+def _pow2(n: int, least: int = 16) -> int:
+  return max(least, 1 << (n - 1).bit_length())
+
+
+def geometry(t: int, s: int, *, causal: bool, window: int, scale: float, block_q: int = 128,
+             block_k: int = 128) -> Geometry:
+  """Blocks no longer than the (power-of-two-rounded) sequence, so a short sequence is one block."""
+  return Geometry(t, s, min(block_q, _pow2(t)), min(block_k, _pow2(s)), causal, window, scale)
+
+
+def _mask(geo: Geometry, q_start, k_start, q_seg: jax.Array, k_seg: jax.Array) -> jax.Array:
+  """``[bq, bk]``: same segment, a real (unpadded) key, causal and window constraints."""
+  shape = (q_seg.shape[0], k_seg.shape[1])
+  q_pos = lax.broadcasted_iota(jnp.int32, shape, 0) + q_start
+  k_pos = lax.broadcasted_iota(jnp.int32, shape, 1) + k_start
+  mask = (q_seg == k_seg) & (k_pos < geo.s)
+  if geo.causal:
+    mask = mask & (k_pos <= q_pos)
+  if geo.window:
+    mask = mask & (q_pos - k_pos < geo.window)
+  return mask
+
+
+def _key_blocks(geo: Geometry, i):
+  """Half-open range of key blocks that query block ``i`` can see (causal and window skip the rest)."""
+  nk = geo.s_padded // geo.block_k
+  lo, hi = 0, nk
+  if geo.causal:
+    hi = jnp.minimum(nk, lax.div((i + 1) * geo.block_q + geo.block_k - 1, geo.block_k))
+  if geo.window:
+    lo = lax.div(jnp.maximum(i * geo.block_q - geo.window + 1, 0), geo.block_k)
+  return lo, hi
+
+
+def _query_blocks(geo: Geometry, j):
+  """Half-open range of query blocks that can see key block ``j``."""
+  nq = geo.t_padded // geo.block_q
+  lo, hi = 0, nq
+  if geo.causal:
+    lo = lax.div(j * geo.block_k, geo.block_q)
+  if geo.window:
+    hi = jnp.minimum(nq, lax.div((j + 1) * geo.block_k + geo.window - 2, geo.block_q) + 1)
+  return lo, hi
+
+
+def _probs(geo: Geometry, q, k, lse, mask):
+  return jnp.where(mask, jnp.exp(lax.dot_general(q, k, _NT, preferred_element_type=jnp.float32) * geo.scale - lse),
+                   0.0)
+
+
+def _forward_kernel(*refs, geo: Geometry, reuse: bool):
+  if reuse:
+    q_ref, k_ref, v_ref, q_seg_ref, k_seg_ref, lse_in_ref, o_ref = refs
+  else:
+    q_ref, k_ref, v_ref, q_seg_ref, k_seg_ref, o_ref, lse_ref = refs
+  bq, bk = geo.block_q, geo.block_k
+  i = pl.program_id(2)
+  q, q_seg = q_ref[...], q_seg_ref[...]
+
+  def tile(j):
+    keys = pl.ds(pl.multiple_of(j * bk, bk), bk)
+    return k_ref[keys, :], v_ref[keys, :], _mask(geo, i * bq, j * bk, q_seg, k_seg_ref[:, keys])
+
+  lo, hi = _key_blocks(geo, i)
+  acc = jnp.zeros((bq, v_ref.shape[-1]), jnp.float32)
+  if reuse:
+    lse = lse_in_ref[...]
+
+    def reuse_body(j, acc):
+      k, v, mask = tile(j)
+      p = _probs(geo, q, k, lse, mask)
+      return acc + lax.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+
+    o_ref[...] = lax.fori_loop(lo, hi, reuse_body, acc).astype(o_ref.dtype)
+    return
+
+  def body(j, carry):
+    acc, m, l = carry
+    k, v, mask = tile(j)
+    s = jnp.where(mask, lax.dot_general(q, k, _NT, preferred_element_type=jnp.float32) * geo.scale, _MASK_VALUE)
+    m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
+    p = jnp.where(mask, jnp.exp(s - m_new), 0.0)
+    alpha = jnp.exp(m - m_new)
+    l = alpha * l + jnp.sum(p, axis=1, keepdims=True)
+    acc = alpha * acc + lax.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return acc, m_new, l
+
+  m = jnp.full((bq, 1), _MASK_VALUE, jnp.float32)
+  acc, m, l = lax.fori_loop(lo, hi, body, (acc, m, jnp.zeros((bq, 1), jnp.float32)))
+  l = jnp.where(l == 0.0, 1.0, l)  # a row with no visible key (padding only): output 0, finite lse
+  o_ref[...] = (acc / l).astype(o_ref.dtype)
+  lse_ref[...] = m + jnp.log(l)
+
+
+def _dq_kernel(q_ref, k_ref, v_ref, q_seg_ref, k_seg_ref, lse_ref, delta_ref, do_ref, dq_ref, *, geo: Geometry):
+  bq, bk = geo.block_q, geo.block_k
+  i = pl.program_id(2)
+  q, q_seg, lse, delta, do = q_ref[...], q_seg_ref[...], lse_ref[...], delta_ref[...], do_ref[...]
+
+  def body(j, dq):
+    keys = pl.ds(pl.multiple_of(j * bk, bk), bk)
+    k, v = k_ref[keys, :], v_ref[keys, :]
+    p = _probs(geo, q, k, lse, _mask(geo, i * bq, j * bk, q_seg, k_seg_ref[:, keys]))
+    ds = p * (lax.dot_general(do, v, _NT, preferred_element_type=jnp.float32) - delta)
+    return dq + lax.dot(ds.astype(k.dtype), k, preferred_element_type=jnp.float32)
+
+  lo, hi = _key_blocks(geo, i)
+  dq = lax.fori_loop(lo, hi, body, jnp.zeros(q.shape, jnp.float32))
+  dq_ref[...] = (dq * geo.scale).astype(dq_ref.dtype)
+
+
+def _dkv_kernel(q_ref, k_ref, v_ref, q_seg_ref, k_seg_ref, lse_ref, delta_ref, do_ref, dk_ref, dv_ref, *,
+                geo: Geometry):
+  bq, bk = geo.block_q, geo.block_k
+  j = pl.program_id(2)
+  k, v, k_seg = k_ref[...], v_ref[...], k_seg_ref[...]
+  lo, hi = _query_blocks(geo, j)
+
+  def head(r, carry):
+    def body(i, carry):
+      dk, dv = carry
+      rows = pl.ds(pl.multiple_of(i * bq, bq), bq)
+      q, do = q_ref[r, rows, :], do_ref[r, rows, :]
+      p = _probs(geo, q, k, lse_ref[r, rows, :], _mask(geo, i * bq, j * bk, q_seg_ref[rows, :], k_seg))
+      dv = dv + lax.dot(p.T.astype(do.dtype), do, preferred_element_type=jnp.float32)
+      ds = p * (lax.dot_general(do, v, _NT, preferred_element_type=jnp.float32) - delta_ref[r, rows, :])
+      dk = dk + lax.dot(ds.T.astype(q.dtype), q, preferred_element_type=jnp.float32)
+      return dk, dv
+
+    return lax.fori_loop(lo, hi, body, carry)
+
+  zeros = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
+  dk, dv = lax.fori_loop(0, q_ref.shape[0], head, zeros)
+  dk_ref[...] = (dk * geo.scale).astype(dk_ref.dtype)
+  dv_ref[...] = dv.astype(dv_ref.dtype)
+
+
+def _specs(geo: Geometry, q, k, v):
+  """BlockSpecs of the query-block grid ``(B, H, T/bq)``: query head h reads K/V head ``h // (H/G)``."""
+  r = q.shape[1] // k.shape[1]
+  bq, sp = geo.block_q, k.shape[2]
+  return dict(
+    q=pl.BlockSpec((None, None, bq, q.shape[3]), lambda b, h, i: (b, h, i, 0)),
+    k=pl.BlockSpec((None, None, sp, k.shape[3]), lambda b, h, i: (b, h // r, 0, 0)),
+    v=pl.BlockSpec((None, None, sp, v.shape[3]), lambda b, h, i: (b, h // r, 0, 0)),
+    q_seg=pl.BlockSpec((None, bq, 1), lambda b, h, i: (b, i, 0)),
+    k_seg=pl.BlockSpec((None, 1, sp), lambda b, h, i: (b, 0, 0)),
+    row=pl.BlockSpec((None, None, bq, 1), lambda b, h, i: (b, h, i, 0)),
+    o=pl.BlockSpec((None, None, bq, v.shape[3]), lambda b, h, i: (b, h, i, 0)),
+  )
+
+
+def _forward(q, k, v, q_seg, k_seg, lse_in, geo: Geometry, backend: str):
+  b, h, tp, _ = q.shape
+  spec = _specs(geo, q, k, v)
+  reuse = lse_in is not None
+  out_shape = [jax.ShapeDtypeStruct((b, h, tp, v.shape[3]), v.dtype if reuse else q.dtype)]
+  out_specs = [spec["o"]]
+  if not reuse:
+    out_shape.append(jax.ShapeDtypeStruct((b, h, tp, 1), jnp.float32))
+    out_specs.append(spec["row"])
+  outs = pl.pallas_call(
+    functools.partial(_forward_kernel, geo=geo, reuse=reuse), out_shape=out_shape,
+    grid=(b, h, tp // geo.block_q),
+    in_specs=[spec["q"], spec["k"], spec["v"], spec["q_seg"], spec["k_seg"]] + ([spec["row"]] if reuse else []),
+    out_specs=out_specs, **_platform(backend), name="jaxshare_flash_forward",
+  )(q, k, v, q_seg, k_seg, *([lse_in] if reuse else []))
+  return outs[0] if reuse else (outs[0], outs[1])
+
+
+def _backward(q, k, v, q_seg, k_seg, lse, delta, do, geo: Geometry, backend: str):
+  """``(dQ, dK, dV)`` in the input dtypes; ``lse``/``delta [B, H, Tp, 1]`` float32."""
+  b, h, tp, e = q.shape
+  g, sp = k.shape[1], k.shape[2]
+  r, bk = h // g, geo.block_k
+  spec = _specs(geo, q, k, v)
+  dq = pl.pallas_call(
+    functools.partial(_dq_kernel, geo=geo), out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+    grid=(b, h, tp // geo.block_q),
+    in_specs=[spec["q"], spec["k"], spec["v"], spec["q_seg"], spec["k_seg"], spec["row"], spec["row"],
+              spec["o"]],
+    out_specs=spec["q"], **_platform(backend), name="jaxshare_flash_dq",
+  )(q, k, v, q_seg, k_seg, lse, delta, do)
+  heads = lambda width: pl.BlockSpec((None, r, tp, width), lambda b_, g_, j: (b_, g_, 0, 0))  # noqa: E731
+  keys = lambda width: pl.BlockSpec((None, None, bk, width), lambda b_, g_, j: (b_, g_, j, 0))  # noqa: E731
+  dk, dv = pl.pallas_call(
+    functools.partial(_dkv_kernel, geo=geo),
+    out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+    grid=(b, g, sp // bk),
+    in_specs=[heads(e), keys(e), keys(v.shape[3]), pl.BlockSpec((None, tp, 1), lambda b_, g_, j: (b_, 0, 0)),
+              pl.BlockSpec((None, 1, bk), lambda b_, g_, j: (b_, 0, j)), heads(1), heads(1), heads(v.shape[3])],
+    out_specs=[keys(e), keys(v.shape[3])], **_platform(backend), name="jaxshare_flash_dkv",
+  )(q, k, v, q_seg, k_seg, lse, delta, do)
+  return dq, dk, dv
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _flash(q, k, v, q_seg, k_seg, geo, backend):
+  return _forward(q, k, v, q_seg, k_seg, None, geo, backend)
+
+
+def _flash_fwd(q, k, v, q_seg, k_seg, geo, backend):
+  out, lse = _forward(q, k, v, q_seg, k_seg, None, geo, backend)
+  return (out, lse), (q, k, v, q_seg, k_seg, out, lse)
+
+
+def _flash_bwd(geo, backend, res, cotangents):
+  q, k, v, q_seg, k_seg, out, lse = res
+  d_out, d_lse = cotangents
+  delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1, keepdims=True) - d_lse
+  return (*_backward(q, k, v, q_seg, k_seg, lse, delta, d_out, geo, backend), None, None)
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
+def _reuse(q, k, lse, v, q_seg, k_seg, geo, backend):
+  return _forward(q, k, v, q_seg, k_seg, lse, geo, backend)
+
+
+def _reuse_fwd(q, k, lse, v, q_seg, k_seg, geo, backend):
+  out = _forward(q, k, v, q_seg, k_seg, lse, geo, backend)
+  return out, (q, k, lse, v, q_seg, k_seg, out)
+
+
+def _reuse_bwd(geo, backend, res, d_out):
+  q, k, lse, v, q_seg, k_seg, out = res
+  rowsum = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1, keepdims=True)
+  dq, dk, dv = _backward(q, k, v, q_seg, k_seg, lse, jnp.zeros_like(rowsum), d_out, geo, backend)
+  return dq, dk, -rowsum, dv, None, None
+
+
+_reuse.defvjp(_reuse_fwd, _reuse_bwd)
+
+
+def _to_kernel_layout(x: jax.Array, length: int) -> jax.Array:
+  """``[B, T, H, w]`` -> ``[B, H, length, w']``: heads-major, zero-padded to ``length`` and a power-of-two width."""
+  x = x.transpose(0, 2, 1, 3)
+  return jnp.pad(x, ((0, 0), (0, 0), (0, length - x.shape[2]), (0, _pow2(x.shape[3]) - x.shape[3])))
+
+
+def _segments(q_segment_ids, kv_segment_ids, geo: Geometry):
+  q_seg = jnp.pad(q_segment_ids.astype(jnp.int32), ((0, 0), (0, geo.t_padded - geo.t)))[:, :, None]
+  k_seg = jnp.pad(kv_segment_ids.astype(jnp.int32), ((0, 0), (0, geo.s_padded - geo.s)))[:, None, :]
+  return q_seg, k_seg
+
+
+def _check(q, k, v):
+  if q.shape[2] % k.shape[2] or k.shape[2] != v.shape[2]:
+    raise ValueError(f"flash attention needs K/V heads that divide the query heads: q {q.shape}, k {k.shape}, "
+                     f"v {v.shape} ([B, T, heads, width])")
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_segment_ids: jax.Array, kv_segment_ids: jax.Array,
+              *, causal: bool = True, scale: float | None = None, window: int = 0, return_lse: bool = False,
+              backend: str | None = None, block_q: int = 128, block_k: int = 128
+              ) -> jax.Array | tuple[jax.Array, jax.Array]:
+  """Flash attention; same contract as :func:`jaxshare.kernels.reference.attention`.
+
+  Args:
+    q: ``[B, T, H, e]``; k: ``[B, S, G, e]``; v: ``[B, S, G, d]``, G dividing H (GQA/MQA by index map; K/V may be
+      another layer's, and gradients reach it). fp32 or bf16; logits, softmax and accumulators are float32.
+    q_segment_ids, kv_segment_ids: ``[B, T]`` / ``[B, S]`` int packed-document ids.
+    causal, scale, window: as the reference. T and S need not be multiples of the blocks (padded and masked).
+    return_lse: also return the ``[B, H, T]`` float32 log-sum-exp; its cotangent is honoured.
+    backend: ``mosaic_tpu``, ``triton`` or ``interpret`` (Pallas interpret mode, any platform); None: the default
+      device's (see :func:`default_backend`).
+    block_q, block_k: tile sizes (upper bounds; shortened for short sequences).
+
+  Returns:
+    ``[B, T, H, d]`` in q's dtype (and the LSE).
+
+  Raises:
+    ValueError: K/V heads that do not divide the query heads, or K and V head counts that differ.
+  """
+  _check(q, k, v)
+  b, t, h, e = q.shape
+  scale = e ** -0.5 if scale is None else scale
+  geo = geometry(t, k.shape[1], causal=causal, window=window, scale=scale, block_q=block_q, block_k=block_k)
+  out, lse = _flash(_to_kernel_layout(q, geo.t_padded), _to_kernel_layout(k, geo.s_padded),
+                    _to_kernel_layout(v, geo.s_padded), *_segments(q_segment_ids, kv_segment_ids, geo), geo,
+                    backend or default_backend())
+  out = out[:, :, :t, :v.shape[3]].transpose(0, 2, 1, 3)
+  return (out, lse[:, :, :t, 0]) if return_lse else out
+
+
+def attention_from_lse(q: jax.Array, k: jax.Array, lse: jax.Array, v: jax.Array, q_segment_ids: jax.Array,
+                       kv_segment_ids: jax.Array, *, scale: float, causal: bool = True, window: int = 0,
+                       backend: str | None = None, block_q: int = 128, block_k: int = 128) -> jax.Array:
+  """Probability reuse as a kernel: ``exp(scale q kᵀ − lse) · v`` tile by tile, no softmax reduction; same contract
+  as :func:`jaxshare.kernels.reference.attention_from_lse`.
+
+  Args:
+    q, k: the source layer's ``[B, T, H, e]`` / ``[B, S, Gk, e]``; lse: its ``[B, H, T]`` float32 log-sum-exp.
+    v: the consumer's ``[B, S, Gv, d]`` values (Gk ≠ Gv are both repeated to their least common multiple).
+
+  Returns:
+    ``[B, T, H, d]`` in v's dtype; gradients reach q, k, lse and v.
+  """
+  b, t, h, _ = q.shape
+  heads = math.lcm(k.shape[2], v.shape[2])
+  k, v = (x if x.shape[2] == heads else jnp.repeat(x, heads // x.shape[2], axis=2) for x in (k, v))
+  _check(q, k, v)
+  geo = geometry(t, k.shape[1], causal=causal, window=window, scale=scale, block_q=block_q, block_k=block_k)
+  lse = jnp.pad(lse.astype(jnp.float32), ((0, 0), (0, 0), (0, geo.t_padded - t)))[..., None]
+  out = _reuse(_to_kernel_layout(q, geo.t_padded), _to_kernel_layout(k, geo.s_padded), lse,
+               _to_kernel_layout(v, geo.s_padded), *_segments(q_segment_ids, kv_segment_ids, geo), geo, backend)
+  return out[:, :, :t, :v.shape[3]].transpose(0, 2, 1, 3)
