@@ -1,0 +1,161 @@
+"""Pallas flash and probability-reuse kernels (interpret mode) against the XLA reference: values and gradients over
+a grid of masks, GQA ratios, packed segments, ragged lengths, widths and dtypes; K/V and scores taken from another
+layer with gradients reaching it; and a backward pass that keeps nothing ``[B, H, T, S]``.
+
+Tolerances: float32, 2e-5 of each array's largest magnitude (float32 rounding in a different summation order).
+bfloat16: the kernel's error against the float32 reference may be at most twice the XLA reference's own bfloat16
+error plus 1e-3 of the largest magnitude (both round P and the outputs to bfloat16, in different places).
+"""
+
+import functools
+import re
+
+import jax
+import jax.ad_checkpoint
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxshare.kernels import flash, reference
+
+# Small blocks so that every case runs several query and key blocks, partial last blocks included.
+KERNEL = functools.partial(flash.attention, backend="interpret", block_q=16, block_k=16)
+REUSE = functools.partial(flash.attention_from_lse, backend="interpret", block_q=16, block_k=16)
+
+
+def _inputs(b, t, h, g, e, d, dtype, seed=0):
+  k1, k2, k3, k4, k5 = jax.random.split(jax.random.PRNGKey(seed), 5)
+  q, k, v = (jax.random.normal(key, s).astype(dtype) for key, s in ((k1, (b, t, h, e)), (k2, (b, t, g, e)),
+                                                                    (k3, (b, t, g, d))))
+  seg = np.ones((b, t), np.int32)
+  seg[0, t // 3:] = 2  # two documents in row 0
+  seg[-1, (2 * t) // 3:] = 7
+  return q, k, v, jnp.asarray(seg), jax.random.normal(k4, (b, t, h, d)), jax.random.normal(k5, (b, h, t))
+
+
+def _value_and_grads(fn, args, causal, window):
+  q, k, v, seg, w_out, w_lse = args
+
+  def loss(q, k, v):
+    out, lse = fn(q, k, v, seg, seg, causal=causal, window=window, return_lse=True)
+    return jnp.sum(out.astype(jnp.float32) * w_out) + jnp.sum(lse * w_lse), (out, lse)
+
+  (_, (out, lse)), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+  return [out, lse, *grads]
+
+
+def _close(got, want, tol, names, ref_lowp=None):
+  for i, name in enumerate(names):
+    g, w = np.asarray(got[i], np.float32), np.asarray(want[i], np.float32)
+    scale = np.abs(w).max()
+    if ref_lowp is None:
+      np.testing.assert_allclose(g, w, atol=tol * scale, err_msg=name)
+    else:
+      budget = 2 * np.abs(np.asarray(ref_lowp[i], np.float32) - w).max() + 1e-3 * scale
+      assert np.abs(g - w).max() <= budget, (name, np.abs(g - w).max(), budget)
+
+
+@pytest.mark.parametrize("groups", [8, 4, 2, 1])  # GQA ratios 1, 2, 4 and all (MQA)
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_flash_matches_reference(groups, causal, dtype):
+  # T = 37: three 16-blocks, the last one ragged; segment ids pack documents.
+  args = _inputs(2, 37, 8, groups, 16, 16, dtype, seed=groups)
+  got = _value_and_grads(KERNEL, args, causal, 0)
+  f32 = [a.astype(jnp.float32) if a.dtype == dtype else a for a in args]
+  want = _value_and_grads(reference.attention, f32, causal, 0)
+  for x, a in zip(got[2:], args[:3]):
+    assert x.dtype == a.dtype
+  names = ["out", "lse", "dq", "dk", "dv"]
+  if dtype == jnp.float32:
+    _close(got, want, 2e-5, names)
+  else:
+    _close(got, want, None, names, ref_lowp=_value_and_grads(reference.attention, args, causal, 0))
+
+
+@pytest.mark.parametrize("t,window,e,d", [(50, 9, 16, 16), (50, 20, 24, 8), (16, 3, 80, 32), (200, 0, 8, 8)])
+def test_flash_windows_widths_and_lengths(t, window, e, d):
+  """Sliding windows shorter and longer than a block, query/key widths that are not a power of two (LISA_plus's
+  concatenated features, padded), value width ≠ query width, and a long sequence of many blocks."""
+  args = _inputs(2, t, 4, 2, e, d, jnp.float32, seed=t + window)
+  _close(_value_and_grads(KERNEL, args, True, window), _value_and_grads(reference.attention, args, True, window),
+         2e-5, ["out", "lse", "dq", "dk", "dv"])
+
+
+def test_default_blocks_and_one_block_sequences():
+  """The model's shapes: the default 128-blocks shortened to the sequence (one block)."""
+  args = _inputs(2, 24, 4, 4, 8, 8, jnp.float32)
+  kernel = functools.partial(flash.attention, backend="interpret")
+  _close(_value_and_grads(kernel, args, True, 0), _value_and_grads(reference.attention, args, True, 0), 2e-5,
+         ["out", "lse", "dq", "dk", "dv"])
+
+
+@pytest.mark.parametrize("gk,gv", [(2, 2), (1, 4), (4, 1)])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_probability_reuse_matches_reference(gk, gv, dtype):
+  """A consumer applies its source's probabilities (from the source's q, k, lse) to its own V; gradients reach the
+  source's q, k and lse and the consumer's V, with K and V head counts that differ either way."""
+  q, k, _, seg, w_out, _ = _inputs(2, 37, 4, gk, 16, 8, dtype, seed=gk)
+  v = jax.random.normal(jax.random.PRNGKey(9), (2, 37, gv, 8)).astype(dtype)
+  lse = reference.attention(q, k, k, seg, seg, return_lse=True)[1]
+
+  def run(fn, q, k, lse, v):
+    def loss(q, k, lse, v):
+      out = fn(q, k, lse, v, seg, seg, scale=0.25, window=11)
+      return jnp.sum(out.astype(jnp.float32) * w_out), out
+    (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True)(q, k, lse, v)
+    return [out, *grads]
+
+  got = run(REUSE, q, k, lse, v)
+  want = run(reference.attention_from_lse, *(x.astype(jnp.float32) for x in (q, k, lse, v)))
+  names = ["out", "dq", "dk", "dlse", "dv"]
+  if dtype == jnp.float32:
+    _close(got, want, 2e-5, names)
+  else:
+    _close(got, want, None, names, ref_lowp=run(reference.attention_from_lse, q, k, lse, v))
+
+
+def test_gradients_reach_the_kv_and_score_producer():
+  """A CLA consumer reads its producer's K/V and an SA consumer its probabilities; the producer's weights get the
+  same gradients through the kernels as through the reference."""
+  b, t, dm, h, g, d = 2, 29, 12, 4, 2, 8
+  keys = jax.random.split(jax.random.PRNGKey(3), 6)
+  x = jax.random.normal(keys[0], (b, t, dm))
+  w = {n: jax.random.normal(kk, (dm, heads, d)) * 0.3
+       for n, kk, heads in (("q", keys[1], h), ("k", keys[2], g), ("v", keys[3], g), ("q2", keys[4], h),
+                            ("v3", keys[5], g))}
+  seg = jnp.ones((b, t), jnp.int32)
+
+  def model(w, attend, reuse):
+    proj = lambda n: jnp.einsum("btd,dhk->bthk", x, w[n])  # noqa: E731
+    q, k, v = proj("q"), proj("k"), proj("v")
+    out1, lse = attend(q, k, v, seg, seg, return_lse=True)  # producer
+    out2 = attend(proj("q2"), k, v, seg, seg)  # K/V consumer (CLA)
+    out3 = reuse(q, k, lse, proj("v3"), seg, seg, scale=d ** -0.5)  # probability consumer (SA)
+    return jnp.sum(jnp.sin(out1) + out2 ** 2 + jnp.cos(out3))
+
+  got = jax.grad(model)(w, KERNEL, REUSE)
+  want = jax.grad(model)(w, reference.attention, reference.attention_from_lse)
+  for n in w:
+    np.testing.assert_allclose(got[n], want[n], atol=2e-5 * np.abs(want[n]).max(), err_msg=n)
+
+
+def test_backward_keeps_no_score_sized_residual(capsys):
+  b, t, h, e = 2, 40, 4, 8
+  q = jnp.ones((b, t, h, e))
+  seg = jnp.ones((b, t), jnp.int32)
+  lse = jnp.zeros((b, h, t))
+  jax.ad_checkpoint.print_saved_residuals(lambda q, k, v: KERNEL(q, k, v, seg, seg).sum(), q, q, q)
+  jax.ad_checkpoint.print_saved_residuals(lambda q, k, v: REUSE(q, k, lse, v, seg, seg, scale=1.0).sum(), q, q, q)
+  printed = capsys.readouterr().out
+  assert "[2,4,48,1]" in printed  # the log-sum-exp is saved ([B, H, T padded to 48, 1])
+  assert not re.search(r"\[(\d+,)*4\d,4\d\]", printed), printed  # nothing [.., T, S] (T, S: 40 or padded 48)
+
+
+def test_bad_backend_and_heads_are_refused():
+  q, k, v, seg, _, _ = _inputs(1, 8, 4, 3, 8, 8, jnp.float32)
+  with pytest.raises(ValueError, match="K/V heads that divide the query heads"):
+    flash.attention(q, k, v, seg, seg, backend="interpret")
+  q, k, v, seg, _, _ = _inputs(1, 8, 4, 2, 8, 8, jnp.float32)
+  with pytest.raises(ValueError, match="Pallas backend 'cuda' is invalid"):
+    flash.attention(q, k, v, seg, seg, backend="cuda")
