@@ -202,12 +202,16 @@ class ScheduleConfig:
 
 @dataclasses.dataclass
 class AttentionConfig:
-  """Attention implementation switch (kernels arrive in a later issue) and score-sharing memory mode."""
+  """Attention implementation switch and score-sharing memory mode."""
 
-  impl: str = _f("auto", "auto | xla | reference. xla: XLA attention whose backward recomputes the probabilities "
-                 "from the saved log-sum-exp (FlashAttention-2 style, O(T) residuals per layer); reference: plain "
-                 "autodiff (saves [B,H,T,T] probabilities; the numerical source of truth). auto picks the best "
-                 "implementation for the platform (xla on CPU).", ("auto", "xla", "reference"))
+  impl: str = _f("auto", "auto | xla | reference | pallas | pallas_interpret. xla: XLA attention whose backward "
+                 "recomputes the probabilities from the saved log-sum-exp (FlashAttention-2 style, O(T) residuals per "
+                 "layer); reference: plain autodiff (saves [B,H,T,T] probabilities; the numerical source of truth); "
+                 "pallas: fused Pallas kernels (Mosaic on TPU, Triton on GPU; flash attention, probability reuse, "
+                 "LISA_plus/DS features), inside shard_map under a mesh; pallas_interpret: the same kernels in "
+                 "Pallas interpret mode (CPU tests; slow); auto: pallas on GPU/TPU for the shapes it supports (else "
+                 "xla with one warning naming the reason), xla on CPU.",
+                 ("auto", "xla", "reference", "pallas", "pallas_interpret"))
   score_sharing: str = _f("recompute", "How layers that reuse attention scores get them. recompute: probability "
                           "reusers recompute exp(scale q k^T - lse) from the producer's own q, k and log-sum-exp (its "
                           "softmax to float32 rounding, in bf16 too); LISA_plus/DS chains attend over concatenated "

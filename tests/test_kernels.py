@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 
 from jaxshare.kernels import reference, xla
-from jaxshare.kernels.dispatch import get_attention
 
 # (B, T, H, G, e, d): MHA, GQA, MQA; e != d is LISA_plus's concatenated-feature attention; d 128 the bf16 scale trap.
 SHAPES = [(2, 16, 4, 4, 8, 8), (2, 24, 4, 2, 8, 8), (1, 32, 4, 1, 12, 6), (1, 16, 2, 2, 128, 128)]
@@ -70,10 +69,3 @@ def test_backward_keeps_no_score_sized_residual(capsys):
     jax.ad_checkpoint.print_saved_residuals(lambda q, k, v: fn(q, k, v, seg, seg).sum(), q, q, q)
     printed = capsys.readouterr().out
     assert bool(score_shaped.search(printed)) == expect, printed
-
-
-def test_dispatch():
-  assert get_attention("auto") is xla.attention
-  assert get_attention("reference") is reference.attention
-  with pytest.raises(ValueError, match="attention.impl='pallas' is invalid"):
-    get_attention("pallas")

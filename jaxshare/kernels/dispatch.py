@@ -1,23 +1,101 @@
-"""``attention.impl`` dispatch: picks the attention implementation for the platform."""
+"""``attention.impl`` dispatch: the attention computations of a layer, by implementation and platform."""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import logging
 from typing import Callable
 
-from jaxshare.kernels import reference, xla
+import jax
 
-# xla: FlashAttention-style backward (O(T) residuals); reference: plain autodiff, the numerical source of truth.
-IMPLEMENTATIONS: dict[str, Callable] = {"xla": xla.attention, "reference": reference.attention}
+from jaxshare.kernels import flash, pallas, reference, xla
+
+log = logging.getLogger(__name__)
+
+IMPLEMENTATIONS = ("auto", "xla", "reference", "pallas", "pallas_interpret")
 
 
-def get_attention(impl: str) -> Callable:
-  """The attention function for ``impl`` (``auto`` resolves to the best available: ``xla`` until Pallas kernels land).
+@dataclasses.dataclass(frozen=True)
+class AttentionOps:
+  """The two attention computations a layer may run.
+
+  Attributes:
+    attention: softmax attention, the contract of :func:`jaxshare.kernels.reference.attention`.
+    attention_from_lse: probability reuse, the contract of :func:`jaxshare.kernels.reference.attention_from_lse`.
+  """
+
+  attention: Callable
+  attention_from_lse: Callable
+
+
+def _checkpointed_reuse(q, k, lse, v, q_segment_ids, kv_segment_ids, **kwargs):
+  """XLA probability reuse under ``jax.checkpoint``: nothing ``[B, H, T, S]`` is kept for the backward pass."""
+  return jax.checkpoint(lambda q, k, lse, v: reference.attention_from_lse(
+    q, k, lse, v, q_segment_ids, kv_segment_ids, **kwargs))(q, k, lse, v)
+
+
+_XLA = AttentionOps(xla.attention, _checkpointed_reuse)
+_REFERENCE = AttentionOps(reference.attention, _checkpointed_reuse)
+_warned: set[str] = set()
+_QKV, _REUSE_QKV = (0, 1, 2), (0, 1, 3)  # where q, k and v are among each contract's arguments
+
+
+def get_attention(impl: str) -> AttentionOps:
+  """The attention computations for ``impl``.
+
+  ``xla``: FlashAttention-style backward in XLA; ``reference``: plain autodiff (the numerical source of truth);
+  ``pallas``: the fused kernels for the platform being compiled for (Mosaic on TPU, Triton on GPU; inside
+  ``shard_map`` under a mesh); ``pallas_interpret``: the same kernels in Pallas interpret mode (any platform, for
+  tests on CPU); ``auto``: ``pallas`` on GPU/TPU for the shapes it supports (else ``xla`` with one warning naming
+  the reason), ``xla`` on CPU. The platform is resolved when the model is traced, so a TPU topology mesh on a CPU
+  host compiles the Mosaic kernels.
 
   Raises:
     ValueError: unknown implementation name.
   """
-  if impl == "auto":
-    return IMPLEMENTATIONS["xla"]
   if impl not in IMPLEMENTATIONS:
-    raise ValueError(f"attention.impl={impl!r} is invalid: must be auto or one of {sorted(IMPLEMENTATIONS)}")
-  return IMPLEMENTATIONS[impl]
+    raise ValueError(f"attention.impl={impl!r} is invalid: must be one of {list(IMPLEMENTATIONS)}")
+  if impl == "xla":
+    return _XLA
+  if impl == "reference":
+    return _REFERENCE
+  if impl == "pallas_interpret":
+    return AttentionOps(functools.partial(pallas.attention, backend="interpret"),
+                        functools.partial(pallas.attention_from_lse, backend="interpret"))
+  if impl == "pallas":
+    return AttentionOps(_require_accelerator(pallas.attention, _QKV),
+                        _require_accelerator(pallas.attention_from_lse, _REUSE_QKV))
+  return AttentionOps(_auto(pallas.attention, xla.attention, _QKV),
+                      _auto(pallas.attention_from_lse, _checkpointed_reuse, _REUSE_QKV))
+
+
+def _require_accelerator(kernel: Callable, operands: tuple[int, int, int]) -> Callable:
+  @functools.wraps(kernel)
+  def call(*args, **kwargs):
+    backend = flash.default_backend()
+    reason = ("no GPU or TPU" if backend == "interpret"
+              else flash.unsupported(*(args[i] for i in operands), backend=backend))
+    if reason:
+      raise ValueError(f"attention.impl=pallas cannot run here: {reason}. Use pallas_interpret to run the kernels "
+                       "in interpret mode, or auto to fall back to xla")
+    return kernel(*args, **kwargs)
+  return call
+
+
+def _auto(kernel: Callable, fallback: Callable, operands: tuple[int, int, int]) -> Callable:
+  """``kernel`` on GPU/TPU for the shapes it supports; else ``fallback`` (one warning per reason on GPU/TPU).
+  ``operands``: positions of q, k and v among the arguments."""
+  @functools.wraps(kernel)
+  def call(*args, **kwargs):
+    backend = flash.default_backend()
+    if backend == "interpret":
+      return fallback(*args, **kwargs)
+    reason = flash.unsupported(*(args[i] for i in operands), backend=backend)
+    if reason is None:
+      return kernel(*args, **kwargs)
+    if reason not in _warned:
+      _warned.add(reason)
+      log.warning("attention.impl=auto: Pallas kernel not used (%s); falling back to xla", reason)
+    return fallback(*args, **kwargs)
+  return call

@@ -53,6 +53,31 @@ def default_backend() -> str:
   return _DEFAULT_BACKEND.get(platform(), "interpret")
 
 
+_VMEM_LIMIT = 64 * 2 ** 20  # on-chip memory a Mosaic kernel may use (v5e/v6e have 128 MiB per core, v5p 95 MiB)
+_TRITON_MAX_WIDTH = 256
+
+
+def unsupported(q, k, v, *, backend: str) -> str | None:
+  """Why the kernels cannot run ``q [B,T,H,e]``, ``k [B,S,Gk,e]``, ``v [B,S,Gv,d]`` (arrays or shape structs) on
+  ``backend``, or None. Mosaic keeps whole key (forward, dQ) or query (dK/dV) sequences of a head in VMEM, double
+  buffered; the row statistics take a 128-lane row per position."""
+  e, d, s = _pow2(q.shape[3]), _pow2(v.shape[3]), k.shape[1]
+  if backend == "triton" and max(e, d) > _TRITON_MAX_WIDTH:
+    return f"head width {max(q.shape[3], v.shape[3])} pads to {max(e, d)} > {_TRITON_MAX_WIDTH} on Triton"
+  if backend != "mosaic_tpu":
+    return None
+  geo = geometry(q.shape[1], s, causal=True, window=0, scale=1.0)
+  item, heads = jnp.dtype(q.dtype).itemsize, q.shape[2] // math.gcd(k.shape[2], v.shape[2])
+  rows = 128 * 4  # one float32 [.., 1] row statistic padded to 128 lanes
+  forward = geo.s_padded * ((e + d) * item + 8 * 4) + geo.block_q * ((e + 2 * d) * item + 3 * rows)
+  dkv = heads * geo.t_padded * ((e + d) * item + 2 * rows) + geo.t_padded * rows + 4 * geo.block_k * (e + d) * item
+  need = 2 * max(forward, dkv)
+  if need > _VMEM_LIMIT:
+    return (f"T={q.shape[1]}, S={s}, {heads} query heads per K/V head, widths {e}/{d} need ~{need / 2 ** 20:.0f} MiB "
+            f"of VMEM > {_VMEM_LIMIT // 2 ** 20} MiB")
+  return None
+
+
 def _platform(backend: str) -> dict:
   """``pallas_call`` keywords for a backend. Triton is named explicitly: jax's GPU default is Mosaic GPU, whose
   kernels keep whole K/V blocks in shared memory. Every grid axis of these kernels is independent (the sequential
@@ -64,7 +89,8 @@ def _platform(backend: str) -> dict:
     return {"compiler_params": pltriton.CompilerParams(num_warps=4, num_stages=2)}
   if backend == "mosaic_tpu":
     from jax.experimental.pallas import tpu as pltpu
-    return {"compiler_params": pltpu.CompilerParams(dimension_semantics=("parallel",) * 3)}
+    return {"compiler_params": pltpu.CompilerParams(dimension_semantics=("parallel",) * 3,
+                                                   vmem_limit_bytes=_VMEM_LIMIT)}
   raise ValueError(f"Pallas backend {backend!r} is invalid: must be one of {BACKENDS}")
 
 
@@ -134,9 +160,23 @@ def _query_blocks(geo: Geometry, j):
   return lo, hi
 
 
+def _dot(a, b, dims=(((1,), (0,)), ((), ()))):
+  """A float32-accumulated tile matmul; mixed operand dtypes (LISA_plus's float32 features against bf16 values, a
+  float32 output cotangent against bf16 V) meet in the wider one, as Triton and Mosaic need equal types."""
+  dtype = jnp.promote_types(a.dtype, b.dtype)
+  return lax.dot_general(a.astype(dtype), b.astype(dtype), dims, preferred_element_type=jnp.float32)
+
+
+def _key_slice(geo: Geometry, j):
+  """Key block ``j`` of a whole-sequence K/V block. A single block is sliced statically: Mosaic must prove a dynamic
+  lane-dimension offset (of the ``[1, S]`` key segment ids) a multiple of 128, which a short block is not."""
+  if geo.s_padded == geo.block_k:
+    return pl.ds(0, geo.block_k)
+  return pl.ds(pl.multiple_of(j * geo.block_k, geo.block_k), geo.block_k)
+
+
 def _probs(geo: Geometry, q, k, lse, mask):
-  return jnp.where(mask, jnp.exp(lax.dot_general(q, k, _NT, preferred_element_type=jnp.float32) * geo.scale - lse),
-                   0.0)
+  return jnp.where(mask, jnp.exp(_dot(q, k, _NT) * geo.scale - lse), 0.0)
 
 
 def _forward_kernel(*refs, geo: Geometry, reuse: bool):
@@ -149,7 +189,7 @@ def _forward_kernel(*refs, geo: Geometry, reuse: bool):
   q, q_seg = q_ref[...], q_seg_ref[...]
 
   def tile(j):
-    keys = pl.ds(pl.multiple_of(j * bk, bk), bk)
+    keys = _key_slice(geo, j)
     return k_ref[keys, :], v_ref[keys, :], _mask(geo, i * bq, j * bk, q_seg, k_seg_ref[:, keys])
 
   lo, hi = _key_blocks(geo, i)
@@ -160,7 +200,7 @@ def _forward_kernel(*refs, geo: Geometry, reuse: bool):
     def reuse_body(j, acc):
       k, v, mask = tile(j)
       p = _probs(geo, q, k, lse, mask)
-      return acc + lax.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+      return acc + _dot(p.astype(v.dtype), v)
 
     o_ref[...] = lax.fori_loop(lo, hi, reuse_body, acc).astype(o_ref.dtype)
     return
@@ -168,12 +208,12 @@ def _forward_kernel(*refs, geo: Geometry, reuse: bool):
   def body(j, carry):
     acc, m, l = carry
     k, v, mask = tile(j)
-    s = jnp.where(mask, lax.dot_general(q, k, _NT, preferred_element_type=jnp.float32) * geo.scale, _MASK_VALUE)
+    s = jnp.where(mask, _dot(q, k, _NT) * geo.scale, _MASK_VALUE)
     m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
     p = jnp.where(mask, jnp.exp(s - m_new), 0.0)
     alpha = jnp.exp(m - m_new)
     l = alpha * l + jnp.sum(p, axis=1, keepdims=True)
-    acc = alpha * acc + lax.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    acc = alpha * acc + _dot(p.astype(v.dtype), v)
     return acc, m_new, l
 
   m = jnp.full((bq, 1), _MASK_VALUE, jnp.float32)
@@ -189,11 +229,11 @@ def _dq_kernel(q_ref, k_ref, v_ref, q_seg_ref, k_seg_ref, lse_ref, delta_ref, do
   q, q_seg, lse, delta, do = q_ref[...], q_seg_ref[...], lse_ref[...], delta_ref[...], do_ref[...]
 
   def body(j, dq):
-    keys = pl.ds(pl.multiple_of(j * bk, bk), bk)
+    keys = _key_slice(geo, j)
     k, v = k_ref[keys, :], v_ref[keys, :]
     p = _probs(geo, q, k, lse, _mask(geo, i * bq, j * bk, q_seg, k_seg_ref[:, keys]))
-    ds = p * (lax.dot_general(do, v, _NT, preferred_element_type=jnp.float32) - delta)
-    return dq + lax.dot(ds.astype(k.dtype), k, preferred_element_type=jnp.float32)
+    ds = p * (_dot(do, v, _NT) - delta)
+    return dq + _dot(ds.astype(k.dtype), k)
 
   lo, hi = _key_blocks(geo, i)
   dq = lax.fori_loop(lo, hi, body, jnp.zeros(q.shape, jnp.float32))
@@ -213,9 +253,9 @@ def _dkv_kernel(q_ref, k_ref, v_ref, q_seg_ref, k_seg_ref, lse_ref, delta_ref, d
       rows = pl.ds(pl.multiple_of(i * bq, bq), bq)
       q, do = q_ref[r, rows, :], do_ref[r, rows, :]
       p = _probs(geo, q, k, lse_ref[r, rows, :], _mask(geo, i * bq, j * bk, q_seg_ref[rows, :], k_seg))
-      dv = dv + lax.dot(p.T.astype(do.dtype), do, preferred_element_type=jnp.float32)
-      ds = p * (lax.dot_general(do, v, _NT, preferred_element_type=jnp.float32) - delta_ref[r, rows, :])
-      dk = dk + lax.dot(ds.T.astype(q.dtype), q, preferred_element_type=jnp.float32)
+      dv = dv + _dot(p.T.astype(do.dtype), do)
+      ds = p * (_dot(do, v, _NT) - delta_ref[r, rows, :])
+      dk = dk + _dot(ds.T.astype(q.dtype), q)
       return dk, dv
 
     return lax.fori_loop(lo, hi, body, carry)

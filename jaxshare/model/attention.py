@@ -74,7 +74,9 @@ class Attention(nnx.Module):
     self.theta, self.rotary_dim, self.rope_scaling = cfg.rope_theta, int(d * cfg.rotary_pct), cfg.rope
     self.recompute = score_sharing == "recompute"
     self.window = cfg.sliding_window
-    self.attend = functools.partial(get_attention(attention_impl), window=self.window)
+    ops = get_attention(attention_impl)
+    self.attend = functools.partial(ops.attention, window=self.window)
+    self.reuse = functools.partial(ops.attention_from_lse, window=self.window)
 
     def proj(heads: int, axes: str, width: int, trainable: bool = True) -> DenseGeneral:
       return DenseGeneral("btd,dhk->bthk", (D, heads, width), ("embed", axes, "head_dim"), std=std,
@@ -161,9 +163,8 @@ class Attention(nnx.Module):
       raise ValueError("a score-reusing layer needs its source layer's score state")
     if role.score_reuse == "probs":
       if isinstance(score_in, ScoreFeatures):  # exp(s q kᵀ - lse) applied to V, nothing [B,H,T,S] kept
-        reuse = jax.checkpoint(lambda q, k_, lse, v_: reference.attention_from_lse(
-          q, k_, lse, v_, segment_ids, segment_ids, scale=score_in.scale, window=self.window))
-        out = reuse(score_in.q, score_in.k, score_in.lse, v).astype(self.dtype)
+        out = self.reuse(score_in.q, score_in.k, score_in.lse, v, segment_ids, segment_ids,
+                         scale=score_in.scale).astype(self.dtype)
       else:
         out = reference.apply_probs(score_in.probs, v, self.dtype)
       return self.o_proj(out), (k, v), None, None

@@ -1,0 +1,138 @@
+"""Ahead-of-time compilation without the hardware: Mosaic kernels and the train step compiled for a named TPU
+topology (``jax.experimental.topologies`` with libtpu installed: ``pip install jaxshare[tpu]``; libtpu loads without
+a TPU), and the Pallas kernels lowered for CUDA (Triton custom calls) on a CPU host.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+
+from jaxshare import parallel
+from jaxshare.config import Config, ConfigError, MeshConfig
+from jaxshare.kernels import pallas
+
+MOSAIC_CALL = "tpu_custom_call"
+TRITON_CALL = "__gpu$xla.gpu.triton"
+# Kernel operands by rank: segment ids [B, T], log-sum-exp [B, H, T], activations [B, T, heads, width].
+_ACTIVATION_AXES = {2: ("activation_batch", None), 3: ("activation_batch", "activation_heads", None),
+                    4: ("activation_batch", None, "activation_heads", None)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Compiled:
+  """One program compiled (or lowered) for a target.
+
+  Attributes:
+    name: what was compiled. custom_calls: kernel custom calls in the program (``tpu_custom_call`` on TPU,
+    Triton on CUDA). memory: ``memory_analysis()`` (TPU only; bytes per device). flops: ``cost_analysis()`` FLOPs.
+  """
+
+  name: str
+  custom_calls: int
+  memory: dict | None = None
+  flops: float | None = None
+
+
+def topology_mesh(topology: str, mesh_cfg: MeshConfig) -> jax.sharding.Mesh:
+  """A ``(data, fsdp, tensor)`` mesh over the devices of a TPU topology such as ``v5e:2x2`` or ``v5p:2x2x1``.
+
+  Raises:
+    ConfigError: libtpu is missing or the topology name is unknown; the mesh does not fill the topology.
+  """
+  from jax.experimental import topologies
+  try:
+    devices = topologies.get_topology_desc(topology_name=topology, platform="tpu").devices
+  except Exception as e:  # libtpu missing or unknown name: both surface as generic runtime errors
+    raise ConfigError(f"--topology {topology!r}: cannot describe this TPU topology ({e}); install the TPU extra "
+                      "(pip install 'jaxshare[tpu]') and name one like v5e:2x2, v5p:2x2x1 or v6e:2x2") from e
+  return parallel.make_mesh(mesh_cfg, devices)
+
+
+def _summary(name: str, compiled, text: str, marker: str) -> Compiled:
+  mem = compiled.memory_analysis()
+  memory = {f: getattr(mem, f) for f in ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes",
+                                          "generated_code_size_in_bytes")} if mem is not None else None
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, list) else cost
+  return Compiled(name, text.count(marker), memory, (cost or {}).get("flops"))
+
+
+def kernel_programs(batch: int = 2, length: int = 512, heads: int = 8, kv_heads: int = 2, width: int = 128,
+                    dtype=jnp.bfloat16, backend: str | None = None) -> dict[str, tuple[Callable, tuple]]:
+  """Forward+backward programs of every kernel role: flash attention (GQA, causal, packed), a K/V consumer reading
+  a producer's K/V, probability reuse, and LISA_plus's concatenated-feature attention (width not a power of two).
+  Each maps to ``(function, ShapeDtypeStructs)``; the functions call :mod:`jaxshare.kernels.pallas` with ``backend``
+  (None: the platform being compiled for)."""
+  attention = functools.partial(pallas.attention, backend=backend)
+  q = jax.ShapeDtypeStruct((batch, length, heads, width), dtype)
+  kv = jax.ShapeDtypeStruct((batch, length, kv_heads, width), dtype)
+  seg = jax.ShapeDtypeStruct((batch, length), jnp.int32)
+  lse = jax.ShapeDtypeStruct((batch, heads, length), jnp.float32)
+  # LISA_plus: float32 features [q/sqrt(d), three rank-16 slots] (width + 48: padded to a power of two)
+  features = jax.ShapeDtypeStruct((batch, length, heads, width + 3 * 16), jnp.float32)
+  grad = functools.partial(jax.grad, argnums=(0, 1, 2))
+
+  def flash_attention(q, k, v, seg):
+    out, lse = attention(q, k, v, seg, seg, return_lse=True)
+    return jnp.sum(out.astype(jnp.float32)) + jnp.sum(lse)
+
+  def kv_consumer(q, k, v, seg):  # CLA: two layers' queries on one producer's K/V
+    return sum(jnp.sum(attention(x, k, v, seg, seg).astype(jnp.float32)) for x in (q, q * 2))
+
+  def probability_reuse(q, k, lse, v, seg):
+    return jnp.sum(pallas.attention_from_lse(q, k, lse, v, seg, seg, scale=width ** -0.5, backend=backend).astype(jnp.float32))
+
+  def lisa_plus(qf, kf, v, seg):
+    return jnp.sum(attention(qf, kf, v, seg, seg, scale=1.0).astype(jnp.float32))
+
+  vh = jax.ShapeDtypeStruct((batch, length, heads, width), dtype)
+  return {
+    "flash_attention": (grad(flash_attention), (q, kv, kv, seg)),
+    "kv_consumer": (grad(kv_consumer), (q, kv, kv, seg)),
+    "probability_reuse": (jax.grad(probability_reuse, argnums=(0, 1, 2, 3)), (q, kv, lse, kv, seg)),
+    "lisa_plus_features": (grad(lisa_plus), (features, features, vh, seg)),
+  }
+
+
+def compile_kernels_tpu(mesh: jax.sharding.Mesh, **shapes) -> list[Compiled]:
+  """Every kernel program compiled for the mesh's TPU devices, its batch split over ``data``/``fsdp`` and heads
+  over ``tensor`` (by the logical rules, inside ``shard_map``)."""
+  out = []
+  for name, (fn, args) in kernel_programs(**shapes).items():
+    args = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(
+      mesh, parallel.logical_to_spec(_ACTIVATION_AXES[a.ndim], a.shape, mesh))) for a in args]
+    with jax.set_mesh(mesh):
+      compiled = jax.jit(fn).trace(*args).lower().compile()
+    out.append(_summary(name, compiled, compiled.as_text(), MOSAIC_CALL))
+  return out
+
+
+def lower_kernels_cuda(**shapes) -> list[Compiled]:
+  """Every kernel program lowered for CUDA on this host (Pallas → Triton); compiling the Triton IR needs a GPU."""
+  out = []
+  for name, (fn, args) in kernel_programs(**shapes, backend="triton").items():
+    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    out.append(Compiled(name, text.count(TRITON_CALL)))
+  return out
+
+
+def compile_train_step(cfg: Config, mesh: jax.sharding.Mesh) -> Compiled:
+  """The run's real train step (state and batch sharded as in training, state donated) compiled for ``mesh``."""
+  from jaxshare.train.loop import _jit_step
+  from jaxshare.train.state import abstract_state, setup_run
+  from jaxshare.train.step import Objective
+
+  setup = setup_run(cfg, mesh=mesh)
+  state = abstract_state(setup)
+  shape = (cfg.train.batch_size, cfg.data.seq_len)
+  batch = {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=setup.batch_sharding)
+           for k in ("inputs", "targets", "positions", "segment_ids", "loss_mask")}
+  with jax.set_mesh(mesh):
+    compiled = _jit_step(setup, Objective(), None).trace(state, batch, None).lower().compile()
+  return _summary(f"train_step[{cfg.schedule.kind}]", compiled, compiled.as_text(), MOSAIC_CALL)
