@@ -15,7 +15,15 @@ $(VENV)/.installed: pyproject.toml
 
 $(VENV)/.installed-dev: $(VENV)/.installed
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[hf,dev,tpu]'
+	$(PY) -m pip install -q -e '.[hf,dev]'
+	touch $@
+
+# libtpu for compiling TPU programs ahead of time on this host (scripts/aot_compile.py, tests/test_aot.py), kept out
+# of the venv: installed there, every jax process would try to start a TPU runtime and hold its lock file.
+LIBTPU := .libtpu
+$(LIBTPU)/.installed: $(VENV)/.installed
+	$(PY) -m pip install -q --no-deps --target $(LIBTPU) "$$($(PY) -c "import importlib.metadata as m; \
+	  print(next(r.split(';')[0] for r in m.requires('jax') if r.startswith('libtpu')))")"
 	touch $@
 
 install: $(VENV)/.installed
@@ -26,7 +34,7 @@ train: install
 	$(PY) train.py --config $(EXPERIMENT) $(ARGS)
 
 ## Run the whole test suite (slow real-corpus runs included).
-test: install-dev
+test: install-dev $(LIBTPU)/.installed
 	$(PY) -m pytest -n 2 -q $(ARGS)
 
 clean:

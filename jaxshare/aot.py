@@ -1,6 +1,6 @@
 """Ahead-of-time compilation without the hardware: Mosaic kernels and the train step compiled for a named TPU
-topology (``jax.experimental.topologies`` with libtpu installed: ``pip install jaxshare[tpu]``; libtpu loads without
-a TPU), and the Pallas kernels lowered for CUDA (Triton custom calls) on a CPU host.
+topology (``jax.experimental.topologies`` with libtpu importable; it loads without a TPU), and the Pallas kernels
+lowered for CUDA (Triton custom calls) on a CPU host. ``scripts/aot_compile.py`` is the command line.
 """
 
 from __future__ import annotations
@@ -49,8 +49,8 @@ def topology_mesh(topology: str, mesh_cfg: MeshConfig) -> jax.sharding.Mesh:
   try:
     devices = topologies.get_topology_desc(topology_name=topology, platform="tpu").devices
   except Exception as e:  # libtpu missing or unknown name: both surface as generic runtime errors
-    raise ConfigError(f"--topology {topology!r}: cannot describe this TPU topology ({e}); install the TPU extra "
-                      "(pip install 'jaxshare[tpu]') and name one like v5e:2x2, v5p:2x2x1 or v6e:2x2") from e
+    raise ConfigError(f"--topology {topology!r}: cannot describe this TPU topology ({e}); name one like v5e:2x2, "
+                      "v5p:2x2x1 or v6e:2x2, with libtpu importable (make .libtpu/.installed)") from e
   return parallel.make_mesh(mesh_cfg, devices)
 
 

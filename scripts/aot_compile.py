@@ -2,7 +2,8 @@
 """Compile the Pallas attention kernels and the model's train step for real TPU topologies, and lower the kernels for
 CUDA, on a CPU host with no accelerator.
 
-TPU: ``jax.experimental.topologies`` with libtpu installed (``pip install 'jaxshare[tpu]'``); each kernel's
+TPU: ``jax.experimental.topologies`` with libtpu importable (``make .libtpu/.installed`` puts it in ``.libtpu/``,
+outside the venv; ``pip install 'jaxshare[tpu]'`` on a TPU VM); each kernel's
 forward+backward and the train step (``attention.impl=pallas``, sharded on a data×tensor mesh) compile to Mosaic
 custom calls, and ``memory_analysis()`` is recorded. CUDA: each kernel's forward+backward lowers to Triton custom
 calls (compiling the Triton IR to PTX needs a GPU).
@@ -20,7 +21,13 @@ import os
 import sys
 import time
 
+from pathlib import Path
+
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the host compiles; libtpu is only asked to describe topologies
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # no TPU to guard: let parallel compiles share libtpu
+LIBTPU = Path(__file__).resolve().parent.parent / ".libtpu"  # where `make test` installs libtpu (see the Makefile)
+if LIBTPU.is_dir():
+  sys.path.insert(0, str(LIBTPU))
 
 from jaxshare import aot  # noqa: E402
 from jaxshare.config import ConfigError, MeshConfig, load_config  # noqa: E402

@@ -11,7 +11,7 @@ from flax import nnx
 from conftest import tiny_config
 from jaxshare import parallel
 from jaxshare.config import MeshConfig
-from jaxshare.kernels import dispatch, xla
+from jaxshare.kernels import dispatch, flash, reference, xla
 from test_model import DEPTH_PRESETS, randomized, tokens
 from test_train import batches, run_steps  # noqa: F401 (batches is a fixture)
 
@@ -79,3 +79,23 @@ def test_sharded_kernels_match_single_device_xla(mesh_cfg, batches):
   with jax.set_mesh(setup.mesh):
     jaxpr = str(jax.make_jaxpr(lambda p, x: nnx.merge(setup.graphdef, p)(x))(params, x))
   assert jaxpr.count("shard_map") >= 2, jaxpr  # the flash and the reuse kernels, each in a shard_map
+
+
+def test_auto_falls_back_to_xla_once_naming_the_reason(monkeypatch, caplog):
+  """On an accelerator, a shape the kernels do not support runs in XLA with one warning; ``pallas`` refuses it."""
+  monkeypatch.setattr(flash, "default_backend", lambda: "mosaic_tpu")
+  monkeypatch.setattr(flash, "_VMEM_LIMIT", 1024)  # every shape is then too large for VMEM
+  monkeypatch.setattr(dispatch, "_warned", set())
+  q = jax.random.normal(jax.random.PRNGKey(0), (1, 8, 2, 4))
+  seg = jnp.ones((1, 8), jnp.int32)
+  ops = dispatch.get_attention("auto")
+  with caplog.at_level("WARNING"):
+    outs = [ops.attention(q, q, q, seg, seg) for _ in range(2)]
+    reuse = ops.attention_from_lse(q, q, jnp.zeros((1, 2, 8)), q, seg, seg, scale=0.5)
+  for out in outs:
+    np.testing.assert_array_equal(out, xla.attention(q, q, q, seg, seg))
+  np.testing.assert_allclose(reuse, reference.attention_from_lse(q, q, jnp.zeros((1, 2, 8)), q, seg, seg, scale=0.5))
+  warnings = [r.getMessage() for r in caplog.records if "falling back to xla" in r.getMessage()]
+  assert len(warnings) == 1 and "MiB of VMEM > 0 MiB" in warnings[0], warnings
+  with pytest.raises(ValueError, match="attention.impl=pallas cannot run here: T=8, S=8"):
+    dispatch.get_attention("pallas").attention(q, q, q, seg, seg)

@@ -59,8 +59,9 @@ _TRITON_MAX_WIDTH = 256
 
 def unsupported(q, k, v, *, backend: str) -> str | None:
   """Why the kernels cannot run ``q [B,T,H,e]``, ``k [B,S,Gk,e]``, ``v [B,S,Gv,d]`` (arrays or shape structs) on
-  ``backend``, or None. Mosaic keeps whole key (forward, dQ) or query (dK/dV) sequences of a head in VMEM, double
-  buffered; the row statistics take a 128-lane row per position."""
+  ``backend``, or None. Mosaic keeps whole key (forward, dQ) or query (dK/dV, all query heads of a K/V head)
+  sequences in VMEM, double buffered. The estimate is conservative (the dK/dV kernel at T = 16k, 4 query heads per K/V
+  head, width 128 bf16 is refused here yet compiles for v5e; at T = 64k with one it does not)."""
   e, d, s = _pow2(q.shape[3]), _pow2(v.shape[3]), k.shape[1]
   if backend == "triton" and max(e, d) > _TRITON_MAX_WIDTH:
     return f"head width {max(q.shape[3], v.shape[3])} pads to {max(e, d)} > {_TRITON_MAX_WIDTH} on Triton"
@@ -68,9 +69,10 @@ def unsupported(q, k, v, *, backend: str) -> str | None:
     return None
   geo = geometry(q.shape[1], s, causal=True, window=0, scale=1.0)
   item, heads = jnp.dtype(q.dtype).itemsize, q.shape[2] // math.gcd(k.shape[2], v.shape[2])
-  rows = 128 * 4  # one float32 [.., 1] row statistic padded to 128 lanes
-  forward = geo.s_padded * ((e + d) * item + 8 * 4) + geo.block_q * ((e + 2 * d) * item + 3 * rows)
-  dkv = heads * geo.t_padded * ((e + d) * item + 2 * rows) + geo.t_padded * rows + 4 * geo.block_k * (e + d) * item
+  column = 128 * 4  # a float32 or int32 [.., 1] column takes a 128-lane row per position; a [1, T] row 8 sublanes
+  forward = geo.s_padded * ((e + d) * item + 8 * 4) + geo.block_q * ((e + 2 * d) * item + 3 * column)
+  dkv = (heads * geo.t_padded * ((e + d) * item + 2 * 8 * 4) + geo.t_padded * 8 * 4
+         + geo.block_k * (4 * (e + d) * item + column))
   need = 2 * max(forward, dkv)
   if need > _VMEM_LIMIT:
     return (f"T={q.shape[1]}, S={s}, {heads} query heads per K/V head, widths {e}/{d} need ~{need / 2 ** 20:.0f} MiB "
@@ -125,11 +127,13 @@ def geometry(t: int, s: int, *, causal: bool, window: int, scale: float, block_q
   return Geometry(t, s, min(block_q, _pow2(t)), min(block_k, _pow2(s)), causal, window, scale)
 
 
-def _mask(geo: Geometry, q_start, k_start, q_seg: jax.Array, k_seg: jax.Array) -> jax.Array:
-  """``[bq, bk]``: same segment, a real (unpadded) key, causal and window constraints."""
-  shape = (q_seg.shape[0], k_seg.shape[1])
-  q_pos = lax.broadcasted_iota(jnp.int32, shape, 0) + q_start
-  k_pos = lax.broadcasted_iota(jnp.int32, shape, 1) + k_start
+def _mask(geo: Geometry, q_start, k_start, q_seg: jax.Array, k_seg: jax.Array, transposed: bool = False
+          ) -> jax.Array:
+  """``[bq, bk]`` (``q_seg [bq, 1]``, ``k_seg [1, bk]``), or ``[bk, bq]`` when ``transposed`` (``q_seg [1, bq]``,
+  ``k_seg [bk, 1]``): same segment, a real (unpadded) key, causal and window constraints."""
+  shape = (k_seg.shape[0], q_seg.shape[1]) if transposed else (q_seg.shape[0], k_seg.shape[1])
+  q_pos = lax.broadcasted_iota(jnp.int32, shape, 1 if transposed else 0) + q_start
+  k_pos = lax.broadcasted_iota(jnp.int32, shape, 0 if transposed else 1) + k_start
   mask = (q_seg == k_seg) & (k_pos < geo.s)
   if geo.causal:
     mask = mask & (k_pos <= q_pos)
@@ -240,9 +244,18 @@ def _dq_kernel(q_ref, k_ref, v_ref, q_seg_ref, k_seg_ref, lse_ref, delta_ref, do
   dq_ref[...] = (dq * geo.scale).astype(dq_ref.dtype)
 
 
+def _query_slice(geo: Geometry, i):
+  """Query block ``i`` of a whole-sequence row ``[.., 1, T]`` (lane dimension: a single block slices statically)."""
+  if geo.t_padded == geo.block_q:
+    return pl.ds(0, geo.block_q)
+  return pl.ds(pl.multiple_of(i * geo.block_q, geo.block_q), geo.block_q)
+
+
 def _dkv_kernel(q_ref, k_ref, v_ref, q_seg_ref, k_seg_ref, lse_ref, delta_ref, do_ref, dk_ref, dv_ref, *,
                 geo: Geometry):
-  bq, bk = geo.block_q, geo.block_k
+  """Keys × queries orientation: ``Pᵀ = exp(s·K Qᵀ − lse)`` with the row statistics lane-dense (``[1, T]`` per
+  head, 4 bytes a position in VMEM where a ``[T, 1]`` column takes a 128-lane row), and no tile transposes."""
+  bk = geo.block_k
   j = pl.program_id(2)
   k, v, k_seg = k_ref[...], v_ref[...], k_seg_ref[...]
   lo, hi = _query_blocks(geo, j)
@@ -250,12 +263,13 @@ def _dkv_kernel(q_ref, k_ref, v_ref, q_seg_ref, k_seg_ref, lse_ref, delta_ref, d
   def head(r, carry):
     def body(i, carry):
       dk, dv = carry
-      rows = pl.ds(pl.multiple_of(i * bq, bq), bq)
+      rows, cols = pl.ds(pl.multiple_of(i * geo.block_q, geo.block_q), geo.block_q), _query_slice(geo, i)
       q, do = q_ref[r, rows, :], do_ref[r, rows, :]
-      p = _probs(geo, q, k, lse_ref[r, rows, :], _mask(geo, i * bq, j * bk, q_seg_ref[rows, :], k_seg))
-      dv = dv + _dot(p.T.astype(do.dtype), do)
-      ds = p * (_dot(do, v, _NT) - delta_ref[r, rows, :])
-      dk = dk + _dot(ds.T.astype(q.dtype), q)
+      mask = _mask(geo, i * geo.block_q, j * bk, q_seg_ref[:, cols], k_seg, transposed=True)
+      p_t = jnp.where(mask, jnp.exp(_dot(k, q, _NT) * geo.scale - lse_ref[r, :, cols]), 0.0)  # [bk, bq]
+      dv = dv + _dot(p_t.astype(do.dtype), do)
+      ds_t = p_t * (_dot(v, do, _NT) - delta_ref[r, :, cols])
+      dk = dk + _dot(ds_t.astype(q.dtype), q)
       return dk, dv
 
     return lax.fori_loop(lo, hi, body, carry)
@@ -300,7 +314,7 @@ def _forward(q, k, v, q_seg, k_seg, lse_in, geo: Geometry, backend: str):
 
 
 def _backward(q, k, v, q_seg, k_seg, lse, delta, do, geo: Geometry, backend: str):
-  """``(dQ, dK, dV)`` in the input dtypes; ``lse``/``delta [B, H, Tp, 1]`` float32."""
+  """``(dQ, dK, dV)`` in the input dtypes; ``lse``/``delta [B, H, Tp, 1]`` float32; segment ids as the forward's."""
   b, h, tp, e = q.shape
   g, sp = k.shape[1], k.shape[2]
   r, bk = h // g, geo.block_k
@@ -312,16 +326,20 @@ def _backward(q, k, v, q_seg, k_seg, lse, delta, do, geo: Geometry, backend: str
               spec["o"]],
     out_specs=spec["q"], **_platform(backend), name="jaxshare_flash_dq",
   )(q, k, v, q_seg, k_seg, lse, delta, do)
-  heads = lambda width: pl.BlockSpec((None, r, tp, width), lambda b_, g_, j: (b_, g_, 0, 0))  # noqa: E731
+  # The dK/dV grid (B, G, S/bk): a K/V head's block against the whole query sequence of its H/G query heads; row
+  # statistics and query segment ids as lane-dense rows, key segment ids as a column.
+  heads = lambda *tail: pl.BlockSpec((None, r, *tail), lambda b_, g_, j: (b_, g_, 0, 0))  # noqa: E731
   keys = lambda width: pl.BlockSpec((None, None, bk, width), lambda b_, g_, j: (b_, g_, j, 0))  # noqa: E731
   dk, dv = pl.pallas_call(
     functools.partial(_dkv_kernel, geo=geo),
     out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
     grid=(b, g, sp // bk),
-    in_specs=[heads(e), keys(e), keys(v.shape[3]), pl.BlockSpec((None, tp, 1), lambda b_, g_, j: (b_, 0, 0)),
-              pl.BlockSpec((None, 1, bk), lambda b_, g_, j: (b_, 0, j)), heads(1), heads(1), heads(v.shape[3])],
+    in_specs=[heads(tp, e), keys(e), keys(v.shape[3]), pl.BlockSpec((None, 1, tp), lambda b_, g_, j: (b_, 0, 0)),
+              pl.BlockSpec((None, bk, 1), lambda b_, g_, j: (b_, j, 0)), heads(1, tp), heads(1, tp),
+              heads(tp, v.shape[3])],
     out_specs=[keys(e), keys(v.shape[3])], **_platform(backend), name="jaxshare_flash_dkv",
-  )(q, k, v, q_seg, k_seg, lse, delta, do)
+  )(q, k, v, q_seg.reshape(b, 1, tp), k_seg.reshape(b, sp, 1), lse.reshape(b, h, 1, tp),
+    delta.reshape(b, h, 1, tp), do)
   return dq, dk, dv
 
 
