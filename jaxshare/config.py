@@ -216,8 +216,9 @@ class AttentionConfig:
                           "reusers recompute exp(scale q k^T - lse) from the producer's own q, k and log-sum-exp (its "
                           "softmax to float32 rounding, in bf16 too); LISA_plus/DS chains attend over concatenated "
                           "float32 features [q/sqrt(d), q_LR/sqrt(r), ...]; nothing [B,H,T,T] is kept per reusing "
-                          "layer. materialize: hand the probabilities / logits tensors on. Same numbers; full LISA "
-                          "(ffn/linear) always materialises.",
+                          "layer; full LISA (ffn/linear aligners) chains hand on every layer's low-rank features and "
+                          "aligner weights and recompute their logits in query chunks of 128 rows (never [B,H,T,T] for "
+                          "the whole sequence). materialize: hand the probabilities / logits tensors on. Same numbers.",
                           ("recompute", "materialize"))
 
 

@@ -43,7 +43,8 @@ SCORE_SCHEDULES = {
                   "schedule.uniattn.start=2", "schedule.uniattn.block_size=2"],
 }
 RECOMPUTABLE = ["sa_reference_code", "sa_paper", "uniattn", "lisa_plus", "lisa_plus_rope", "ds", "gqa_lisa_plus",
-                "cla_uniattn", "gqa_per_layer_lisa_plus", "gqa_per_layer_ds", "lisa_plus_keep_qk"]
+                "cla_uniattn", "gqa_per_layer_lisa_plus", "gqa_per_layer_ds", "lisa_plus_keep_qk", "lisa_ffn",
+                "lisa_linear", "lisa_groups"]
 
 
 @pytest.mark.parametrize("name", sorted(SCORE_SCHEDULES))
@@ -114,6 +115,25 @@ def test_recompute_keeps_no_score_tensor_per_consumer():
   assert counts["reference", "materialize"] == counts["reference", "recompute"]
   assert counts["xla", "dense"] == counts["xla", "recompute"] == 0
   assert counts["xla", "materialize"] == counts["reference", "materialize"]  # materialising is what it says
+
+
+@pytest.mark.parametrize("integrator", ["ffn", "linear"])
+def test_full_lisa_recompute_never_holds_the_sequence_square(integrator):
+  """Full LISA's aligners mix heads per score cell; with recompute the chain hands on features and each layer
+  attends query chunk by query chunk: no array of the program (forward or backward) is [.., T, S] for the whole
+  sequence (T = S = 160, chunks of 128 rows; the source layer attends in Pallas kernel tiles); the materialised path
+  does hold them."""
+  t = 160
+  found = {}
+  for mode in ("recompute", "materialize"):
+    cfg = tiny_config(f"data.seq_len={t}", "schedule.kind=lisa", "schedule.lisa.layers=[1,2,3]",
+                      f"schedule.lisa.integrator={integrator}", "schedule.lisa.hidden=12",
+                      f"attention.score_sharing={mode}", "attention.impl=pallas_interpret")
+    _, graphdef, params = randomized(cfg)
+    x = tokens(2, t)
+    jaxpr = str(jax.make_jaxpr(jax.grad(lambda p: jnp.mean(nnx.merge(graphdef, p)(x))))(params))
+    found[mode] = re.search(rf"\[(\d+,)*{t},{t}\]", jaxpr) is not None
+  assert found == {"recompute": False, "materialize": True}
 
 
 def test_lisa_plus_with_zero_delta_equals_ds_equals_sa():

@@ -13,12 +13,13 @@ _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
 def attention_mask(q_segment_ids: jax.Array, kv_segment_ids: jax.Array, causal: bool = True,
-                   window: int = 0) -> jax.Array:
+                   window: int = 0, q_start: jax.Array | int = 0) -> jax.Array:
   """Boolean ``[B, T, S]`` mask: query t may attend key s (same segment; s <= t when causal; t - s < window when
-  ``window`` > 0, Mistral's sliding window: each query sees itself and the ``window - 1`` keys before it)."""
+  ``window`` > 0, Mistral's sliding window: each query sees itself and the ``window - 1`` keys before it).
+  ``q_start``: the position of the first query row (a chunk of the sequence's queries)."""
   mask = q_segment_ids[:, :, None] == kv_segment_ids[:, None, :]
   t, s = q_segment_ids.shape[1], kv_segment_ids.shape[1]
-  offset = jnp.arange(t)[:, None] - jnp.arange(s)[None, :]
+  offset = (q_start + jnp.arange(t))[:, None] - jnp.arange(s)[None, :]
   if causal:
     mask = mask & (offset >= 0)[None]
   if window:

@@ -22,7 +22,7 @@ from jaxshare.kernels.dispatch import get_attention
 from jaxshare.model import scores
 from jaxshare.model.layers import DenseGeneral
 from jaxshare.model.rope import apply_rope
-from jaxshare.model.scores import ScoreFeatures, ScoreState, ScoreTensors
+from jaxshare.model.scores import AlignerChain, ScoreFeatures, ScoreState, ScoreTensors
 from jaxshare.schedule import LayerRole
 
 KV = tuple[jax.Array | None, jax.Array]
@@ -57,7 +57,8 @@ class Attention(nnx.Module):
     score_sharing: ``recompute`` (hand on :class:`~jaxshare.model.scores.ScoreFeatures`: probability reusers
       recompute ``exp(QKᵀ·s − lse)`` under ``jax.checkpoint``, LISA_plus/DS chains attend over concatenated
       features; nothing ``[B,H,T,T]`` is kept per reusing layer) or ``materialize`` (hand on the probabilities or
-      logits). Both give the same numbers; full LISA's aligners always materialise.
+      logits). Both give the same numbers; with recompute full LISA's aligner chains hand on an
+      :class:`~jaxshare.model.scores.AlignerChain` and attend in query chunks.
 
   Parameters (absent when the role does not need them): ``q_proj [D,H,d]``, ``k_proj``/``v_proj [D,G,d]``,
   ``o_proj [H,d,D]``; LISA ``q_lr [D,H,r]``, ``k_lr [D,G,r]``, aligner ``align_in [2H,hidden]`` +
@@ -125,15 +126,13 @@ class Attention(nnx.Module):
       k = apply_rope(k, positions, self.theta, rot, self.rope_scaling)
     return q, k
 
-  def _integrate(self, a_prev: jax.Array, a_delta: jax.Array) -> jax.Array:
-    """LISA Eq. 4 on ``[B,H,T,S]`` logits; the aligner mixes heads per (t, s) cell, before any masking."""
-    if self.role.integrator == "add":
-      return a_prev + a_delta
-    z = jnp.concatenate([a_prev, a_delta], axis=1)  # [B, 2H, T, S]
+  def _aligner_weights(self) -> tuple[jax.Array, ...]:
+    """This layer's aligner weights in :func:`~jaxshare.model.scores.integrate`'s order (none for ``add``)."""
     if self.role.integrator == "linear":
-      return jnp.einsum("bets,eh->bhts", z, self.align[...].astype(jnp.float32))
-    hidden = jax.nn.relu(jnp.einsum("bets,ef->bfts", z, self.align_in[...].astype(jnp.float32)))
-    return jnp.einsum("bfts,fh->bhts", hidden, self.align_out[...].astype(jnp.float32))
+      return (self.align[...],)
+    if self.role.integrator == "ffn":
+      return (self.align_in[...], self.align_out[...])
+    return ()
 
   def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array, kv_in: KV | None = None,
                score_in: ScoreState | None = None, slot: jax.Array | int = 0, head_kernels: dict | None = None
@@ -147,7 +146,8 @@ class Attention(nnx.Module):
       kv_in: a K/V consumer's producer ``(K, V)`` (K None if the producer reuses scores).
       score_in: a probability reuser's source state, or a LISA layer's chain state (see
         :func:`~jaxshare.model.scores.chain_entry`).
-      slot: LISA_plus in a features chain: the offset of this layer's feature slot.
+      slot: LISA_plus in a features chain: the offset of this layer's feature slot; full LISA in an
+        :class:`~jaxshare.model.scores.AlignerChain`: this layer's slot.
       head_kernels: head-wise sharing: this layer's gathered ``{"q", "k", "v"}`` kernels ``[D, H, d]``.
 
     Returns:
@@ -168,6 +168,10 @@ class Attention(nnx.Module):
       else:
         out = reference.apply_probs(score_in.probs, v, self.dtype)
       return self.o_proj(out), (k, v), None, None
+    if isinstance(score_in, AlignerChain):  # full LISA: logits recomputed from the chain's features per query chunk
+      state = scores.append_aligner(score_in, slot, *self._low_rank(x, positions), self._aligner_weights())
+      out = scores.chain_attention(state, slot, v, segment_ids, self.window)
+      return self.o_proj(out.astype(self.dtype)), (k, v), state, state
     if isinstance(score_in, ScoreFeatures):  # LISA_plus / DS chain: one attention over the chain's features
       if role.integrator not in ("add", "none"):
         raise ValueError(f"the {role.integrator} aligner mixes materialised logits; see scores.chain_entry")
@@ -180,7 +184,8 @@ class Attention(nnx.Module):
       a = score_in.logits
       if role.has_low_rank:
         q_lr, k_lr = self._low_rank(x, positions)
-        a = self._integrate(a, reference.scores(q_lr, k_lr, role.lisa_rank ** -0.5))
+        a = scores.integrate(role.integrator, a, reference.scores(q_lr, k_lr, role.lisa_rank ** -0.5),
+                             self._aligner_weights())
       probs, _ = reference.masked_softmax(a, reference.attention_mask(segment_ids, segment_ids, True, self.window))
       out = reference.apply_probs(probs, v, self.dtype)
       state = ScoreTensors(logits=a)

@@ -15,7 +15,7 @@ from jaxshare.config import ModelConfig
 from jaxshare.model import scores
 from jaxshare.model.attention import KV, Attention
 from jaxshare.model.layers import MLP, DenseGeneral, make_norm
-from jaxshare.model.scores import ScoreFeatures, ScoreState
+from jaxshare.model.scores import AlignerChain, ScoreFeatures, ScoreState
 from jaxshare.schedule import LayerRole, Run
 
 _RESIDUAL = ("activation_batch", "activation_length", "activation_embed")
@@ -109,16 +109,19 @@ class LayerRun(nnx.Module):
     """
     role = self.role
     chain = role.score_reuse == "logits"
-    base = 0
+    base, width = 0, role.lisa_rank
     if chain:
       score_in = scores.chain_entry(score_in, integrator=role.integrator, num_kv_heads=role.num_kv_heads,
-                                    slots=self.length, rank=role.lisa_rank, recompute=self.recompute)
+                                    slots=self.length, rank=role.lisa_rank, hidden=role.lisa_hidden,
+                                    recompute=self.recompute)
       if isinstance(score_in, ScoreFeatures) and role.has_low_rank:
         base = score_in.q.shape[-1] - self.length * role.lisa_rank
+      elif isinstance(score_in, AlignerChain):  # one slot per layer
+        base, width = score_in.q_lr.shape[0] - self.length, 1
 
     def body(layer: DecoderLayer, carry, i, kernels):
       x, state = carry
-      slot = base + i * role.lisa_rank
+      slot = base + i * width
       y, kv, out_state, used, mha = layer(x, positions, segment_ids, kv_in, state if chain else score_in, slot,
                                           kernels)
       item = mha if capture == "mha" else scores.logits(used) if capture and used is not None else None

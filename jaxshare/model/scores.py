@@ -8,7 +8,11 @@ Two forms, chosen by ``attention.score_sharing``:
   dtype. A LISA chain (LISA_plus, DS) extends the features instead of adding logits: the sum of the low-rank deltas
   is one product of concatenated features ``[q·s_d, q_LR·s_r, …]·[k, k_LR, …]ᵀ`` (float32, scales folded in
   float32), held in a buffer of fixed width so that a chain of identical layers is one scan.
-- :class:`ScoreTensors` (``materialize``, and the full LISA aligners): the ``[B, H, T, S]`` logits or probabilities.
+- :class:`AlignerChain` (``recompute`` with full LISA's ``ffn``/``linear`` aligners): the aligners mix heads per
+  score cell, so no single product of features gives the chain's logits; the chain hands on the features of its
+  source and of every layer's low-rank delta with the aligner weights, and each layer recomputes its logits query
+  chunk by query chunk (:func:`chain_attention`), never holding ``[B, H, T, S]`` for the whole sequence.
+- :class:`ScoreTensors` (``materialize``): the ``[B, H, T, S]`` logits or probabilities.
 
 Shapes: B batch, T queries, S keys, H query heads, G K/V heads (query head h reads K/V head ``h // (H/G)``), e feature
 width.
@@ -50,11 +54,100 @@ class ScoreTensors:
   probs: jax.Array | None = None
 
 
-ScoreState = ScoreFeatures | ScoreTensors
+@struct.dataclass
+class AlignerChain:
+  """A full-LISA chain as features (LISA Eq. 3-4 with the ffn or linear aligner), ``N`` layer slots.
+
+  Attributes:
+    q: ``[B, T, H, e]`` float32 source queries, logit scale folded in; k: ``[B, S, G, e]`` float32 source keys.
+    q_lr: ``[N, B, T, H, r]`` float32 low-rank queries, ``1/√r`` folded in; k_lr: ``[N, B, S, H, r]`` float32.
+    weights: per slot aligner weights: ffn ``(W_in [N, 2H, hidden], W_out [N, hidden, H])``, linear
+      ``(W [N, 2H, H],)``.
+    integrator: ``ffn`` or ``linear`` (static).
+  """
+
+  q: jax.Array
+  k: jax.Array
+  q_lr: jax.Array
+  k_lr: jax.Array
+  weights: tuple[jax.Array, ...]
+  integrator: str = struct.field(pytree_node=False)
+
+
+ScoreState = ScoreFeatures | ScoreTensors | AlignerChain
+
+QUERY_CHUNK = 128  # rows of a full-LISA layer's logits alive at once: [B, H, 128, S] float32 and the aligner hidden
+
+
+def integrate(integrator: str, a_prev: jax.Array, a_delta: jax.Array, weights: tuple[jax.Array, ...]) -> jax.Array:
+  """LISA Eq. 4 on ``[B, H, T, S]`` float32 logits: ``add`` (LISA_plus) or the aligner mixing heads per (t, s) cell,
+  ``linear`` ``[A_{n-1}; A_Δ] W`` or ``ffn`` ``relu([A_{n-1}; A_Δ] W_in) W_out``, before any masking."""
+  if integrator == "add":
+    return a_prev + a_delta
+  z = jnp.concatenate([a_prev, a_delta], axis=1)  # [B, 2H, T, S]
+  if integrator == "linear":
+    return jnp.einsum("bets,eh->bhts", z, weights[0].astype(jnp.float32))
+  hidden = jax.nn.relu(jnp.einsum("bets,ef->bfts", z, weights[0].astype(jnp.float32)))
+  return jnp.einsum("bfts,fh->bhts", hidden, weights[1].astype(jnp.float32))
+
+
+def _chain_rows(state: AlignerChain, last: jax.Array | int, q: jax.Array, q_lr: jax.Array) -> jax.Array:
+  """Logits ``[B, H, c, S]`` of the chain's slot ``last`` for query rows ``q [B, c, H, e]``, ``q_lr [N, B, c, H, r]``:
+  the source's, then each slot's aligner in order (slots after ``last`` pass the logits through)."""
+  a = reference.scores(q, state.k, 1.0)
+  for n in range(state.q_lr.shape[0]):
+    integrated = integrate(state.integrator, a, reference.scores(q_lr[n], state.k_lr[n], 1.0),
+                           tuple(w[n] for w in state.weights))
+    a = jnp.where(n <= last, integrated, a)
+  return a
+
+
+def chain_logits(state: AlignerChain, last: jax.Array | int | None = None) -> jax.Array:
+  """The whole ``[B, H, T, S]`` float32 logits of slot ``last`` (default: the last slot); materialises them."""
+  last = state.q_lr.shape[0] - 1 if last is None else last
+  return _chain_rows(state, last, state.q, state.q_lr)
+
+
+def chain_attention(state: AlignerChain, last: jax.Array | int, v: jax.Array, segment_ids: jax.Array,
+                    window: int = 0) -> jax.Array:
+  """Causal softmax attention of slot ``last``'s logits applied to ``v [B, S, G, d]``, computed in query chunks of
+  :data:`QUERY_CHUNK` rows, each under ``jax.checkpoint`` (the backward pass recomputes a chunk's logits instead of
+  keeping them). Returns ``[B, T, H, d]`` float32."""
+  b, t, h, _ = state.q.shape
+  chunk = min(QUERY_CHUNK, t)
+  n = -(-t // chunk)
+  pad = n * chunk - t
+
+  def split(x: jax.Array, axis: int) -> jax.Array:  # [.., T, ..] -> [n, .., chunk, ..]
+    x = jnp.pad(x, [(0, pad if i == axis else 0) for i in range(x.ndim)])
+    x = x.reshape(*x.shape[:axis], n, chunk, *x.shape[axis + 1:])
+    return jnp.moveaxis(x, axis, 0)
+
+  @jax.checkpoint
+  def rows(args):
+    start, q, q_lr, q_seg = args
+    mask = reference.attention_mask(q_seg, segment_ids, True, window, q_start=start)
+    probs, _ = reference.masked_softmax(_chain_rows(state, last, q, q_lr), mask)
+    return reference.apply_probs(probs, regroup(v, h) if v.shape[2] != h else v, jnp.float32)
+
+  out = jax.lax.map(rows, (jnp.arange(n) * chunk, split(state.q, 1), split(state.q_lr, 2), split(segment_ids, 1)))
+  return jnp.moveaxis(out, 0, 1).reshape(b, n * chunk, h, -1)[:, :t]
+
+
+def append_aligner(state: AlignerChain, slot: jax.Array | int, q_lr: jax.Array, k_lr: jax.Array,
+                   weights: tuple[jax.Array, ...]) -> AlignerChain:
+  """Write a layer's low-rank features (``q_lr [B,T,H,r]``, ``k_lr [B,S,G,r]``) and aligner weights into ``slot``."""
+  rank = q_lr.shape[-1]
+  put = lambda buf, x: jax.lax.dynamic_update_index_in_dim(buf, x.astype(buf.dtype), slot, 0)  # noqa: E731
+  return AlignerChain(state.q, state.k, put(state.q_lr, q_lr.astype(jnp.float32) * jnp.float32(rank ** -0.5)),
+                      put(state.k_lr, regroup(k_lr, state.q.shape[2])),
+                      tuple(put(buf, w) for buf, w in zip(state.weights, weights)), state.integrator)
 
 
 def logits(state: ScoreState) -> jax.Array:
   """The unmasked logits ``[B, H, T, S]`` (float32) of a score state."""
+  if isinstance(state, AlignerChain):
+    return chain_logits(state)
   if isinstance(state, ScoreTensors):
     if state.logits is None:
       raise ValueError("these scores were handed on as probabilities only; their logits are not available")
@@ -81,16 +174,19 @@ def regroup(x: jax.Array, num_heads: int) -> jax.Array:
   return x if g == num_heads else jnp.repeat(x, num_heads // g, axis=2)
 
 
-def chain_entry(state: ScoreState, *, integrator: str, num_kv_heads: int, slots: int, rank: int,
+def chain_entry(state: ScoreState, *, integrator: str, num_kv_heads: int, slots: int, rank: int, hidden: int,
                 recompute: bool) -> ScoreState:
-  """The carry a run of ``slots`` LISA-family layers (``integrator``, ``num_kv_heads`` K/V heads) starts from, given
-  the state of the layer before the run.
+  """The carry a run of ``slots`` LISA-family layers (``integrator``, ``num_kv_heads`` K/V heads, rank, aligner
+  ``hidden`` width) starts from, given the state of the layer before the run.
 
   With ``recompute`` and features in hand, LISA_plus and DS chains stay features: K is regrouped to
   ``lcm(G_in, G)`` heads (per-layer GQA), and LISA_plus appends ``slots`` zero slots of width ``rank`` that the run's
   layers fill in order, after folding every scale into float32 features (so the chain's logits equal the
-  materialised sum of logits to float32 rounding in bf16 too). Otherwise the chain carries materialised logits.
+  materialised sum of logits to float32 rounding in bf16 too). Full LISA chains (ffn/linear) become, or extend, an
+  :class:`AlignerChain` with ``slots`` empty slots. Otherwise the chain carries materialised logits.
   """
+  if recompute and integrator in ("ffn", "linear") and isinstance(state, (ScoreFeatures, AlignerChain)):
+    return _aligner_entry(state, integrator, slots, rank, hidden)
   if not (recompute and isinstance(state, ScoreFeatures) and integrator in ("add", "none")):
     return ScoreTensors(logits=logits(state))
   heads = math.lcm(state.k.shape[2], num_kv_heads)
@@ -102,6 +198,26 @@ def chain_entry(state: ScoreState, *, integrator: str, num_kv_heads: int, slots:
   q = jnp.concatenate([q, jnp.zeros((*q.shape[:-1], width), jnp.float32)], axis=-1)
   k = jnp.concatenate([k.astype(jnp.float32), jnp.zeros((*k.shape[:-1], width), jnp.float32)], axis=-1)
   return ScoreFeatures(q, k, None, 1.0)
+
+
+def _aligner_entry(state: ScoreFeatures | AlignerChain, integrator: str, slots: int, rank: int,
+                   hidden: int) -> ScoreState:
+  if isinstance(state, AlignerChain) and state.integrator != integrator:  # another aligner kind: materialise
+    return ScoreTensors(logits=logits(state))
+  if isinstance(state, ScoreFeatures):
+    state = AlignerChain(state.q.astype(jnp.float32) * jnp.float32(state.scale), state.k.astype(jnp.float32),
+                         *_empty_slots(state.q, 0, rank, hidden, integrator), integrator)
+  q_lr, k_lr, weights = _empty_slots(state.q, slots, rank, hidden, integrator)
+  join = lambda a, b: jnp.concatenate([a, b])  # noqa: E731
+  return AlignerChain(state.q, state.k, join(state.q_lr, q_lr), join(state.k_lr, k_lr),
+                      tuple(join(a, b) for a, b in zip(state.weights, weights)), integrator)
+
+
+def _empty_slots(q: jax.Array, slots: int, rank: int, hidden: int, integrator: str):
+  b, t, h, _ = q.shape
+  shapes = [(2 * h, hidden), (hidden, h)] if integrator == "ffn" else [(2 * h, h)]
+  return (jnp.zeros((slots, b, t, h, rank), jnp.float32), jnp.zeros((slots, b, t, h, rank), jnp.float32),
+          tuple(jnp.zeros((slots, *shape), jnp.float32) for shape in shapes))
 
 
 def add_low_rank(state: ScoreFeatures, q_lr: jax.Array, k_lr: jax.Array, offset: jax.Array | int) -> ScoreFeatures:
