@@ -301,7 +301,7 @@ def _forward(q, k, v, q_seg, k_seg, lse_in, geo: Geometry, backend: str):
   reuse = lse_in is not None
   out_shape = [jax.ShapeDtypeStruct((b, h, tp, v.shape[3]), v.dtype if reuse else q.dtype)]
   out_specs = [spec["o"]]
-  if not reuse:
+  if not reuse:  # a [.., T, 1] column: on TPU its HBM tiles pad it to 128 lanes (a lane-dense LSE is left to do)
     out_shape.append(jax.ShapeDtypeStruct((b, h, tp, 1), jnp.float32))
     out_specs.append(spec["row"])
   outs = pl.pallas_call(

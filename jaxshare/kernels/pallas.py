@@ -29,39 +29,37 @@ def _head_specs(mesh, q_shape, kv_heads: tuple[int, ...]):
   return batch, heads, [None if (g == 1 or heads is None) else heads for g in kv_heads]
 
 
-def _sharded(kernel, args, specs, out_specs):
+def _mesh():
+  """The ambient mesh when it has more than one device, else None (the kernels run unwrapped)."""
   mesh = jax.sharding.get_abstract_mesh()
-  if mesh.empty or math.prod(mesh.axis_sizes) == 1:
-    return kernel(*args)
-  return jax.shard_map(kernel, mesh=mesh, in_specs=specs, out_specs=out_specs, check_vma=False)(*args)
+  return None if mesh.empty or math.prod(mesh.axis_sizes) == 1 else mesh
 
 
 def attention(q, k, v, q_segment_ids, kv_segment_ids, *, causal: bool = True, scale: float | None = None,
               window: int = 0, return_lse: bool = False, backend: str | None = None):
   """:func:`jaxshare.kernels.flash.attention` per device under the ambient mesh (same contract)."""
-  backend = backend or flash.default_backend()
-  mesh = jax.sharding.get_abstract_mesh()
   kernel = functools.partial(flash.attention, causal=causal, scale=scale, window=window, return_lse=return_lse,
-                             backend=backend)
-  if mesh.empty:
-    return kernel(q, k, v, q_segment_ids, kv_segment_ids)
+                             backend=backend or flash.default_backend())
+  args = (q, k, v, q_segment_ids, kv_segment_ids)
+  if (mesh := _mesh()) is None:
+    return kernel(*args)
   batch, heads, (kv,) = _head_specs(mesh, q.shape, (k.shape[2],))
   out = P(batch, None, heads, None)
   specs = (out, P(batch, None, kv, None), P(batch, None, kv, None), P(batch, None), P(batch, None))
-  return _sharded(kernel, (q, k, v, q_segment_ids, kv_segment_ids), specs,
-                  (out, P(batch, heads, None)) if return_lse else out)
+  out_specs = (out, P(batch, heads, None)) if return_lse else out
+  return jax.shard_map(kernel, mesh=mesh, in_specs=specs, out_specs=out_specs, check_vma=False)(*args)
 
 
 def attention_from_lse(q, k, lse, v, q_segment_ids, kv_segment_ids, *, scale: float, causal: bool = True,
                        window: int = 0, backend: str | None = None):
   """:func:`jaxshare.kernels.flash.attention_from_lse` per device under the ambient mesh (same contract)."""
-  backend = backend or flash.default_backend()
-  mesh = jax.sharding.get_abstract_mesh()
-  kernel = functools.partial(flash.attention_from_lse, scale=scale, causal=causal, window=window, backend=backend)
-  if mesh.empty:
-    return kernel(q, k, lse, v, q_segment_ids, kv_segment_ids)
+  kernel = functools.partial(flash.attention_from_lse, scale=scale, causal=causal, window=window,
+                             backend=backend or flash.default_backend())
+  args = (q, k, lse, v, q_segment_ids, kv_segment_ids)
+  if (mesh := _mesh()) is None:
+    return kernel(*args)
   batch, heads, (gk, gv) = _head_specs(mesh, q.shape, (k.shape[2], v.shape[2]))
   out = P(batch, None, heads, None)
   specs = (out, P(batch, None, gk, None), P(batch, heads, None), P(batch, None, gv, None), P(batch, None),
            P(batch, None))
-  return _sharded(kernel, (q, k, lse, v, q_segment_ids, kv_segment_ids), specs, out)
+  return jax.shard_map(kernel, mesh=mesh, in_specs=specs, out_specs=out, check_vma=False)(*args)
