@@ -181,6 +181,18 @@ def test_capture_returns_each_layers_logits():
   assert not np.allclose(np.asarray(attn[0]), np.asarray(attn[1]))
 
 
+@pytest.mark.parametrize("name", ["lisa_ffn", "lisa_linear", "lisa_plus", "lisa_groups"])
+def test_captured_chain_logits_are_each_layers_own(name):
+  """Distillation reads each LISA layer's logits: recomputed from a chain's features they equal the materialised
+  chain's, layer by layer (a layer's slot, not the chain's last)."""
+  x = tokens()
+  captured = {}
+  for mode in ("recompute", "materialize"):
+    _, graphdef, params = randomized(tiny_config(*SCORE_SCHEDULES[name], f"attention.score_sharing={mode}"))
+    captured[mode] = np.asarray(nnx.merge(graphdef, params)(x, capture_attention=True)[1])
+  np.testing.assert_allclose(captured["recompute"], captured["materialize"], atol=2e-5, rtol=2e-5)
+
+
 @pytest.mark.parametrize("integrator", ["ffn", "linear"])
 def test_lisa_aligners_start_as_lisa_plus(integrator):
   """LISA's aligners are initialised to A_{n-1} + A_delta: with every other weight random, the fresh aligner gives

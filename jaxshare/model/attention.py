@@ -170,7 +170,7 @@ class Attention(nnx.Module):
       return self.o_proj(out), (k, v), None, None
     if isinstance(score_in, AlignerChain):  # full LISA: logits recomputed from the chain's features per query chunk
       state = scores.append_aligner(score_in, slot, *self._low_rank(x, positions), self._aligner_weights())
-      out = scores.chain_attention(state, slot, v, segment_ids, self.window)
+      out = scores.chain_attention(state, v, segment_ids, self.window)
       return self.o_proj(out.astype(self.dtype)), (k, v), state, state
     if isinstance(score_in, ScoreFeatures):  # LISA_plus / DS chain: one attention over the chain's features
       if role.integrator not in ("add", "none"):

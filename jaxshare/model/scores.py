@@ -1,6 +1,6 @@
 """Attention scores a layer hands on to the layers that reuse them, and how those layers read them.
 
-Two forms, chosen by ``attention.score_sharing``:
+Three forms, chosen by ``attention.score_sharing`` and the integrator:
 
 - :class:`ScoreFeatures` (``recompute``): the features whose product *is* the producer's logits, ``scale · q kᵀ``
   computed in float32 from exactly the arrays the producer used, plus the producer's log-sum-exp. A probability
@@ -63,6 +63,7 @@ class AlignerChain:
     q_lr: ``[N, B, T, H, r]`` float32 low-rank queries, ``1/√r`` folded in; k_lr: ``[N, B, S, H, r]`` float32.
     weights: per slot aligner weights: ffn ``(W_in [N, 2H, hidden], W_out [N, hidden, H])``, linear
       ``(W [N, 2H, H],)``.
+    last: int32 scalar, the slot whose logits this state stands for (the layer that handed it on; -1: the source).
     integrator: ``ffn`` or ``linear`` (static).
   """
 
@@ -71,6 +72,7 @@ class AlignerChain:
   q_lr: jax.Array
   k_lr: jax.Array
   weights: tuple[jax.Array, ...]
+  last: jax.Array
   integrator: str = struct.field(pytree_node=False)
 
 
@@ -91,28 +93,21 @@ def integrate(integrator: str, a_prev: jax.Array, a_delta: jax.Array, weights: t
   return jnp.einsum("bfts,fh->bhts", hidden, weights[1].astype(jnp.float32))
 
 
-def _chain_rows(state: AlignerChain, last: jax.Array | int, q: jax.Array, q_lr: jax.Array) -> jax.Array:
-  """Logits ``[B, H, c, S]`` of the chain's slot ``last`` for query rows ``q [B, c, H, e]``, ``q_lr [N, B, c, H, r]``:
-  the source's, then each slot's aligner in order (slots after ``last`` pass the logits through)."""
+def _chain_rows(state: AlignerChain, q: jax.Array, q_lr: jax.Array) -> jax.Array:
+  """Logits ``[B, H, c, S]`` of the chain's slot ``state.last`` for query rows ``q [B, c, H, e]``,
+  ``q_lr [N, B, c, H, r]``: the source's, then each slot's aligner in order (later slots pass the logits through)."""
   a = reference.scores(q, state.k, 1.0)
   for n in range(state.q_lr.shape[0]):
     integrated = integrate(state.integrator, a, reference.scores(q_lr[n], state.k_lr[n], 1.0),
                            tuple(w[n] for w in state.weights))
-    a = jnp.where(n <= last, integrated, a)
+    a = jnp.where(n <= state.last, integrated, a)
   return a
 
 
-def chain_logits(state: AlignerChain, last: jax.Array | int | None = None) -> jax.Array:
-  """The whole ``[B, H, T, S]`` float32 logits of slot ``last`` (default: the last slot); materialises them."""
-  last = state.q_lr.shape[0] - 1 if last is None else last
-  return _chain_rows(state, last, state.q, state.q_lr)
-
-
-def chain_attention(state: AlignerChain, last: jax.Array | int, v: jax.Array, segment_ids: jax.Array,
-                    window: int = 0) -> jax.Array:
-  """Causal softmax attention of slot ``last``'s logits applied to ``v [B, S, G, d]``, computed in query chunks of
-  :data:`QUERY_CHUNK` rows, each under ``jax.checkpoint`` (the backward pass recomputes a chunk's logits instead of
-  keeping them). Returns ``[B, T, H, d]`` float32."""
+def chain_attention(state: AlignerChain, v: jax.Array, segment_ids: jax.Array, window: int = 0) -> jax.Array:
+  """Causal softmax attention of the chain's logits (slot ``state.last``) applied to ``v [B, S, G, d]``, computed in
+  query chunks of :data:`QUERY_CHUNK` rows, each under ``jax.checkpoint`` (the backward pass recomputes a chunk's
+  logits instead of keeping them). Returns ``[B, T, H, d]`` float32."""
   b, t, h, _ = state.q.shape
   chunk = min(QUERY_CHUNK, t)
   n = -(-t // chunk)
@@ -127,8 +122,8 @@ def chain_attention(state: AlignerChain, last: jax.Array | int, v: jax.Array, se
   def rows(args):
     start, q, q_lr, q_seg = args
     mask = reference.attention_mask(q_seg, segment_ids, True, window, q_start=start)
-    probs, _ = reference.masked_softmax(_chain_rows(state, last, q, q_lr), mask)
-    return reference.apply_probs(probs, regroup(v, h) if v.shape[2] != h else v, jnp.float32)
+    probs, _ = reference.masked_softmax(_chain_rows(state, q, q_lr), mask)
+    return reference.apply_probs(probs, v, jnp.float32)
 
   out = jax.lax.map(rows, (jnp.arange(n) * chunk, split(state.q, 1), split(state.q_lr, 2), split(segment_ids, 1)))
   return jnp.moveaxis(out, 0, 1).reshape(b, n * chunk, h, -1)[:, :t]
@@ -136,18 +131,20 @@ def chain_attention(state: AlignerChain, last: jax.Array | int, v: jax.Array, se
 
 def append_aligner(state: AlignerChain, slot: jax.Array | int, q_lr: jax.Array, k_lr: jax.Array,
                    weights: tuple[jax.Array, ...]) -> AlignerChain:
-  """Write a layer's low-rank features (``q_lr [B,T,H,r]``, ``k_lr [B,S,G,r]``) and aligner weights into ``slot``."""
+  """Write a layer's low-rank features (``q_lr [B,T,H,r]``, ``k_lr [B,S,G,r]``) and aligner weights into ``slot``;
+  the state then stands for that layer's logits."""
   rank = q_lr.shape[-1]
   put = lambda buf, x: jax.lax.dynamic_update_index_in_dim(buf, x.astype(buf.dtype), slot, 0)  # noqa: E731
   return AlignerChain(state.q, state.k, put(state.q_lr, q_lr.astype(jnp.float32) * jnp.float32(rank ** -0.5)),
                       put(state.k_lr, regroup(k_lr, state.q.shape[2])),
-                      tuple(put(buf, w) for buf, w in zip(state.weights, weights)), state.integrator)
+                      tuple(put(buf, w) for buf, w in zip(state.weights, weights)), jnp.asarray(slot, jnp.int32),
+                      state.integrator)
 
 
 def logits(state: ScoreState) -> jax.Array:
   """The unmasked logits ``[B, H, T, S]`` (float32) of a score state."""
-  if isinstance(state, AlignerChain):
-    return chain_logits(state)
+  if isinstance(state, AlignerChain):  # materialised: all rows at once
+    return _chain_rows(state, state.q, state.q_lr)
   if isinstance(state, ScoreTensors):
     if state.logits is None:
       raise ValueError("these scores were handed on as probabilities only; their logits are not available")
@@ -206,11 +203,11 @@ def _aligner_entry(state: ScoreFeatures | AlignerChain, integrator: str, slots: 
     return ScoreTensors(logits=logits(state))
   if isinstance(state, ScoreFeatures):
     state = AlignerChain(state.q.astype(jnp.float32) * jnp.float32(state.scale), state.k.astype(jnp.float32),
-                         *_empty_slots(state.q, 0, rank, hidden, integrator), integrator)
+                         *_empty_slots(state.q, 0, rank, hidden, integrator), jnp.asarray(-1, jnp.int32), integrator)
   q_lr, k_lr, weights = _empty_slots(state.q, slots, rank, hidden, integrator)
   join = lambda a, b: jnp.concatenate([a, b])  # noqa: E731
   return AlignerChain(state.q, state.k, join(state.q_lr, q_lr), join(state.k_lr, k_lr),
-                      tuple(join(a, b) for a, b in zip(state.weights, weights)), integrator)
+                      tuple(join(a, b) for a, b in zip(state.weights, weights)), state.last, integrator)
 
 
 def _empty_slots(q: jax.Array, slots: int, rank: int, hidden: int, integrator: str):
