@@ -96,11 +96,13 @@ def integrate(integrator: str, a_prev: jax.Array, a_delta: jax.Array, weights: t
 def _chain_rows(state: AlignerChain, q: jax.Array, q_lr: jax.Array) -> jax.Array:
   """Logits ``[B, H, c, S]`` of the chain's slot ``state.last`` for query rows ``q [B, c, H, e]``,
   ``q_lr [N, B, c, H, r]``: the source's, then each slot's aligner in order (later slots pass the logits through)."""
-  a = reference.scores(q, state.k, 1.0)
-  for n in range(state.q_lr.shape[0]):
-    integrated = integrate(state.integrator, a, reference.scores(q_lr[n], state.k_lr[n], 1.0),
-                           tuple(w[n] for w in state.weights))
-    a = jnp.where(n <= state.last, integrated, a)
+  def slot(a, xs):  # a scan over slots: the program does not grow with the chain's length
+    n, q_lr_n, k_lr_n, weights = xs
+    integrated = integrate(state.integrator, a, reference.scores(q_lr_n, k_lr_n, 1.0), weights)
+    return jnp.where(n <= state.last, integrated, a), None
+
+  slots = jnp.arange(state.q_lr.shape[0])
+  a, _ = jax.lax.scan(slot, reference.scores(q, state.k, 1.0), (slots, q_lr, state.k_lr, state.weights))
   return a
 
 
@@ -171,8 +173,8 @@ def regroup(x: jax.Array, num_heads: int) -> jax.Array:
   return x if g == num_heads else jnp.repeat(x, num_heads // g, axis=2)
 
 
-def chain_entry(state: ScoreState, *, integrator: str, num_kv_heads: int, slots: int, rank: int, hidden: int,
-                recompute: bool) -> ScoreState:
+def chain_entry(state: ScoreState, *, integrator: str, num_kv_heads: int, slots: int, rank: int, recompute: bool,
+                hidden: int = 0) -> ScoreState:
   """The carry a run of ``slots`` LISA-family layers (``integrator``, ``num_kv_heads`` K/V heads, rank, aligner
   ``hidden`` width) starts from, given the state of the layer before the run.
 
