@@ -124,7 +124,7 @@ def lower_kernels_cuda(**shapes) -> list[Compiled]:
 
 def compile_train_step(cfg: Config, mesh: jax.sharding.Mesh) -> Compiled:
   """The run's real train step (state and batch sharded as in training, state donated) compiled for ``mesh``."""
-  from jaxshare.train.loop import _jit_step
+  from jaxshare.train.loop import jit_train_step
   from jaxshare.train.state import abstract_state, setup_run
   from jaxshare.train.step import Objective
 
@@ -134,5 +134,5 @@ def compile_train_step(cfg: Config, mesh: jax.sharding.Mesh) -> Compiled:
   batch = {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=setup.batch_sharding)
            for k in ("inputs", "targets", "positions", "segment_ids", "loss_mask")}
   with jax.set_mesh(mesh):
-    compiled = _jit_step(setup, Objective(), None).trace(state, batch, None).lower().compile()
+    compiled = jit_train_step(setup, Objective(), None).trace(state, batch, None).lower().compile()
   return _summary(f"train_step[{cfg.schedule.kind}]", compiled, compiled.as_text(), MOSAIC_CALL)

@@ -27,7 +27,7 @@ import jax
 
 from jaxshare.config import load_config
 from jaxshare.data import Datasets
-from jaxshare.train.loop import _jit_step, train
+from jaxshare.train.loop import jit_train_step, train
 from jaxshare.train.state import init_state, setup_run, shard_batch
 from jaxshare.train.step import Objective
 
@@ -48,7 +48,7 @@ def pure_seconds_per_step(cfg, steps: int) -> float:
   """The same jitted step, back to back, on batches already on the device."""
   setup = setup_run(cfg)
   state = init_state(setup)
-  step_fn = _jit_step(setup, Objective(), None)
+  step_fn = jit_train_step(setup, Objective(), None)
   it = Datasets(cfg.data, cfg.train.batch_size).train_iter()
   batches = [shard_batch(setup, next(it)) for _ in range(4)]
   with jax.set_mesh(setup.mesh):

@@ -77,7 +77,7 @@ class JaxTrainer:
     import jax
     from jaxshare import accounting
     from jaxshare.config import load_config
-    from jaxshare.train.loop import _jit_step
+    from jaxshare.train.loop import jit_train_step
     from jaxshare.train.state import init_state, setup_run, shard_batch
     from jaxshare.train.step import Objective
 
@@ -85,7 +85,7 @@ class JaxTrainer:
     cfg = load_config(ROOT / "configs" / "base.yaml", jax_overrides(shape, schedule) + overrides)
     self.setup = setup_run(cfg)
     self.state = init_state(self.setup)
-    self.step_fn = _jit_step(self.setup, Objective(), None)
+    self.step_fn = jit_train_step(self.setup, Objective(), None)
     t = shape["seq_len"]
     self.batches = [shard_batch(self.setup, {
       "inputs": x, "targets": y, "positions": np.broadcast_to(np.arange(t, dtype=np.int32), x.shape),

@@ -24,6 +24,15 @@ def tiny_config(*overrides: str):
   return load_config(None, base + list(overrides))
 
 
+@pytest.fixture(scope="module")
+def batches():
+  """Three training batches of the tiny config from the corpus."""
+  from jaxshare.data import Datasets
+  cfg = tiny_config()
+  it = Datasets(cfg.data, cfg.train.batch_size).train_iter()
+  return [next(it) for _ in range(3)]
+
+
 @pytest.fixture
 def corpus() -> Path:
   if not CORPUS.is_file():

@@ -10,7 +10,6 @@ import pytest
 from conftest import tiny_config
 from jaxshare import parallel
 from jaxshare.config import ConfigError, MeshConfig
-from jaxshare.data import Datasets
 from jaxshare.train.checkpoint import CheckpointError
 from jaxshare.train.loop import train
 from jaxshare.train.state import init_state, setup_run, shard_batch
@@ -29,13 +28,6 @@ def run_steps(cfg, mesh, batches):
       state, m = step(state, shard_batch(setup, b))
       losses.append(float(m["loss"]))
   return losses, jax.device_get(state["params"]), setup
-
-
-@pytest.fixture(scope="module")
-def batches():
-  cfg = tiny_config()
-  it = Datasets(cfg.data, cfg.train.batch_size).train_iter()
-  return [next(it) for _ in range(3)]
 
 
 @pytest.mark.parametrize("mesh_cfg", [MeshConfig(data=8), MeshConfig(fsdp=8), MeshConfig(data=2, fsdp=2, tensor=2)],

@@ -39,6 +39,7 @@ _XLA = AttentionOps(xla.attention, _checkpointed_reuse)
 _REFERENCE = AttentionOps(reference.attention, _checkpointed_reuse)
 _warned: set[str] = set()
 _QKV, _REUSE_QKV = (0, 1, 2), (0, 1, 3)  # where q, k and v are among each contract's arguments
+_NO_ACCELERATOR = "no GPU or TPU"
 
 
 def get_attention(impl: str) -> AttentionOps:
@@ -70,13 +71,19 @@ def get_attention(impl: str) -> AttentionOps:
                       _auto(pallas.attention_from_lse, _checkpointed_reuse, _REUSE_QKV))
 
 
+def _reason_not_to_run(args: tuple, operands: tuple[int, int, int]) -> str | None:
+  """Why the kernels cannot run these arguments here (no accelerator, or a shape ``flash.unsupported`` refuses);
+  ``operands``: positions of q, k and v among the arguments."""
+  backend = flash.default_backend()
+  if backend == "interpret":
+    return _NO_ACCELERATOR
+  return flash.unsupported(*(args[i] for i in operands), backend=backend)
+
+
 def _require_accelerator(kernel: Callable, operands: tuple[int, int, int]) -> Callable:
   @functools.wraps(kernel)
   def call(*args, **kwargs):
-    backend = flash.default_backend()
-    reason = ("no GPU or TPU" if backend == "interpret"
-              else flash.unsupported(*(args[i] for i in operands), backend=backend))
-    if reason:
+    if reason := _reason_not_to_run(args, operands):
       raise ValueError(f"attention.impl=pallas cannot run here: {reason}. Use pallas_interpret to run the kernels "
                        "in interpret mode, or auto to fall back to xla")
     return kernel(*args, **kwargs)
@@ -84,17 +91,13 @@ def _require_accelerator(kernel: Callable, operands: tuple[int, int, int]) -> Ca
 
 
 def _auto(kernel: Callable, fallback: Callable, operands: tuple[int, int, int]) -> Callable:
-  """``kernel`` on GPU/TPU for the shapes it supports; else ``fallback`` (one warning per reason on GPU/TPU).
-  ``operands``: positions of q, k and v among the arguments."""
+  """``kernel`` on GPU/TPU for the shapes it supports; else ``fallback`` (one warning per reason on GPU/TPU)."""
   @functools.wraps(kernel)
   def call(*args, **kwargs):
-    backend = flash.default_backend()
-    if backend == "interpret":
-      return fallback(*args, **kwargs)
-    reason = flash.unsupported(*(args[i] for i in operands), backend=backend)
+    reason = _reason_not_to_run(args, operands)
     if reason is None:
       return kernel(*args, **kwargs)
-    if reason not in _warned:
+    if reason != _NO_ACCELERATOR and reason not in _warned:
       _warned.add(reason)
       log.warning("attention.impl=auto: Pallas kernel not used (%s); falling back to xla", reason)
     return fallback(*args, **kwargs)

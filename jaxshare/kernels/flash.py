@@ -171,12 +171,13 @@ def _dot(a, b, dims=(((1,), (0,)), ((), ()))):
   return lax.dot_general(a.astype(dtype), b.astype(dtype), dims, preferred_element_type=jnp.float32)
 
 
-def _key_slice(geo: Geometry, j):
-  """Key block ``j`` of a whole-sequence K/V block. A single block is sliced statically: Mosaic must prove a dynamic
-  lane-dimension offset (of the ``[1, S]`` key segment ids) a multiple of 128, which a short block is not."""
-  if geo.s_padded == geo.block_k:
-    return pl.ds(0, geo.block_k)
-  return pl.ds(pl.multiple_of(j * geo.block_k, geo.block_k), geo.block_k)
+def _block_slice(i, block: int, padded: int):
+  """Block ``i`` of a whole-sequence axis of ``padded`` positions. A single block is sliced statically: Mosaic must
+  prove a dynamic lane-dimension offset (of ``[1, S]`` segment ids or ``[1, T]`` row statistics) a multiple of 128,
+  which a short block is not."""
+  if padded == block:
+    return pl.ds(0, block)
+  return pl.ds(pl.multiple_of(i * block, block), block)
 
 
 def _probs(geo: Geometry, q, k, lse, mask):
@@ -193,7 +194,7 @@ def _forward_kernel(*refs, geo: Geometry, reuse: bool):
   q, q_seg = q_ref[...], q_seg_ref[...]
 
   def tile(j):
-    keys = _key_slice(geo, j)
+    keys = _block_slice(j, geo.block_k, geo.s_padded)
     return k_ref[keys, :], v_ref[keys, :], _mask(geo, i * bq, j * bk, q_seg, k_seg_ref[:, keys])
 
   lo, hi = _key_blocks(geo, i)
@@ -233,7 +234,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, q_seg_ref, k_seg_ref, lse_ref, delta_ref, do
   q, q_seg, lse, delta, do = q_ref[...], q_seg_ref[...], lse_ref[...], delta_ref[...], do_ref[...]
 
   def body(j, dq):
-    keys = _key_slice(geo, j)
+    keys = _block_slice(j, geo.block_k, geo.s_padded)
     k, v = k_ref[keys, :], v_ref[keys, :]
     p = _probs(geo, q, k, lse, _mask(geo, i * bq, j * bk, q_seg, k_seg_ref[:, keys]))
     ds = p * (_dot(do, v, _NT) - delta)
@@ -242,13 +243,6 @@ def _dq_kernel(q_ref, k_ref, v_ref, q_seg_ref, k_seg_ref, lse_ref, delta_ref, do
   lo, hi = _key_blocks(geo, i)
   dq = lax.fori_loop(lo, hi, body, jnp.zeros(q.shape, jnp.float32))
   dq_ref[...] = (dq * geo.scale).astype(dq_ref.dtype)
-
-
-def _query_slice(geo: Geometry, i):
-  """Query block ``i`` of a whole-sequence row ``[.., 1, T]`` (lane dimension: a single block slices statically)."""
-  if geo.t_padded == geo.block_q:
-    return pl.ds(0, geo.block_q)
-  return pl.ds(pl.multiple_of(i * geo.block_q, geo.block_q), geo.block_q)
 
 
 def _dkv_kernel(q_ref, k_ref, v_ref, q_seg_ref, k_seg_ref, lse_ref, delta_ref, do_ref, dk_ref, dv_ref, *,
@@ -263,7 +257,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, q_seg_ref, k_seg_ref, lse_ref, delta_ref, d
   def head(r, carry):
     def body(i, carry):
       dk, dv = carry
-      rows, cols = pl.ds(pl.multiple_of(i * geo.block_q, geo.block_q), geo.block_q), _query_slice(geo, i)
+      rows = pl.ds(pl.multiple_of(i * geo.block_q, geo.block_q), geo.block_q)  # sublane offsets: any multiple of 8
+      cols = _block_slice(i, geo.block_q, geo.t_padded)
       q, do = q_ref[r, rows, :], do_ref[r, rows, :]
       mask = _mask(geo, i * geo.block_q, j * bk, q_seg_ref[:, cols], k_seg, transposed=True)
       p_t = jnp.where(mask, jnp.exp(_dot(k, q, _NT) * geo.scale - lse_ref[r, :, cols]), 0.0)  # [bk, bq]

@@ -79,7 +79,8 @@ def evaluate_loss(eval_fn, setup: RunSetup, params, data: Datasets, max_batches:
   return total / max(count, 1.0)
 
 
-def _jit_step(setup: RunSetup, objective: Objective, teacher_shardings):
+def jit_train_step(setup: RunSetup, objective: Objective, teacher_shardings):
+  """The run's train step jitted as training runs it: state and batch sharded by ``setup``, the state donated."""
   fn = make_train_step(setup.graphdef, setup.tx, setup.lr_schedule, setup.cfg.train.grad_accum_steps, objective)
   return jax.jit(fn, in_shardings=(setup.state_shardings, setup.batch_sharding, teacher_shardings),
                  out_shardings=(setup.state_shardings, None), donate_argnums=0)
@@ -145,7 +146,7 @@ def train(cfg: Config, *, mesh=None, stop_after: int | None = None) -> dict[str,
   teacher_params = source_params if tcfg.kd_beta > 0 else None
   teacher_shardings = parallel.param_shardings(source.abstract_params, mesh) if teacher_params is not None else None
   objective = build_objective(cfg, setup, source, source_params)
-  step_fn = _jit_step(setup, objective, teacher_shardings)
+  step_fn = jit_train_step(setup, objective, teacher_shardings)
   eval_fn = jax.jit(make_eval_step(setup.graphdef), in_shardings=(setup.param_shardings, setup.batch_sharding))
 
   n_dev = setup.mesh.size
@@ -198,7 +199,7 @@ def train(cfg: Config, *, mesh=None, stop_after: int | None = None) -> dict[str,
         params = state["params"]
         opt_state = jax.jit(setup.tx.init, out_shardings=setup.state_shardings["opt_state"])(params)
         state = {"params": params, "opt_state": opt_state, "step": state["step"]}
-        step_fn = _jit_step(setup, objective, teacher_shardings)
+        step_fn = jit_train_step(setup, objective, teacher_shardings)
         summary["trainable_params"] = setup.num_trainable
         log.print(f"stage 1 ended at step {step} (loss EMA {monitor.ema:.4f}); stage 2 trains "
                   f"{setup.num_trainable:,} parameters")
