@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 from jaxshare.convert.hf_import import load_hf_model
-from jaxshare.evaluation.evaluate import greedy_sample
+from jaxshare.evaluation.generate import Generator
 from jaxshare.convert.mapping import UnsupportedModelError
 from jaxshare.model import params as P
 
@@ -77,7 +77,8 @@ def test_imported_logits_match_pytorch(tmp_path, corpus, case):
   with torch.no_grad():
     continuation = model.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False,
                                   pad_token_id=0)[0, 16:].tolist()
-  assert greedy_sample(jax_model, prompt, 20, 64) == continuation
+  # transformers' generate (its own KV cache) against jaxshare's decode cache: the same greedy continuation
+  assert Generator(jax_model, cfg.model, setup.schedule).generate([prompt], 20)[0] == continuation
 
 
 def test_bf16_checkpoint_imports_exactly_widened(tmp_path, corpus):

@@ -124,6 +124,35 @@ def test_eval_cli_reports_json(straight_run, capsys):
   assert "neither a run directory" in capsys.readouterr().err
 
 
+def test_eval_cli_generates_and_scores_text(straight_run, capsys, tmp_path):
+  """``generate`` streams the same greedy text with and without the cache; ``ppl`` on the validation split's text
+  gives the report's validation loss (same windows, same batches)."""
+  import eval as eval_cli
+  from jaxshare.data import Datasets
+
+  cfg, run_dir, _ = straight_run
+  capsys.readouterr()  # the fixture's training log, when this test sets it up
+  args = ["generate", str(run_dir), "--prompt", "ROMEO:", "--max-new-tokens", "12"]
+  assert eval_cli.main(args) == 0
+  cached = capsys.readouterr().out
+  assert eval_cli.main(args + ["--no-cache"]) == 0
+  assert capsys.readouterr().out == cached and cached.startswith("ROMEO:") and len(cached) > len("ROMEO:\n")
+  data = Datasets(cfg.data, cfg.train.batch_size)
+  val = data.stream.tokens[data.stream.split(cfg.data.val_fraction)[1]].tolist()
+  assert val[-1] == data.tokenizer.eos_id  # the corpus's EOS: ppl appends it again
+  text = tmp_path / "val.txt"
+  text.write_text(data.tokenizer.decode(val[:-1]), encoding="utf-8")
+  assert eval_cli.main(["ppl", str(run_dir), "--text", str(text), "--max-batches", "2", "--json"]) == 0
+  ppl = json.loads(capsys.readouterr().out)
+  assert eval_cli.main([str(run_dir), "--json", "--sample-tokens", "0", "--max-batches", "2"]) == 0
+  assert ppl["loss"] == pytest.approx(json.loads(capsys.readouterr().out)["val_loss"], abs=1e-5)
+  assert ppl["tokens"] == 2 * cfg.train.batch_size * cfg.data.seq_len
+  assert eval_cli.main(["ppl", str(run_dir), "--text", str(tmp_path / "none.txt")]) == 2
+  assert "does not exist" in capsys.readouterr().err
+  assert eval_cli.main(["generate", str(run_dir), "--prompt", "a", "--top-p", "2"]) == 2
+  assert "top_p=2.0 is invalid" in capsys.readouterr().err
+
+
 def test_train_cli_rejects_bad_input_before_compiling(capsys, tmp_path):
   import train as train_cli
 

@@ -1,51 +1,24 @@
-"""Evaluate a run directory or checkpoint: loss, perplexity, bits per byte, size, KV bytes, a greedy sample."""
+"""Evaluate a run directory or checkpoint: loss, perplexity, bits per byte, size, KV bytes, a greedy sample; the
+perplexity of any text file or tfds dataset."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 from typing import Any
 
+import grain
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from jaxshare import accounting
-from jaxshare.data import Datasets
+from jaxshare.data import Datasets, TokenStream, WindowSource, load_documents, make_tokenizer
+from jaxshare.evaluation.generate import Generator
 from jaxshare.train.loop import evaluate_loss
-from jaxshare.train.state import load_run, locate
+from jaxshare.train.state import load_run, locate, shard_batch
 from jaxshare.train.step import make_eval_step
-
-
-def greedy_sample(model: nnx.Module, prompt_ids: list[int], num_tokens: int, window: int) -> list[int]:
-  """Greedy decoding by full forward passes over the last ``window`` tokens (one compiled shape).
-
-  Args:
-    model: a :class:`~jaxshare.model.Transformer`.
-    prompt_ids: at least one token id.
-    num_tokens: new tokens to generate.
-    window: context length (the training ``seq_len``).
-
-  Returns:
-    The generated ids (without the prompt).
-  """
-  if not prompt_ids:
-    raise ValueError("greedy_sample needs a non-empty prompt")
-  graphdef, params = nnx.split(model)
-
-  @jax.jit
-  def next_token(params, buf, last):
-    logits = nnx.merge(graphdef, params)(buf[None])
-    return jnp.argmax(logits[0, last])
-
-  ids = list(prompt_ids)
-  for _ in range(num_tokens):
-    ctx = ids[-window:]
-    buf = np.zeros(window, np.int32)
-    buf[:len(ctx)] = ctx
-    ids.append(int(next_token(params, buf, len(ctx) - 1)))
-  return ids[len(prompt_ids):]
 
 
 def evaluate_run(path: str | Path, *, max_batches: int = 0, prompt: str = "ROMEO:\n",
@@ -65,8 +38,10 @@ def evaluate_run(path: str | Path, *, max_batches: int = 0, prompt: str = "ROMEO
   eval_fn = jax.jit(make_eval_step(setup.graphdef))
   with jax.set_mesh(setup.mesh):
     loss = evaluate_loss(eval_fn, setup, params, data, max_batches)
-  model = nnx.merge(setup.graphdef, params)
-  sample_ids = greedy_sample(model, data.tokenizer.encode(prompt), sample_tokens, cfg.data.seq_len)
+  sample_ids = []
+  if sample_tokens:
+    generator = Generator(nnx.merge(setup.graphdef, params), cfg.model, setup.schedule)
+    sample_ids = generator.generate([data.tokenizer.encode(prompt)], sample_tokens)[0]
   kv_dtype_bytes = 2 if cfg.model.dtype == "bfloat16" else 4
   return {
     "run_dir": str(run_dir), "step": step, "schedule": setup.schedule.describe(),
@@ -91,3 +66,48 @@ def format_report(r: dict[str, Any]) -> str:
     "  greedy sample:",
     "    " + (r["prompt"] + r["sample"]).replace("\n", "\n    "),
   ])
+
+
+def perplexity(path: str | Path, *, text: str | None = None, tfds_name: str | None = None, tfds_split: str = "test",
+               tfds_data_dir: str = "", text_field: str = "text", max_batches: int = 0) -> dict[str, Any]:
+  """Loss of a run on a text file or a tfds dataset (local only), with the run's tokenizer, in consecutive windows
+  of the training ``seq_len`` (documents end with EOS; no token is predicted across documents).
+
+  Returns:
+    ``loss`` (nats/token), ``perplexity``, ``bits_per_byte`` (UTF-8 bytes of the scored text), ``tokens``.
+
+  Raises:
+    ValueError: neither or both of ``text`` and ``tfds_name``. DataError: missing, empty or malformed input, or too
+      short for one window. ConfigError / CheckpointError: as :func:`evaluate_run`.
+  """
+  if (text is None) == (tfds_name is None):
+    raise ValueError("perplexity needs exactly one of text (a file) and tfds_name")
+  cfg, setup, params, _ = load_run(path)
+  source = dict(source="text", path=str(Path(text).resolve()), document_separator="") if text is not None else dict(
+    source="tfds", tfds_name=tfds_name, tfds_split=tfds_split, tfds_data_dir=tfds_data_dir, text_field=text_field)
+  data_cfg = dataclasses.replace(cfg.data, **source)
+  tokenizer = make_tokenizer(cfg.data)
+  stream = TokenStream(load_documents(data_cfg), tokenizer)
+  windows = WindowSource(stream, slice(0, len(stream.tokens)), cfg.data.seq_len, "scored text")
+  batch = min(cfg.train.batch_size, len(windows))
+  ds = grain.MapDataset.source(windows).batch(batch, drop_remainder=False)
+  eval_fn = jax.jit(make_eval_step(setup.graphdef))
+  total = count = 0.0
+  n = len(ds) if not max_batches else min(max_batches, len(ds))
+  scored: list[int] = []
+  with jax.set_mesh(setup.mesh):
+    for i in range(n):
+      b = ds[i]
+      if len(b["inputs"]) < batch:  # the last, short batch: pad with fully masked rows (one compiled shape)
+        b = {k: _pad_rows(v, batch) for k, v in b.items()}
+      s, c = eval_fn(params, shard_batch(setup, b))
+      total, count = total + float(s), count + float(c)
+      scored.extend(t for row, m in zip(b["targets"], b["loss_mask"]) for t, keep in zip(row, m) if keep)
+  loss = total / max(count, 1.0)
+  num_bytes = len(tokenizer.decode(scored).encode("utf-8"))
+  return {"loss": loss, "perplexity": math.exp(loss), "bits_per_byte": total / math.log(2) / max(num_bytes, 1),
+          "tokens": int(count)}
+
+
+def _pad_rows(x: np.ndarray, rows: int) -> np.ndarray:
+  return np.concatenate([x, np.zeros((rows - len(x), *x.shape[1:]), x.dtype)])

@@ -19,7 +19,9 @@ from jaxshare import parallel
 from jaxshare.config import ModelConfig
 from jaxshare.kernels import reference
 from jaxshare.kernels.dispatch import get_attention
+from jaxshare.model import cache as kv_cache
 from jaxshare.model import scores
+from jaxshare.model.cache import StepContext
 from jaxshare.model.layers import DenseGeneral
 from jaxshare.model.rope import apply_rope
 from jaxshare.model.scores import AlignerChain, ScoreFeatures, ScoreState, ScoreTensors
@@ -190,6 +192,73 @@ class Attention(nnx.Module):
       out = reference.apply_probs(probs, v, self.dtype)
       state = ScoreTensors(logits=a)
     return self.o_proj(out.astype(self.dtype)), (k, v), state, state
+
+  def decode(self, x: jax.Array, ctx: StepContext, cache: kv_cache.Buffers, kv_in: KV | None,
+             score_in: jax.Array | None, head_kernels: dict | None = None, nf: bool = False
+             ) -> tuple[jax.Array, kv_cache.Buffers, KV, jax.Array | None]:
+    """Attend with ``n`` new tokens against the cache (prefill: the prompt; decode: one token).
+
+    The source of shared scores emits its rows ``[B, H, n, S]`` (float32): probabilities for SA/UniAttn reusers,
+    which apply them to their own V cache (SA Alg. 1, UniAttn Eq. 3), logits for a LISA chain, whose layers add
+    their low-rank delta from their ``k_lr`` cache and mix heads (LISA Eq. 3-4, decode step of Sec. 4).
+
+    Args:
+      x: ``[B, n, D]`` normalised input of the new tokens.
+      ctx: the step's positions, mask ``[B, n, S]`` and write slot.
+      cache: this layer's buffers ``{name: [B, S, G, e]}`` before the step (see :mod:`jaxshare.model.cache`).
+      kv_in: a K/V consumer's producer ``(K, V)`` ``[B, S, G, d]`` with the new rows written.
+      score_in: the rows ``[B, H, n, S]`` float32 a score-reusing layer reads.
+      head_kernels: head-wise sharing's ``{"q", "k", "v"}`` kernels ``[D, H, d]``.
+      nf: LISA's NF prefill (LISA Sec. 4): a LISA layer attends with its kept original W_q/W_k over the new
+        tokens alone (the cache must be empty), and still writes its ``k_lr`` for decoding.
+
+    Returns:
+      ``(output [B, n, D], new rows {name: [B, n, G, e]}, (K, V) [B, S, G, d] after the step, rows handed on)``.
+
+    Raises:
+      ValueError: ``nf`` on a LISA layer that did not keep W_q/W_k (``schedule.lisa.keep_qk``).
+    """
+    role, rows = self.role, {}
+    if role.is_producer:
+      rows["v"] = self._project("v", x, head_kernels)
+      if not role.score_reuse:
+        rows["k"] = apply_rope(self._project("k", x, head_kernels), ctx.positions, self.theta, self.rotary_dim,
+                               self.rope_scaling)
+      elif role.has_low_rank:
+        q_lr, rows["k_lr"] = self._low_rank(x, ctx.positions)
+      full = kv_cache.append(cache, ctx.index, rows)
+      k, v = full.get("k"), full["v"]
+    else:
+      k, v = kv_in
+    if not role.score_reuse:
+      q = apply_rope(self._project("q", x, head_kernels), ctx.positions, self.theta, self.rotary_dim,
+                     self.rope_scaling)
+      logits = reference.scores(q, k, self.head_dim ** -0.5)
+      probs, _ = reference.masked_softmax(logits, ctx.mask)
+      handed = {"probs": probs, "logits": logits}.get(role.feeds)
+    elif role.score_reuse == "probs":
+      probs, handed = score_in, None
+    else:
+      if nf:
+        logits = self._nf_logits(x, ctx.positions, ctx.mask.shape[-1])
+      else:
+        logits = score_in
+        if role.has_low_rank:
+          delta = reference.scores(q_lr, full["k_lr"], role.lisa_rank ** -0.5)
+          logits = scores.integrate(role.integrator, logits, delta, self._aligner_weights())
+      probs, _ = reference.masked_softmax(logits, ctx.mask)
+      handed = logits
+    return self.o_proj(reference.apply_probs(probs, v, self.dtype)), rows, (k, v), handed
+
+  def _nf_logits(self, x: jax.Array, positions: jax.Array, slots: int) -> jax.Array:
+    """NF prefill: the original attention's logits ``[B, H, n, slots]`` over the new tokens at slots ``0..n-1``."""
+    if self.q_proj is None or self.k_proj is None:
+      raise ValueError("LISA's NF prefill attends with the layer's original W_q/W_k; this model did not keep "
+                       "them: set schedule.lisa.keep_qk=true (uptraining keeps the dense model's)")
+    q = apply_rope(self.q_proj(x), positions, self.theta, self.rotary_dim, self.rope_scaling)
+    k = apply_rope(self.k_proj(x), positions, self.theta, self.rotary_dim, self.rope_scaling)
+    logits = reference.scores(q, k, self.head_dim ** -0.5)
+    return jnp.pad(logits, ((0, 0), (0, 0), (0, 0), (0, slots - logits.shape[-1])))
 
   def _own_scores(self, x, positions, segment_ids, k, v, head_kernels):
     if k is None:

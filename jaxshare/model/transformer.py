@@ -8,7 +8,9 @@ from flax import nnx
 
 from jaxshare import parallel
 from jaxshare.config import ModelConfig
+from jaxshare.model import cache as kv_cache
 from jaxshare.model.block import MHAActivations, Superblock
+from jaxshare.model.cache import DecodeCache, StepContext
 from jaxshare.headwise import MATRICES, HeadTies
 from jaxshare.model.layers import DenseGeneral, make_norm, param
 from jaxshare.schedule import Schedule, Segment
@@ -53,6 +55,24 @@ class StackedSegment(nnx.Module):
     return x, captured
 
 
+  def decode(self, x: jax.Array, ctx: StepContext, buffers: list[kv_cache.Buffers], head_kernels: dict | None = None,
+             nf: bool = False) -> tuple[jax.Array, list[kv_cache.Buffers]]:
+    """One decode step through the segment's superblocks (scanned like :meth:`__call__`, the cache carried and
+    updated in place); ``buffers``: each run's ``{name: [count, length, B, S, G, e]}``."""
+    def apply(block: Superblock, carry, c, kernels):
+      x, buffers = carry
+      return block.decode(x, ctx, buffers, c, kernels, nf)
+
+    if self.scan:
+      body = nnx.scan(apply, in_axes=(0, nnx.Carry, 0, 0), out_axes=nnx.Carry)
+      return body(self.blocks, (x, buffers), jnp.arange(self.count), head_kernels)
+    graphdef, state = nnx.split(self.blocks)
+    for c in range(self.count):
+      kernels = None if head_kernels is None else jax.tree.map(lambda a: a[c], head_kernels)
+      x, buffers = apply(nnx.merge(graphdef, jax.tree.map(lambda a: a[c], state)), (x, buffers), c, kernels)
+    return x, buffers
+
+
 class HeadTable(nnx.Module):
   """Head-wise sharing's stored heads: ``q``, ``k``, ``v`` kernels ``[rows, D, d]``, and which row each layer's head
   uses (static ``[L][H]`` index tables from :func:`jaxshare.headwise.direct_share`)."""
@@ -92,6 +112,7 @@ class Transformer(nnx.Module):
     if len(schedule.layers) != cfg.num_layers:
       raise ValueError(f"schedule has {len(schedule.layers)} layers, model.num_layers={cfg.num_layers}")
     pdtype, self.dtype = jnp.dtype(cfg.param_dtype), jnp.dtype(cfg.dtype)
+    self.window = cfg.sliding_window
     self.embedding = nnx.Param(cfg.init_std * jax.random.normal(rngs.params(), (cfg.vocab_size, cfg.d_model),
                                                                 pdtype), logical_axes=("vocab", "embed"))
     if (ties is None) != (schedule.tied_heads == 0):
@@ -136,22 +157,53 @@ class Transformer(nnx.Module):
       positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     if segment_ids is None:
       segment_ids = jnp.ones((b, t), jnp.int32)
-    x = jnp.take(self.embedding[...], tokens, axis=0).astype(self.dtype)
-    x = parallel.constrain(x, ("activation_batch", "activation_length", "activation_embed"))
+    x = self._embed(tokens)
     captured: list[jax.Array] = []
-    all_kernels = self.head_table.kernels() if self.head_table is not None else None
-    for seg, (start, count, size) in zip(self.segments, self.segment_spans):
-      kernels = None if all_kernels is None else {
-        m: w[start:start + count * size].reshape(count, size, *w.shape[1:]) for m, w in all_kernels.items()}
+    for seg, kernels in zip(self.segments, self._segment_kernels()):
       x, ys = seg(x, positions, segment_ids, capture, kernels)
       captured.extend(ys)
+    logits = self._logits(x)
+    if capture is None:
+      return logits
+    return logits, jax.tree.map(lambda *a: jnp.stack(a), *captured)
+
+  def decode(self, tokens: jax.Array, cache: DecodeCache, nf: bool = False) -> tuple[jax.Array, DecodeCache]:
+    """Append ``n`` tokens to the cache and return their next-token logits: prefill (the prompt, ``n`` = its
+    padded length) and decode (``n = 1``) are the same computation.
+
+    Args:
+      tokens: ``[B, n]`` int32; row b's tokens before ``cache.start[b]`` are left padding.
+      cache: :class:`~jaxshare.model.cache.DecodeCache` from :func:`~jaxshare.model.cache.init_cache`.
+      nf: LISA's NF prefill (see :meth:`~jaxshare.model.attention.Attention.decode`): only on an empty cache.
+
+    Returns:
+      ``([B, n, V] float32 logits, the cache with the tokens written and its index advanced by n)``.
+    """
+    ctx = kv_cache.step_context(cache, tokens.shape[1], self.window)
+    x = self._embed(tokens)
+    buffers = []
+    for seg, bufs, kernels in zip(self.segments, cache.buffers, self._segment_kernels()):
+      x, bufs = seg.decode(x, ctx, bufs, kernels, nf)
+      buffers.append(bufs)
+    return self._logits(x), DecodeCache(buffers, cache.index + tokens.shape[1], cache.start)
+
+  def _embed(self, tokens: jax.Array) -> jax.Array:
+    x = jnp.take(self.embedding[...], tokens, axis=0).astype(self.dtype)
+    return parallel.constrain(x, ("activation_batch", "activation_length", "activation_embed"))
+
+  def _segment_kernels(self) -> list[dict | None]:
+    """Head-wise sharing's gathered kernels per segment, ``[count, superblock size, D, H, d]`` (None without)."""
+    if self.head_table is None:
+      return [None] * len(self.segments)
+    kernels = self.head_table.kernels()
+    return [{m: w[start:start + count * size].reshape(count, size, *w.shape[1:]) for m, w in kernels.items()}
+            for start, count, size in self.segment_spans]
+
+  def _logits(self, x: jax.Array) -> jax.Array:
     x = self.final_norm(x)
     if self.lm_head is None:
       logits = jnp.einsum("btd,vd->btv", x, self.embedding[...].astype(self.dtype))
     else:
       logits = self.lm_head(x)
-    logits = parallel.constrain(logits.astype(jnp.float32), ("activation_batch", "activation_length",
-                                                              "activation_vocab"))
-    if capture is None:
-      return logits
-    return logits, jax.tree.map(lambda *a: jnp.stack(a), *captured)
+    return parallel.constrain(logits.astype(jnp.float32), ("activation_batch", "activation_length",
+                                                           "activation_vocab"))

@@ -1,0 +1,144 @@
+"""Inference efficiency of a model under its schedule, measured: KV bytes per token (accounting and live cache), the
+largest batch whose cache fits a memory budget (MLKV Fig. 3), decode tokens/s, prefill latency (UniAttn's time to
+first token) and the compiled decode step's peak memory."""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxshare import accounting
+from jaxshare.config import ModelConfig
+from jaxshare.evaluation.generate import decode_steps
+from jaxshare.evaluation.sampling import Sampling
+from jaxshare.model.cache import init_cache
+from jaxshare.schedule import Schedule
+
+GIB = 1 << 30
+
+
+def max_batch(cfg: ModelConfig, schedule: Schedule, budget_bytes: int, context: int, dtype=None) -> int:
+  """The largest batch whose cache of ``context`` tokens fits ``budget_bytes`` (0 if one sequence does not)."""
+  per_token = accounting.kv_cache_bytes_per_token(cfg, schedule, jnp.dtype(dtype or cfg.dtype).itemsize)
+  return budget_bytes // (per_token * context)
+
+
+def _filled(cfg, schedule, batch, context, steps, dtype):
+  """A cache of ``context`` slots whose first ``context - steps`` count as written (their contents do not change
+  the work), so that ``steps`` decode steps fill it."""
+  if steps >= context:
+    raise ValueError(f"decode steps={steps} must be fewer than the context={context}")
+  cache = init_cache(cfg, schedule, batch, context, dtype)
+  return cache.replace(index=jnp.asarray(context - steps, jnp.int32))
+
+
+def decode_speed(model: nnx.Module, cfg: ModelConfig, schedule: Schedule, *, batch: int, context: int,
+                 steps: int = 32, dtype=None, repeats: int = 2) -> dict[str, float]:
+  """Greedy decode of the last ``steps`` tokens of a ``context``-slot cache per row (one compiled, scanned call).
+
+  Returns:
+    ``tokens_per_s`` (batch × steps / best wall time of ``repeats`` calls, compile excluded), ``step_ms``,
+    ``peak_bytes`` (the compiled call's arguments + outputs + temporaries, XLA's memory analysis; donated buffers
+    counted once), ``cache_bytes`` (the live cache's buffers).
+  """
+  graphdef, params = nnx.split(model)
+  logits = jnp.zeros((batch, cfg.vocab_size), jnp.float32)
+  done = jnp.zeros(batch, bool)
+  args = lambda: (graphdef, params, _filled(cfg, schedule, batch, context, steps, dtype), logits, done,  # noqa: E731
+                  jax.random.key(0), jnp.asarray([-1], jnp.int32), jnp.asarray(0))
+  kwargs = dict(sampling=Sampling(), chunk=steps, pad_id=0)
+  compiled = decode_steps.lower(*args(), **kwargs).compile()
+  mem = compiled.memory_analysis()
+  peak = (mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
+          + mem.temp_size_in_bytes) if mem is not None else float("nan")
+  best, cache_bytes = math.inf, 0
+  for _ in range(repeats + 1):  # the first call warms up
+    a = args()
+    jax.block_until_ready(a)
+    cache_bytes = a[2].nbytes
+    t0 = time.perf_counter()
+    jax.block_until_ready(compiled(*a[1:]))
+    best = min(best, time.perf_counter() - t0)
+  return {"tokens_per_s": batch * steps / best, "step_ms": 1e3 * best / steps, "peak_bytes": peak,
+          "cache_bytes": cache_bytes}
+
+
+def prefill_latency(model: nnx.Module, cfg: ModelConfig, schedule: Schedule, *, context: int, dtype=None,
+                    repeats: int = 2) -> float:
+  """Seconds to prefill one prompt of ``context`` tokens into an empty cache (time to first token's logits)."""
+  graphdef, params = nnx.split(model)
+
+  @jax.jit
+  def prefill(params, tokens, cache):
+    return nnx.merge(graphdef, params).decode(tokens, cache)[0][:, -1]
+
+  tokens = jnp.zeros((1, context), jnp.int32)
+  best = math.inf
+  for _ in range(repeats + 1):
+    cache = init_cache(cfg, schedule, 1, context, dtype)
+    t0 = time.perf_counter()
+    jax.block_until_ready(prefill(params, tokens, cache))
+    best = min(best, time.perf_counter() - t0)
+  return best
+
+
+def measure(model: nnx.Module, cfg: ModelConfig, schedule: Schedule, *, name: str, budget_gib: float = 4.0,
+            max_batch_context: int = 8192, contexts: tuple[int, ...] = (512,), batch: int = 4, steps: int = 32,
+            prefill_context: int = 512, time_max_batch: bool = True, dtype=None) -> dict[str, Any]:
+  """Every efficiency figure of one model; see the module docstring.
+
+  Args:
+    budget_gib / max_batch_context: the cache budget and context of the largest-batch figure.
+    contexts / batch: decode tokens/s at this fixed batch for each context.
+    time_max_batch: also time decoding at the largest batch and ``max_batch_context`` (allocates the budget).
+    dtype: the cache dtype (default: the compute dtype).
+  """
+  dtype = jnp.dtype(dtype or cfg.dtype)
+  per_token = accounting.kv_cache_bytes_per_token(cfg, schedule, dtype.itemsize)
+  probe = init_cache(cfg, schedule, 1, 1, dtype)
+  biggest = max_batch(cfg, schedule, int(budget_gib * GIB), max_batch_context, dtype)
+  row = {"name": name, "schedule": schedule.describe(), "kv_bytes_per_token": per_token,
+         "kv_bytes_per_token_measured": probe.nbytes, "cache_dtype": str(dtype), "budget_gib": budget_gib,
+         "max_batch_context": max_batch_context, "max_batch": biggest,
+         "prefill_context": prefill_context,
+         "prefill_s": prefill_latency(model, cfg, schedule, context=prefill_context, dtype=dtype), "decode": []}
+  for context in contexts:
+    row["decode"].append({"batch": batch, "context": context,
+                          **decode_speed(model, cfg, schedule, batch=batch, context=context, steps=steps, dtype=dtype)})
+  if time_max_batch and biggest:
+    big = decode_speed(model, cfg, schedule, batch=biggest, context=max_batch_context, steps=steps, dtype=dtype,
+                       repeats=1)
+    row["max_batch_decode"] = {"batch": biggest, "context": max_batch_context, **big}
+  return row
+
+
+def measure_run(path: str, **kwargs) -> dict[str, Any]:
+  """:func:`measure` for a run directory or checkpoint (its parameters, compute dtype and schedule)."""
+  from jaxshare.train.state import load_run
+
+  cfg, setup, params, _ = load_run(path)
+  kwargs.setdefault("contexts", (kwargs.pop("context", 512),))
+  return measure(nnx.merge(setup.graphdef, params), cfg.model, setup.schedule, name=str(path), **kwargs)
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+  """A Markdown table of :func:`measure` rows, ratios against the first row."""
+  base = rows[0]
+  contexts = [d["context"] for d in base["decode"]]
+  head = ["model", "KV B/token", "KV vs first", f"max batch ({base['budget_gib']:g} GiB, {base['max_batch_context']})",
+          "max batch vs first", "decode tok/s at max batch", f"prefill {base['prefill_context']} (s)",
+          *[f"decode tok/s (B={base['decode'][0]['batch']}, ctx {c})" for c in contexts], "decode peak MiB"]
+  lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+  for r in rows:
+    big = r.get("max_batch_decode", {}).get("tokens_per_s", float("nan"))
+    cells = [r["name"], f"{r['kv_bytes_per_token']:,}", f"{r['kv_bytes_per_token'] / base['kv_bytes_per_token']:.3f}",
+             f"{r['max_batch']:,}", f"{r['max_batch'] / max(base['max_batch'], 1):.3f}", f"{big:,.0f}",
+             f"{r['prefill_s']:.3f}", *[f"{d['tokens_per_s']:,.0f}" for d in r["decode"]],
+             f"{r['decode'][0]['peak_bytes'] / 2 ** 20:.1f}"]
+    lines.append("| " + " | ".join(cells) + " |")
+  return "\n".join(lines)

@@ -1,0 +1,140 @@
+"""The decode cache: its bytes are the accounting's, exactly; prefill + step-by-step decode reproduces the full
+forward's logits for every preset and for composed schedules, scanned and unscanned, fp32 and bf16, left-padded
+rows of different lengths, sliding windows; LISA's NF prefill is the original attention."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from conftest import tiny_config
+from jaxshare import accounting
+from jaxshare.model.cache import init_cache
+from jaxshare.model.params import copy_shared_weights, layer_location
+from jaxshare.schedule import compile_schedule
+from test_model import DEPTH_PRESETS, randomized, tokens
+from test_model_pallas import CASES
+
+COMPOSED = {
+  "explicit+lisa_plus": ["model.num_layers=6", "schedule.kind=explicit+lisa_plus", "schedule.sources=0_0_2_3_4_4",
+                         "schedule.lisa.layers=[2,3]"],
+  "gqa+uniattn_normed": ["schedule.kind=gqa+uniattn", "schedule.kv_heads=2", "schedule.uniattn.block_size=3",
+                         "schedule.uniattn.wc_input=normed"],
+  "lisa_groups": ["model.num_layers=6", "schedule.kind=lisa", "schedule.lisa.hidden=8", "schedule.lisa.rope=true",
+                  "schedule.lisa.groups=[{layers: [1, 2], integrator: ffn}, {layers: [4], integrator: linear}]"],
+}
+ALL = {**{name: [*DEPTH_PRESETS[name], *(["schedule.lisa.layers=[1,2]"] if "lisa" in name or name == "ds" else [])]
+          for name in DEPTH_PRESETS}, **CASES, **COMPOSED}
+# Prompt lengths of the two rows: the second is left-padded by 5 slots.
+LENGTHS = (11, 6)
+NEW = 4
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("name", sorted(ALL))
+def test_cache_bytes_equal_accounting(name, dtype):
+  cfg = tiny_config(*ALL[name], f"model.dtype={dtype}")
+  schedule = compile_schedule(cfg.model, cfg.schedule)
+  cache = init_cache(cfg.model, schedule, batch=3, max_len=40)
+  assert {b.dtype for b in jax.tree.leaves(cache.buffers)} == {jnp.dtype(dtype)}
+  per_token = accounting.kv_cache_bytes_per_token(cfg.model, schedule, jnp.dtype(dtype).itemsize)
+  assert cache.nbytes == per_token * 3 * 40
+
+
+def _decode_rows(cfg, graphdef, params, rows):
+  """Prefill the left-padded rows, then decode their last NEW tokens one by one; logits ``[B, T, V]`` aligned
+  right (the padding's logits dropped by the caller)."""
+  schedule = compile_schedule(cfg.model, cfg.schedule)
+  width = max(len(r) for r in rows)
+  padded = jnp.stack([jnp.pad(r, (width - len(r), 0)) for r in rows])
+  cache = init_cache(cfg.model, schedule, len(rows), width, start=jnp.array([width - len(r) for r in rows]))
+  step = jax.jit(lambda p, t, c: nnx.merge(graphdef, p).decode(t, c))
+  logits, cache = step(params, padded[:, :width - NEW], cache)
+  out = [logits]
+  for t in range(width - NEW, width):
+    logits, cache = step(params, padded[:, t:t + 1], cache)
+    out.append(logits)
+  assert int(cache.index) == width
+  return jnp.concatenate(out, axis=1)
+
+
+def _check_rows(cfg, graphdef, params, tol):
+  """Row b is the first ``LENGTHS[b]`` tokens of x[b]: by causality the forward of x gives its logits too."""
+  x = tokens(2, max(LENGTHS), seed=3)
+  got = _decode_rows(cfg, graphdef, params, [x[b, :n] for b, n in enumerate(LENGTHS)])
+  want = jax.jit(lambda p, x: nnx.merge(graphdef, p)(x))(params, x)
+  for b, n in enumerate(LENGTHS):
+    np.testing.assert_allclose(np.asarray(got[b, -n:]), np.asarray(want[b, :n]), atol=tol, rtol=tol,
+                               err_msg=f"row {b}")
+
+
+@pytest.mark.parametrize("name", sorted(ALL))
+def test_prefill_and_decode_equal_forward(name):
+  cfg = tiny_config(*ALL[name], "attention.impl=xla")
+  _, graphdef, params = randomized(cfg)
+  _check_rows(cfg, graphdef, params, 5e-2 if name.startswith("bf16") else 2e-5)  # see test_bf16_decode_...
+
+
+@pytest.mark.parametrize("name", ["cla2", "uniattn", "lisa", "explicit+lisa_plus"])
+def test_unscanned_decode_equals_forward(name):
+  cfg = tiny_config(*ALL[name], "model.scan_layers=false")
+  _, graphdef, params = randomized(cfg)
+  _check_rows(cfg, graphdef, params, 2e-5)
+
+
+@pytest.mark.parametrize("name", ["mlkv_m3", "sa", "lisa_plus", "lisa_sl"])
+def test_bf16_decode_equals_forward(name):
+  """bf16 compute and cache: the cached path rounds like the forward's materialised path; the forward's default
+  recompute path rounds differently (float32 features), so the stated tolerance is bf16's: 0.05 on logits of
+  order 1."""
+  cfg = tiny_config(*ALL[name], "model.dtype=bfloat16")
+  _, graphdef, params = randomized(cfg)
+  _check_rows(cfg, graphdef, params, 5e-2)
+
+
+def test_window_longer_than_window():
+  """A sliding window of 3 over 11 tokens: decoded queries must drop the keys that left the window."""
+  cfg = tiny_config("schedule.kind=cla", "model.sliding_window=3")
+  _, graphdef, params = randomized(cfg)
+  _check_rows(cfg, graphdef, params, 2e-5)
+
+
+def test_nf_prefill_is_the_original_attention():
+  """LISA's NF strategy (LISA Sec. 4): prefill with the kept W_q/W_k is the dense model's forward, whatever the
+  low-rank deltas; decoding then continues with LISA (its K_LR were written during prefill)."""
+  lisa_cfg = tiny_config("schedule.kind=lisa", "schedule.lisa.hidden=8", "schedule.lisa.layers=[1,2]",
+                         "schedule.lisa.keep_qk=true")
+  lisa_schedule, graphdef, params = randomized(lisa_cfg)
+  dense_cfg = tiny_config()
+  dense_schedule, dense_gd, dense_params = randomized(dense_cfg)
+  dense_params = copy_shared_weights(params, lisa_schedule, dense_params, dense_schedule)
+  x = tokens(2, 9, seed=4)
+  model = nnx.merge(graphdef, params)
+  cache = init_cache(lisa_cfg.model, lisa_schedule, 2, 12)
+  nf, nf_cache = model.decode(x, cache, nf=True)
+  np.testing.assert_allclose(np.asarray(nf), np.asarray(nnx.merge(dense_gd, dense_params)(x)), atol=2e-5, rtol=2e-5)
+  lisa, lisa_cache = model.decode(x, init_cache(lisa_cfg.model, lisa_schedule, 2, 12))
+  assert float(jnp.abs(nf - lisa).max()) > 1e-3  # the two prefills differ: the deltas are not zero
+  for layer in (0, 1):  # what layer 1 caches (its K_LR and V) is what decoding reads, and it reads layer 0's input
+    s, c, r, i = layer_location(lisa_schedule, layer)
+    for name, buf in nf_cache.buffers[s][r].items():
+      np.testing.assert_allclose(np.asarray(buf[c, i]), np.asarray(lisa_cache.buffers[s][r][name][c, i]),
+                                 atol=1e-6, err_msg=f"layer {layer} {name}")
+  assert "k_lr" in nf_cache.buffers[layer_location(lisa_schedule, 1)[0]][layer_location(lisa_schedule, 1)[2]]
+
+
+def test_nf_needs_kept_weights():
+  cfg = tiny_config("schedule.kind=lisa_plus", "schedule.lisa.layers=[1,2]")
+  schedule, graphdef, params = randomized(cfg)
+  with pytest.raises(ValueError, match="schedule.lisa.keep_qk=true"):
+    nnx.merge(graphdef, params).decode(tokens(1, 4), init_cache(cfg.model, schedule, 1, 4), nf=True)
+
+
+def test_init_cache_refuses_bad_sizes():
+  cfg = tiny_config()
+  schedule = compile_schedule(cfg.model, cfg.schedule)
+  with pytest.raises(ValueError, match="max_len=0"):
+    init_cache(cfg.model, schedule, 1, 0)
+  with pytest.raises(ValueError, match=r"start has shape \(3,\), expected \(2,\)"):
+    init_cache(cfg.model, schedule, 2, 4, start=jnp.zeros(3, jnp.int32))
