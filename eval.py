@@ -137,7 +137,7 @@ def _efficiency(args) -> int:
   from jaxshare.evaluation.efficiency import format_table, measure_run
 
   r = measure_run(args.path, budget_gib=args.budget_gib, max_batch_context=args.max_batch_context,
-                  context=args.context, batch=args.batch, steps=args.steps)
+                  contexts=(args.context,), prefill_context=args.context, batch=args.batch, steps=args.steps)
   print(json.dumps(r) if args.json else format_table([r]))
   return 0
 

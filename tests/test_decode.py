@@ -26,6 +26,9 @@ COMPOSED = {
 }
 ALL = {**{name: [*DEPTH_PRESETS[name], *(["schedule.lisa.layers=[1,2]"] if "lisa" in name or name == "ds" else [])]
           for name in DEPTH_PRESETS}, **CASES, **COMPOSED}
+# The prefill/decode parity skips the variants whose layers take the same roles as another case (placements,
+# semantics, the linear aligner: see test_model_pallas.PRESETS) and the bf16 case (test_bf16_decode_...).
+PARITY = sorted(set(ALL) - {"cla4", "mlkv_m3_paper", "sa_paper", "lisa_sl", "bf16_lisa_plus"})
 # Prompt lengths of the two rows: the second is left-padded by 5 slots.
 LENGTHS = (11, 6)
 NEW = 4
@@ -69,21 +72,21 @@ def _check_rows(cfg, graphdef, params, tol):
                                err_msg=f"row {b}")
 
 
-@pytest.mark.parametrize("name", sorted(ALL))
+@pytest.mark.parametrize("name", PARITY)
 def test_prefill_and_decode_equal_forward(name):
   cfg = tiny_config(*ALL[name], "attention.impl=xla")
   _, graphdef, params = randomized(cfg)
-  _check_rows(cfg, graphdef, params, 5e-2 if name.startswith("bf16") else 2e-5)  # see test_bf16_decode_...
+  _check_rows(cfg, graphdef, params, 2e-5)
 
 
-@pytest.mark.parametrize("name", ["cla2", "uniattn", "lisa", "explicit+lisa_plus"])
+@pytest.mark.parametrize("name", ["uniattn", "explicit+lisa_plus"])
 def test_unscanned_decode_equals_forward(name):
   cfg = tiny_config(*ALL[name], "model.scan_layers=false")
   _, graphdef, params = randomized(cfg)
   _check_rows(cfg, graphdef, params, 2e-5)
 
 
-@pytest.mark.parametrize("name", ["mlkv_m3", "sa", "lisa_plus", "lisa_sl"])
+@pytest.mark.parametrize("name", ["mlkv_m3", "lisa_sl"])
 def test_bf16_decode_equals_forward(name):
   """bf16 compute and cache: the cached path rounds like the forward's materialised path; the forward's default
   recompute path rounds differently (float32 features), so the stated tolerance is bf16's: 0.05 on logits of

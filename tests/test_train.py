@@ -153,6 +153,23 @@ def test_eval_cli_generates_and_scores_text(straight_run, capsys, tmp_path):
   assert "top_p=2.0 is invalid" in capsys.readouterr().err
 
 
+def test_eval_cli_efficiency(straight_run, capsys):
+  """The largest batch is the most rows whose live cache fits the budget; the timed figures are measured."""
+  import eval as eval_cli
+
+  _, run_dir, _ = straight_run
+  capsys.readouterr()
+  budget = 0.001  # GiB
+  assert eval_cli.main(["efficiency", str(run_dir), "--context", "32", "--batch", "2", "--steps", "4",
+                        "--max-batch-context", "128", "--budget-gib", str(budget), "--json"]) == 0
+  r = json.loads(capsys.readouterr().out)
+  assert r["kv_bytes_per_token"] == r["kv_bytes_per_token_measured"] == 2 * 2 * 4 * 8 * 4
+  big = r["max_batch_decode"]
+  assert big["batch"] == r["max_batch"] == int(budget * 2 ** 30) // (r["kv_bytes_per_token"] * 128)
+  assert big["cache_bytes"] <= budget * 2 ** 30 < big["cache_bytes"] * (r["max_batch"] + 1) / r["max_batch"]
+  assert r["decode"][0]["tokens_per_s"] > 0 and r["prefill_s"] > 0 and r["decode"][0]["peak_bytes"] > 0
+
+
 def test_train_cli_rejects_bad_input_before_compiling(capsys, tmp_path):
   import train as train_cli
 

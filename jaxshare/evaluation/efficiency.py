@@ -122,7 +122,6 @@ def measure_run(path: str, **kwargs) -> dict[str, Any]:
   from jaxshare.train.state import load_run
 
   cfg, setup, params, _ = load_run(path)
-  kwargs.setdefault("contexts", (kwargs.pop("context", 512),))
   return measure(nnx.merge(setup.graphdef, params), cfg.model, setup.schedule, name=str(path), **kwargs)
 
 

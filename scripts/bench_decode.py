@@ -1,0 +1,178 @@
+#!/usr/bin/env python
+"""Decode efficiency of sharing schedules of one base model, side by side in one run.
+
+For each schedule (random weights; the speed does not depend on them) or run directory: KV bytes per token (the
+accounting and the live cache), the largest batch whose cache fits ``--budget-gib`` at ``--max-batch-context``
+tokens (MLKV Fig. 3) and decode tokens/s at that batch, decode tokens/s at a fixed batch for each of
+``--contexts``, prefill latency and the decode step's peak memory. With ``--hf`` the dense model is also exported
+with the converter and transformers' PyTorch ``generate`` is timed against jaxshare's on the same prompts and
+weights (their logits are compared too). Writes ``decode.md``, ``decode.json`` and, for runs, ``pareto.png``
+(validation loss against KV bytes per token).
+
+Usage:
+  python scripts/bench_decode.py                                   # dense, cla2, mlkv, uniattn, lisa_plus; 8 layers
+  python scripts/bench_decode.py --runs runs/a runs/b --out bench/decode_runs
+  python scripts/bench_decode.py --schedules dense cla2 --contexts 256 1024 --hf --out /tmp/bench
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+BASE = ["--config", str(REPO / "configs" / "experiments" / "sharing_base.yaml"), "model.num_layers=8"]
+SCHEDULES = {  # the issue's comparison: MLKV with m = L/4 K/V layers of g = 1 head
+  "dense": [], "cla2": ["schedule.kind=cla"],
+  "mlkv": ["schedule.kind=mlkv", "schedule.kv_layers=2", "schedule.kv_heads=1"],
+  "uniattn": ["schedule.kind=uniattn"], "lisa_plus": ["schedule.kind=lisa_plus"],
+}
+
+
+def _config(overrides: list[str]):
+  from jaxshare.config import load_config
+
+  path = overrides[1] if overrides[:1] == ["--config"] else None
+  return load_config(path, overrides[2:] if path else overrides)
+
+
+def _model(cfg, seed: int = 0):
+  from jaxshare.schedule import compile_schedule
+  from jaxshare.train.state import build_model, compute_ties
+
+  schedule = compile_schedule(cfg.model, cfg.schedule)
+  return build_model(cfg, schedule, seed, compute_ties(cfg, schedule, seed)), schedule
+
+
+def hf_comparison(cfg, model, schedule, *, batch: int, prompt_len: int, new_tokens: int) -> dict:
+  """jaxshare's cached greedy generation against transformers' ``generate`` of the exported weights."""
+  import jax.numpy as jnp
+  import numpy as np
+  import torch
+  import transformers
+  from flax import nnx
+
+  from jaxshare.convert.hf_export import export_params
+  from jaxshare.evaluation.generate import Generator
+
+  torch.set_num_threads(2)
+  prompts = np.random.default_rng(0).integers(1, cfg.model.vocab_size, (batch, prompt_len))
+  with tempfile.TemporaryDirectory() as out:
+    export_params(cfg, schedule, nnx.to_pure_dict(nnx.state(model, nnx.Param)), out)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+  ids = torch.from_numpy(prompts).long()
+  kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                do_sample=False, pad_token_id=0)
+  with torch.no_grad():
+    logit_diff = float(np.abs(hf(ids).logits.numpy() - np.asarray(model(jnp.asarray(prompts)))).max())
+    hf.generate(ids, **kwargs)  # warm-up
+    t0 = time.perf_counter()
+    want = hf.generate(ids, **kwargs)[:, prompt_len:].tolist()
+    hf_s = time.perf_counter() - t0
+  generator = Generator(model, cfg.model, schedule)
+  generator.generate(prompts.tolist(), new_tokens, chunk=new_tokens)  # compile
+  t0 = time.perf_counter()
+  got = generator.generate(prompts.tolist(), new_tokens, chunk=new_tokens)
+  jax_s = time.perf_counter() - t0
+  # Greedy continuations of random weights diverge at near-ties of the logits; count the agreeing prefix.
+  agree = [next((i for i, (a, b) in enumerate(zip(g, w)) if a != b), len(g)) for g, w in zip(got, want)]
+  return {"batch": batch, "prompt_len": prompt_len, "new_tokens": new_tokens, "max_logit_diff": logit_diff,
+          "agreeing_prefix_mean": sum(agree) / len(agree),
+          "jaxshare_tokens_per_s": batch * new_tokens / jax_s, "transformers_tokens_per_s": batch * new_tokens / hf_s,
+          "ratio": hf_s / jax_s}
+
+
+def _pareto_plot(rows: list[dict], path: Path) -> None:
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  pts = sorted((r["kv_bytes_per_token"], r["val_loss"], r["name"]) for r in rows if "val_loss" in r)
+  fig, ax = plt.subplots(figsize=(6, 4))
+  ax.scatter([p[0] for p in pts], [p[1] for p in pts])
+  for x, y, name in pts:
+    ax.annotate(Path(name).name, (x, y), fontsize=8, xytext=(3, 3), textcoords="offset points")
+  front, best = [], float("inf")
+  for x, y, _ in pts:  # lowest loss at each KV budget, scanning up in bytes
+    if y < best:
+      front.append((x, y))
+      best = y
+  ax.plot(*zip(*front), "--", color="gray", label="Pareto front")
+  ax.set_xlabel("KV cache bytes per token")
+  ax.set_ylabel("validation loss (nats/token)")
+  ax.legend()
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--schedules", nargs="+", default=list(SCHEDULES), choices=list(SCHEDULES))
+  ap.add_argument("--runs", nargs="+", default=[], help="run directories instead of schedules (quality known)")
+  ap.add_argument("--budget-gib", type=float, default=4.0)
+  ap.add_argument("--max-batch-context", type=int, default=8192)
+  ap.add_argument("--contexts", type=int, nargs="+", default=[256, 2048])
+  ap.add_argument("--batch", type=int, default=8)
+  ap.add_argument("--steps", type=int, default=8, help="decode steps per timed call")
+  ap.add_argument("--prefill", type=int, default=1024, help="prompt length of the prefill latency")
+  ap.add_argument("--no-max-batch-timing", action="store_true", help="skip timing decode at the largest batch")
+  ap.add_argument("--hf", action="store_true", help="also time transformers' generate on the exported dense model")
+  ap.add_argument("--out", default="bench/decode")
+  args = ap.parse_args(argv)
+
+  from flax import nnx
+
+  from jaxshare.evaluation.efficiency import format_table, measure
+  from jaxshare.train.state import load_run
+
+  common = dict(budget_gib=args.budget_gib, max_batch_context=args.max_batch_context, contexts=tuple(args.contexts),
+                batch=args.batch, steps=args.steps, prefill_context=args.prefill,
+                time_max_batch=not args.no_max_batch_timing)
+  rows, dense = [], None
+  if args.runs:
+    for run in args.runs:
+      cfg, setup, params, _ = load_run(run)
+      metrics = [json.loads(line) for line in (Path(run) / "metrics.jsonl").read_text().splitlines() if line]
+      losses = [m["val_loss"] for m in metrics if "val_loss" in m]
+      row = measure(nnx.merge(setup.graphdef, params), cfg.model, setup.schedule, name=run, **common)
+      rows.append({**row, **({"val_loss": losses[-1]} if losses else {})})
+      print(format_table(rows[-1:]), flush=True)
+  else:
+    for name in args.schedules:
+      cfg = _config(BASE + SCHEDULES[name])
+      model, schedule = _model(cfg)
+      rows.append(measure(model, cfg.model, schedule, name=name, **common))
+      dense = dense or ((cfg, model, schedule) if name == "dense" else None)
+      print(format_table(rows[-1:]), flush=True)
+  out = Path(args.out)
+  out.mkdir(parents=True, exist_ok=True)
+  table = format_table(rows)
+  report = {"rows": rows}
+  if args.hf:
+    cfg, model, schedule = dense or (lambda c: (c, *_model(c)))(_config(BASE))
+    report["hf"] = hf_comparison(cfg, model, schedule, batch=args.batch, prompt_len=64, new_tokens=64)
+    h = report["hf"]
+    table += (f"\n\nDense model, B={h['batch']}, prompt {h['prompt_len']}, {h['new_tokens']} new tokens (greedy): "
+              f"jaxshare {h['jaxshare_tokens_per_s']:,.0f} tok/s, transformers {h['transformers_tokens_per_s']:,.0f} "
+              f"tok/s, ratio {h['ratio']:.2f}x; prompt logits differ by at most {h['max_logit_diff']:.1e}, greedy tokens agree "
+              f"for {h['agreeing_prefix_mean']:.1f} of {h['new_tokens']} on average")
+  print("\n" + table)
+  (out / "decode.md").write_text(table + "\n")
+  (out / "decode.json").write_text(json.dumps(report, indent=1, default=float))
+  if any("val_loss" in r for r in rows):
+    _pareto_plot(rows, out / "pareto.png")
+  print(f"wrote {out}/decode.md, decode.json" + (", pareto.png" if any("val_loss" in r for r in rows) else ""))
+  return 0
+
+
+if __name__ == "__main__":
+  from jaxshare.allocator import reexec_with_tuned_allocator
+
+  reexec_with_tuned_allocator()
+  sys.exit(main())
