@@ -15,7 +15,7 @@ $(VENV)/.installed: pyproject.toml
 
 $(VENV)/.installed-dev: $(VENV)/.installed
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[hf,dev]'
+	$(PY) -m pip install -q -e '.[hf,dev,eval]'
 	touch $@
 
 # libtpu for compiling TPU programs ahead of time on this host (scripts/aot_compile.py, tests/test_aot.py), kept out
