@@ -3,8 +3,8 @@
 ``python -m jaxshare.evaluation.lm_eval_harness`` is ``lm_eval`` with this model registered (the harness has no
 plugin entry point for models), so its flags are the harness's own:
 
-  python -m jaxshare.evaluation.lm_eval_harness --model jaxshare --model_args run=runs/shakespeare_cla2,batch_size=16 \\
-      --tasks my_task --include_path path/to/tasks
+  python -m jaxshare.evaluation.lm_eval_harness --model jaxshare --model_args run=runs/shakespeare_cla2 \\
+      --batch_size 16 --tasks my_task --include_path path/to/tasks
 
 Loglikelihoods come from one forward pass per batch of right-padded rows (causal attention never reads the
 padding); ``generate_until`` uses the decode cache through :class:`~jaxshare.evaluation.generate.Generator`.
@@ -37,7 +37,7 @@ class JaxshareLM(LM):
 
   Args:
     run: run directory or ``<run_dir>/checkpoints/<step>``.
-    batch_size: rows per forward pass (scoring) and per generation batch.
+    batch_size: rows per forward pass (scoring) and per generation batch (the harness's ``--batch_size``).
     max_length: context window in tokens (default: the run's ``data.seq_len``); longer inputs keep their end.
     nf: LISA's NF prefill for ``generate_until``.
   """
