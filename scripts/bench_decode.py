@@ -27,7 +27,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-BASE = ["--config", str(REPO / "configs" / "experiments" / "sharing_base.yaml"), "model.num_layers=8"]
+BASE_CONFIG = REPO / "configs" / "experiments" / "sharing_base.yaml"
+BASE = ["model.num_layers=8"]
 SCHEDULES = {  # the comparison: MLKV with m = L/4 K/V layers of g = 1 head
   "dense": [], "cla2": ["schedule.kind=cla"],
   "mlkv": ["schedule.kind=mlkv", "schedule.kv_layers=2", "schedule.kv_heads=1"],
@@ -38,8 +39,7 @@ SCHEDULES = {  # the issue's comparison: MLKV with m = L/4 K/V layers of g = 1 h
 def _config(overrides: list[str]):
   from jaxshare.config import load_config
 
-  path = overrides[1] if overrides[:1] == ["--config"] else None
-  return load_config(path, overrides[2:] if path else overrides)
+  return load_config(str(BASE_CONFIG), BASE + overrides)
 
 
 def _model(cfg, seed: int = 0):
@@ -145,7 +145,7 @@ def main(argv=None) -> int:
       print(format_table(rows[-1:]), flush=True)
   else:
     for name in args.schedules:
-      cfg = _config(BASE + SCHEDULES[name])
+      cfg = _config(SCHEDULES[name])
       model, schedule = _model(cfg)
       rows.append(measure(model, cfg.model, schedule, name=name, **common))
       dense = dense or ((cfg, model, schedule) if name == "dense" else None)
@@ -155,7 +155,10 @@ def main(argv=None) -> int:
   table = format_table(rows)
   report = {"rows": rows}
   if args.hf:
-    cfg, model, schedule = dense or (lambda c: (c, *_model(c)))(_config(BASE))
+    if dense is None:
+      cfg = _config(SCHEDULES["dense"])
+      dense = (cfg, *_model(cfg))
+    cfg, model, schedule = dense
     report["hf"] = hf_comparison(cfg, model, schedule, batch=args.batch, prompt_len=64, new_tokens=64)
     h = report["hf"]
     table += (f"\n\nDense model, B={h['batch']}, prompt {h['prompt_len']}, {h['new_tokens']} new tokens (greedy): "

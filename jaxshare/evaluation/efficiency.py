@@ -14,7 +14,7 @@ from flax import nnx
 
 from jaxshare import accounting
 from jaxshare.config import ModelConfig
-from jaxshare.evaluation.generate import decode_steps
+from jaxshare.evaluation.generate import decode_steps, prefill
 from jaxshare.evaluation.sampling import Sampling
 from jaxshare.model.cache import init_cache
 from jaxshare.schedule import Schedule
@@ -49,41 +49,40 @@ def decode_speed(model: nnx.Module, cfg: ModelConfig, schedule: Schedule, *, bat
   graphdef, params = nnx.split(model)
   logits = jnp.zeros((batch, cfg.vocab_size), jnp.float32)
   done = jnp.zeros(batch, bool)
-  args = lambda: (graphdef, params, _filled(cfg, schedule, batch, context, steps, dtype), logits, done,  # noqa: E731
-                  jax.random.key(0), jnp.asarray([-1], jnp.int32), jnp.asarray(0))
-  kwargs = dict(sampling=Sampling(), chunk=steps, pad_id=0)
-  compiled = decode_steps.lower(*args(), **kwargs).compile()
+  cache_bytes = []
+
+  def make_args():  # a fresh cache per call: the call donates it
+    cache = _filled(cfg, schedule, batch, context, steps, dtype)
+    cache_bytes.append(cache.nbytes)
+    return params, cache, logits, done, jax.random.key(0), jnp.asarray([-1], jnp.int32), jnp.asarray(0)
+
+  compiled = decode_steps.lower(graphdef, *make_args(), sampling=Sampling(), chunk=steps, pad_id=0).compile()
   mem = compiled.memory_analysis()
   peak = (mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
           + mem.temp_size_in_bytes) if mem is not None else float("nan")
-  best, cache_bytes = math.inf, 0
-  for _ in range(repeats + 1):  # the first call warms up
-    a = args()
-    jax.block_until_ready(a)
-    cache_bytes = a[2].nbytes
-    t0 = time.perf_counter()
-    jax.block_until_ready(compiled(*a[1:]))
-    best = min(best, time.perf_counter() - t0)
+  best = _best_seconds(compiled, make_args, repeats)
   return {"tokens_per_s": batch * steps / best, "step_ms": 1e3 * best / steps, "peak_bytes": peak,
-          "cache_bytes": cache_bytes}
+          "cache_bytes": cache_bytes[-1]}
 
 
 def prefill_latency(model: nnx.Module, cfg: ModelConfig, schedule: Schedule, *, context: int, dtype=None,
                     repeats: int = 2) -> float:
   """Seconds to prefill one prompt of ``context`` tokens into an empty cache (time to first token's logits)."""
   graphdef, params = nnx.split(model)
-
-  @jax.jit
-  def prefill(params, tokens, cache):
-    return nnx.merge(graphdef, params).decode(tokens, cache)[0][:, -1]
-
   tokens = jnp.zeros((1, context), jnp.int32)
+  return _best_seconds(lambda *a: prefill(graphdef, *a, False), lambda: (params, tokens, init_cache(
+    cfg, schedule, 1, context, dtype)), repeats)
+
+
+def _best_seconds(run, make_args, repeats: int) -> float:
+  """Best wall time of ``repeats`` calls ``run(*make_args())`` after one warm-up call; arguments are made (and
+  ready) before the clock starts."""
   best = math.inf
   for _ in range(repeats + 1):
-    cache = init_cache(cfg, schedule, 1, context, dtype)
-    t0 = time.perf_counter()
-    jax.block_until_ready(prefill(params, tokens, cache))
-    best = min(best, time.perf_counter() - t0)
+    args = jax.block_until_ready(make_args())
+    start = time.perf_counter()
+    jax.block_until_ready(run(*args))
+    best = min(best, time.perf_counter() - start)
   return best
 
 

@@ -16,8 +16,8 @@ from flax import nnx
 from jaxshare import accounting
 from jaxshare.data import Datasets, TokenStream, WindowSource, load_documents, make_tokenizer
 from jaxshare.evaluation.generate import Generator
-from jaxshare.train.loop import evaluate_loss
-from jaxshare.train.state import load_run, locate, shard_batch
+from jaxshare.train.loop import evaluate_loss, loss_sums
+from jaxshare.train.state import load_run, locate
 from jaxshare.train.step import make_eval_step
 
 
@@ -91,18 +91,12 @@ def perplexity(path: str | Path, *, text: str | None = None, tfds_name: str | No
   windows = WindowSource(stream, slice(0, len(stream.tokens)), cfg.data.seq_len, "scored text")
   batch = min(cfg.train.batch_size, len(windows))
   ds = grain.MapDataset.source(windows).batch(batch, drop_remainder=False)
-  eval_fn = jax.jit(make_eval_step(setup.graphdef))
-  total = count = 0.0
   n = len(ds) if not max_batches else min(max_batches, len(ds))
-  scored: list[int] = []
+  # the last batch may be short: pad it with fully masked rows (one compiled shape)
+  batches = [{k: _pad_rows(v, batch) for k, v in ds[i].items()} for i in range(n)]
   with jax.set_mesh(setup.mesh):
-    for i in range(n):
-      b = ds[i]
-      if len(b["inputs"]) < batch:  # the last, short batch: pad with fully masked rows (one compiled shape)
-        b = {k: _pad_rows(v, batch) for k, v in b.items()}
-      s, c = eval_fn(params, shard_batch(setup, b))
-      total, count = total + float(s), count + float(c)
-      scored.extend(t for row, m in zip(b["targets"], b["loss_mask"]) for t, keep in zip(row, m) if keep)
+    total, count = loss_sums(jax.jit(make_eval_step(setup.graphdef)), setup, params, batches)
+  scored = np.concatenate([b["targets"][b["loss_mask"] == 1] for b in batches]).tolist()
   loss = total / max(count, 1.0)
   num_bytes = len(tokenizer.decode(scored).encode("utf-8"))
   return {"loss": loss, "perplexity": math.exp(loss), "bits_per_byte": total / math.log(2) / max(num_bytes, 1),

@@ -73,7 +73,7 @@ class Generator:
     key = jax.random.key(seed)
     if use_cache:
       cache = init_cache(self.cfg, self.schedule, len(prompts), width + steps, self.cache_dtype, start)
-      logits, state = _prefill(self.graphdef, self.params, jnp.asarray(padded), cache, nf)
+      logits, state = prefill(self.graphdef, self.params, jnp.asarray(padded), cache, nf)
       run = functools.partial(decode_steps, self.graphdef, sampling=sampling, chunk=chunk, pad_id=self.pad_id)
     else:
       buf = jnp.pad(jnp.asarray(padded), ((0, 0), (0, steps)), constant_values=self.pad_id)
@@ -96,7 +96,9 @@ class Generator:
 
 
 @functools.partial(jax.jit, static_argnums=(0, 4), donate_argnums=(3,))
-def _prefill(graphdef, params, tokens: jax.Array, cache: DecodeCache, nf: bool):
+def prefill(graphdef, params, tokens: jax.Array, cache: DecodeCache, nf: bool):
+  """Write ``tokens [B, n]`` into the (donated) cache; returns the last position's logits ``[B, V]`` and the
+  cache."""
   logits, cache = nnx.merge(graphdef, params).decode(tokens, cache, nf)
   return logits[:, -1], cache
 
@@ -110,8 +112,14 @@ def _sample_step(logits, done, key, stop, step, sampling, pad_id):
 
 @functools.partial(jax.jit, static_argnums=(0,), static_argnames=("sampling", "chunk", "pad_id"),
                    donate_argnums=(2,))
-def decode_steps(graphdef, params, cache: DecodeCache, logits, done, key, stop, step0, *, sampling: Sampling, chunk: int,
-            pad_id: int):
+def decode_steps(graphdef, params, cache: DecodeCache, logits, done, key, stop, step0, *, sampling: Sampling,
+                 chunk: int, pad_id: int):
+  """``chunk`` decode steps in one scanned call (the cache donated): each samples a token per row from ``logits
+  [B, V]`` (step i with ``fold_in(key, step0 + i)``), marks rows ``done`` at a ``stop`` token, and decodes it.
+
+  Returns:
+    ``(cache, next logits [B, V], done [B], tokens [chunk, B] int32, live [chunk, B] bool)``.
+  """
   def one(carry, i):
     # The parameters ride in the carry: a module merged outside the scan may not enter the layers' nnx.scan.
     params, cache, logits, done = carry

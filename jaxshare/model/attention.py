@@ -116,16 +116,18 @@ class Attention(nnx.Module):
       return kv_in
     k = None
     if not self.role.score_reuse:
-      k = parallel.constrain(apply_rope(self._project("k", x, head_kernels), positions, self.theta,
-                                        self.rotary_dim, self.rope_scaling), _BTG)
+      k = parallel.constrain(self._rope(self._project("k", x, head_kernels), positions), _BTG)
     return k, parallel.constrain(self._project("v", x, head_kernels), _BTG)
+
+  def _rope(self, x: jax.Array, positions: jax.Array, rotary_dim: int | None = None) -> jax.Array:
+    return apply_rope(x, positions, self.theta, self.rotary_dim if rotary_dim is None else rotary_dim,
+                      self.rope_scaling)
 
   def _low_rank(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
     q, k = self.q_lr(x), self.k_lr(x)
     if self.role.lisa_rope:
       rot = self.role.lisa_rank - self.role.lisa_rank % 2
-      q = apply_rope(q, positions, self.theta, rot, self.rope_scaling)
-      k = apply_rope(k, positions, self.theta, rot, self.rope_scaling)
+      q, k = self._rope(q, positions, rot), self._rope(k, positions, rot)
     return q, k
 
   def _aligner_weights(self) -> tuple[jax.Array, ...]:
@@ -222,8 +224,7 @@ class Attention(nnx.Module):
     if role.is_producer:
       rows["v"] = self._project("v", x, head_kernels)
       if not role.score_reuse:
-        rows["k"] = apply_rope(self._project("k", x, head_kernels), ctx.positions, self.theta, self.rotary_dim,
-                               self.rope_scaling)
+        rows["k"] = self._rope(self._project("k", x, head_kernels), ctx.positions)
       elif role.has_low_rank:
         q_lr, rows["k_lr"] = self._low_rank(x, ctx.positions)
       full = kv_cache.append(cache, ctx.index, rows)
@@ -231,8 +232,7 @@ class Attention(nnx.Module):
     else:
       k, v = kv_in
     if not role.score_reuse:
-      q = apply_rope(self._project("q", x, head_kernels), ctx.positions, self.theta, self.rotary_dim,
-                     self.rope_scaling)
+      q = self._rope(self._project("q", x, head_kernels), ctx.positions)
       logits = reference.scores(q, k, self.head_dim ** -0.5)
       probs, _ = reference.masked_softmax(logits, ctx.mask)
       handed = {"probs": probs, "logits": logits}.get(role.feeds)
@@ -255,8 +255,7 @@ class Attention(nnx.Module):
     if self.q_proj is None or self.k_proj is None:
       raise ValueError("LISA's NF prefill attends with the layer's original W_q/W_k; this model did not keep "
                        "them: set schedule.lisa.keep_qk=true (uptraining keeps the dense model's)")
-    q = apply_rope(self.q_proj(x), positions, self.theta, self.rotary_dim, self.rope_scaling)
-    k = apply_rope(self.k_proj(x), positions, self.theta, self.rotary_dim, self.rope_scaling)
+    q, k = self._rope(self.q_proj(x), positions), self._rope(self.k_proj(x), positions)
     logits = reference.scores(q, k, self.head_dim ** -0.5)
     return jnp.pad(logits, ((0, 0), (0, 0), (0, 0), (0, slots - logits.shape[-1])))
 
@@ -264,8 +263,7 @@ class Attention(nnx.Module):
     if k is None:
       raise ValueError("this layer computes its own scores but its K/V producer has no K")
     role, scale = self.role, self.head_dim ** -0.5
-    q = parallel.constrain(apply_rope(self._project("q", x, head_kernels), positions, self.theta, self.rotary_dim,
-                                      self.rope_scaling), _BTH)
+    q = parallel.constrain(self._rope(self._project("q", x, head_kernels), positions), _BTH)
     if role.feeds and not self.recompute:  # materialise once: for this layer's output and for its readers
       a = reference.scores(q, k, scale)
       probs, _ = reference.masked_softmax(a, reference.attention_mask(segment_ids, segment_ids, True, self.window))

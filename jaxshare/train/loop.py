@@ -6,7 +6,7 @@ import dataclasses
 import signal
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 import jax
 import numpy as np
@@ -70,12 +70,18 @@ class _StopFlag:
       signal.signal(signal.SIGINT, self._previous)
 
 
-def evaluate_loss(eval_fn, setup: RunSetup, params, data: Datasets, max_batches: int) -> float:
-  """Mean validation loss in nats per token over up to ``max_batches`` batches (0: all)."""
+def loss_sums(eval_fn, setup: RunSetup, params, batches: Iterable[dict]) -> tuple[float, float]:
+  """``(summed loss in nats, scored tokens)`` of ``eval_fn`` over batches (host arrays, sharded by ``setup``)."""
   total, count = 0.0, 0.0
-  for batch in data.val_batches(max_batches):
+  for batch in batches:
     s, c = eval_fn(params, shard_batch(setup, batch))
     total, count = total + float(s), count + float(c)
+  return total, count
+
+
+def evaluate_loss(eval_fn, setup: RunSetup, params, data: Datasets, max_batches: int) -> float:
+  """Mean validation loss in nats per token over up to ``max_batches`` batches (0: all)."""
+  total, count = loss_sums(eval_fn, setup, params, data.val_batches(max_batches))
   return total / max(count, 1.0)
 
 
