@@ -1,6 +1,8 @@
 """Sampling draws from the right sets with the right frequencies; cached generation equals generation by full
 forward passes (greedy and sampled, left-padded rows of different lengths); stop tokens end their row only."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -8,8 +10,9 @@ import pytest
 from flax import nnx
 
 from conftest import tiny_config
-from jaxshare.evaluation.generate import Generator
+from jaxshare.evaluation.generate import Generator, decode_steps
 from jaxshare.evaluation.sampling import Sampling, sample
+from jaxshare.model.cache import init_cache
 from test_decode import ALL
 from test_model import randomized
 
@@ -96,3 +99,21 @@ def test_generate_refuses_bad_requests():
     generator.generate([[1], []], 4)
   with pytest.raises(ValueError, match="max_new_tokens=0"):
     generator.generate([[1]], 0)
+
+
+@pytest.mark.parametrize("scan", [True, False])
+def test_decode_step_updates_the_cache_in_place(scan):
+  """The compiled decode chunk moves no whole cache buffer: no copy, and no value of a buffer's shape other than
+  the donated input and its output (a scanned model once copied every buffer twice per step)."""
+  cfg = tiny_config(*ALL["uniattn"], f"model.scan_layers={str(scan).lower()}")
+  schedule, graphdef, params = randomized(cfg)
+  cache = init_cache(cfg.model, schedule, 2, 64)
+  shapes = {f"[{','.join(map(str, b.shape))}]" for b in jax.tree.leaves(cache.buffers)}
+  logits = jnp.zeros((2, cfg.model.vocab_size))
+  hlo = decode_steps.lower(graphdef, params, cache, logits, jnp.zeros(2, bool), jax.random.key(0),
+                           jnp.asarray([-1]), jnp.asarray(0), sampling=Sampling(), chunk=2, pad_id=0
+                           ).compile().as_text()
+  whole = [line.strip() for line in hlo.splitlines()
+           if re.search(r"= \w+\[", line) and any(s in line.split("=", 1)[1].split(" ")[1] for s in shapes)
+           and re.search(r"\b(copy|copy-start|concatenate|select|broadcast)\(", line)]
+  assert not whole, "\n".join(whole[:5])

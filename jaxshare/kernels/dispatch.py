@@ -9,7 +9,7 @@ from typing import Callable
 
 import jax
 
-from jaxshare.kernels import flash, pallas, reference, xla
+from jaxshare.kernels import decode, flash, flash_decode, pallas, reference, xla
 
 log = logging.getLogger(__name__)
 
@@ -18,15 +18,19 @@ IMPLEMENTATIONS = ("auto", "xla", "reference", "pallas", "pallas_interpret")
 
 @dataclasses.dataclass(frozen=True)
 class AttentionOps:
-  """The two attention computations a layer may run.
+  """The attention computations a layer may run.
 
   Attributes:
     attention: softmax attention, the contract of :func:`jaxshare.kernels.reference.attention`.
     attention_from_lse: probability reuse, the contract of :func:`jaxshare.kernels.reference.attention_from_lse`.
+    decode_attention: a decode step's attention over the cache and the new rows, the contract of
+      :func:`jaxshare.kernels.decode.attention` (the Pallas decode kernel for ``pallas*``; ``auto`` uses it on
+      GPU/TPU for one new token per row, prefill runs in XLA).
   """
 
   attention: Callable
   attention_from_lse: Callable
+  decode_attention: Callable = decode.attention
 
 
 def _checkpointed_reuse(q, k, lse, v, q_segment_ids, kv_segment_ids, **kwargs):
@@ -38,7 +42,11 @@ def _checkpointed_reuse(q, k, lse, v, q_segment_ids, kv_segment_ids, **kwargs):
 _XLA = AttentionOps(xla.attention, _checkpointed_reuse)
 _REFERENCE = AttentionOps(reference.attention, _checkpointed_reuse)
 _warned: set[str] = set()
-_QKV, _REUSE_QKV = (0, 1, 2), (0, 1, 3)  # where q, k and v are among each contract's arguments
+# Why a kernel cannot run a contract's arguments on a backend (None: it can).
+_QKV = lambda args, backend: flash.unsupported(*args[:3], backend=backend)  # noqa: E731
+_REUSE_QKV = lambda args, backend: flash.unsupported(args[0], args[1], args[3], backend=backend)  # noqa: E731
+_DECODE_QKV = lambda args, backend: flash_decode.unsupported(args[0], args[1][0], args[2][0],  # noqa: E731
+                                                             backend=backend)
 _NO_ACCELERATOR = "no GPU or TPU"
 
 
@@ -63,38 +71,50 @@ def get_attention(impl: str) -> AttentionOps:
     return _REFERENCE
   if impl == "pallas_interpret":
     return AttentionOps(functools.partial(pallas.attention, backend="interpret"),
-                        functools.partial(pallas.attention_from_lse, backend="interpret"))
+                        functools.partial(pallas.attention_from_lse, backend="interpret"),
+                        functools.partial(pallas.decode_attention, backend="interpret"))
   if impl == "pallas":
     return AttentionOps(_require_accelerator(pallas.attention, _QKV),
-                        _require_accelerator(pallas.attention_from_lse, _REUSE_QKV))
+                        _require_accelerator(pallas.attention_from_lse, _REUSE_QKV),
+                        _require_accelerator(pallas.decode_attention, _DECODE_QKV))
   return AttentionOps(_auto(pallas.attention, xla.attention, _QKV),
-                      _auto(pallas.attention_from_lse, _checkpointed_reuse, _REUSE_QKV))
+                      _auto(pallas.attention_from_lse, _checkpointed_reuse, _REUSE_QKV),
+                      _prefill_in_xla(_auto(pallas.decode_attention, decode.attention, _DECODE_QKV)))
 
 
-def _reason_not_to_run(args: tuple, operands: tuple[int, int, int]) -> str | None:
-  """Why the kernels cannot run these arguments here (no accelerator, or a shape ``flash.unsupported`` refuses);
-  ``operands``: positions of q, k and v among the arguments."""
+def _reason_not_to_run(args: tuple, check: Callable) -> str | None:
+  """Why the kernels cannot run these arguments here: no accelerator, or what ``check`` (one of ``_QKV``,
+  ``_REUSE_QKV``, ``_DECODE_QKV``) refuses."""
   backend = flash.default_backend()
   if backend == "interpret":
     return _NO_ACCELERATOR
-  return flash.unsupported(*(args[i] for i in operands), backend=backend)
+  return check(args, backend)
 
 
-def _require_accelerator(kernel: Callable, operands: tuple[int, int, int]) -> Callable:
+def _prefill_in_xla(call: Callable) -> Callable:
+  """Decode attention that runs ``call`` for one new token per row and XLA for a prefill (many new tokens, one
+  matmul-bound pass the decode kernel's split over keys does not help)."""
+  @functools.wraps(call)
+  def dispatch(q, *args, **kwargs):
+    return (call if q.shape[1] == 1 else decode.attention)(q, *args, **kwargs)
+  return dispatch
+
+
+def _require_accelerator(kernel: Callable, check: Callable) -> Callable:
   @functools.wraps(kernel)
   def call(*args, **kwargs):
-    if reason := _reason_not_to_run(args, operands):
+    if reason := _reason_not_to_run(args, check):
       raise ValueError(f"attention.impl=pallas cannot run here: {reason}. Use pallas_interpret to run the kernels "
                        "in interpret mode, or auto to fall back to xla")
     return kernel(*args, **kwargs)
   return call
 
 
-def _auto(kernel: Callable, fallback: Callable, operands: tuple[int, int, int]) -> Callable:
+def _auto(kernel: Callable, fallback: Callable, check: Callable) -> Callable:
   """``kernel`` on GPU/TPU for the shapes it supports; else ``fallback`` (one warning per reason on GPU/TPU)."""
   @functools.wraps(kernel)
   def call(*args, **kwargs):
-    reason = _reason_not_to_run(args, operands)
+    reason = _reason_not_to_run(args, check)
     if reason is None:
       return kernel(*args, **kwargs)
     if reason != _NO_ACCELERATOR and reason not in _warned:

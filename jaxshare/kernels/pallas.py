@@ -16,7 +16,7 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 from jaxshare import parallel
-from jaxshare.kernels import flash
+from jaxshare.kernels import decode, flash
 
 
 def _head_specs(mesh, q_shape, kv_heads: tuple[int, ...]):
@@ -63,3 +63,16 @@ def attention_from_lse(q, k, lse, v, q_segment_ids, kv_segment_ids, *, scale: fl
   specs = (out, P(batch, None, gk, None), P(batch, heads, None), P(batch, None, gv, None), P(batch, None),
            P(batch, None))
   return jax.shard_map(kernel, mesh=mesh, in_specs=specs, out_specs=out, check_vma=False)(*args)
+
+
+def decode_attention(q, k, v, mask, *, scale: float, dtype, backend: str | None = None):
+  """:func:`jaxshare.kernels.decode.split_attention` (the Pallas decode kernel over the cache) per device under the
+  ambient mesh: batch and K/V heads split as the cache is (same contract)."""
+  kernel = functools.partial(decode.split_attention, scale=scale, dtype=dtype,
+                             backend=backend or flash.default_backend())
+  if (mesh := _mesh()) is None:
+    return kernel(q, k, v, mask)
+  batch, heads, (kv,) = _head_specs(mesh, q.shape, (k[0].shape[1],))
+  out, blocks = P(batch, None, heads, None), (P(batch, kv, None, None),) * 2
+  return jax.shard_map(kernel, mesh=mesh, in_specs=(out, blocks, blocks, P(batch, None, None)), out_specs=out,
+                       check_vma=False)(q, tuple(k), tuple(v), mask)

@@ -17,6 +17,7 @@ from flax import nnx
 
 from jaxshare import parallel
 from jaxshare.config import ModelConfig
+from jaxshare.kernels import decode as decode_ops
 from jaxshare.kernels import reference
 from jaxshare.kernels.dispatch import get_attention
 from jaxshare.model import cache as kv_cache
@@ -28,6 +29,8 @@ from jaxshare.model.scores import AlignerChain, ScoreFeatures, ScoreState, Score
 from jaxshare.schedule import LayerRole
 
 KV = tuple[jax.Array | None, jax.Array]
+# A decoding producer's K and V as (cache, new rows) blocks, heads-major (K None for score reusers).
+DecodeKV = tuple[decode_ops.Blocks | None, decode_ops.Blocks]
 
 _BTH = ("activation_batch", "activation_length", "activation_heads", None)
 _BTG = ("activation_batch", "activation_length", "activation_kv_heads", None)
@@ -80,6 +83,7 @@ class Attention(nnx.Module):
     ops = get_attention(attention_impl)
     self.attend = functools.partial(ops.attention, window=self.window)
     self.reuse = functools.partial(ops.attention_from_lse, window=self.window)
+    self.attend_decode = ops.decode_attention
 
     def proj(heads: int, axes: str, width: int, trainable: bool = True) -> DenseGeneral:
       return DenseGeneral("btd,dhk->bthk", (D, heads, width), ("embed", axes, "head_dim"), std=std,
@@ -195,45 +199,53 @@ class Attention(nnx.Module):
       state = ScoreTensors(logits=a)
     return self.o_proj(out.astype(self.dtype)), (k, v), state, state
 
-  def decode(self, x: jax.Array, ctx: StepContext, cache: kv_cache.Buffers, kv_in: KV | None,
+  def decode(self, x: jax.Array, ctx: StepContext, cache: kv_cache.Buffers, kv_in: DecodeKV | None,
              score_in: jax.Array | None, head_kernels: dict | None = None, nf: bool = False
-             ) -> tuple[jax.Array, kv_cache.Buffers, KV, jax.Array | None]:
-    """Attend with ``n`` new tokens against the cache (prefill: the prompt; decode: one token).
+             ) -> tuple[jax.Array, kv_cache.Buffers, DecodeKV, jax.Array | None]:
+    """Attend with ``n`` new tokens over the cache and their own rows (prefill: the prompt; decode: one token).
 
-    The source of shared scores emits its rows ``[B, H, n, S]`` (float32): probabilities for SA/UniAttn reusers,
-    which apply them to their own V cache (SA Alg. 1, UniAttn Eq. 3), logits for a LISA chain, whose layers add
-    their low-rank delta from their ``k_lr`` cache and mix heads (LISA Eq. 3-4, decode step of Sec. 4).
+    The cache is only read: the new rows are a second key block (:mod:`jaxshare.kernels.decode`) and are returned
+    for :func:`jaxshare.model.cache.write`. The source of shared scores emits its rows ``[B, H, n, S + n]``
+    (float32): probabilities for SA/UniAttn reusers, which apply them to their own V (SA Alg. 1, UniAttn Eq. 3),
+    logits for a LISA chain, whose layers add their low-rank delta from their ``k_lr`` and mix heads (LISA Eq. 3-4,
+    decode step of Sec. 4).
 
     Args:
       x: ``[B, n, D]`` normalised input of the new tokens.
-      ctx: the step's positions, mask ``[B, n, S]`` and write slot.
-      cache: this layer's buffers ``{name: [B, S, G, e]}`` before the step (see :mod:`jaxshare.model.cache`).
-      kv_in: a K/V consumer's producer ``(K, V)`` ``[B, S, G, d]`` with the new rows written.
-      score_in: the rows ``[B, H, n, S]`` float32 a score-reusing layer reads.
+      ctx: the step's positions, mask ``[B, n, S + n]`` and write slot.
+      cache: this layer's buffers ``{name: [B, G, S, e]}`` (see :mod:`jaxshare.model.cache`).
+      kv_in: a K/V consumer's producer blocks ``((K cache, K new), (V cache, V new))``, heads-major.
+      score_in: the rows ``[B, H, n, S + n]`` float32 a score-reusing layer reads.
       head_kernels: head-wise sharing's ``{"q", "k", "v"}`` kernels ``[D, H, d]``.
       nf: LISA's NF prefill (LISA Sec. 4): a LISA layer attends with its kept original W_q/W_k over the new
-        tokens alone (the cache must be empty), and still writes its ``k_lr`` for decoding.
+        tokens alone (the cache must be empty), and still returns its ``k_lr`` rows for decoding.
 
     Returns:
-      ``(output [B, n, D], new rows {name: [B, n, G, e]}, (K, V) [B, S, G, d] after the step, rows handed on)``.
+      ``(output [B, n, D], new rows {name: [B, G, n, e]}, this layer's K/V blocks, rows handed on)``.
 
     Raises:
       ValueError: ``nf`` on a LISA layer that did not keep W_q/W_k (``schedule.lisa.keep_qk``).
     """
     role, rows = self.role, {}
+    blocks = lambda name: (cache[name], rows[name])  # noqa: E731
+    heads_major = lambda t: t.transpose(0, 2, 1, 3)  # noqa: E731  [B, n, G, e] -> [B, G, n, e]
     if role.is_producer:
-      rows["v"] = self._project("v", x, head_kernels)
+      rows["v"] = heads_major(self._project("v", x, head_kernels))
       if not role.score_reuse:
-        rows["k"] = self._rope(self._project("k", x, head_kernels), ctx.positions)
+        rows["k"] = heads_major(self._rope(self._project("k", x, head_kernels), ctx.positions))
       elif role.has_low_rank:
-        q_lr, rows["k_lr"] = self._low_rank(x, ctx.positions)
-      full = kv_cache.append(cache, ctx.index, rows)
-      k, v = full.get("k"), full["v"]
+        q_lr, k_lr = self._low_rank(x, ctx.positions)
+        rows["k_lr"] = heads_major(k_lr)
+      rows = {name: r.astype(cache[name].dtype) for name, r in rows.items()}
+      k, v = (blocks("k") if "k" in rows else None), blocks("v")
     else:
       k, v = kv_in
     if not role.score_reuse:
       q = self._rope(self._project("q", x, head_kernels), ctx.positions)
-      logits = reference.scores(q, k, self.head_dim ** -0.5)
+      if not role.feeds:
+        out = self.attend_decode(q, k, v, ctx.mask, scale=self.head_dim ** -0.5, dtype=self.dtype)
+        return self.o_proj(out), rows, (k, v), None
+      logits = decode_ops.scores(q, k, self.head_dim ** -0.5)
       probs, _ = reference.masked_softmax(logits, ctx.mask)
       handed = {"probs": probs, "logits": logits}.get(role.feeds)
     elif role.score_reuse == "probs":
@@ -244,20 +256,21 @@ class Attention(nnx.Module):
       else:
         logits = score_in
         if role.has_low_rank:
-          delta = reference.scores(q_lr, full["k_lr"], role.lisa_rank ** -0.5)
+          delta = decode_ops.scores(q_lr, blocks("k_lr"), role.lisa_rank ** -0.5)
           logits = scores.integrate(role.integrator, logits, delta, self._aligner_weights())
       probs, _ = reference.masked_softmax(logits, ctx.mask)
       handed = logits
-    return self.o_proj(reference.apply_probs(probs, v, self.dtype)), rows, (k, v), handed
+    return self.o_proj(decode_ops.apply_probs(probs, v, self.dtype)), rows, (k, v), handed
 
-  def _nf_logits(self, x: jax.Array, positions: jax.Array, slots: int) -> jax.Array:
-    """NF prefill: the original attention's logits ``[B, H, n, slots]`` over the new tokens at slots ``0..n-1``."""
+  def _nf_logits(self, x: jax.Array, positions: jax.Array, keys: int) -> jax.Array:
+    """NF prefill: the original attention's logits over the new tokens, ``[B, H, n, keys]`` with the (empty)
+    cache's columns first."""
     if self.q_proj is None or self.k_proj is None:
       raise ValueError("LISA's NF prefill attends with the layer's original W_q/W_k; this model did not keep "
                        "them: set schedule.lisa.keep_qk=true (uptraining keeps the dense model's)")
     q, k = self._rope(self.q_proj(x), positions), self._rope(self.k_proj(x), positions)
     logits = reference.scores(q, k, self.head_dim ** -0.5)
-    return jnp.pad(logits, ((0, 0), (0, 0), (0, 0), (0, slots - logits.shape[-1])))
+    return jnp.pad(logits, ((0, 0), (0, 0), (0, 0), (keys - logits.shape[-1], 0)))
 
   def _own_scores(self, x, positions, segment_ids, k, v, head_kernels):
     if k is None:

@@ -14,7 +14,7 @@ from jaxshare import parallel
 from jaxshare.config import ModelConfig
 from jaxshare.model import cache as kv_cache
 from jaxshare.model import scores
-from jaxshare.model.attention import KV, Attention
+from jaxshare.model.attention import KV, Attention, DecodeKV
 from jaxshare.model.cache import StepContext
 from jaxshare.model.layers import MLP, DenseGeneral, make_norm
 from jaxshare.model.scores import AlignerChain, ScoreFeatures, ScoreState
@@ -65,10 +65,11 @@ class DecoderLayer(nnx.Module):
     a = self._compensate(x, h, a)
     return self._residual(x, a), kv, state, used, MHAActivations(x, h, x + a)
 
-  def decode(self, x: jax.Array, ctx: StepContext, cache: kv_cache.Buffers, kv_in: KV | None,
+  def decode(self, x: jax.Array, ctx: StepContext, cache: kv_cache.Buffers, kv_in: DecodeKV | None,
              score_in: jax.Array | None, head_kernels: dict | None = None, nf: bool = False
-             ) -> tuple[jax.Array, kv_cache.Buffers, KV, jax.Array | None]:
-    """``x [B,n,D] -> ([B,n,D], new cache rows, (K, V), score rows handed on)``; see :meth:`Attention.decode`."""
+             ) -> tuple[jax.Array, kv_cache.Buffers, DecodeKV, jax.Array | None]:
+    """``x [B,n,D] -> ([B,n,D], new cache rows, K/V blocks, score rows handed on)``; see
+    :meth:`Attention.decode`."""
     h = self.norm1(x)
     a, rows, kv, handed = self.attn.decode(h, ctx, cache, kv_in, score_in, head_kernels, nf)
     return self._residual(x, self._compensate(x, h, a)), rows, kv, handed
@@ -165,39 +166,42 @@ class LayerRun(nnx.Module):
     captured = [jax.tree.map(lambda a: a[i], logits) for i in range(self.length)] if self._captures(capture) else []
     return x, None, state, captured
 
-  def decode(self, x: jax.Array, ctx: StepContext, buffers: kv_cache.Buffers, superblock: jax.Array | int,
-             kv_in: KV | None, score_in: jax.Array | None, head_kernels: dict | None, nf: bool = False
-             ) -> tuple[jax.Array, kv_cache.Buffers, KV | None, jax.Array | None]:
-    """One decode step of the run (scanned like :meth:`__call__`): every layer reads its cache from, and writes its
-    new rows into, the run's stacked ``buffers`` ``{name: [superblocks, length, B, S, G, e]}`` at ``superblock``.
+  def decode(self, x: jax.Array, ctx: StepContext, buffers: kv_cache.Buffers, kv_in: DecodeKV | None,
+             score_in: jax.Array | None, head_kernels: dict | None, nf: bool = False
+             ) -> tuple[jax.Array, kv_cache.Buffers, DecodeKV | None, jax.Array | None]:
+    """One decode step of the run (scanned like :meth:`__call__`): layer i reads ``{name: b[i]}`` of the run's
+    cache ``buffers`` ``{name: [length, B, G, S, e]}`` (one superblock's).
 
     Returns:
-      ``(x, buffers, (K, V) of a one-layer run, score rows handed on)``; a LISA chain carries its logits rows from
-      layer to layer.
+      ``(x, new rows {name: [length, B, G, n, e]}, K/V blocks of a one-layer run, score rows handed on)``; a LISA
+      chain carries its logits rows from layer to layer.
     """
     chain = self.role.score_reuse == "logits"
 
-    def body(layer: DecoderLayer, carry, i, kernels):
-      x, rows_in, buffers = carry
-      y, new, kv, handed = layer.decode(x, ctx, kv_cache.read(buffers, superblock, i), kv_in,
-                                        rows_in if chain else score_in, kernels, nf)
-      return (y, handed if chain else None, kv_cache.write(buffers, superblock, i, ctx.index, new)), (kv, handed)
+    def body(layer: DecoderLayer, carry, cache, kernels):
+      x, rows_in = carry
+      y, new, kv, handed = layer.decode(x, ctx, cache, kv_in, rows_in if chain else score_in, kernels, nf)
+      return (y, handed if chain else None), (new, kv, handed)
 
-    carry = (x, score_in if chain else None, buffers)
+    carry = (x, score_in if chain else None)
     if self.length == 1 or not self.scan:
       graphdef, params = nnx.split(self.layers)
+      rows = []
       for i in range(self.length):
-        kernels = None if head_kernels is None else {m: w[i] for m, w in head_kernels.items()}
-        carry, (kv, handed) = body(nnx.merge(graphdef, jax.tree.map(lambda a: a[i], params)), carry, i, kernels)
-      x, rows, buffers = carry
-      return (x, buffers, kv, handed) if self.length == 1 else (x, buffers, None, rows)
+        at = lambda tree: jax.tree.map(lambda a: a[i], tree)  # noqa: E731
+        carry, (new, kv, handed) = body(nnx.merge(graphdef, at(params)), carry, at(buffers), at(head_kernels))
+        rows.append(new)
+      x, chained = carry
+      rows = jax.tree.map(lambda *r: jnp.stack(r), *rows)
+      return (x, rows, kv, handed) if self.length == 1 else (x, rows, None, chained)
 
-    def step(layer, carry, i, kernels):
-      return body(layer, carry, i, kernels)[0]
+    def step(layer, carry, cache, kernels):
+      carry, (new, _, _) = body(layer, carry, cache, kernels)
+      return carry, new
 
-    scan = nnx.scan(step, in_axes=(0, nnx.Carry, 0, 0), out_axes=nnx.Carry)
-    x, rows, buffers = scan(self.layers, carry, jnp.arange(self.length), head_kernels)
-    return x, buffers, None, rows
+    scan = nnx.scan(step, in_axes=(0, nnx.Carry, 0, 0), out_axes=(nnx.Carry, 0))
+    (x, chained), rows = scan(self.layers, carry, buffers, head_kernels)
+    return x, rows, None, chained
 
   def _captures(self, capture: str | None) -> bool:
     """Whether this run returns its own captures (a probability reuser has no logits of its own)."""
@@ -241,11 +245,12 @@ class Superblock(nnx.Module):
         captured.extend(caps if module._captures(capture) else [captured[role.score_from]] * run.length)
     return x, tuple(captured)
 
-  def decode(self, x: jax.Array, ctx: StepContext, buffers: list[kv_cache.Buffers], superblock: jax.Array | int,
-             head_kernels: dict | None = None, nf: bool = False) -> tuple[jax.Array, list[kv_cache.Buffers]]:
-    """One decode step of superblock ``superblock`` of its segment: ``buffers`` holds each run's stacked cache; the
-    producers' K/V and the score rows pass to the layers that read them within the step."""
-    kvs: dict[int, KV | None] = {}
+  def decode(self, x: jax.Array, ctx: StepContext, buffers: list[kv_cache.Buffers], head_kernels: dict | None = None,
+             nf: bool = False) -> tuple[jax.Array, list[kv_cache.Buffers]]:
+    """One decode step of the superblock: ``buffers`` holds each run's cache ``{name: [length, B, G, S, e]}``; the
+    producers' K/V and the score rows pass to the layers that read them within the step. Returns ``x`` and each
+    run's new rows ``{name: [length, B, G, n, e]}``."""
+    kvs: dict[int, DecodeKV | None] = {}
     handed: dict[int, jax.Array | None] = {}
     out, previous = [], None
     for run, module, buf in zip(self.plan, self.runs, buffers):
@@ -254,8 +259,7 @@ class Superblock(nnx.Module):
       score_in = {"probs": handed.get(role.score_from), "logits": previous}.get(role.score_reuse)
       kernels = None if head_kernels is None else {
         m: w[run.start:run.start + run.length] for m, w in head_kernels.items()}
-      x, buf, kvs[run.start], handed[run.start] = module.decode(x, ctx, buf, superblock, kv_in, score_in, kernels,
-                                                                nf)
+      x, rows, kvs[run.start], handed[run.start] = module.decode(x, ctx, buf, kv_in, score_in, kernels, nf)
       previous = handed[run.start]
-      out.append(buf)
+      out.append(rows)
     return x, out

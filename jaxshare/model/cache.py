@@ -13,6 +13,12 @@ layers within a decode step (``[B, H, n, S]`` for n new tokens). So the buffers'
 
 Rows are left-padded: every row writes its next token into the same slot ``index``; row b's tokens start at slot
 ``start[b]`` and its RoPE positions count from there.
+
+A step reads the cache and writes nothing while the layers run: each layer attends over two key blocks, the cache
+(slots before ``index``) and the step's new rows, and returns its new rows; :func:`write` then puts every layer's
+rows into the buffers at once. XLA updates a buffer in place only when nothing reads it after the update, so
+writing inside the layer loop (a scan carrying the buffers) made it copy every buffer each step. Buffers are
+heads-major, ``[.., B, G, S, e]``, the layout the attention matmuls read without a transpose.
 """
 
 from __future__ import annotations
@@ -28,12 +34,12 @@ from jaxshare.config import ModelConfig
 from jaxshare.schedule import LayerRole, Schedule
 
 Buffers = dict[str, jax.Array]
-# [superblocks, layers of the run, B, S, G, e]: the layer axes mirror the stacked parameters.
-_AXES = (None, None, "activation_batch", "activation_length", "activation_kv_heads", None)
+# [superblocks, layers of the run, B, G, S, e]: the layer axes mirror the stacked parameters.
+_AXES = (None, None, "activation_batch", "activation_kv_heads", "activation_length", None)
 
 
 def role_entries(role: LayerRole, head_dim: int) -> dict[str, int]:
-  """What a layer of this role caches: ``{name: width}``, each ``[B, S, G, width]``."""
+  """What a layer of this role caches: ``{name: width}``, each ``[B, G, S, width]``."""
   if not role.is_producer:
     return {}
   entries = {"v": head_dim}
@@ -49,7 +55,7 @@ class DecodeCache:
   """The KV cache of a batch of sequences.
 
   Attributes:
-    buffers: per segment, per run of its superblock, ``{name: [count, length, B, S, G, e]}`` in the cache dtype
+    buffers: per segment, per run of its superblock, ``{name: [count, length, B, G, S, e]}`` in the cache dtype
       (see the module docstring for the names).
     index: int32 scalar, the next slot to write (slots written so far, left padding included).
     start: ``[B]`` int32, the first slot of each row's tokens (its left padding ends there).
@@ -62,7 +68,7 @@ class DecodeCache:
   @property
   def max_len(self) -> int:
     """Slots per row S."""
-    return next(b.shape[3] for seg in self.buffers for run in seg for b in run.values())
+    return next(b.shape[4] for seg in self.buffers for run in seg for b in run.values())
 
   @property
   def nbytes(self) -> int:
@@ -87,7 +93,7 @@ def init_cache(cfg: ModelConfig, schedule: Schedule, batch: int, max_len: int, d
     raise ValueError(f"init_cache: batch={batch} and max_len={max_len} must be >= 1")
   dtype = jnp.dtype(dtype or cfg.dtype)
   d = cfg.resolved_head_dim
-  shapes = [[{name: (seg.count, run.length, batch, max_len, run.role.num_kv_heads, width)
+  shapes = [[{name: (seg.count, run.length, batch, run.role.num_kv_heads, max_len, width)
               for name, width in role_entries(run.role, d).items()} for run in seg.runs] for seg in schedule.segments]
 
   @jax.jit
@@ -106,8 +112,9 @@ class StepContext(NamedTuple):
 
   Attributes:
     positions: ``[B, n]`` int32 RoPE positions of the new tokens.
-    mask: ``[B, n, S]`` bool, new token i of row b may attend slot s (the row's tokens up to itself, within the
-      sliding window).
+    mask: ``[B, n, S + n]`` bool, new token i of row b may attend cache slot s (the first S columns: the row's
+      tokens before ``index``, within the sliding window) or new token j (the last n: j <= i, not padding, within
+      the window).
     index: int32 scalar, the slot of the first new token.
   """
 
@@ -119,32 +126,33 @@ class StepContext(NamedTuple):
 def step_context(cache: DecodeCache, n: int, window: int = 0) -> StepContext:
   """The context of writing ``n`` new tokens at ``cache.index``."""
   slots = cache.index + jnp.arange(n, dtype=jnp.int32)  # [n]
-  keys = jnp.arange(cache.max_len, dtype=jnp.int32)  # [S]
+  keys = jnp.concatenate([jnp.arange(cache.max_len, dtype=jnp.int32), slots])  # [S + n]
   offset = slots[:, None] - keys[None, :]
-  mask = (keys[None, None, :] >= cache.start[:, None, None]) & (offset >= 0)[None]
+  written = jnp.concatenate([jnp.arange(cache.max_len) < cache.index, jnp.ones(n, bool)])
+  mask = (keys[None, None, :] >= cache.start[:, None, None]) & ((offset >= 0) & written)[None]
   if window:
     mask = mask & (offset < window)[None]
   positions = jnp.maximum(slots[None, :] - cache.start[:, None], 0)
   return StepContext(positions, mask, cache.index)
 
 
-def read(buffers: Buffers, superblock: jax.Array | int, layer: jax.Array | int) -> Buffers:
-  """One layer's ``{name: [B, S, G, e]}`` from its run's stacked buffers."""
-  return {name: b[superblock, layer] for name, b in buffers.items()}
+def write(cache: DecodeCache, rows: list[list[Buffers]], n: int, after: jax.Array) -> DecodeCache:
+  """The cache after a step of ``n`` tokens: every layer's new rows (``rows`` shaped like the buffers, ``[count,
+  length, B, G, n, e]``) written at slot ``index``, each buffer updated in place (only n slots move when the cache
+  is donated).
 
-
-def write(buffers: Buffers, superblock: jax.Array | int, layer: jax.Array | int, index: jax.Array,
-          rows: Buffers) -> Buffers:
-  """Write one layer's new rows ``{name: [B, n, G, e]}`` at slot ``index``, in place (only n slots move)."""
+  ``after``: a result of the step's last layer (its output). The write must follow every read of the cache, but a
+  layer's rows do not depend on its own read, so XLA may order the write first and then copies the buffer to keep
+  the read valid; it does for a segment of one superblock, whose buffer the layer reads without a slice. Making
+  the slot index depend on ``after`` orders every write after every read. (An optimization barrier does not
+  survive XLA's CPU pipeline.)
+  """
+  first = after.reshape(-1)[0]
+  # (first != first) is 0 unless NaN and XLA cannot fold it; the minimum keeps the index exact either way.
+  index = jnp.asarray(cache.index, jnp.int32)
+  index = jnp.minimum(index, index + (first != first).astype(jnp.int32))
   zero = jnp.zeros((), jnp.int32)
-  at = lambda *i: tuple(jnp.asarray(x, jnp.int32) for x in i)  # noqa: E731
-  return {name: jax.lax.dynamic_update_slice(b, rows[name][None, None].astype(b.dtype),
-                                             at(superblock, layer, zero, index, zero, zero))
-          for name, b in buffers.items()}
-
-
-def append(view: Buffers, index: jax.Array, rows: Buffers) -> Buffers:
-  """A layer's buffers ``[B, S, G, e]`` with its new rows written at ``index`` (what its attention reads)."""
-  zero = jnp.zeros((), jnp.int32)
-  return {name: jax.lax.dynamic_update_slice(view[name], rows[name].astype(view[name].dtype),
-                                             (zero, jnp.asarray(index, jnp.int32), zero, zero)) for name in rows}
+  buffers = jax.tree.map(lambda b, r: jax.lax.dynamic_update_slice(b, r.astype(b.dtype),
+                                                                   (zero, zero, zero, zero, index, zero)),
+                         cache.buffers, rows)
+  return DecodeCache(buffers, cache.index + n, cache.start)

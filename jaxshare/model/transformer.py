@@ -57,20 +57,22 @@ class StackedSegment(nnx.Module):
 
   def decode(self, x: jax.Array, ctx: StepContext, buffers: list[kv_cache.Buffers], head_kernels: dict | None = None,
              nf: bool = False) -> tuple[jax.Array, list[kv_cache.Buffers]]:
-    """One decode step through the segment's superblocks (scanned like :meth:`__call__`, the cache carried and
-    updated in place); ``buffers``: each run's ``{name: [count, length, B, S, G, e]}``."""
-    def apply(block: Superblock, carry, c, kernels):
-      x, buffers = carry
-      return block.decode(x, ctx, buffers, c, kernels, nf)
+    """One decode step through the segment's superblocks (scanned like :meth:`__call__`; superblock c reads its
+    slice of each run's cache ``{name: [count, length, B, G, S, e]}``). Returns ``x`` and the new rows
+    ``{name: [count, length, B, G, n, e]}``."""
+    def apply(block: Superblock, x, buffers, kernels):
+      return block.decode(x, ctx, buffers, kernels, nf)
 
     if self.scan:
-      body = nnx.scan(apply, in_axes=(0, nnx.Carry, 0, 0), out_axes=nnx.Carry)
-      return body(self.blocks, (x, buffers), jnp.arange(self.count), head_kernels)
+      body = nnx.scan(apply, in_axes=(0, nnx.Carry, 0, 0), out_axes=(nnx.Carry, 0))
+      return body(self.blocks, x, buffers, head_kernels)
     graphdef, state = nnx.split(self.blocks)
+    rows = []
     for c in range(self.count):
-      kernels = None if head_kernels is None else jax.tree.map(lambda a: a[c], head_kernels)
-      x, buffers = apply(nnx.merge(graphdef, jax.tree.map(lambda a: a[c], state)), (x, buffers), c, kernels)
-    return x, buffers
+      at = lambda tree: jax.tree.map(lambda a: a[c], tree)  # noqa: E731
+      x, new = apply(nnx.merge(graphdef, at(state)), x, at(buffers), at(head_kernels))
+      rows.append(new)
+    return x, jax.tree.map(lambda *r: jnp.stack(r), *rows)
 
 
 class HeadTable(nnx.Module):
@@ -181,11 +183,11 @@ class Transformer(nnx.Module):
     """
     ctx = kv_cache.step_context(cache, tokens.shape[1], self.window)
     x = self._embed(tokens)
-    buffers = []
+    rows = []
     for seg, bufs, kernels in zip(self.segments, cache.buffers, self._segment_kernels()):
-      x, bufs = seg.decode(x, ctx, bufs, kernels, nf)
-      buffers.append(bufs)
-    return self._logits(x), DecodeCache(buffers, cache.index + tokens.shape[1], cache.start)
+      x, new = seg.decode(x, ctx, bufs, kernels, nf)
+      rows.append(new)
+    return self._logits(x), kv_cache.write(cache, rows, tokens.shape[1], after=x)
 
   def _embed(self, tokens: jax.Array) -> jax.Array:
     x = jnp.take(self.embedding[...], tokens, axis=0).astype(self.dtype)

@@ -1,0 +1,102 @@
+"""The Pallas decode kernel (interpret mode) against XLA: the cache alone over several key splits (MHA, GQA, MQA;
+one and several new tokens; rows whose valid slots miss whole splits, and a row with none; bf16; head widths that
+are not powers of two), the cache-and-new-rows merge against one softmax over both blocks, and a model decoding
+with ``attention.impl=pallas_interpret`` against the XLA decode.
+
+Tolerances: float32, 2e-5 (a different summation order); bfloat16, 2e-2 on outputs of order 1 (P rounded to
+bfloat16 before the V matmul in both, per split in the kernel).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from conftest import tiny_config
+from jaxshare.kernels import decode, flash_decode
+from jaxshare.kernels.dispatch import get_attention
+from jaxshare.kernels.reference import masked_softmax
+from jaxshare.model.cache import init_cache
+from test_decode import ALL, _check_rows
+from test_model import randomized, tokens
+
+S = 64
+
+
+def _inputs(b, n, h, g, e, d, dtype, seed=0):
+  k1, k2, k3, k4, k5, k6 = jax.random.split(jax.random.key(seed), 6)
+  q = jax.random.normal(k1, (b, n, h, e)).astype(dtype)
+  cache = (jax.random.normal(k2, (b, g, S, e)).astype(dtype), jax.random.normal(k3, (b, g, S, d)).astype(dtype))
+  new = (jax.random.normal(k4, (b, g, n, e)).astype(dtype), jax.random.normal(k5, (b, g, n, d)).astype(dtype))
+  return q, cache, new
+
+
+def _cache_mask(b, n, index):
+  """Rows start at slots 0, 20, 37 (the last misses the first two 16-slot splits) ... and the cache holds ``index``
+  slots; row 3 (when present) starts after the index: it reads no cached slot."""
+  starts = np.array([0, 20, 37, index + 1, 5][:b])
+  slots = np.arange(S)
+  mask = (slots[None] >= starts[:, None]) & (slots[None] < index)
+  return jnp.asarray(np.broadcast_to(mask[:, None], (b, n, S)))
+
+
+@pytest.mark.parametrize("h,g,n,e,d", [(4, 4, 1, 16, 16), (4, 2, 1, 16, 8), (6, 1, 3, 12, 20), (8, 2, 2, 32, 32)])
+def test_cache_attention_equals_softmax_over_the_cache(h, g, n, e, d):
+  q, (k, v), _ = _inputs(4, n, h, g, e, d, jnp.float32)
+  mask = _cache_mask(4, n, index=50)
+  out, lse = flash_decode.cache_attention(q, k, v, mask, scale=0.3, block_k=16)
+  logits = decode.scores(q, (k,), 0.3)
+  probs, want_lse = masked_softmax(logits, mask)
+  want = decode.apply_probs(probs, (v,), jnp.float32)
+  np.testing.assert_allclose(np.asarray(out[:3]), np.asarray(want[:3]), atol=2e-5, rtol=2e-5)
+  np.testing.assert_allclose(np.asarray(lse[:3]), np.asarray(want_lse[:3]), atol=2e-5, rtol=2e-5)
+  assert np.all(np.asarray(out[3]) == 0) and np.all(np.isneginf(np.asarray(lse[3])))  # nothing cached to read
+
+
+@pytest.mark.parametrize("dtype,tol", [("float32", 2e-5), ("bfloat16", 2e-2)])
+@pytest.mark.parametrize("n", [1, 3])
+def test_split_attention_equals_one_softmax_over_both_blocks(dtype, tol, n):
+  q, cache, new = _inputs(4, n, 4, 2, 16, 16, jnp.dtype(dtype))
+  causal = np.tril(np.ones((n, n), bool))
+  mask = jnp.concatenate([_cache_mask(4, n, index=50), jnp.broadcast_to(jnp.asarray(causal), (4, n, n))], -1)
+  k, v = (cache[0], new[0]), (cache[1], new[1])
+  got = decode.split_attention(q, k, v, mask, scale=0.25, dtype=jnp.float32, block_k=16)
+  want = decode.attention(q, k, v, mask, scale=0.25, dtype=jnp.float32)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=tol, rtol=tol)
+
+
+def test_block_size_and_refusals():
+  assert [flash_decode.block_size(s) for s in (1024, 384, 200, 4096 + 64)] == [512, 128, 200, None]
+  k = jax.ShapeDtypeStruct((1, 1, 4096 + 64, 16), jnp.float32)
+  assert "cache length 4160" in flash_decode.unsupported(jax.ShapeDtypeStruct((1, 1, 2, 16), jnp.float32), k, k,
+                                                         backend="mosaic_tpu")
+  q = jax.ShapeDtypeStruct((1, 1, 2, 24), jnp.float32)
+  kv = jax.ShapeDtypeStruct((1, 1, 256, 24), jnp.float32)
+  assert "powers of two" in flash_decode.unsupported(q, kv, kv, backend="triton")
+  assert flash_decode.unsupported(q, kv, kv, backend="mosaic_tpu") is None
+  q, (k, v), _ = _inputs(1, 1, 2, 1, 16, 16, jnp.float32)
+  with pytest.raises(ValueError, match="key block 24 must divide the cache length 64"):
+    flash_decode.cache_attention(q, k, v, jnp.ones((1, 1, S), bool), scale=1.0, block_k=24)
+
+
+def test_pallas_is_refused_without_an_accelerator():
+  q, cache, new = _inputs(1, 1, 2, 1, 16, 16, jnp.float32)
+  with pytest.raises(ValueError, match="attention.impl=pallas cannot run here: no GPU or TPU"):
+    get_attention("pallas").decode_attention(q, (cache[0], new[0]), (cache[1], new[1]),
+                                             jnp.ones((1, 1, S + 1), bool), scale=1.0, dtype=jnp.float32)
+
+
+@pytest.mark.parametrize("name", ["dense", "mlkv_m3", "uniattn"])
+def test_model_decodes_with_the_kernel(name):
+  """Own-score layers attend through the kernel (producers, K/V consumers, probability sources): prefill and
+  step-by-step decode equal the forward, and the kernel path equals the XLA path."""
+  cfg = tiny_config(*ALL[name], "attention.impl=pallas_interpret")
+  schedule, graphdef, params = randomized(cfg)
+  _check_rows(cfg, graphdef, params, 2e-5)
+  xla_cfg = tiny_config(*ALL[name], "attention.impl=xla")
+  xla_graphdef = randomized(xla_cfg)[1]
+  x = tokens(2, 5, seed=1)
+  got = nnx.merge(graphdef, params).decode(x, init_cache(cfg.model, schedule, 2, 8))[0]
+  want = nnx.merge(xla_graphdef, params).decode(x, init_cache(cfg.model, schedule, 2, 8))[0]
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
