@@ -14,6 +14,8 @@ import pytest
 from flax import nnx
 
 from conftest import tiny_config
+from jaxshare import parallel
+from jaxshare.config import MeshConfig
 from jaxshare.kernels import decode, flash_decode
 from jaxshare.kernels.dispatch import get_attention
 from jaxshare.kernels.reference import masked_softmax
@@ -100,3 +102,36 @@ def test_model_decodes_with_the_kernel(name):
   got = nnx.merge(graphdef, params).decode(x, init_cache(cfg.model, schedule, 2, 8))[0]
   want = nnx.merge(xla_graphdef, params).decode(x, init_cache(cfg.model, schedule, 2, 8))[0]
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas_interpret"])
+def test_sharded_decode_equals_single_device(impl):
+  """Under a data 2 × fsdp 2 × tensor 2 mesh the cache is sharded like the activations (batch over data × fsdp, the
+  2 K/V heads over tensor) and stays so through prefill and decode steps; the logits equal one device's (the
+  kernel runs per device in shard_map)."""
+  cfg = tiny_config("schedule.kind=mlkv", "schedule.kv_layers=2", "schedule.kv_heads=2", f"attention.impl={impl}")
+  schedule, graphdef, params = randomized(cfg)
+  x = tokens(4, 7, seed=2)
+
+  def run():
+    step = jax.jit(lambda p, t, c: nnx.merge(graphdef, p).decode(t, c), donate_argnums=2)
+    cache = init_cache(cfg.model, schedule, 4, 8, start=jnp.asarray([0, 2, 0, 3], jnp.int32))
+    logits, cache = step(params, x[:, :4], cache)
+    out = [logits]
+    for t in range(4, 7):
+      logits, cache = step(params, x[:, t:t + 1], cache)
+      out.append(logits)
+    return jnp.concatenate(out, 1), cache
+
+  want, _ = run()
+  mesh = parallel.make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
+  with jax.set_mesh(mesh):
+    params = jax.device_put(params, parallel.param_shardings(nnx.state(nnx.merge(graphdef, params)), mesh))
+    got, cache = run()
+    if impl == "pallas_interpret":  # the kernel ran per device
+      assert "shard_map" in str(jax.make_jaxpr(lambda p, t, c: nnx.merge(graphdef, p).decode(t, c))(
+        params, x[:, :1], cache))
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
+  for buf in jax.tree.leaves(cache.buffers):  # [count, length, B, G, S, e]
+    assert buf.sharding.spec[2:4] == (("data", "fsdp"), "tensor"), buf.sharding
+    assert buf.addressable_shards[0].data.shape[2:4] == (1, 1)
