@@ -22,6 +22,10 @@ TRITON_CALL = "__gpu$xla.gpu.triton"
 # Kernel operands by rank: segment ids [B, T], log-sum-exp [B, H, T], activations [B, T, heads, width].
 _ACTIVATION_AXES = {2: ("activation_batch", None), 3: ("activation_batch", "activation_heads", None),
                     4: ("activation_batch", None, "activation_heads", None)}
+# The decode program's operands: queries [B, 1, H, e], cache and new-row blocks [B, G, S, e], mask [B, 1, S + 1].
+_DECODE_AXES = (_ACTIVATION_AXES[4], *[("activation_batch", "activation_kv_heads", None, None)] * 4,
+                ("activation_batch", None, None))
+DECODE_CACHE = 4096  # slots of the decode program's cache (8 key splits of 512)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,9 +70,10 @@ def _summary(name: str, compiled, text: str, marker: str) -> Compiled:
 def kernel_programs(batch: int = 2, length: int = 512, heads: int = 8, kv_heads: int = 2, width: int = 128,
                     dtype=jnp.bfloat16, backend: str | None = None) -> dict[str, tuple[Callable, tuple]]:
   """Forward+backward programs of every kernel role: flash attention (GQA, causal, packed), a K/V consumer reading
-  a producer's K/V, probability reuse, and LISA_plus's concatenated-feature attention (width not a power of two).
-  Each maps to ``(function, ShapeDtypeStructs)``; the functions call :mod:`jaxshare.kernels.pallas` with ``backend``
-  (None: the platform being compiled for)."""
+  a producer's K/V, probability reuse, and LISA_plus's concatenated-feature attention (width not a power of two);
+  and the decode step's attention (forward only: one new token per row against a cache of ``DECODE_CACHE`` slots).
+  Each maps to ``(function, ShapeDtypeStructs, logical axes of each)``; the functions call
+  :mod:`jaxshare.kernels.pallas` with ``backend`` (None: the platform being compiled for)."""
   attention = functools.partial(pallas.attention, backend=backend)
   q = jax.ShapeDtypeStruct((batch, length, heads, width), dtype)
   kv = jax.ShapeDtypeStruct((batch, length, kv_heads, width), dtype)
@@ -91,22 +96,32 @@ def kernel_programs(batch: int = 2, length: int = 512, heads: int = 8, kv_heads:
   def lisa_plus(qf, kf, v, seg):
     return jnp.sum(attention(qf, kf, v, seg, seg, scale=1.0).astype(jnp.float32))
 
+  def decode(q, k_cache, k_new, v_cache, v_new, mask):
+    return pallas.decode_attention(q, (k_cache, k_new), (v_cache, v_new), mask, scale=width ** -0.5, dtype=dtype,
+                                   backend=backend)
+
   vh = jax.ShapeDtypeStruct((batch, length, heads, width), dtype)
-  return {
+  programs = {
     "flash_attention": (grad(flash_attention), (q, kv, kv, seg)),
     "kv_consumer": (grad(kv_consumer), (q, kv, kv, seg)),
     "probability_reuse": (jax.grad(probability_reuse, argnums=(0, 1, 2, 3)), (q, kv, lse, kv, seg)),
     "lisa_plus_features": (grad(lisa_plus), (features, features, vh, seg)),
   }
+  programs = {name: (fn, args, [_ACTIVATION_AXES[a.ndim] for a in args]) for name, (fn, args) in programs.items()}
+  cache = jax.ShapeDtypeStruct((batch, kv_heads, DECODE_CACHE, width), dtype)
+  new = jax.ShapeDtypeStruct((batch, kv_heads, 1, width), dtype)
+  programs["decode"] = (decode, (jax.ShapeDtypeStruct((batch, 1, heads, width), dtype), cache, new, cache, new,
+                                 jax.ShapeDtypeStruct((batch, 1, DECODE_CACHE + 1), jnp.bool_)), _DECODE_AXES)
+  return programs
 
 
 def compile_kernels_tpu(mesh: jax.sharding.Mesh, **shapes) -> list[Compiled]:
   """Every kernel program compiled for the mesh's TPU devices, its batch split over ``data``/``fsdp`` and heads
   over ``tensor`` (by the logical rules, inside ``shard_map``)."""
   out = []
-  for name, (fn, args) in kernel_programs(**shapes).items():
+  for name, (fn, args, axes) in kernel_programs(**shapes).items():
     args = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(
-      mesh, parallel.logical_to_spec(_ACTIVATION_AXES[a.ndim], a.shape, mesh))) for a in args]
+      mesh, parallel.logical_to_spec(names, a.shape, mesh))) for a, names in zip(args, axes)]
     with jax.set_mesh(mesh):
       compiled = jax.jit(fn).trace(*args).lower().compile()
     out.append(_summary(name, compiled, compiled.as_text(), MOSAIC_CALL))
@@ -116,7 +131,7 @@ def compile_kernels_tpu(mesh: jax.sharding.Mesh, **shapes) -> list[Compiled]:
 def lower_kernels_cuda(**shapes) -> list[Compiled]:
   """Every kernel program lowered for CUDA on this host (Pallas → Triton); compiling the Triton IR needs a GPU."""
   out = []
-  for name, (fn, args) in kernel_programs(**shapes, backend="triton").items():
+  for name, (fn, args, _) in kernel_programs(**shapes, backend="triton").items():
     text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     out.append(Compiled(name, text.count(TRITON_CALL)))
   return out

@@ -111,6 +111,43 @@ def _pareto_plot(rows: list[dict], path: Path) -> None:
   fig.savefig(path, dpi=120)
 
 
+def _measure_schedule(name: str, common: dict) -> dict:
+  from jaxshare.evaluation.efficiency import measure
+
+  cfg = _config(SCHEDULES[name])
+  model, schedule = _model(cfg)
+  return measure(model, cfg.model, schedule, name=name, **common)
+
+
+def _measure_run(run: str, common: dict) -> dict:
+  from flax import nnx
+
+  from jaxshare.evaluation.efficiency import measure
+  from jaxshare.train.state import load_run
+
+  cfg, setup, params, _ = load_run(run)
+  metrics = [json.loads(line) for line in (Path(run) / "metrics.jsonl").read_text().splitlines() if line]
+  losses = [m["val_loss"] for m in metrics if "val_loss" in m]
+  row = measure(nnx.merge(setup.graphdef, params), cfg.model, setup.schedule, name=run, **common)
+  return {**row, **({"val_loss": losses[-1]} if losses else {})}
+
+
+def _hf_dense(batch: int) -> dict:
+  cfg = _config(SCHEDULES["dense"])
+  model, schedule = _model(cfg)
+  return hf_comparison(cfg, model, schedule, batch=batch, prompt_len=64, new_tokens=64)
+
+
+def _isolated(fn, *args):
+  """``fn(*args)`` in a fresh process: every model is measured alone, with nothing of the previous one alive (the
+  largest batch fills the budget, and XLA's CPU allocator keeps memory it has freed)."""
+  import multiprocessing
+  from concurrent.futures import ProcessPoolExecutor
+
+  with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+    return pool.submit(fn, *args).result()
+
+
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--schedules", nargs="+", default=list(SCHEDULES), choices=list(SCHEDULES))
@@ -126,41 +163,22 @@ def main(argv=None) -> int:
   ap.add_argument("--out", default="bench/decode")
   args = ap.parse_args(argv)
 
-  from flax import nnx
-
-  from jaxshare.evaluation.efficiency import format_table, measure
-  from jaxshare.train.state import load_run
+  from jaxshare.evaluation.efficiency import format_table
 
   common = dict(budget_gib=args.budget_gib, max_batch_context=args.max_batch_context, contexts=tuple(args.contexts),
                 batch=args.batch, steps=args.steps, prefill_context=args.prefill,
                 time_max_batch=not args.no_max_batch_timing)
-  rows, dense = [], None
-  if args.runs:
-    for run in args.runs:
-      cfg, setup, params, _ = load_run(run)
-      metrics = [json.loads(line) for line in (Path(run) / "metrics.jsonl").read_text().splitlines() if line]
-      losses = [m["val_loss"] for m in metrics if "val_loss" in m]
-      row = measure(nnx.merge(setup.graphdef, params), cfg.model, setup.schedule, name=run, **common)
-      rows.append({**row, **({"val_loss": losses[-1]} if losses else {})})
-      print(format_table(rows[-1:]), flush=True)
-  else:
-    for name in args.schedules:
-      cfg = _config(SCHEDULES[name])
-      model, schedule = _model(cfg)
-      rows.append(measure(model, cfg.model, schedule, name=name, **common))
-      dense = dense or ((cfg, model, schedule) if name == "dense" else None)
-      print(format_table(rows[-1:]), flush=True)
+  jobs = [(_measure_run, run) for run in args.runs] or [(_measure_schedule, name) for name in args.schedules]
+  rows = []
+  for fn, target in jobs:
+    rows.append(_isolated(fn, target, common))
+    print(format_table(rows[-1:]), flush=True)
   out = Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
   table = format_table(rows)
   report = {"rows": rows}
   if args.hf:
-    if dense is None:
-      cfg = _config(SCHEDULES["dense"])
-      dense = (cfg, *_model(cfg))
-    cfg, model, schedule = dense
-    report["hf"] = hf_comparison(cfg, model, schedule, batch=args.batch, prompt_len=64, new_tokens=64)
-    h = report["hf"]
+    report["hf"] = h = _isolated(_hf_dense, args.batch)
     table += (f"\n\nDense model, B={h['batch']}, prompt {h['prompt_len']}, {h['new_tokens']} new tokens (greedy): "
               f"jaxshare {h['jaxshare_tokens_per_s']:,.0f} tok/s, transformers {h['transformers_tokens_per_s']:,.0f} "
               f"tok/s, ratio {h['ratio']:.2f}x; prompt logits differ by at most {h['max_logit_diff']:.1e}, greedy tokens agree "

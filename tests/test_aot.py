@@ -1,5 +1,5 @@
-"""Ahead-of-time proof without an accelerator: every Pallas kernel (forward+backward) compiles to Mosaic custom
-calls for real TPU topologies, the model's train step with ``attention.impl=pallas`` compiles for a sharded TPU mesh
+"""Ahead-of-time proof without an accelerator: every Pallas kernel (forward+backward; the decode kernel forward)
+compiles to Mosaic custom calls for real TPU topologies, the model's train step with ``attention.impl=pallas`` compiles for a sharded TPU mesh
 (every attention call a Mosaic kernel inside shard_map), and every kernel lowers to Triton custom calls for CUDA.
 Runs ``scripts/aot_compile.py`` in a child process: libtpu is initialised there, not in the test workers."""
 
@@ -34,14 +34,14 @@ def test_kernels_and_train_steps_compile_for_tpu_and_lower_for_cuda(tmp_path):
   for topology in topologies:
     rows = {r["name"]: r for r in results["tpu"][topology]}
     for kernel, calls in (("flash_attention", 3), ("kv_consumer", 6), ("probability_reuse", 3),
-                          ("lisa_plus_features", 3)):
+                          ("lisa_plus_features", 3), ("decode", 1)):
       assert rows[kernel]["custom_calls"] == calls, (topology, rows[kernel])
       assert rows[kernel]["memory"]["argument_size_in_bytes"] > 0
   train = {r["name"]: r for r in results["tpu"]["v5e:2x2"] if r["name"].startswith("train_step")}
   for schedule, least in MIN_TRAIN_CALLS.items():
     assert train[f"train_step[{schedule}]"]["custom_calls"] >= least, train
   assert {r["name"]: r["custom_calls"] for r in results["cuda"]} == {
-    "flash_attention": 3, "kv_consumer": 6, "probability_reuse": 3, "lisa_plus_features": 3}
+    "flash_attention": 3, "kv_consumer": 6, "probability_reuse": 3, "lisa_plus_features": 3, "decode": 1}
 
 
 def test_unknown_topology_is_refused_by_name():

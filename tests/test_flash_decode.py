@@ -1,6 +1,5 @@
 """The Pallas decode kernel (interpret mode) against XLA: the cache alone over several key splits (MHA, GQA, MQA;
-one and several new tokens; rows whose valid slots miss whole splits, and a row with none; bf16; head widths that
-are not powers of two), the cache-and-new-rows merge against one softmax over both blocks, and a model decoding
+rows whose valid slots miss whole splits, and a row with none; bf16; head widths that are not powers of two), the cache-and-new-rows merge against one softmax over both blocks, and a model decoding
 with ``attention.impl=pallas_interpret`` against the XLA decode.
 
 Tolerances: float32, 2e-5 (a different summation order); bfloat16, 2e-2 on outputs of order 1 (P rounded to
@@ -35,18 +34,18 @@ def _inputs(b, n, h, g, e, d, dtype, seed=0):
 
 
 def _cache_mask(b, n, index):
-  """Rows start at slots 0, 20, 37 (the last misses the first two 16-slot splits) ... and the cache holds ``index``
-  slots; row 3 (when present) starts after the index: it reads no cached slot."""
+  """Rows start at slots 0, 20 and 37 (the last misses the first two 16-slot splits) and the cache holds ``index``
+  slots; row 3 starts after the index: it reads no cached slot."""
   starts = np.array([0, 20, 37, index + 1, 5][:b])
   slots = np.arange(S)
   mask = (slots[None] >= starts[:, None]) & (slots[None] < index)
   return jnp.asarray(np.broadcast_to(mask[:, None], (b, n, S)))
 
 
-@pytest.mark.parametrize("h,g,n,e,d", [(4, 4, 1, 16, 16), (4, 2, 1, 16, 8), (6, 1, 3, 12, 20), (8, 2, 2, 32, 32)])
-def test_cache_attention_equals_softmax_over_the_cache(h, g, n, e, d):
-  q, (k, v), _ = _inputs(4, n, h, g, e, d, jnp.float32)
-  mask = _cache_mask(4, n, index=50)
+@pytest.mark.parametrize("h,g,e,d", [(4, 4, 16, 16), (4, 2, 16, 8), (6, 1, 12, 20), (8, 2, 32, 32)])
+def test_cache_attention_equals_softmax_over_the_cache(h, g, e, d):
+  q, (k, v), _ = _inputs(4, 1, h, g, e, d, jnp.float32)
+  mask = _cache_mask(4, 1, index=50)
   out, lse = flash_decode.cache_attention(q, k, v, mask, scale=0.3, block_k=16)
   logits = decode.scores(q, (k,), 0.3)
   probs, want_lse = masked_softmax(logits, mask)
@@ -57,11 +56,9 @@ def test_cache_attention_equals_softmax_over_the_cache(h, g, n, e, d):
 
 
 @pytest.mark.parametrize("dtype,tol", [("float32", 2e-5), ("bfloat16", 2e-2)])
-@pytest.mark.parametrize("n", [1, 3])
-def test_split_attention_equals_one_softmax_over_both_blocks(dtype, tol, n):
-  q, cache, new = _inputs(4, n, 4, 2, 16, 16, jnp.dtype(dtype))
-  causal = np.tril(np.ones((n, n), bool))
-  mask = jnp.concatenate([_cache_mask(4, n, index=50), jnp.broadcast_to(jnp.asarray(causal), (4, n, n))], -1)
+def test_split_attention_equals_one_softmax_over_both_blocks(dtype, tol):
+  q, cache, new = _inputs(4, 1, 4, 2, 16, 16, jnp.dtype(dtype))
+  mask = jnp.concatenate([_cache_mask(4, 1, index=50), jnp.ones((4, 1, 1), bool)], -1)
   k, v = (cache[0], new[0]), (cache[1], new[1])
   got = decode.split_attention(q, k, v, mask, scale=0.25, dtype=jnp.float32, block_k=16)
   want = decode.attention(q, k, v, mask, scale=0.25, dtype=jnp.float32)
@@ -80,6 +77,8 @@ def test_block_size_and_refusals():
   q, (k, v), _ = _inputs(1, 1, 2, 1, 16, 16, jnp.float32)
   with pytest.raises(ValueError, match="key block 24 must divide the cache length 64"):
     flash_decode.cache_attention(q, k, v, jnp.ones((1, 1, S), bool), scale=1.0, block_k=24)
+  with pytest.raises(ValueError, match="2 new tokens per row; the decode kernel takes one"):
+    flash_decode.cache_attention(jnp.concatenate([q, q], 1), k, v, jnp.ones((1, 2, S), bool), scale=1.0)
 
 
 def test_pallas_is_refused_without_an_accelerator():
@@ -91,16 +90,21 @@ def test_pallas_is_refused_without_an_accelerator():
 
 @pytest.mark.parametrize("name", ["dense", "mlkv_m3", "uniattn"])
 def test_model_decodes_with_the_kernel(name):
-  """Own-score layers attend through the kernel (producers, K/V consumers, probability sources): prefill and
-  step-by-step decode equal the forward, and the kernel path equals the XLA path."""
+  """Own-score layers that hand nothing on (producers and K/V consumers) decode through the kernel: prefill and
+  step-by-step decode equal the forward, and a decode step through the kernel equals the XLA path."""
   cfg = tiny_config(*ALL[name], "attention.impl=pallas_interpret")
   schedule, graphdef, params = randomized(cfg)
   _check_rows(cfg, graphdef, params, 2e-5)
   xla_cfg = tiny_config(*ALL[name], "attention.impl=xla")
   xla_graphdef = randomized(xla_cfg)[1]
   x = tokens(2, 5, seed=1)
-  got = nnx.merge(graphdef, params).decode(x, init_cache(cfg.model, schedule, 2, 8))[0]
-  want = nnx.merge(xla_graphdef, params).decode(x, init_cache(cfg.model, schedule, 2, 8))[0]
+
+  def last_step(graphdef):
+    model = nnx.merge(graphdef, params)
+    _, cache = model.decode(x[:, :4], init_cache(cfg.model, schedule, 2, 8))
+    return model.decode(x[:, 4:], cache)[0]
+
+  got, want = last_step(graphdef), last_step(xla_graphdef)
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
 
 

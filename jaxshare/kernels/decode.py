@@ -60,11 +60,14 @@ def split_attention(q: jax.Array, k: Blocks, v: Blocks, mask: jax.Array, *, scal
                     backend: str = "interpret", block_k: int | None = None) -> jax.Array:
   """:func:`attention` over ``(cache, new rows)`` with the cache block in the Pallas decode kernel: the two blocks'
   normalised outputs are merged by their log-sum-exps, ``o = Σ_i exp(lse_i − lse) o_i`` with ``lse =
-  logaddexp(lse_cache, lse_new)`` (FlashAttention's online softmax over two blocks).
+  logaddexp(lse_cache, lse_new)`` (FlashAttention's online softmax over two blocks). A prefill (more than one new
+  token per row) runs :func:`attention`: one matmul-bound pass that a split over keys does not help.
 
   Args: as :func:`attention`, plus the kernel's ``backend`` and key-block size (see
   :func:`jaxshare.kernels.flash_decode.cache_attention`).
   """
+  if q.shape[1] != 1:
+    return attention(q, k, v, mask, scale=scale, dtype=dtype)
   s = k[0].shape[2]
   out_c, lse_c = flash_decode.cache_attention(q, k[0], v[0], mask[..., :s], scale=scale, block_k=block_k,
                                               backend=backend)

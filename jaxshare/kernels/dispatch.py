@@ -24,8 +24,8 @@ class AttentionOps:
     attention: softmax attention, the contract of :func:`jaxshare.kernels.reference.attention`.
     attention_from_lse: probability reuse, the contract of :func:`jaxshare.kernels.reference.attention_from_lse`.
     decode_attention: a decode step's attention over the cache and the new rows, the contract of
-      :func:`jaxshare.kernels.decode.attention` (the Pallas decode kernel for ``pallas*``; ``auto`` uses it on
-      GPU/TPU for one new token per row, prefill runs in XLA).
+      :func:`jaxshare.kernels.decode.attention` (the Pallas decode kernel for decode steps under ``pallas*``, and
+      under ``auto`` on GPU/TPU; a prefill runs in XLA).
   """
 
   attention: Callable
@@ -79,7 +79,7 @@ def get_attention(impl: str) -> AttentionOps:
                         _require_accelerator(pallas.decode_attention, _DECODE_QKV))
   return AttentionOps(_auto(pallas.attention, xla.attention, _QKV),
                       _auto(pallas.attention_from_lse, _checkpointed_reuse, _REUSE_QKV),
-                      _prefill_in_xla(_auto(pallas.decode_attention, decode.attention, _DECODE_QKV)))
+                      _auto(pallas.decode_attention, decode.attention, _DECODE_QKV))
 
 
 def _reason_not_to_run(args: tuple, check: Callable) -> str | None:
@@ -89,15 +89,6 @@ def _reason_not_to_run(args: tuple, check: Callable) -> str | None:
   if backend == "interpret":
     return _NO_ACCELERATOR
   return check(args, backend)
-
-
-def _prefill_in_xla(call: Callable) -> Callable:
-  """Decode attention that runs ``call`` for one new token per row and XLA for a prefill (many new tokens, one
-  matmul-bound pass the decode kernel's split over keys does not help)."""
-  @functools.wraps(call)
-  def dispatch(q, *args, **kwargs):
-    return (call if q.shape[1] == 1 else decode.attention)(q, *args, **kwargs)
-  return dispatch
 
 
 def _require_accelerator(kernel: Callable, check: Callable) -> Callable:

@@ -2,8 +2,8 @@
 Dao, Haziza, Massa and Sizov 2023, "Flash-Decoding for long-context inference").
 
 A decode step has one query per row, too little work to fill a device when parallelised over batch and heads
-alone. The kernel's grid is (batch, K/V head, key split): each program scores the ``H/G`` query heads (× n new
-tokens) that read its K/V head against one block of cached keys and writes an unnormalised partial output with its
+alone. The kernel's grid is (batch, K/V head, key split): each program scores the ``H/G`` query heads that read
+its K/V head against one block of cached keys and writes an unnormalised partial output with its
 softmax statistics; :func:`cache_attention` then merges the splits exactly (the same log-sum-exp algebra as
 FlashAttention's online softmax, done once across splits). GQA and MQA never repeat K/V.
 
@@ -48,13 +48,10 @@ def unsupported(q, k, v, *, backend: str) -> str | None:
   return None
 
 
-def _kernel(q_ref, k_ref, v_ref, mask_ref, o_ref, m_ref, l_ref, *, scale: float, repeats: int):
-  """One (row, K/V head, key block): partial softmax attention of the M = (H/G)·n query rows over the block."""
+def _kernel(q_ref, k_ref, v_ref, mask_ref, o_ref, m_ref, l_ref, *, scale: float):
+  """One (row, K/V head, key block): partial softmax attention of the M = H/G query heads over the block."""
   s = lax.dot_general(q_ref[...], k_ref[...], _NT, preferred_element_type=jnp.float32) * scale  # [M, bk]
-  valid = mask_ref[...] != 0  # [n, bk]: query row r·n + t reads token t's mask
-  valid = jnp.tile(valid, (repeats, 1)) if repeats > 1 else valid
-  if valid.shape[0] != s.shape[0]:  # rows padded for Triton: masked
-    valid = jnp.pad(valid, ((0, s.shape[0] - valid.shape[0]), (0, 0)))
+  valid = jnp.broadcast_to(mask_ref[...] != 0, s.shape)  # one mask row for every head (rows padded for Triton too)
   s = jnp.where(valid, s, _MASK_VALUE)
   m = jnp.max(s, axis=-1, keepdims=True)
   p = jnp.where(valid, jnp.exp(s - m), 0.0)
@@ -65,36 +62,39 @@ def _kernel(q_ref, k_ref, v_ref, mask_ref, o_ref, m_ref, l_ref, *, scale: float,
 
 def cache_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *, scale: float,
                     block_k: int | None = None, backend: str = "interpret") -> tuple[jax.Array, jax.Array]:
-  """Softmax attention of the new tokens over the cache alone.
+  """Softmax attention of one new token per row over the cache alone.
 
   Args:
-    q: ``[B, n, H, e]`` queries (post-RoPE). k: ``[B, G, S, e]``, v: ``[B, G, S, d]``, the cache, G dividing H.
-    mask: ``[B, n, S]`` bool, which slots each new token reads.
+    q: ``[B, 1, H, e]`` queries (post-RoPE). k: ``[B, G, S, e]``, v: ``[B, G, S, d]``, the cache, G dividing H.
+    mask: ``[B, 1, S]`` bool, which slots the new token reads.
     scale: the logit scale. block_k: key-block size (default :func:`block_size`), dividing S.
     backend: ``interpret``, ``triton`` or ``mosaic_tpu``.
 
   Returns:
-    ``(out [B, n, H, d] float32, lse [B, H, n] float32)``: ``out`` normalised over the cache's valid slots (0 and
+    ``(out [B, 1, H, d] float32, lse [B, H, 1] float32)``: ``out`` normalised over the cache's valid slots (0 and
     ``lse = -inf`` for a row with none), ready to merge with other key blocks.
 
   Raises:
-    ValueError: ``block_k`` (or the default) does not divide S, or the shapes disagree.
+    ValueError: more than one new token per row (a prefill runs in XLA: :func:`jaxshare.kernels.decode.attention`),
+      ``block_k`` (or the default) does not divide S, or the shapes disagree.
   """
   b, n, h, e = q.shape
   _, g, s, d = v.shape
+  if n != 1:
+    raise ValueError(f"cache_attention: {n} new tokens per row; the decode kernel takes one (prefill runs in XLA)")
   block_k = block_k or block_size(s)
   if block_k is None or s % block_k:
     raise ValueError(f"cache_attention: key block {block_k} must divide the cache length {s}")
   if k.shape[:3] != (b, g, s) or mask.shape != (b, n, s) or h % g:
     raise ValueError(f"cache_attention: q {q.shape}, k {k.shape}, v {v.shape}, mask {mask.shape} disagree")
-  rows = h // g * n
+  rows = h // g
   qg = heads_major(q, g)  # [B, G, M, e]
   padded_rows = max(rows, _TRITON_MIN_ROWS) if backend == "triton" else rows
   if padded_rows != rows:
     qg = jnp.pad(qg, ((0, 0), (0, 0), (0, padded_rows - rows), (0, 0)))
   splits = s // block_k
   at_block = lambda i, j, c: (i, j, c, 0)  # noqa: E731
-  kernel = functools.partial(_kernel, scale=scale, repeats=h // g)
+  kernel = functools.partial(_kernel, scale=scale)
   stats = jax.ShapeDtypeStruct((b, g, splits, padded_rows, 1), jnp.float32)
   o, m, l = pl.pallas_call(
     kernel,
@@ -102,7 +102,7 @@ def cache_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *
     in_specs=[pl.BlockSpec((None, None, padded_rows, e), lambda i, j, c: (i, j, 0, 0)),
               pl.BlockSpec((None, None, block_k, e), at_block),
               pl.BlockSpec((None, None, block_k, d), at_block),
-              pl.BlockSpec((None, n, block_k), lambda i, j, c: (i, 0, c))],
+              pl.BlockSpec((None, 1, block_k), lambda i, j, c: (i, 0, c))],
     out_specs=[pl.BlockSpec((None, None, None, padded_rows, d), lambda i, j, c: (i, j, c, 0, 0)),
                pl.BlockSpec((None, None, None, padded_rows, 1), lambda i, j, c: (i, j, c, 0, 0)),
                pl.BlockSpec((None, None, None, padded_rows, 1), lambda i, j, c: (i, j, c, 0, 0))],
