@@ -133,13 +133,15 @@ def format_table(rows: list[dict[str, Any]]) -> str:
   contexts = [d["context"] for d in base["decode"]]
   head = ["model", "KV B/token", "KV vs first", f"max batch ({base['budget_gib']:g} GiB, {base['max_batch_context']})",
           "max batch vs first", "decode tok/s at max batch", f"prefill {base['prefill_context']} (s)",
-          *[f"decode tok/s (B={base['decode'][0]['batch']}, ctx {c})" for c in contexts], "decode peak MiB"]
+          *[f"decode tok/s (B={base['decode'][0]['batch']}, ctx {c})" for c in contexts],
+          f"decode peak MiB (B={base['decode'][0]['batch']}, ctx {contexts[0]})", "decode peak MiB at max batch"]
   lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
   for r in rows:
-    big = r.get("max_batch_decode", {}).get("tokens_per_s", float("nan"))
+    big = r.get("max_batch_decode", {})
     cells = [r["name"], f"{r['kv_bytes_per_token']:,}", f"{r['kv_bytes_per_token'] / base['kv_bytes_per_token']:.3f}",
-             f"{r['max_batch']:,}", f"{r['max_batch'] / max(base['max_batch'], 1):.3f}", f"{big:,.0f}",
-             f"{r['prefill_s']:.3f}", *[f"{d['tokens_per_s']:,.0f}" for d in r["decode"]],
-             f"{r['decode'][0]['peak_bytes'] / 2 ** 20:.1f}"]
+             f"{r['max_batch']:,}", f"{r['max_batch'] / max(base['max_batch'], 1):.3f}",
+             f"{big.get('tokens_per_s', float('nan')):,.0f}", f"{r['prefill_s']:.3f}",
+             *[f"{d['tokens_per_s']:,.0f}" for d in r["decode"]], f"{r['decode'][0]['peak_bytes'] / 2 ** 20:.1f}",
+             f"{big.get('peak_bytes', float('nan')) / 2 ** 20:,.0f}"]
     lines.append("| " + " | ".join(cells) + " |")
   return "\n".join(lines)
