@@ -8,7 +8,7 @@ A layer stores (names as in the buffers):
 - nothing: a K/V consumer (CLA, MLKV), which reads its producer's slots.
 
 Logit and probability rows of score-sharing layers are not cached: they pass from the source to the reusing
-layers within a decode step (``[B, H, n, S]`` for n new tokens). So the buffers' bytes are exactly
+layers within a decode step (``[B, H, n, S + n]`` for n new tokens). So the buffers' bytes are exactly
 :func:`jaxshare.accounting.kv_cache_bytes_per_token` × batch × length.
 
 Rows are left-padded: every row writes its next token into the same slot ``index``; row b's tokens start at slot
