@@ -89,26 +89,11 @@ def hf_comparison(cfg, model, schedule, *, batch: int, prompt_len: int, new_toke
 
 
 def _pareto_plot(rows: list[dict], path: Path) -> None:
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
+  from jaxshare.analysis.plots import loss_vs_kv
 
-  pts = sorted((r["kv_bytes_per_token"], r["val_loss"], r["name"]) for r in rows if "val_loss" in r)
-  fig, ax = plt.subplots(figsize=(6, 4))
-  ax.scatter([p[0] for p in pts], [p[1] for p in pts])
-  for x, y, name in pts:
-    ax.annotate(Path(name).name, (x, y), fontsize=8, xytext=(3, 3), textcoords="offset points")
-  front, best = [], float("inf")
-  for x, y, _ in pts:  # lowest loss at each KV budget, scanning up in bytes
-    if y < best:
-      front.append((x, y))
-      best = y
-  ax.plot(*zip(*front), "--", color="gray", label="Pareto front")
-  ax.set_xlabel("KV cache bytes per token")
-  ax.set_ylabel("validation loss (nats/token)")
-  ax.legend()
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
+  points = [{**r, "name": Path(r["name"]).name} for r in rows if "val_loss" in r]
+  loss_vs_kv(points, path, kv_key="kv_bytes_per_token",
+             kv_label=f"KV cache, bytes per token ({points[0]['cache_dtype']})", loss_label="validation loss")
 
 
 def _measure_schedule(name: str, common: dict) -> dict:

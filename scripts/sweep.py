@@ -34,28 +34,10 @@ def run_variant(experiment: str, run_dir: Path, overrides: list[str], sample_tok
 
 
 def pareto_plot(rows: list[dict], path: Path) -> None:
-  import matplotlib
+  from jaxshare.analysis.plots import loss_vs_kv
 
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-
-  fig, ax = plt.subplots(figsize=(6, 4))
-  series = list(dict.fromkeys(r.get("series", "") for r in rows))  # rows with a "series" key: one colour each
-  for r in rows:
-    ax.scatter(r["kv_bytes_per_token_bf16"], r["val_loss"], color=f"C{series.index(r.get('series', ''))}",
-               label=r.get("series") or None)
-    ax.annotate(r["name"], (r["kv_bytes_per_token_bf16"], r["val_loss"]), fontsize=7, xytext=(3, 3),
-                textcoords="offset points")
-  ax.set_xlabel("KV cache, bytes per token (bf16)")
-  ax.set_ylabel("validation loss (nats/byte)")
-  ax.set_title("Loss vs KV cache")
-  ax.grid(alpha=0.3)
-  if series != [""]:
-    handles, labels = ax.get_legend_handles_labels()
-    unique = dict(zip(labels, handles))
-    ax.legend(unique.values(), unique.keys(), fontsize=8)
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
+  loss_vs_kv(rows, path, kv_key="kv_bytes_per_token_bf16", kv_label="KV cache, bytes per token (bf16)",
+             loss_label="validation loss (nats/byte)")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -67,3 +67,37 @@ def head_matching_plot(result: dict[str, np.ndarray], path: str | Path) -> None:
   ax.legend()
   ax.grid(alpha=0.3)
   _save(fig, path)
+
+
+def loss_vs_kv(rows: list[dict], path: str | Path, *, kv_key: str, kv_label: str,
+               loss_label: str = "validation loss") -> None:
+  """Validation loss against KV-cache bytes per token, one point per run, with the Pareto front (the lowest loss
+  at each KV budget).
+
+  Args:
+    rows: dicts with ``name``, ``val_loss`` and ``kv_key``; an optional ``series`` colours the points by group.
+    path: output ``.png``.
+    kv_key / kv_label: the rows' KV-bytes field and its axis label (which dtype's bytes).
+    loss_label: the loss axis label (its unit).
+  """
+  fig = Figure(figsize=(6, 4))
+  ax = fig.add_subplot()
+  series = list(dict.fromkeys(r.get("series", "") for r in rows))
+  for r in rows:
+    ax.scatter(r[kv_key], r["val_loss"], color=f"C{series.index(r.get('series', ''))}", label=r.get("series") or None)
+    ax.annotate(r["name"], (r[kv_key], r["val_loss"]), fontsize=7, xytext=(3, 3), textcoords="offset points")
+  front, best = [], float("inf")
+  for r in sorted(rows, key=lambda r: r[kv_key]):  # scanning up in bytes, keep each new lowest loss
+    if r["val_loss"] < best:
+      front.append((r[kv_key], r["val_loss"]))
+      best = r["val_loss"]
+  if front:
+    ax.plot(*zip(*front), "--", color="gray", label="Pareto front")
+  ax.set_xlabel(kv_label)
+  ax.set_ylabel(loss_label)
+  ax.set_title("Loss vs KV cache")
+  ax.grid(alpha=0.3)
+  handles, labels = ax.get_legend_handles_labels()
+  unique = dict(zip(labels, handles))
+  ax.legend(unique.values(), unique.keys(), fontsize=8)
+  _save(fig, path)
