@@ -34,6 +34,9 @@ def main(argv: list[str] | None = None) -> int:
 
   try:
     cfg = load_config(args.config, args.overrides)
+    from jaxshare.distributed import initialize
+
+    initialize(cfg.distributed)  # before any other JAX call: a multi-host run joins its processes here
     from jaxshare.train.loop import train
 
     summary = train(cfg)

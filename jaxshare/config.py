@@ -244,11 +244,40 @@ class DataConfig:
 
 @dataclasses.dataclass
 class MeshConfig:
-  """Device mesh; sizes multiply to the device count, one may be -1 (fill)."""
+  """Device mesh (MaxText's ici/dcn split): data, fsdp and tensor are the axis sizes inside one slice (ICI); the
+  dcn_* sizes split the same axes across slices (TPU multi-slice over the data-centre network, or processes of a
+  GPU/CPU cluster). Inside a slice the sizes multiply to the slice's device count and one may be -1 (fill); the
+  dcn_* sizes multiply to the number of slices."""
 
-  data: int = _f(1, "Data-parallel axis size (batch sharded, parameters replicated).")
-  fsdp: int = _f(1, "Fully-sharded data-parallel axis size (batch and parameters sharded).")
-  tensor: int = _f(1, "Tensor-parallel axis size (heads and MLP sharded).")
+  data: int = _f(1, "Data-parallel axis size inside a slice (batch sharded, parameters replicated).")
+  fsdp: int = _f(1, "Fully-sharded data-parallel axis size inside a slice (batch and parameters sharded).")
+  tensor: int = _f(1, "Tensor-parallel axis size inside a slice (heads and MLP sharded).")
+  dcn_data: int = _f(1, "Data-parallel size across slices (multi-slice TPU: data parallel over DCN, fsdp/tensor "
+                     "inside each slice). 1: one slice.")
+  dcn_fsdp: int = _f(1, "FSDP size across slices (rarely worth the DCN traffic; MaxText's dcn_fsdp_parallelism).")
+  dcn_tensor: int = _f(1, "Tensor-parallel size across slices (almost never worth it).")
+
+  @property
+  def num_slices(self) -> int:
+    return self.dcn_data * self.dcn_fsdp * self.dcn_tensor
+
+
+@dataclasses.dataclass
+class DistributedConfig:
+  """Multi-host runs on JAX's multi-controller runtime (``jax.distributed.initialize``): one process per host (TPU
+  VM worker) or per GPU, each running the same command."""
+
+  initialize: str = _f("auto", "auto: initialise when a cluster is detected (a TPU pod slice with several workers, a "
+                       "Slurm job step with several tasks, or coordinator_address set) and run alone otherwise; on: "
+                       "always (JAX's cluster auto-detection, or the fields below); off: never (one process).",
+                       ("auto", "on", "off"))
+  coordinator_address: str = _f("", "host:port of process 0's coordinator, for clusters JAX does not detect itself "
+                                "(e.g. localhost:1234 for processes on one machine). Empty: auto-detected.")
+  num_processes: int = _f(0, "Number of processes with coordinator_address (0: auto-detected).")
+  process_id: int = _f(-1, "This process's index in [0, num_processes) with coordinator_address (-1: auto-detected).")
+  local_device_ids: list = _f([], "Devices this process drives (e.g. [0] for one GPU per process); empty: all "
+                              "visible ones.")
+  timeout_s: int = _f(300, "Seconds to wait for every process to join the coordinator.")
 
 
 @dataclasses.dataclass
@@ -320,6 +349,7 @@ class Config:
   attention: AttentionConfig = dataclasses.field(default_factory=AttentionConfig)
   data: DataConfig = dataclasses.field(default_factory=DataConfig)
   mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+  distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
   train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
 
 
@@ -495,6 +525,18 @@ def validate(cfg: Config) -> None:
     _require(v == -1 or v >= 1, f"mesh.{name}", v, "must be a positive axis size or -1 (fill)")
   _require([cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor].count(-1) <= 1, "mesh", "-1 twice",
            "at most one mesh axis may be -1")
+  for name in ("dcn_data", "dcn_fsdp", "dcn_tensor"):
+    _require(getattr(cfg.mesh, name) >= 1, f"mesh.{name}", getattr(cfg.mesh, name), "must be a positive axis size")
+  dist = cfg.distributed
+  _require(dist.num_processes >= 0, "distributed.num_processes", dist.num_processes, "must be >= 0 (0: auto-detected)")
+  _require(dist.process_id >= -1 and (dist.num_processes == 0 or dist.process_id < dist.num_processes),
+           "distributed.process_id", dist.process_id,
+           f"must be in [0, distributed.num_processes={dist.num_processes}) or -1 (auto-detected)")
+  _require(not dist.coordinator_address or (":" in dist.coordinator_address and dist.num_processes > 0
+                                            and dist.process_id >= 0),
+           "distributed.coordinator_address", dist.coordinator_address,
+           "must be host:port, with distributed.num_processes and distributed.process_id set")
+  _require(dist.timeout_s > 0, "distributed.timeout_s", dist.timeout_s, "must be > 0")
 
 
 def resolve_data_dir(cfg: DataConfig) -> Path:
