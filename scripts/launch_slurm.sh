@@ -157,8 +157,7 @@ run_dir=$run_root/$run_name
 script_path=$log_dir/$run_name.sbatch
 if [[ $venv == /* ]]; then python=$venv/bin/python; else python=${venv%/}/bin/python; fi
 
-# --no-eval: every process would evaluate the run again and print the same summary; run eval.py on it afterwards.
-train_cmd=("$python" train.py --config "$config" --no-eval "train.run_dir=$run_dir" distributed.initialize=on
+train_cmd=("$python" train.py --config "$config" "train.run_dir=$run_dir" distributed.initialize=on
   "mesh.data=$nodes" "mesh.fsdp=$gpus" ${overrides[@]+"${overrides[@]}"})
 # --kill-on-bad-exit: one crashed process would leave the others blocked in a collective until the time limit.
 # --cpus-per-task again on srun: since Slurm 22.05 srun no longer inherits it from the allocation.

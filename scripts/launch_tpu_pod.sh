@@ -151,7 +151,7 @@ if [[ -z $bucket ]]; then
   bucket=gs://my-bucket/jaxshare
 fi
 # Each worker would write its own local directory: checkpoints need one place that every worker writes to.
-[[ $bucket =~ ^gs://[a-z0-9][-a-z0-9_.]*[a-z0-9](/[^[:space:]]*)?$ ]] ||
+[[ $bucket =~ ^gs://[a-z0-9][-a-z0-9_.]{1,220}[a-z0-9](/[^[:space:]]*)?$ ]] ||
   die "--bucket must be a gs://BUCKET[/PATH] that every worker can write to, got '$bucket'"
 [[ -n $config ]] || die "--config must name an experiment YAML"
 [[ -n $run_name ]] || { run_name=${config##*/}; run_name=${run_name%.yaml}; run_name=${run_name%.yml}; }
@@ -172,13 +172,12 @@ run_dir=${bucket%/}/$run_name
 venv=${venv%/}
 if [[ $venv == /* || $venv == "~/"* ]]; then venv_q=$(remote_dir "$venv"); else venv_q=$(printf '%q' "$venv"); fi
 
-train_args=(train.py --config "$config" --no-eval "train.run_dir=$run_dir" distributed.initialize=on mesh.fsdp=-1)
+train_args=(train.py --config "$config" "train.run_dir=$run_dir" distributed.initialize=on mesh.fsdp=-1)
 ((num_slices == 1)) || train_args+=("mesh.dcn_data=$num_slices")
 train_args+=(${overrides[@]+"${overrides[@]}"})
 
-# The remote command, for the worker's login shell. --no-eval: every worker would evaluate the run again and print
-# the same summary; run eval.py on the run directory afterwards. distributed.initialize=on rather than auto: a TPU VM
-# worker's ssh session has no TPU_WORKER_HOSTNAMES (GKE sets it), JAX's GCE detection reads the metadata instead.
+# The remote command, for the worker's login shell. distributed.initialize=on rather than auto: a TPU VM worker's ssh
+# session has no TPU_WORKER_HOSTNAMES (GKE sets it); JAX's GCE detection reads the TPU metadata instead.
 remote="cd $(remote_dir "$repo_dir")"
 if ((setup)); then
   remote+=" && $(printf '%q' "$python") -m venv $venv_q && $venv_q/bin/pip install -q --upgrade pip"
