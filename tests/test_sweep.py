@@ -1,25 +1,211 @@
-"""The sweep runner end to end on a tiny budget: trains, evaluates, tabulates, plots."""
+"""The sweep tool: spec parsing, grid and seed expansion, tables, launch commands (pure), and one tiny sweep end to end
+(trains, evaluates, tabulates, plots; skips finished runs; records failures; keeps results it does not own)."""
 
 import csv
+import shlex
 import sys
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "scripts"))
 
 import sweep  # noqa: E402
 
+TINY = ["model.num_layers=2", "model.d_model=32", "model.mlp_dim=64", "data.seq_len=32", "train.batch_size=8",
+        "train.steps=2", "train.warmup_steps=1", "train.eval_every=2", "train.eval_batches=1", "train.log_every=1",
+        "train.progress_bar=false", "data.val_fraction=0.01"]
 
-def test_sweep_tabulates_each_variant(tmp_path):
-  spec = tmp_path / "sweep.yaml"
-  tiny = ["model.num_layers=2", "model.d_model=32", "model.mlp_dim=64", "data.seq_len=32", "train.batch_size=8",
-          "train.steps=2", "train.warmup_steps=1", "train.eval_every=2", "train.eval_batches=1",
-          "train.log_every=1", "train.progress_bar=false"]
-  spec.write_text(f"experiment: configs/experiments/sharing_base.yaml\nrun_root: {tmp_path / 'runs'}\nvariants:\n"
-                  f"  dense: {tiny}\n  cla2: {tiny + ['schedule.kind=cla']}\n")
-  assert sweep.main([str(spec)]) == 0
-  rows = list(csv.DictReader((tmp_path / "runs" / "results.csv").open()))
-  assert [r["name"] for r in rows] == ["dense", "cla2"]
+
+def _spec(tmp_path: Path, body: str, name: str = "sweep.yaml") -> Path:
+  path = tmp_path / name
+  path.write_text(f"experiment: configs/experiments/sharing_base.yaml\nrun_root: {tmp_path / 'runs'}\n{body}")
+  return path
+
+
+# ------------------------------------------------------------------------------------------------ pure: the spec
+
+
+def test_grid_expands_the_cross_product_with_readable_names():
+  variants = sweep.grid_variants({"schedule.factor": [1, 2], "schedule.kv_heads": [1, 4],
+                                  "schedule.lisa.layers": [[1, 2]]})
+  assert list(variants) == ["factor=1,kv_heads=1,layers=1-2", "factor=1,kv_heads=4,layers=1-2",
+                            "factor=2,kv_heads=1,layers=1-2", "factor=2,kv_heads=4,layers=1-2"]
+  assert variants["factor=2,kv_heads=1,layers=1-2"] == ["schedule.factor=2", "schedule.kv_heads=1",
+                                                        "schedule.lisa.layers=[1,2]"]
+  # keys with the same last part keep their whole name
+  assert list(sweep.grid_variants({"schedule.sa.start": [1], "schedule.uniattn.start": [2]})) == [
+    "schedule.sa.start=1,schedule.uniattn.start=2"]
+
+
+def test_seeds_give_one_run_each_in_its_own_directory(tmp_path):
+  spec = sweep.load_sweep(_spec(tmp_path, "base: [train.steps=3]\nseeds: [0, 7]\nvariants:\n  dense: []\n"
+                                "grid:\n  schedule.kv_heads: [1, 2]\n"))
+  runs = spec.runs()
+  assert [(r.variant, r.seed) for r in runs] == [("dense", 0), ("dense", 7), ("kv_heads=1", 0), ("kv_heads=1", 7),
+                                                 ("kv_heads=2", 0), ("kv_heads=2", 7)]
+  assert runs[3].run_dir == tmp_path / "runs" / "kv_heads=1" / "seed7"
+  assert runs[3].train_overrides() == ["train.steps=3", "schedule.kv_heads=1", "train.seed=7",
+                                       f"train.run_dir={tmp_path / 'runs' / 'kv_heads=1' / 'seed7'}"]
+  # without seeds: one run per variant at the experiment's seed, in <run_root>/<variant>
+  plain = sweep.load_sweep(_spec(tmp_path, "variants:\n  dense: []\n", "plain.yaml")).runs()
+  assert [(r.seed, r.run_dir) for r in plain] == [(None, tmp_path / "runs" / "dense")]
+
+
+@pytest.mark.parametrize("body, message", [
+  ("variants: [a, b]\n", "'variants' must be a mapping"),
+  ("variants:\n  dense: schedule.kind=cla\n", "variants.dense must be a list of key=value"),
+  ("seeds: 3\nvariants:\n  dense: []\n", "'seeds' must be a non-empty list of distinct integers"),
+  ("grid:\n  schedule.factor: 2\n", "grid.schedule.factor must map a dotted config key to a non-empty list"),
+  ("variant:\n  dense: []\n", "unknown key(s) variant; allowed: experiment"),
+  ("", "needs 'variants'"),
+  ("variants:\n  a/b: []\n", "variant name 'a/b' is invalid"),
+])
+def test_malformed_sweep_files_name_the_key(tmp_path, capsys, body, message):
+  assert sweep.main([str(_spec(tmp_path, body))]) == 2
+  err = capsys.readouterr().err
+  assert message in err and "sweep.yaml" in err
+
+
+def test_missing_keys_and_non_yaml_exit_2(tmp_path, capsys):
+  (tmp_path / "no_root.yaml").write_text("experiment: configs/experiments/sharing_base.yaml\nvariants: {a: []}\n")
+  (tmp_path / "bad.yaml").write_text("variants: [unclosed\n")
+  assert sweep.main([str(tmp_path / "no_root.yaml")]) == 2
+  assert "'run_root' is missing" in capsys.readouterr().err
+  assert sweep.main([str(tmp_path / "bad.yaml")]) == 2
+  assert "is not valid YAML" in capsys.readouterr().err
+  assert sweep.main([str(tmp_path / "absent.yaml")]) == 2
+  assert "cannot read sweep file" in capsys.readouterr().err
+
+
+def test_every_shipped_sweep_run_has_a_valid_config():
+  """Each variant of configs/sweeps/*.yaml composes, validates and compiles its schedule (no training)."""
+  files = sorted((REPO / "configs" / "sweeps").glob("*.yaml"))
+  assert {"mlkv_ladder", "cla_design_space", "uniattn_blocks", "lisa_rank"} <= {f.stem for f in files}
+  for f in files:
+    spec = sweep.load_sweep(f)
+    for run in {r.variant: r for r in spec.runs()}.values():  # a seed changes no shape
+      cfg, _ = sweep.check_config(spec, run)
+      assert cfg.train.run_dir == str(run.run_dir)
+
+
+def test_check_reports_an_invalid_override(tmp_path, capsys):
+  spec = _spec(tmp_path, "variants:\n  ok: []\n  bad: [schedule.kind=cla, schedule.factor=9]\n")
+  assert sweep.main([str(spec), "--check"]) == 2
+  out = capsys.readouterr().out
+  assert "INVALID bad: schedule.factor=9 is invalid" in out and "ok ok:" in out
+
+
+# ----------------------------------------------------------------------------------------------- pure: the table
+
+
+def test_mean_std_formatting():
+  assert sweep.mean_std([]) == "—"
+  assert sweep.mean_std([1.23456]) == "1.2346"
+  assert sweep.mean_std([1.0, 2.0]) == "1.5000 ± 0.7071"  # sample std (n - 1)
+  assert sweep.mean_std([2.0, 2.0, 2.0], digits=2) == "2.00 ± 0.00"
+
+
+def test_table_rows_merge_by_variant_and_seed():
+  old = [{"variant": "a", "seed": "0", "status": "ok"}, {"variant": "b", "seed": "0", "status": "ok"}]
+  new = [{"variant": "a", "seed": 0, "status": "failed"}, {"variant": "a", "seed": 1, "status": "ok"}]
+  assert [(r["variant"], str(r["seed"]), r["status"]) for r in sweep.merge_rows(old, new)] == [
+    ("a", "0", "failed"), ("b", "0", "ok"), ("a", "1", "ok")]
+  rows = [{"variant": "a", "seed": s, "status": "ok", "val_loss": v, "bits_per_byte": v, "num_params": 10,
+           "kv_bytes_per_token_bf16": 512} for s, v in ((0, 2.0), (1, 2.2))]
+  rows.append({"variant": "a", "seed": 2, "status": "failed"})
+  table = sweep.markdown_table(sweep.summarize(rows, ["a"]))
+  assert "| a | 2/3 (failed) | 2.1000 ± 0.1414 | 2.1000 ± 0.1414 | 512 | 10 |" in table
+
+
+# ------------------------------------------------------------------------------------- pure: devices and launching
+
+
+def test_device_groups_split_devices_per_platform():
+  assert sweep.split_devices(["0", "1", "2", "3"], 2, "gpu") == [["0", "1"], ["2", "3"]]
+  assert sweep.split_devices(["0", "1", "2"], 2, "cpu") == [["0", "1"], ["2"]]
+  with pytest.raises(sweep.SweepError, match="must divide the 3 gpu devices"):
+    sweep.split_devices(["0", "1", "2"], 2, "gpu")
+  gpu = sweep.device_groups(2, "4,5,6,7", "gpu")
+  assert [dict(g.env) for g in gpu] == [{"CUDA_VISIBLE_DEVICES": "4,5"}, {"CUDA_VISIBLE_DEVICES": "6,7"}]
+  tpu = [dict(g.env) for g in sweep.device_groups(2, "0,1,2,3", "tpu")]
+  assert tpu[1]["TPU_VISIBLE_CHIPS"] == "2,3" and tpu[1]["TPU_CHIPS_PER_PROCESS_BOUNDS"] == "1,2,1"
+  assert tpu[0]["TPU_PROCESS_BOUNDS"] == "1,1,1" and tpu[0]["TPU_PROCESS_PORT"] != tpu[1]["TPU_PROCESS_PORT"]
+  assert sweep.device_groups(2, "0,1", "cpu")[1].prefix == ("taskset", "-c", "1")
+  assert sweep.device_groups(1, None, "cpu") == [sweep.DeviceGroup()]  # no confinement by default
+
+
+def test_launch_slurm_dry_run_prints_one_launcher_command_per_run(tmp_path, capsys):
+  spec = _spec(tmp_path, "seeds: [0, 1]\nvariants:\n  dense: []\n  cla2: [schedule.kind=cla]\n")
+  assert sweep.main([str(spec), "--launch", "slurm", "--dry-run", "--launcher-args",
+                     "--nodes 1 --gpus-per-node 8"]) == 0
+  lines = capsys.readouterr().out.strip().splitlines()
+  assert len(lines) == 4
+  for line, (variant, seed) in zip(lines, [("dense", 0), ("dense", 1), ("cla2", 0), ("cla2", 1)]):
+    args = shlex.split(line)
+    assert args[0].endswith("scripts/launch_slurm.sh")
+    assert args[args.index("--name") + 1] == f"seed{seed}"
+    assert args[args.index("--run-root") + 1] == str(tmp_path / "runs" / variant)
+    assert args[args.index("--nodes") + 1] == "1" and args[args.index("--gpus-per-node") + 1] == "8"
+    overrides = args[args.index("--") + 1:]
+    assert f"train.seed={seed}" in overrides and overrides[-1] == f"train.run_dir={tmp_path / 'runs' / variant}/seed{seed}"
+  assert not (tmp_path / "runs").exists()  # nothing ran, nothing written
+
+
+# ------------------------------------------------------------------------------------------------ end to end
+
+
+@pytest.fixture(scope="module")
+def swept(tmp_path_factory):
+  """dense and cla2 trained for 2 steps, two at a time; `broken` (a missing corpus: train.py exits 2) not yet run."""
+  tmp = tmp_path_factory.mktemp("sweep")
+  spec = _spec(tmp, f"base: {TINY}\nseeds: [0]\nvariants:\n  dense: []\n  cla2: [schedule.kind=cla]\n"
+                    "  broken: [data.path=no_such_corpus.txt]\n")
+  code = sweep.main([str(spec), "--only", "dense", "cla2", "--parallel", "2"])
+  return spec, tmp / "runs", code
+
+
+def test_sweep_trains_evaluates_tabulates_and_plots(swept):
+  spec, root, code = swept
+  assert code == 0
+  rows = list(csv.DictReader((root / "results.csv").open()))
+  assert [(r["variant"], r["seed"], r["status"]) for r in rows] == [("dense", "0", "ok"), ("cla2", "0", "ok")]
   assert int(rows[1]["kv_bytes_per_token_bf16"]) * 2 == int(rows[0]["kv_bytes_per_token_bf16"])
-  assert (tmp_path / "runs" / "pareto.png").stat().st_size > 0
-  assert "| cla2 |" in (tmp_path / "runs" / "results.md").read_text()
+  assert all(r["step"] == "2" and float(r["val_loss"]) > 0 for r in rows)
+  assert (root / "dense" / "seed0" / "eval.json").is_file()
+  md = (root / "results.md").read_text()
+  assert "| cla2 | 1/1 |" in md and "| dense | 1/1 |" in md
+  assert (root / "loss_vs_kv.png").stat().st_size > 0 and (root / "loss_vs_params.png").stat().st_size > 0
+
+
+def test_second_invocation_skips_finished_runs(swept, capsys):
+  spec, root, _ = swept
+  ckpt = root / "dense" / "seed0" / "checkpoints" / "2"
+  stamps = [p.stat().st_mtime_ns for p in (ckpt, root / "dense" / "seed0" / "eval.json")]
+  capsys.readouterr()
+  assert sweep.main([str(spec), "--only", "dense", "cla2"]) == 0
+  out = capsys.readouterr().out
+  assert out.count("skipped (finished at step 2") == 2 and "training" not in out
+  assert [p.stat().st_mtime_ns for p in (ckpt, root / "dense" / "seed0" / "eval.json")] == stamps
+
+
+def test_only_with_an_unknown_name_exits_2_and_leaves_results(swept, capsys):
+  spec, root, _ = swept
+  before = (root / "results.csv").read_bytes(), (root / "results.csv").stat().st_mtime_ns
+  assert sweep.main([str(spec), "--only", "dense", "cla3"]) == 2
+  err = capsys.readouterr().err
+  assert "--only cla3: no such variant" in err and "known: dense, cla2, broken" in err
+  assert ((root / "results.csv").read_bytes(), (root / "results.csv").stat().st_mtime_ns) == before
+
+
+def test_a_failing_run_is_recorded_and_the_others_kept(swept, capsys):
+  spec, root, _ = swept
+  assert sweep.main([str(spec), "--only", "broken", "dense"]) == 1  # dense is skipped, broken fails
+  rows = {r["variant"]: r for r in csv.DictReader((root / "results.csv").open())}
+  assert [rows[v]["status"] for v in ("dense", "cla2", "broken")] == ["ok", "ok", "failed"]  # cla2 kept
+  assert rows["broken"]["error"].startswith("train.py exit 2: error:") and "no_such_corpus" in rows["broken"]["error"]
+  assert "no_such_corpus" in (root / "broken" / "seed0" / "sweep.log").read_text()
+  md = (root / "results.md").read_text()
+  assert "| broken | 0/1 (failed) | — |" in md and "| cla2 | 1/1 |" in md
+  assert "FAILED" in capsys.readouterr().out

@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+from matplotlib.ticker import FuncFormatter
 
 
 def _save(fig: Figure, path: str | Path) -> None:
@@ -70,7 +71,8 @@ def head_matching_plot(result: dict[str, np.ndarray], path: str | Path) -> None:
 
 
 def loss_vs_kv(rows: list[dict], path: str | Path, *, kv_key: str, kv_label: str,
-               loss_label: str = "validation loss") -> None:
+               loss_label: str = "validation loss", err_key: str | None = None, title: str = "",
+               log_x: bool = False) -> None:
   """Validation loss against KV-cache bytes per token, one point per run, with the Pareto front (the lowest loss
   at each KV budget).
 
@@ -79,23 +81,49 @@ def loss_vs_kv(rows: list[dict], path: str | Path, *, kv_key: str, kv_label: str
     path: output ``.png``.
     kv_key / kv_label: the rows' KV-bytes field and its axis label (which dtype's bytes).
     loss_label: the loss axis label (its unit).
+    err_key: optional field of each row with the loss's error bar (e.g. the std over seeds).
+    title: appended to the figure title.
+    log_x: a base-2 logarithmic x axis (ladders that halve the cache).
   """
+  _loss_against(rows, path, x_key=kv_key, x_label=kv_label, loss_label=loss_label, err_key=err_key,
+                title="Loss vs KV cache" + (f" ({title})" if title else ""), log_x=log_x)
+
+
+def loss_vs_params(rows: list[dict], path: str | Path, *, params_key: str = "num_params",
+                   params_label: str = "parameters", loss_label: str = "validation loss",
+                   err_key: str | None = None, title: str = "", log_x: bool = False) -> None:
+  """Validation loss against parameter count, one point per run, with the Pareto front (the lowest loss at each
+  size); arguments as :func:`loss_vs_kv`, ``params_key`` naming the rows' parameter-count field."""
+  _loss_against(rows, path, x_key=params_key, x_label=params_label, loss_label=loss_label, err_key=err_key,
+                title="Loss vs parameters" + (f" ({title})" if title else ""), log_x=log_x)
+
+
+def _loss_against(rows: list[dict], path: str | Path, *, x_key: str, x_label: str, loss_label: str,
+                  err_key: str | None, title: str, log_x: bool = False) -> None:
+  """The scatter behind :func:`loss_vs_kv` and :func:`loss_vs_params`: points labelled by name, coloured by series,
+  with optional loss error bars and the Pareto front over ``x_key``."""
   fig = Figure(figsize=(6, 4))
   ax = fig.add_subplot()
   series = list(dict.fromkeys(r.get("series", "") for r in rows))
   for r in rows:
-    ax.scatter(r[kv_key], r["val_loss"], color=f"C{series.index(r.get('series', ''))}", label=r.get("series") or None)
-    ax.annotate(r["name"], (r[kv_key], r["val_loss"]), fontsize=7, xytext=(3, 3), textcoords="offset points")
+    color = f"C{series.index(r.get('series', ''))}"
+    ax.scatter(r[x_key], r["val_loss"], color=color, label=r.get("series") or None)
+    if err_key and r.get(err_key):
+      ax.errorbar(r[x_key], r["val_loss"], yerr=r[err_key], fmt="none", ecolor=color, capsize=3, linewidth=1)
+    ax.annotate(r["name"], (r[x_key], r["val_loss"]), fontsize=7, xytext=(3, 3), textcoords="offset points")
   front, best = [], float("inf")
-  for r in sorted(rows, key=lambda r: r[kv_key]):  # scanning up in bytes, keep each new lowest loss
+  for r in sorted(rows, key=lambda r: r[x_key]):  # scanning up in x, keep each new lowest loss
     if r["val_loss"] < best:
-      front.append((r[kv_key], r["val_loss"]))
+      front.append((r[x_key], r["val_loss"]))
       best = r["val_loss"]
   if front:
     ax.plot(*zip(*front), "--", color="gray", label="Pareto front")
-  ax.set_xlabel(kv_label)
+  if log_x:
+    ax.set_xscale("log", base=2)
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,.0f}"))
+  ax.set_xlabel(x_label)
   ax.set_ylabel(loss_label)
-  ax.set_title("Loss vs KV cache")
+  ax.set_title(title)
   ax.grid(alpha=0.3)
   handles, labels = ax.get_legend_handles_labels()
   unique = dict(zip(labels, handles))
