@@ -121,8 +121,8 @@ done
 [[ $nodes =~ ^[1-9][0-9]*$ ]] || die "--nodes must be a positive integer, got '$nodes'"
 [[ $gpus =~ ^[1-9][0-9]*$ ]] || die "--gpus-per-node must be a positive integer, got '$gpus'"
 [[ -z $cpus || $cpus =~ ^[1-9][0-9]*$ ]] || die "--cpus-per-task must be a positive integer, got '$cpus'"
-# Slurm's time formats: minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS.
-[[ -z $time_limit || $time_limit =~ ^([0-9]+-)?[0-9]+(:[0-9]+){0,2}$ ]] ||
+# Slurm's time formats: minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS, or no limit.
+[[ -z $time_limit || $time_limit =~ ^([0-9]+-)?[0-9]+(:[0-9]+){0,2}$|^(UNLIMITED|INFINITE)$ ]] ||
   die "--time must be a Slurm time such as 24:00:00 or 2-00:00:00, got '$time_limit'"
 # #SBATCH lines end at whitespace: names with spaces would silently lose their tail.
 [[ -z $partition || $partition =~ ^[A-Za-z0-9_.,+-]+$ ]] || die "--partition has characters Slurm does not take: '$partition'"
@@ -197,6 +197,11 @@ if ((dry_run)); then
 fi
 
 command -v sbatch >/dev/null || die "sbatch not found on PATH: run this on the cluster's login node (or use --dry-run)"
+# A job that queued for hours should not fail at once for want of its interpreter.
+if [[ -d $repo_dir ]]; then
+  if [[ $python == /* ]]; then python_file=$python; else python_file=$repo_dir/$python; fi
+  [[ -x $python_file ]] || die "--venv: no Python at $python_file (create the venv, or name it with --venv)"
+fi
 # Slurm opens the output file on the first node before the script runs: its directory must exist.
 mkdir -p -- "$log_dir"
 batch_script >"$script_path"

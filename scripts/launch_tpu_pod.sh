@@ -21,8 +21,8 @@ directory is on a bucket, the one place every worker can write to.
   --run-name NAME       run name: the run directory is <bucket>/<name>; re-running resumes it
                         (default: the config's file name)
   --config PATH         experiment YAML, relative to the repo dir (default configs/experiments/pod_cla2.yaml)
-  --repo-dir DIR        jaxshare checkout on every worker, relative to the worker's home or ~/... or absolute
-                        (default jaxshare)
+  --repo-dir DIR        jaxshare checkout on every worker, relative to the worker's home or absolute; quote a
+                        '~/...' path so that it expands on the worker (default jaxshare)
   --venv DIR            virtual environment on the workers, relative to the repo dir (default .venv)
   --setup               first create the venv and pip install -e '.[tpu]' in it, on every worker
   --python PY           interpreter --setup builds the venv from; jaxshare needs Python >= 3.11, newer than some

@@ -179,6 +179,15 @@ def test_slurm_submits_the_script_it_prints(tmp_path):
                          "train.run_dir=runs/r3", "distributed.initialize=on", "mesh.data=4", "mesh.fsdp=8", *NASTY]
 
 
+def test_slurm_refuses_a_missing_venv_before_submitting(tmp_path):
+  bin_dir = tmp_path / "bin"
+  fake_tool(bin_dir, "sbatch", f"#!/usr/bin/env bash\ntouch {tmp_path / 'submitted'}\n")
+  env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+  r = run(SLURM, "--venv", str(tmp_path / "no-venv"), "--log-dir", str(tmp_path / "logs"), env=env)
+  assert r.returncode == 2 and "--venv: no Python at" in r.stderr
+  assert not (tmp_path / "submitted").exists()
+
+
 # --- usage errors ----------------------------------------------------------------------------------------------------
 
 
