@@ -155,7 +155,7 @@ done
 run_root=${run_root%/}
 run_dir=$run_root/$run_name
 script_path=$log_dir/$run_name.sbatch
-if [[ $venv == /* ]]; then python=$venv/bin/python; else python=${venv%/}/bin/python; fi
+python=${venv%/}/bin/python
 
 train_cmd=("$python" train.py --config "$config" "train.run_dir=$run_dir" distributed.initialize=on
   "mesh.data=$nodes" "mesh.fsdp=$gpus" ${overrides[@]+"${overrides[@]}"})
