@@ -34,17 +34,21 @@ def main(argv: list[str] | None = None) -> int:
 
   try:
     cfg = load_config(args.config, args.overrides)
-    from jaxshare.distributed import initialize
+    from jaxshare.distributed import initialize, is_primary
 
-    initialize(cfg.distributed)  # before any other JAX call: a multi-host run joins its processes here
+    multi_process = initialize(cfg.distributed)  # before any other JAX call: the processes join here
     from jaxshare.train.loop import train
 
     summary = train(cfg)
   except (ConfigError, DataError, CheckpointError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
+  if not is_primary():  # process 0 of a multi-host run reports for all
+    return 0
   print("training summary: " + json.dumps(summary))
-  if not args.no_eval and summary["step"] >= cfg.train.steps:
+  if multi_process:  # the evaluation runs in one process: evaluating here would leave the others out of its collectives
+    print(f"evaluate with: python eval.py {cfg.train.run_dir}")
+  elif not args.no_eval and summary["step"] >= cfg.train.steps:
     from jaxshare.evaluation.evaluate import evaluate_run, format_report
 
     print(format_report(evaluate_run(cfg.train.run_dir)))

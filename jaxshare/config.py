@@ -26,6 +26,7 @@ from omegaconf.errors import OmegaConfBaseException
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CONFIGS_DIR = REPO_ROOT / "configs"
 DATA_DIR_ENV = "JAXSHARE_DATA_DIR"
+TOKEN_CACHE_ENV = "JAXSHARE_TOKEN_CACHE"
 
 
 class ConfigError(ValueError):
@@ -240,6 +241,9 @@ class DataConfig:
   seq_len: int = _f(128, "Tokens per training sequence T.")
   val_fraction: float = _f(0.1, "Held-out validation share, taken from the end of the corpus.")
   shuffle_seed: int = _f(0, "Seed of the deterministic per-epoch shuffle.")
+  token_cache: str = _f("", "Directory of tokenized corpora (.npy files memory-mapped by every process; built once, "
+                        f"under a file lock). Empty: ${TOKEN_CACHE_ENV} if set, else ~/.cache/jaxshare/tokens. off: "
+                        "tokenize in memory each run.")
 
 
 @dataclasses.dataclass

@@ -12,7 +12,12 @@ checkpoints so a resumed run sees exactly the batches it would have seen.
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import json
+import os
+import tempfile
+import warnings
 from pathlib import Path
 from typing import Iterator, Protocol
 
@@ -20,7 +25,7 @@ import grain
 import jax
 import numpy as np
 
-from jaxshare.config import DataConfig, resolve_data_dir
+from jaxshare.config import TOKEN_CACHE_ENV, DataConfig, resolve_data_dir
 
 
 class DataError(ValueError):
@@ -158,24 +163,90 @@ def load_documents(cfg: DataConfig) -> list[str]:
 
 
 class TokenStream:
-  """Tokens of all documents, each followed by EOS, with the document index of every token (int32 arrays)."""
+  """Tokens of all documents, each followed by EOS, with the document index and in-document position of every token
+  (int32 arrays; memory maps when read from the token cache)."""
 
-  def __init__(self, docs: list[str], tokenizer: Tokenizer):
+  def __init__(self, tokens: np.ndarray, doc_ids: np.ndarray, positions: np.ndarray):
+    self.tokens, self.doc_ids, self.positions = tokens, doc_ids, positions
+
+  @classmethod
+  def from_documents(cls, docs: list[str], tokenizer: Tokenizer) -> "TokenStream":
     ids, doc_ids = [], []
     for n, doc in enumerate(docs):
       toks = tokenizer.encode(doc) + [tokenizer.eos_id]
       ids.append(np.asarray(toks, np.int32))
       doc_ids.append(np.full(len(toks), n, np.int32))
-    self.tokens = np.concatenate(ids)
-    self.doc_ids = np.concatenate(doc_ids)
-    starts = np.flatnonzero(np.r_[True, self.doc_ids[1:] != self.doc_ids[:-1]])
-    self.positions = (np.arange(len(self.tokens)) - np.repeat(starts, np.diff(np.r_[starts, len(self.tokens)])))
-    self.positions = self.positions.astype(np.int32)
+    tokens, doc_ids = np.concatenate(ids), np.concatenate(doc_ids)
+    starts = np.flatnonzero(np.r_[True, doc_ids[1:] != doc_ids[:-1]])
+    positions = np.arange(len(tokens)) - np.repeat(starts, np.diff(np.r_[starts, len(tokens)]))
+    return cls(tokens, doc_ids, positions.astype(np.int32))
 
   def split(self, val_fraction: float) -> tuple[slice, slice]:
     n_val = int(round(len(self.tokens) * val_fraction))
     cut = len(self.tokens) - n_val
     return slice(0, cut), slice(cut, len(self.tokens))
+
+
+_STREAM_ARRAYS = ("tokens", "doc_ids", "positions")
+
+
+def token_cache_dir(cfg: DataConfig) -> Path | None:
+  """Where tokenized corpora are cached (None: ``data.token_cache=off``)."""
+  if cfg.token_cache == "off":
+    return None
+  if cfg.token_cache:
+    return Path(cfg.token_cache).expanduser()
+  return Path(os.environ.get(TOKEN_CACHE_ENV) or Path.home() / ".cache" / "jaxshare" / "tokens")
+
+
+def _fingerprint(cfg: DataConfig) -> str:
+  """What the token stream depends on: the source (a file by path, size and modification time; a TFDS split by
+  name) and the tokenizer (a directory by its files' contents)."""
+  if cfg.source == "tfds":
+    source = [cfg.tfds_name, cfg.tfds_split, cfg.tfds_data_dir, cfg.text_field]
+  else:
+    path = resolve_path(cfg).resolve()
+    st = path.stat()
+    source = [str(path), st.st_size, st.st_mtime_ns, cfg.document_separator, cfg.text_field]
+  if cfg.tokenizer == "byte":
+    tok: list = ["byte"]
+  else:
+    tok = [(f.name, hashlib.sha256(f.read_bytes()).hexdigest()) for f in sorted(Path(cfg.tokenizer).iterdir())
+           if f.is_file()]
+  blob = json.dumps([cfg.source, source, tok])
+  return hashlib.sha256(blob.encode()).hexdigest()[:24]
+
+
+def cached_token_stream(cfg: DataConfig, tokenizer: Tokenizer) -> TokenStream:
+  """The corpus's :class:`TokenStream`, tokenized once and memory-mapped after.
+
+  The arrays live as ``.npy`` files under :func:`token_cache_dir` keyed by :func:`_fingerprint`. The first process
+  to get the directory's lock tokenizes and publishes them with an atomic rename; every other process on the same
+  filesystem (the 8 processes of a GPU node, all hosts of a shared NFS) waits for it and maps the same pages, so a
+  multi-host run does not hold one copy of the corpus per process.
+
+  Raises:
+    DataError: the source is missing, empty, binary, unreadable or malformed (as :func:`load_documents`).
+  """
+  root = token_cache_dir(cfg)
+  if root is None or (cfg.source != "tfds" and not resolve_path(cfg).is_file()):
+    return TokenStream.from_documents(load_documents(cfg), tokenizer)  # no cache, or let the reader say what's wrong
+  key = root / _fingerprint(cfg)
+  try:
+    root.mkdir(parents=True, exist_ok=True)
+    if not key.is_dir():
+      with open(root / f"{key.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one tokenizer per filesystem; the others wait here and then read
+        if not key.is_dir():
+          stream = TokenStream.from_documents(load_documents(cfg), tokenizer)
+          tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".{key.name}-"))
+          for name in _STREAM_ARRAYS:
+            np.save(tmp / f"{name}.npy", getattr(stream, name))
+          os.replace(tmp, key)
+    return TokenStream(*(np.load(key / f"{name}.npy", mmap_mode="r") for name in _STREAM_ARRAYS))
+  except OSError as e:  # unwritable cache (read-only home, full disk): tokenize in memory, say so once
+    warnings.warn(f"data.token_cache: {root} is not usable ({e.strerror or e}); tokenizing in memory")
+    return TokenStream.from_documents(load_documents(cfg), tokenizer)
 
 
 class WindowSource:
@@ -198,45 +269,73 @@ class WindowSource:
   def __getitem__(self, i: int) -> dict[str, np.ndarray]:
     a = self.start + int(i) * self.seq_len
     s = self.stream
-    tok, doc, pos = (x[a:a + self.seq_len + 1] for x in (s.tokens, s.doc_ids, s.positions))
+    tok, doc, pos = (np.array(x[a:a + self.seq_len + 1]) for x in (s.tokens, s.doc_ids, s.positions))
     seg = (doc - doc[0] + 1).astype(np.int32)
     return {"inputs": tok[:-1], "targets": tok[1:], "positions": pos[:-1], "segment_ids": seg[:-1],
             "loss_mask": (doc[1:] == doc[:-1]).astype(np.int32)}
 
 
+def batch_rows(process_index: int, process_count: int, batch_size: int) -> slice:
+  """The rows of every global batch that process ``process_index`` of ``process_count`` feeds: one contiguous block,
+  so the global batch is the same sequences in the same order whatever the process count."""
+  if batch_size % process_count:
+    raise DataError(f"train.batch_size={batch_size} must divide by the process count {process_count}")
+  local = batch_size // process_count
+  return slice(process_index * local, (process_index + 1) * local)
+
+
+def _block_rows(ds: grain.MapDataset, batch_size: int, rows: slice, num_batches: int) -> grain.MapDataset:
+  """Element ``i`` is row ``rows.start + i % n`` of global batch ``i // n`` of ``ds`` (``n`` rows per batch): only this
+  process's windows are ever read."""
+  n = rows.stop - rows.start
+  return grain.MapDataset.range(num_batches * n).map(lambda i: ds[(i // n) * batch_size + rows.start + i % n])
+
+
 class Datasets:
-  """Train and validation pipelines of one corpus."""
+  """Train and validation pipelines of one corpus.
+
+  Every global batch of ``batch_size`` sequences is the same whatever the number of processes; each process reads
+  only its ``rows`` of it (default: block ``process_index`` of ``process_count`` equal blocks; a multi-host run passes
+  the rows its devices hold, :func:`jaxshare.train.state.local_batch_rows`).
+  """
 
   def __init__(self, cfg: DataConfig, batch_size: int, *, tokenizer: Tokenizer | None = None,
                process_index: int | None = None, process_count: int | None = None):
     self.cfg = cfg
+    self.batch_size = batch_size
     self.tokenizer = tokenizer or make_tokenizer(cfg)
-    self.stream = TokenStream(load_documents(cfg), self.tokenizer)
+    self.stream = cached_token_stream(cfg, self.tokenizer)
     train_span, val_span = self.stream.split(cfg.val_fraction)
     self.train_source = WindowSource(self.stream, train_span, cfg.seq_len, "training")
     self.val_source = WindowSource(self.stream, val_span, cfg.seq_len, "validation")
-    self.process_index = jax.process_index() if process_index is None else process_index
-    self.process_count = jax.process_count() if process_count is None else process_count
-    if batch_size % self.process_count:
-      raise DataError(f"train.batch_size={batch_size} must divide by the process count {self.process_count}")
-    self.local_batch = batch_size // self.process_count
-    val_tokens = self.stream.tokens[val_span].tolist()
+    self.rows = batch_rows(jax.process_index() if process_index is None else process_index,
+                           jax.process_count() if process_count is None else process_count, batch_size)
+    val_tokens = self.stream.tokens[val_span]
     # UTF-8 bytes per validation token, to report bits per byte for any tokenizer.
-    self.bytes_per_token = len(self.tokenizer.decode(val_tokens).encode("utf-8")) / len(val_tokens)
-    if len(self.val_source) < self.local_batch:
+    self.bytes_per_token = len(self.tokenizer.decode(val_tokens.tolist()).encode("utf-8")) / len(val_tokens)
+    if len(self.val_source) < batch_size:
       raise DataError(f"the validation split has {len(self.val_source)} sequences, fewer than one batch of "
-                      f"{self.local_batch}: raise data.val_fraction or lower train.batch_size")
+                      f"{batch_size}: raise data.val_fraction or lower train.batch_size")
 
-  def train_iter(self) -> grain.DatasetIterator:
-    """Endless, per-epoch reshuffled batches for this process; ``get_state``/``set_state`` resume exactly."""
+  @property
+  def local_batch(self) -> int:
+    return self.rows.stop - self.rows.start
+
+  def train_iter(self, rows: slice | None = None) -> grain.DatasetIterator:
+    """Endless, per-epoch reshuffled batches (this process's ``rows`` of each global batch; default
+    :attr:`rows`); ``get_state``/``set_state`` resume exactly."""
+    rows = self.rows if rows is None else rows
     ds = grain.MapDataset.source(self.train_source).shuffle(seed=self.cfg.shuffle_seed).repeat(None)
-    ds = ds[self.process_index::self.process_count]
-    return iter(ds.batch(self.local_batch, drop_remainder=True).to_iter_dataset())
+    ds = _block_rows(ds, self.batch_size, rows, len(ds) // self.batch_size)
+    return iter(ds.batch(rows.stop - rows.start, drop_remainder=True).to_iter_dataset())
 
-  def val_batches(self, max_batches: int = 0) -> Iterator[dict[str, np.ndarray]]:
-    """The validation split in order (this process's share); ``max_batches`` 0 means all."""
-    ds = grain.MapDataset.source(self.val_source)[self.process_index::self.process_count]
-    ds = ds.batch(self.local_batch, drop_remainder=True)
-    n = len(ds) if not max_batches else min(max_batches, len(ds))
+  def val_batches(self, max_batches: int = 0, rows: slice | None = None) -> Iterator[dict[str, np.ndarray]]:
+    """The validation split in order, in global batches (this process's ``rows`` of each); ``max_batches`` 0
+    means all."""
+    rows = self.rows if rows is None else rows
+    total = len(self.val_source) // self.batch_size
+    n = total if not max_batches else min(max_batches, total)
+    ds = _block_rows(grain.MapDataset.source(self.val_source), self.batch_size, rows, n)
+    ds = ds.batch(rows.stop - rows.start, drop_remainder=True)
     for i in range(n):
       yield ds[i]

@@ -73,3 +73,13 @@ def barrier(name: str) -> None:
     from jax.experimental import multihost_utils
 
     multihost_utils.sync_global_devices(name)
+
+
+def to_host(tree):
+  """``tree``'s arrays as NumPy on every process: ``jax.device_get`` where each array is fully addressable, else
+  gathered from all processes (``process_allgather``; a parameter sharded over hosts)."""
+  if all(getattr(x, "is_fully_addressable", True) for x in jax.tree.leaves(tree)):
+    return jax.device_get(tree)
+  from jax.experimental import multihost_utils
+
+  return multihost_utils.process_allgather(tree, tiled=True)

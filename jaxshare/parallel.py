@@ -14,6 +14,7 @@ from typing import Any, Mapping, Sequence
 import jax
 import numpy as np
 from flax import nnx
+from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxshare.config import ConfigError, MeshConfig
@@ -41,24 +42,55 @@ DEFAULT_RULES: dict[str, tuple[str, ...]] = {
 }
 
 
-def make_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
-  """A ``(data, fsdp, tensor)`` mesh over ``devices`` (default: all), one size may be -1.
-
-  Raises:
-    ConfigError: the sizes do not multiply to the device count.
-  """
-  devices = list(devices if devices is not None else jax.devices())
-  sizes = [cfg.data, cfg.fsdp, cfg.tensor]
+def _fill(sizes: list[int], count: int, what: str) -> list[int]:
+  """``sizes`` with a -1 replaced so that they multiply to ``count``."""
+  sizes = list(sizes)
   if -1 in sizes:
     known = math.prod(s for s in sizes if s != -1)
-    if len(devices) % known:
-      raise ConfigError(f"mesh={sizes} cannot fill {len(devices)} devices: the fixed axes ({known}) must divide it")
-    sizes[sizes.index(-1)] = len(devices) // known
-  n = math.prod(sizes)
-  if n > len(devices):
-    raise ConfigError(f"mesh data={sizes[0]} fsdp={sizes[1]} tensor={sizes[2]} needs {n} devices, "
-                      f"{len(devices)} available")
-  arr = np.asarray(devices[:n], dtype=object).reshape(sizes)
+    if count % known:
+      raise ConfigError(f"mesh={sizes} cannot fill {count} {what}: the fixed axes ({known}) must divide it")
+    sizes[sizes.index(-1)] = count // known
+  return sizes
+
+
+def make_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
+  """A ``(data, fsdp, tensor)`` mesh over ``devices`` (default: all global devices).
+
+  One slice (``cfg.num_slices == 1``): the ICI sizes (one may be -1) may use fewer than all devices; on TPU the
+  devices are laid out by ``mesh_utils.create_device_mesh`` so that mesh neighbours are torus neighbours. Several
+  slices: each axis is ``ici size x dcn size`` (``mesh_utils.create_hybrid_device_mesh``), the ICI sizes filling
+  each slice; a slice is a TPU slice (``device.slice_index``) or, where devices carry no distinct slice indices
+  (GPU/CPU clusters), a process.
+
+  Raises:
+    ConfigError: the sizes do not fit the device count, or the devices do not form ``num_slices`` slices.
+  """
+  devices = list(devices if devices is not None else jax.devices())
+  slices = cfg.num_slices
+  if len(devices) % slices:
+    raise ConfigError(f"mesh.dcn_*: {slices} slices do not divide the {len(devices)} devices")
+  per_slice = len(devices) // slices
+  ici = _fill([cfg.data, cfg.fsdp, cfg.tensor], per_slice, "devices per slice" if slices > 1 else "devices")
+  n = math.prod(ici)
+  if slices == 1:
+    if n > len(devices):
+      raise ConfigError(f"mesh data={ici[0]} fsdp={ici[1]} tensor={ici[2]} needs {n} devices, "
+                        f"{len(devices)} available")
+    if devices[0].platform == "tpu" and n == len(devices):
+      arr = mesh_utils.create_device_mesh(ici, devices, allow_split_physical_axes=True)
+    else:
+      arr = np.asarray(devices[:n], dtype=object).reshape(ici)
+  else:
+    if n != per_slice:
+      raise ConfigError(f"mesh data={ici[0]} fsdp={ici[1]} tensor={ici[2]} uses {n} devices of each slice; with "
+                        f"mesh.dcn_* sizes it must fill all {per_slice}")
+    by_slice = len({getattr(d, "slice_index", 0) for d in devices}) == slices
+    if not by_slice and len({d.process_index for d in devices}) != slices:
+      raise ConfigError(f"mesh.dcn_*: {slices} slices requested, but the devices come from "
+                        f"{len({getattr(d, 'slice_index', 0) for d in devices})} slice(s) and "
+                        f"{len({d.process_index for d in devices})} process(es)")
+    arr = mesh_utils.create_hybrid_device_mesh(ici, [cfg.dcn_data, cfg.dcn_fsdp, cfg.dcn_tensor], devices,
+                                               process_is_granule=not by_slice, allow_split_physical_axes=True)
   return Mesh(arr, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 3)
 
 

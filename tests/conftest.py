@@ -15,13 +15,16 @@ REPO = Path(__file__).resolve().parent.parent
 CORPUS = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
 
 
+# A very small model (fast to compile) on the real corpus, as command-line overrides.
+TINY = ["model.num_layers=4", "model.d_model=32", "model.num_heads=4", "model.mlp_dim=64",
+        "data.seq_len=32", "train.batch_size=8", "train.steps=20", "train.warmup_steps=2",
+        "train.log_every=5", "train.eval_every=10", "train.eval_batches=2", "train.checkpoint_every=10",
+        "train.progress_bar=false", "train.lr=3e-3"]
+
+
 def tiny_config(*overrides: str):
   """A very small model (fast to compile) on the real corpus."""
-  base = ["model.num_layers=4", "model.d_model=32", "model.num_heads=4", "model.mlp_dim=64",
-          "data.seq_len=32", "train.batch_size=8", "train.steps=20", "train.warmup_steps=2",
-          "train.log_every=5", "train.eval_every=10", "train.eval_batches=2", "train.checkpoint_every=10",
-          "train.progress_bar=false", "train.lr=3e-3"]
-  return load_config(None, base + list(overrides))
+  return load_config(None, TINY + list(overrides))
 
 
 @pytest.fixture(scope="module")

@@ -87,7 +87,7 @@ def perplexity(path: str | Path, *, text: str | None = None, tfds_name: str | No
     source="tfds", tfds_name=tfds_name, tfds_split=tfds_split, tfds_data_dir=tfds_data_dir, text_field=text_field)
   data_cfg = dataclasses.replace(cfg.data, **source)
   tokenizer = make_tokenizer(cfg.data)
-  stream = TokenStream(load_documents(data_cfg), tokenizer)
+  stream = TokenStream.from_documents(load_documents(data_cfg), tokenizer)
   windows = WindowSource(stream, slice(0, len(stream.tokens)), cfg.data.seq_len, "scored text")
   batch = min(cfg.train.batch_size, len(windows))
   ds = grain.MapDataset.source(windows).batch(batch, drop_remainder=False)

@@ -11,15 +11,15 @@ from typing import Any, Iterable
 import jax
 import numpy as np
 
-from jaxshare import accounting, parallel
+from jaxshare import accounting, distributed, parallel
 from jaxshare.config import Config, ConfigError, config_from_yaml_text, to_yaml
 from jaxshare.convert.uptrain import init_report
 from jaxshare.data import Datasets
 from jaxshare.train.checkpoint import PARAMS_ONLY, Checkpointer
 from jaxshare.train.metrics import MetricsLogger, resolve_peak
 from jaxshare.train.recipes import Stage1Monitor, build_objective
-from jaxshare.train.state import (RunSetup, abstract_state, init_kv_pool, init_state, load_run, setup_run,
-                                  shard_batch, state_from_params, trainable_for)
+from jaxshare.train.state import (RunSetup, abstract_state, init_kv_pool, init_state, load_run, local_batch_rows,
+                                  setup_run, shard_batch, state_from_params, trainable_for)
 from jaxshare.train.step import Objective, make_eval_step, make_train_step
 
 # Fields a resumed run must share with the run that wrote its checkpoints (the rest, e.g. train.steps, may change).
@@ -80,8 +80,9 @@ def loss_sums(eval_fn, setup: RunSetup, params, batches: Iterable[dict]) -> tupl
 
 
 def evaluate_loss(eval_fn, setup: RunSetup, params, data: Datasets, max_batches: int) -> float:
-  """Mean validation loss in nats per token over up to ``max_batches`` batches (0: all)."""
-  total, count = loss_sums(eval_fn, setup, params, data.val_batches(max_batches))
+  """Mean validation loss in nats per token over up to ``max_batches`` global batches (0: all)."""
+  rows = local_batch_rows(setup.batch_sharding, data.batch_size)
+  total, count = loss_sums(eval_fn, setup, params, data.val_batches(max_batches, rows))
   return total / max(count, 1.0)
 
 
@@ -96,9 +97,8 @@ def _load_source(cfg: Config, mesh) -> tuple[RunSetup | None, dict | None]:
   """The ``train.init_from`` run (uptraining source and distillation teacher), its parameters on ``mesh``."""
   if not cfg.train.init_from:
     return None, None
-  _, src_setup, src_params, _ = load_run(cfg.train.init_from)
-  shardings = parallel.param_shardings(src_setup.abstract_params, mesh)
-  return src_setup, jax.device_put(src_params, shardings)
+  _, src_setup, src_params, _ = load_run(cfg.train.init_from, mesh)
+  return src_setup, src_params
 
 
 def train(cfg: Config, *, mesh=None, stop_after: int | None = None) -> dict[str, Any]:
@@ -137,9 +137,11 @@ def train(cfg: Config, *, mesh=None, stop_after: int | None = None) -> dict[str,
   stage_start = meta.get("stage_start", 0)  # the step the current stage's learning-rate schedule started at
   source, source_params = _load_source(cfg, mesh)
   setup = setup_run(cfg, mesh, trainable_for(cfg, stage), start_step=stage_start)
-  (run_dir / "config.yaml").write_text(to_yaml(cfg))
+  if distributed.is_primary():
+    (run_dir / "config.yaml").write_text(to_yaml(cfg))
 
-  data_iter = data.train_iter()
+  rows = local_batch_rows(setup.batch_sharding, tcfg.batch_size)
+  data_iter = data.train_iter(rows)
   if latest is not None and meta.get(PARAMS_ONLY):  # a converted model (convert/run_dir.py): a fresh optimizer
     state = state_from_params(setup, ckpt.restore_params(latest, abstract_state(setup)["params"]), latest)
   elif latest is not None:

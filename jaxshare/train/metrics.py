@@ -70,28 +70,45 @@ def resolve_peak(configured_tflops: float, num_devices: int, dtype: str) -> Peak
   return None
 
 
+def _records_up_to(text: str, step: int) -> list[str]:
+  """The lines of a ``metrics.jsonl`` with ``step <= step``; a torn last line (a write cut off by a kill) is dropped."""
+  kept = []
+  for line in text.splitlines():
+    try:
+      record = json.loads(line)
+    except json.JSONDecodeError:
+      continue
+    if isinstance(record, dict) and record.get("step", step + 1) <= step:
+      kept.append(line)
+  return kept
+
+
 class MetricsLogger:
   """Writes one JSON object per logged step to ``metrics.jsonl`` plus TensorBoard scalars; prints log lines.
 
-  On resume, records past the restored step (written after the last checkpoint of an interrupted run) are dropped
-  so the file holds one consistent curve.
+  Only process 0 of a multi-host run writes or prints anything (the others hold the same replicated metrics). On
+  resume, records past the restored step (written after the last checkpoint of an interrupted run) are dropped so
+  the file holds one consistent curve.
   """
 
   def __init__(self, run_dir: str | Path, total_steps: int, start_step: int, progress_bar: bool):
     self.run_dir = Path(run_dir)
     self.path = self.run_dir / "metrics.jsonl"
+    self._primary = jax.process_index() == 0
+    self._file = self._tb = self._bar = None
+    if not self._primary:
+      return
     if self.path.exists():
-      kept = [ln for ln in self.path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= start_step]
-      self.path.write_text("".join(ln + "\n" for ln in kept))
+      self.path.write_text("".join(ln + "\n" for ln in _records_up_to(self.path.read_text(), start_step)))
     self._file = self.path.open("a")
     from tensorboardX import SummaryWriter  # import here: pulls protobuf, only needed for a real run
 
     self._tb = SummaryWriter(str(self.run_dir / "tensorboard"))
     self._bar = tqdm(total=total_steps, initial=start_step, disable=not progress_bar, dynamic_ncols=True,
-                     unit="step", leave=False) if jax.process_index() == 0 else None
+                     unit="step", leave=False)
 
   def write(self, record: dict[str, Any]) -> None:
-    if jax.process_index() != 0:
+    if not self._primary:
       return
     self._file.write(json.dumps(record) + "\n")
     self._file.flush()
@@ -101,9 +118,9 @@ class MetricsLogger:
     self._tb.flush()
 
   def print(self, line: str) -> None:
-    if jax.process_index() != 0:
+    if not self._primary:
       return
-    if self._bar is not None and not self._bar.disable:
+    if not self._bar.disable:
       self._bar.write(line)
     else:
       print(line, flush=True)
@@ -115,7 +132,8 @@ class MetricsLogger:
         self._bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
 
   def close(self) -> None:
-    if self._bar is not None:
-      self._bar.close()
+    if not self._primary:
+      return
+    self._bar.close()
     self._file.close()
     self._tb.close()

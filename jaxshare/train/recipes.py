@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import jax
 
+from jaxshare import distributed
 from jaxshare.config import Config, ConfigError
 from jaxshare.headwise import POSTSHARE_PAIRS_FILE, dense_kernels, direct_share, load_pairs, save_pairs
 from jaxshare.schedule import tied_head_count
@@ -67,9 +67,9 @@ def build_objective(cfg: Config, setup: RunSetup, teacher: RunSetup | None, teac
     else:
       source = (teacher_params, teacher.schedule) if teacher is not None else (initial_params(setup, t.seed),
                                                                                setup.schedule)
-      weights = dense_kernels(jax.device_get(source[0]), source[1], cfg.model.num_layers)
+      weights = dense_kernels(distributed.to_host(source[0]), source[1], cfg.model.num_layers)
       ties = direct_share(weights, tied_head_count(cfg.model, t.postshare_ratio), cfg.schedule.headwise.match)
-      if jax.process_index() == 0:
+      if distributed.is_primary():
         save_pairs(path, ties, cfg.schedule.headwise.match, t.postshare_ratio)
       pairs = ties.pairs
   return Objective(kd_beta=t.kd_beta, kd_delta=t.kd_delta, kd_layers=kd_layers,

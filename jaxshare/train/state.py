@@ -13,7 +13,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxshare import accounting, parallel
+from jaxshare import accounting, distributed, parallel
 from jaxshare.config import Config, ConfigError, MeshConfig, config_from_yaml_text
 from jaxshare.headwise import (POSTSHARE_PAIRS_FILE, HeadTies, dense_kernels, direct_share, load_pairs,
                                ties_from_pairs, tied_params_from_dense)
@@ -40,7 +40,7 @@ def dense_counterpart(cfg: Config) -> tuple[Config, Schedule]:
   return dense, compile_schedule(dense.model, dense.schedule)
 
 
-def compute_ties(cfg: Config, schedule: Schedule, seed: int) -> HeadTies | None:
+def compute_ties(cfg: Config, schedule: Schedule, seed: int, mesh: Mesh | None = None) -> HeadTies | None:
   """DirectShare's head ties (None without head-wise sharing), selected on the dense model the run starts from:
   ``train.init_from`` when set (uptraining), else the dense model initialised from ``seed``. A PostShare run as
   ``init_from`` gives exactly the pairs its penalty pulled together (each component's representative chosen on its
@@ -57,11 +57,11 @@ def compute_ties(cfg: Config, schedule: Schedule, seed: int) -> HeadTies | None:
     params = nnx.to_pure_dict(nnx.state(build_model(dense_cfg, dense_schedule, seed), nnx.Param))
     return direct_share(dense_kernels(params, dense_schedule, cfg.model.num_layers), schedule.tied_heads,
                         cfg.schedule.headwise.match)
-  _, src_setup, params, _ = load_run(cfg.train.init_from)
+  _, src_setup, params, _ = load_run(cfg.train.init_from, mesh)
   if src_setup.schedule.kind != "dense":
     raise ConfigError(f"train.init_from={cfg.train.init_from!r} has schedule {src_setup.schedule.kind!r}: "
                       "head-wise sharing is selected on a dense MHA model")
-  weights = dense_kernels(params, src_setup.schedule, cfg.model.num_layers)
+  weights = dense_kernels(distributed.to_host(params), src_setup.schedule, cfg.model.num_layers)
   pairs_file = locate(cfg.train.init_from)[0] / POSTSHARE_PAIRS_FILE
   if not pairs_file.exists():
     return direct_share(weights, schedule.tied_heads, cfg.schedule.headwise.match)
@@ -126,7 +126,7 @@ def setup_run(cfg: Config, mesh: Mesh | None = None, trainable: tuple[str, ...] 
   """
   schedule = compile_schedule(cfg.model, cfg.schedule)
   mesh = mesh or parallel.make_mesh(cfg.mesh)
-  ties = ties if ties is not None else compute_ties(cfg, schedule, cfg.train.seed)
+  ties = ties if ties is not None else compute_ties(cfg, schedule, cfg.train.seed, mesh)
   abstract_model = nnx.eval_shape(lambda: build_model(cfg, schedule, 0, ties))
   graphdef, abstract_params = nnx.split(abstract_model, nnx.Param)
   p_shard = parallel.param_shardings(abstract_params, mesh)
@@ -211,6 +211,24 @@ def abstract_state(setup: RunSetup) -> Any:
                       setup.state_shardings)
 
 
+def local_batch_rows(sharding: NamedSharding, batch_size: int) -> slice:
+  """The rows of a ``[batch_size, ...]`` global batch that this process's devices hold under ``sharding``: what
+  this process must feed (:class:`~jaxshare.data.Datasets` reads only those).
+
+  Raises:
+    ConfigError: the rows are not one contiguous block of ``batch_size / process_count`` (a mesh whose batch axes do
+      not follow the processes' devices).
+  """
+  spans = {idx[0].indices(batch_size)[:2] for idx in sharding.addressable_devices_indices_map((batch_size,)).values()}
+  start, stop = min(a for a, _ in spans), max(b for _, b in spans)
+  covered = set().union(*(range(a, b) for a, b in spans))
+  if covered != set(range(start, stop)) or (stop - start) * jax.process_count() != batch_size:
+    raise ConfigError(f"this process's devices hold batch rows {sorted(spans)} of {batch_size}: the mesh's batch axes "
+                      f"(data, fsdp) must give each of the {jax.process_count()} processes one contiguous block; put "
+                      "the process split on mesh.dcn_data or on the data/fsdp sizes")
+  return slice(start, stop)
+
+
 def shard_batch(setup: RunSetup, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
   """Assemble this process's numpy batch into global arrays sharded over the batch axes."""
   if jax.process_count() == 1:  # one transfer call for the whole batch: ~10x less host time than assembling per array
@@ -233,8 +251,13 @@ def locate(path: str | Path) -> tuple[Path, int | None]:
                     "(<run_dir>/checkpoints/<step>)")
 
 
-def load_run(path: str | Path) -> tuple[Config, RunSetup, dict, int]:
-  """Load a run directory (latest checkpoint) or checkpoint step directory on one device.
+def load_run(path: str | Path, mesh: Mesh | None = None) -> tuple[Config, RunSetup, dict, int]:
+  """Load a run directory (latest checkpoint) or checkpoint step directory.
+
+  Args:
+    mesh: where the parameters land, sharded by the logical rules. Default: one device in a single-process run
+      (evaluation, conversion); every device, fully sharded over ``fsdp``, in a multi-process one (a device of one
+      process is not addressable from the others).
 
   Returns:
     ``(config, run setup, params pure dict, step)``.
@@ -244,13 +267,15 @@ def load_run(path: str | Path) -> tuple[Config, RunSetup, dict, int]:
   """
   run_dir, step = locate(path)
   cfg: Config = config_from_yaml_text((run_dir / "config.yaml").read_text())
-  cfg.mesh = MeshConfig()
+  if mesh is None:
+    cfg.mesh = MeshConfig() if jax.process_count() == 1 else MeshConfig(fsdp=-1)
+    mesh = parallel.make_mesh(cfg.mesh, jax.devices()[:1] if jax.process_count() == 1 else None)
   ckpt = Checkpointer(run_dir / "checkpoints", cfg.train.keep_checkpoints)
   step = ckpt.latest_step() if step is None else step
   if step is None:
     raise CheckpointError(f"run directory {str(run_dir)!r} has no checkpoint yet")
   stage = ckpt.read_meta(step).get("stage", 0)
-  setup = setup_run(cfg, parallel.make_mesh(cfg.mesh, jax.devices()[:1]), trainable_for(cfg, stage))
+  setup = setup_run(cfg, mesh, trainable_for(cfg, stage))
   params = ckpt.restore_params(step, abstract_state(setup)["params"])
   ckpt.close()
   return cfg, setup, params, int(step)

@@ -1,0 +1,141 @@
+"""Scale-out on fake CPU devices: every mesh trains like one device for every schedule family, a checkpoint written
+on one mesh resumes on another, and two processes joined by ``jax.distributed`` on localhost (CPU collectives)
+train and resume exactly like one process."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from conftest import REPO, TINY, tiny_config
+from jaxshare import parallel
+from jaxshare.config import ConfigError, MeshConfig
+from jaxshare.data import Datasets
+from jaxshare.train.loop import jit_train_step, train
+from jaxshare.train.state import init_state, local_batch_rows, setup_run, shard_batch
+from jaxshare.train.step import Objective
+
+SCHEDULES = {
+  "dense": [],
+  "cla": ["schedule.kind=cla"],
+  "mlkv": ["schedule.kind=mlkv", "schedule.kv_layers=2", "schedule.kv_heads=2"],
+  "uniattn": ["schedule.kind=uniattn", "schedule.uniattn.block_size=2"],
+  "lisa_plus": ["schedule.kind=lisa_plus", "schedule.lisa.layers=[2,3]"],
+  "cla+uniattn": ["schedule.kind=cla+uniattn", "schedule.producers=[0,2,3]", "schedule.uniattn.start=2",
+                  "schedule.uniattn.block_size=2"],
+}
+MESHES = {"dp8": MeshConfig(data=8), "fsdp8": MeshConfig(fsdp=8), "fsdp4_tensor2": MeshConfig(fsdp=4, tensor=2),
+          "data2_fsdp2_tensor2": MeshConfig(data=2, fsdp=2, tensor=2)}
+
+
+def three_step_losses(cfg, mesh, batches):
+  setup = setup_run(cfg, mesh)
+  state = init_state(setup)
+  step = jit_train_step(setup, Objective(), None)
+  losses = []
+  with jax.set_mesh(setup.mesh):
+    for b in batches:
+      state, m = step(state, shard_batch(setup, b), None)
+      losses.append(float(m["loss"]))
+  return losses, setup
+
+
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+def test_every_mesh_trains_like_one_device(schedule, batches):
+  assert len(jax.devices()) == 8
+  cfg = tiny_config(*SCHEDULES[schedule])
+  ref, _ = three_step_losses(cfg, parallel.make_mesh(MeshConfig(), jax.devices()[:1]), batches)
+  for name, mesh_cfg in MESHES.items():
+    losses, setup = three_step_losses(cfg, parallel.make_mesh(mesh_cfg), batches)
+    np.testing.assert_allclose(losses, ref, rtol=1e-5, err_msg=f"{schedule} on {name}")
+    if mesh_cfg.fsdp == 8:  # the parameters really are sharded
+      specs = jax.tree.leaves(jax.tree.map(lambda s: s.spec, setup.param_shardings),
+                              is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+      assert any("fsdp" in str(s) for s in specs)
+
+
+def test_batch_rows_follow_the_devices():
+  mesh = parallel.make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
+  setup = setup_run(tiny_config(), mesh)
+  assert local_batch_rows(setup.batch_sharding, 8) == slice(0, 8)  # one process holds every row
+  # the block of process p out of P is the same rows of the same global batches
+  cfg = tiny_config()
+  whole = next(Datasets(cfg.data, 8, process_index=0, process_count=1).train_iter())
+  halves = [next(Datasets(cfg.data, 8, process_index=p, process_count=2).train_iter()) for p in range(2)]
+  for k in whole:
+    np.testing.assert_array_equal(np.concatenate([h[k] for h in halves]), whole[k])
+
+
+def test_hybrid_mesh_needs_slices():
+  with pytest.raises(ConfigError, match=r"mesh.dcn_\*: 2 slices requested, but the devices come from 1 slice"):
+    parallel.make_mesh(MeshConfig(fsdp=-1, dcn_data=2))
+  with pytest.raises(ConfigError, match="must fill all 4"):
+    parallel.make_mesh(MeshConfig(fsdp=2, dcn_data=2), jax.devices()[:8])
+
+
+def _losses(run_dir):
+  return [json.loads(ln)["loss"] for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+# Constant learning rate after one warm-up step, so that a run stopped at step 3 and resumed with train.steps=6 follows
+# the same curve as 6 straight steps; every step logged.
+RESUMABLE = TINY + ["train.warmup_steps=1", "train.min_lr_ratio=1.0", "train.log_every=1", "train.eval_every=0",
+                    "train.checkpoint_every=3", "schedule.kind=cla"]
+
+
+@pytest.fixture(scope="module")
+def one_process_curve(tmp_path_factory):
+  """6 steps in this process on the same global mesh the two-process run builds (data 2 x fsdp 4)."""
+  from jaxshare.config import load_config
+
+  run_dir = tmp_path_factory.mktemp("one") / "run"
+  cfg = load_config(None, RESUMABLE + ["train.steps=6", f"train.run_dir={run_dir}", "mesh.data=2", "mesh.fsdp=4"])
+  train(cfg)
+  return _losses(run_dir)
+
+
+def test_checkpoint_resumes_on_another_mesh(one_process_curve, tmp_path):
+  from jaxshare.config import load_config
+
+  run = [*RESUMABLE, f"train.run_dir={tmp_path / 'run'}"]
+  train(load_config(None, run + ["train.steps=3", "mesh.fsdp=8"]))
+  train(load_config(None, run + ["train.steps=6", "mesh.data=2", "mesh.tensor=4"]))
+  np.testing.assert_allclose(_losses(tmp_path / "run"), one_process_curve, rtol=1e-5)
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("localhost", 0))
+    return s.getsockname()[1]
+
+
+def _two_processes(run_dir, *overrides, timeout=300):
+  """``train.py`` as two processes of 4 CPU devices each, joined through a coordinator on localhost."""
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+  port = _free_port()
+  procs = [subprocess.Popen(
+    [sys.executable, "train.py", "--no-eval", *RESUMABLE, f"train.run_dir={run_dir}", "mesh.fsdp=4", "mesh.dcn_data=2",
+     f"distributed.coordinator_address=localhost:{port}", "distributed.num_processes=2", f"distributed.process_id={i}",
+     *overrides], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+  outs = [p.communicate(timeout=timeout)[0] for p in procs]
+  for p, out in zip(procs, outs):
+    assert p.returncode == 0, out[-3000:]
+  return outs
+
+
+@pytest.mark.slow
+def test_two_processes_train_and_resume_like_one(one_process_curve, tmp_path):
+  run_dir = tmp_path / "run"
+  first = _two_processes(run_dir, "train.steps=3")
+  assert "mesh {'data': 2, 'fsdp': 4, 'tensor': 1} (8 cpu)" in first[0]
+  assert "jaxshare |" not in first[1] and "training summary" not in first[1]  # only process 0 logs
+  assert {"process_0-of-2.json", "process_1-of-2.json"} <= {p.name for p in (run_dir / "checkpoints" / "3" / "data").iterdir()}
+  _two_processes(run_dir, "train.steps=6")
+  losses = _losses(run_dir)
+  assert [json.loads(ln)["step"] for ln in (run_dir / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4, 5, 6]
+  np.testing.assert_allclose(losses, one_process_curve, rtol=1e-5)
