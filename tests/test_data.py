@@ -158,3 +158,24 @@ def test_data_dir_resolution(tmp_path, monkeypatch):
   monkeypatch.setenv("JAXSHARE_DATA_DIR", str(tmp_path))
   assert load_documents(DataConfig(path="c.txt")) == ["x" * 2000]
   assert ByteTokenizer().decode(ByteTokenizer().encode("héllo")) == "héllo"
+
+
+def test_token_cache_is_built_once_and_memory_mapped(tmp_path):
+  text = tmp_path / "corpus.txt"
+  text.write_text("To be, or not to be: that is the question.\n" * 40)
+  cache = tmp_path / "cache"
+  cfg = cfg_for(text, seq_len=16, token_cache=str(cache))
+  first = Datasets(cfg, 2)
+  (key,) = [p for p in cache.iterdir() if p.is_dir()]
+  built = {p.name: p.stat().st_mtime_ns for p in key.iterdir()}
+  assert set(built) == {"tokens.npy", "doc_ids.npy", "positions.npy"}
+  second = Datasets(cfg, 2)
+  assert isinstance(second.stream.tokens, np.memmap)  # read from the cache, not tokenized again
+  assert {p.name: p.stat().st_mtime_ns for p in key.iterdir()} == built
+  uncached = Datasets(cfg_for(text, seq_len=16, token_cache="off"), 2)
+  for a, b in ((first, uncached), (second, uncached)):
+    for name in ("tokens", "doc_ids", "positions"):
+      np.testing.assert_array_equal(getattr(a.stream, name), getattr(b.stream, name))
+  text.write_text("Something else entirely.\n" * 40)  # a changed source gets its own entry
+  Datasets(cfg, 2)
+  assert len([p for p in cache.iterdir() if p.is_dir()]) == 2
