@@ -17,6 +17,7 @@ Sweep file (YAML):
                                                        #   data order, data.shuffle_seed, is the same for all)
   variants: {gqa_8: [schedule.kind=gqa, schedule.kv_heads=2], ...}   # named override lists
   grid: {schedule.kv_heads: [1, 2], schedule.factor: [1, 2]}         # crossed; names like kv_heads=1,factor=2
+  series: {within layers: [mha_16, gqa_8]}             # optional: plot colours (default: a grid's first key)
 
 Runs are the named variants followed by the grid's points, each for every seed. A run whose latest checkpoint is at
 train.steps and whose evaluation is cached in <run_dir>/eval.json is skipped; an interrupted run resumes (train.py
@@ -55,7 +56,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # run as a script from anywhere: jaxshare is importable without an install
   sys.path.insert(0, str(REPO))
 
-SPEC_KEYS = ("experiment", "run_root", "base", "seeds", "variants", "grid")
+SPEC_KEYS = ("experiment", "run_root", "base", "seeds", "variants", "grid", "series")
 FIELDS = ("variant", "seed", "status", "val_loss", "bits_per_byte", "perplexity", "kv_bytes_per_token_bf16",
           "kv_bytes_per_token", "num_params", "step", "schedule", "run_dir", "error")
 LAUNCHERS = {"slurm": "scripts/launch_slurm.sh", "tpu": "scripts/launch_tpu_pod.sh"}
@@ -235,6 +236,15 @@ def load_sweep(path: str | Path) -> Sweep:
     if not NAME_RE.match(name):
       raise SweepError(f"{path}: variant name {name!r} is invalid: it names a directory, so it must start with a "
                        "letter or digit and hold only letters, digits and . _ = , + -")
+  groups = spec.get("series") or {}
+  if not isinstance(groups, dict) or not all(isinstance(v, list) for v in groups.values()):
+    raise SweepError(f"{path}: 'series' must map a plot label to a list of variant names, got {groups!r}")
+  for label, names in groups.items():
+    for name in names:
+      if str(name) not in variants:
+        raise SweepError(f"{path}: series.{label} names {name!r}, which is not a variant; known: "
+                         f"{', '.join(variants)}")
+      series[str(name)] = str(label)
   seeds = spec.get("seeds")
   if seeds is not None:
     if (not isinstance(seeds, list) or not seeds or not all(type(s) is int for s in seeds)
@@ -404,8 +414,8 @@ def device_groups(parallel: int, devices: str | None, platform: str) -> list[Dev
   if parallel == 1 and not devices:
     return [DeviceGroup()]
   ids = [d.strip() for d in devices.split(",") if d.strip()] if devices else available_devices(platform)
-  if platform == "cpu" and not devices and not shutil.which("taskset"):
-    return [DeviceGroup() for _ in range(parallel)]  # N unconfined processes share the cores
+  if platform == "cpu" and not devices and (len(ids) < parallel or not shutil.which("taskset")):
+    return [DeviceGroup() for _ in range(parallel)]  # more runs than cores: N unconfined processes share them
   return [group_env(platform, g, i) for i, g in enumerate(split_devices(ids, parallel, platform))]
 
 
@@ -425,15 +435,18 @@ def eval_args(run: Run) -> list[str]:
   return [sys.executable, "eval.py", str(run.run_dir), "--json", "--sample-tokens", "0"]
 
 
-def _call(group: DeviceGroup, args: list[str], log: Path) -> tuple[int, str]:
-  """Run a command with the group's devices, appending its output to ``log``; ``(exit code, stdout)``."""
-  env = {**os.environ, **dict(group.env)}
+def _call(group: DeviceGroup, args: list[str], log: Path, capture: bool = False) -> tuple[int, str]:
+  """Run a command with the group's devices, appending its output to ``log`` as it comes (``tail -f`` follows a
+  run); with ``capture`` stdout is returned instead and appended at the end. ``(exit code, stdout)``."""
+  env = {**os.environ, **dict(group.env), "PYTHONUNBUFFERED": "1"}
   with log.open("a") as f:
     f.write(f"\n== {time.strftime('%Y-%m-%d %H:%M:%S')} {_command(group, args)}\n")
     f.flush()
-    proc = subprocess.run([*group.prefix, *args], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=f, text=True)
-    f.write(proc.stdout)
-  return proc.returncode, proc.stdout
+    proc = subprocess.run([*group.prefix, *args], cwd=REPO, env=env, stdout=subprocess.PIPE if capture else f,
+                          stderr=f, text=True)
+    if capture:
+      f.write(proc.stdout)
+  return proc.returncode, proc.stdout or ""
 
 
 def execute(sweep: Sweep, run: Run, steps: int, group: DeviceGroup, evaluate_only: bool = False) -> dict:
@@ -453,7 +466,7 @@ def execute(sweep: Sweep, run: Run, steps: int, group: DeviceGroup, evaluate_onl
     reached = latest_step(run.run_dir)
     if reached != steps:
       return _row(run, "failed", error=f"training stopped at step {reached} of {steps}")
-  code, out = _call(group, eval_args(run), log)
+  code, out = _call(group, eval_args(run), log, capture=True)
   lines = [ln for ln in out.splitlines() if ln.startswith("{")]
   if code != 0 or not lines:
     return failed(f"eval.py exit {code}")
@@ -583,27 +596,41 @@ class Results:
 # ------------------------------------------------------------------------------------------------------ launching
 
 
-def _slug(text: str) -> str:
-  return re.sub(r"-+", "-", re.sub(r"[^a-z0-9-]", "-", text.lower())).strip("-")
+# Launcher flags the sweep sets itself (the run's name, place and experiment) or that would break a sweep: --detach
+# would start every run at once on the same TPU VM (without it each launch returns when its run ends, so the runs
+# go through the pod one after another), and the launchers' own --dry-run is the sweep's --dry-run.
+RESERVED_LAUNCHER_FLAGS = ("--run-name", "--run-root", "--config", "--dry-run", "--detach")
+
+
+def job_name(sweep: Sweep, run: Run) -> str:
+  """The launcher's --run-name: ``<sweep>-<variant>-s<seed>`` in the characters the launchers take (letters,
+  digits, '.', '_', '-'); it names the Slurm job, and on TPU the run's directory in the bucket."""
+  name = f"{sweep.path.stem}-{run.variant}" + ("" if run.seed is None else f"-s{run.seed}")
+  return re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("._-")
 
 
 def launcher_command(kind: str, sweep: Sweep, run: Run, launcher_args: list[str]) -> list[str]:
-  """The launcher invocation that trains ``run`` remotely.
+  """The launcher invocation that trains ``run`` remotely (scripts/launch_slurm.sh, scripts/launch_tpu_pod.sh).
 
-  slurm: the run directory is on the cluster's shared filesystem at the sweep's own layout (--run-root is the
-  variant's directory, --name the seed's, and train.run_dir says the same explicitly). tpu: the launcher puts the
-  run in its bucket under --name (``<sweep>-<variant>-s<seed>``); copy it back to the layout to --collect it.
+  slurm: the run directory stays at the sweep's layout on the cluster's shared filesystem: overrides after ``--``
+  win over the launcher's own, so ``train.run_dir`` sets it (``--run-root`` is the sweep's run_root for the
+  launcher's default). tpu: the run directory is ``<bucket>/<job name>`` (every worker must write to it); copy it
+  back into the layout to --collect it.
   """
   script = str(REPO / LAUNCHERS[kind])
+  name = job_name(sweep, run)
   if kind == "slurm":
-    return [script, "--name", run.run_dir.name, "--run-root", str(run.run_dir.parent), *launcher_args,
+    return [script, "--run-name", name, "--run-root", str(sweep.run_root), *launcher_args,
             "--config", sweep.experiment, "--", *run.train_overrides()]
-  return [script, "--name", tpu_name(sweep, run), *launcher_args, "--config", sweep.experiment, "--",
-          *run.overrides]
+  return [script, "--run-name", name, *launcher_args, "--config", sweep.experiment, "--", *run.overrides]
 
 
-def tpu_name(sweep: Sweep, run: Run) -> str:
-  return _slug(f"{sweep.path.stem}-{run.variant}" + ("" if run.seed is None else f"-s{run.seed}"))
+def check_launcher_args(launcher_args: list[str]) -> None:
+  """Raises SweepError for a flag in RESERVED_LAUNCHER_FLAGS."""
+  for a in launcher_args:
+    if a.split("=", 1)[0] in RESERVED_LAUNCHER_FLAGS:
+      raise SweepError(f"--launcher-args: {a.split('=', 1)[0]} is set by the sweep for each run (not allowed: "
+                       f"{', '.join(RESERVED_LAUNCHER_FLAGS)})")
 
 
 def _bucket(launcher_args: list[str]) -> str | None:
@@ -668,6 +695,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.check:
       return _check(sweep, runs)
     launcher_args = shlex.split(args.launcher_args)
+    check_launcher_args(launcher_args)
     groups = [] if args.launch or args.collect else device_groups(args.parallel, args.devices, args.platform)
     if args.launch and not args.dry_run and not (REPO / LAUNCHERS[args.launch]).is_file():
       raise SweepError(f"--launch {args.launch}: {LAUNCHERS[args.launch]} is not there")
@@ -730,7 +758,7 @@ def main(argv: list[str] | None = None) -> int:
       print(f"submitted {len(todo) - failures} runs; when they finish: python scripts/sweep.py {args.sweep} --collect")
       if args.launch == "tpu":
         print("(first copy each TPU run into the sweep's layout, e.g. "
-              + "; ".join(f"gcloud storage rsync -r {bucket or 'gs://BUCKET/runs'}/{tpu_name(sweep, run)} "
+              + "; ".join(f"gcloud storage rsync -r {(bucket or 'gs://BUCKET/PATH').rstrip('/')}/{job_name(sweep, run)} "
                           f"{_rel(run.run_dir)}" for run, _ in todo[:2]) + ("; ..." if len(todo) > 2 else "") + ")")
     if done:
       results.add(done)
@@ -793,12 +821,16 @@ def _train_all(sweep: Sweep, todo: list[tuple[Run, int]], groups: list[DeviceGro
     finally:
       free.put(group)
 
-  with concurrent.futures.ThreadPoolExecutor(max_workers=len(groups)) as pool:
+  pool = concurrent.futures.ThreadPoolExecutor(max_workers=len(groups))
+  try:
     futures = [pool.submit(work, i, run, steps) for i, (run, steps) in enumerate(todo, 1)]
     for f in futures:
       row = f.result()
       done.append(row)
       failures += row["status"] != "ok"
+  finally:
+    # On Ctrl-C the runs in flight got the SIGINT too and save a checkpoint; start no queued one meanwhile.
+    pool.shutdown(wait=True, cancel_futures=True)
   return failures
 
 

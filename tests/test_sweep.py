@@ -3,6 +3,7 @@
 
 import csv
 import shlex
+import subprocess
 import sys
 from pathlib import Path
 
@@ -61,6 +62,7 @@ def test_seeds_give_one_run_each_in_its_own_directory(tmp_path):
   ("variant:\n  dense: []\n", "unknown key(s) variant; allowed: experiment"),
   ("", "needs 'variants'"),
   ("variants:\n  a/b: []\n", "variant name 'a/b' is invalid"),
+  ("variants:\n  dense: []\nseries:\n  MHA: [dens]\n", "series.MHA names 'dens', which is not a variant"),
 ])
 def test_malformed_sweep_files_name_the_key(tmp_path, capsys, body, message):
   assert sweep.main([str(_spec(tmp_path, body))]) == 2
@@ -137,20 +139,27 @@ def test_device_groups_split_devices_per_platform():
 
 
 def test_launch_slurm_dry_run_prints_one_launcher_command_per_run(tmp_path, capsys):
-  spec = _spec(tmp_path, "seeds: [0, 1]\nvariants:\n  dense: []\n  cla2: [schedule.kind=cla]\n")
+  spec = _spec(tmp_path, "seeds: [0, 1]\nvariants:\n  dense: []\ngrid:\n  schedule.factor: [2]\n")
   assert sweep.main([str(spec), "--launch", "slurm", "--dry-run", "--launcher-args",
                      "--nodes 1 --gpus-per-node 8"]) == 0
   lines = capsys.readouterr().out.strip().splitlines()
   assert len(lines) == 4
-  for line, (variant, seed) in zip(lines, [("dense", 0), ("dense", 1), ("cla2", 0), ("cla2", 1)]):
+  for line, (variant, seed) in zip(lines, [("dense", 0), ("dense", 1), ("factor=2", 0), ("factor=2", 1)]):
     args = shlex.split(line)
     assert args[0].endswith("scripts/launch_slurm.sh")
-    assert args[args.index("--name") + 1] == f"seed{seed}"
-    assert args[args.index("--run-root") + 1] == str(tmp_path / "runs" / variant)
+    assert args[args.index("--run-name") + 1] == f"sweep-{variant.replace('=', '_')}-s{seed}"
     assert args[args.index("--nodes") + 1] == "1" and args[args.index("--gpus-per-node") + 1] == "8"
     overrides = args[args.index("--") + 1:]
-    assert f"train.seed={seed}" in overrides and overrides[-1] == f"train.run_dir={tmp_path / 'runs' / variant}/seed{seed}"
+    run_dir = tmp_path / "runs" / variant / f"seed{seed}"
+    assert f"train.seed={seed}" in overrides and overrides[-1] == f"train.run_dir={run_dir}"
   assert not (tmp_path / "runs").exists()  # nothing ran, nothing written
+  launcher = REPO / sweep.LAUNCHERS["slurm"]
+  if launcher.is_file():  # the launcher takes the command: its batch script trains in the sweep's run directory
+    args = shlex.split(lines[-1])
+    out = subprocess.run(["bash", args[0], "--dry-run", *args[1:]], capture_output=True, text=True, check=True).stdout
+    assert f"train.run_dir={run_dir}" in out.replace("\\", "")
+  assert sweep.main([str(spec), "--launch", "slurm", "--launcher-args", "--run-name x"]) == 2
+  assert "--run-name is set by the sweep" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------------------------------------ end to end
