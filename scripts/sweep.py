@@ -11,7 +11,7 @@ Usage:
 
 Sweep file (YAML):
   experiment: configs/experiments/sharing_base.yaml   # train.py --config
-  run_root: runs/mlkv_ladder                           # run dirs: <run_root>/<variant>/seed<S> (<variant> without seeds)
+  run_root: runs/mlkv_ladder                           # runs: <run_root>/<variant>/seed<S> (<variant> without seeds)
   base: [train.steps=400]                              # optional: overrides of every run (first)
   seeds: [0, 1]                                        # optional: one run per seed, train.seed=S (init only; the
                                                        #   data order, data.shuffle_seed, is the same for all)
@@ -599,7 +599,11 @@ class Results:
 # Launcher flags the sweep sets itself (the run's name, place and experiment) or that would break a sweep: --detach
 # would start every run at once on the same TPU VM (without it each launch returns when its run ends, so the runs
 # go through the pod one after another), and the launchers' own --dry-run is the sweep's --dry-run.
-RESERVED_LAUNCHER_FLAGS = ("--run-name", "--run-root", "--config", "--dry-run", "--detach")
+RESERVED_LAUNCHER_FLAGS = {
+  "--run-name": "the sweep names each run", "--run-root": "the sweep places each run",
+  "--config": "the sweep file's experiment is passed", "--dry-run": "use the sweep's own --dry-run",
+  "--detach": "it would start every run at once on the same TPU VM",
+}
 
 
 def job_name(sweep: Sweep, run: Run) -> str:
@@ -628,9 +632,10 @@ def launcher_command(kind: str, sweep: Sweep, run: Run, launcher_args: list[str]
 def check_launcher_args(launcher_args: list[str]) -> None:
   """Raises SweepError for a flag in RESERVED_LAUNCHER_FLAGS."""
   for a in launcher_args:
-    if a.split("=", 1)[0] in RESERVED_LAUNCHER_FLAGS:
-      raise SweepError(f"--launcher-args: {a.split('=', 1)[0]} is set by the sweep for each run (not allowed: "
-                       f"{', '.join(RESERVED_LAUNCHER_FLAGS)})")
+    flag = a.split("=", 1)[0]
+    if flag in RESERVED_LAUNCHER_FLAGS:
+      raise SweepError(f"--launcher-args: {flag} is not allowed ({RESERVED_LAUNCHER_FLAGS[flag]}); refused: "
+                       f"{', '.join(RESERVED_LAUNCHER_FLAGS)}")
 
 
 def _bucket(launcher_args: list[str]) -> str | None:
@@ -747,19 +752,7 @@ def main(argv: list[str] | None = None) -> int:
   todo = [(run, steps) for run, steps, error in pending if not error]
 
   if args.launch:
-    bucket = _bucket(launcher_args)
-    for run, _ in todo:
-      cmd = launcher_command(args.launch, sweep, run, launcher_args)
-      print(shlex.join(cmd), flush=True)
-      if subprocess.run(cmd, cwd=REPO).returncode != 0:
-        print(f"{run.label}: FAILED to submit", flush=True)
-        failures += 1
-    if todo:
-      print(f"submitted {len(todo) - failures} runs; when they finish: python scripts/sweep.py {args.sweep} --collect")
-      if args.launch == "tpu":
-        print("(first copy each TPU run into the sweep's layout, e.g. "
-              + "; ".join(f"gcloud storage rsync -r {(bucket or 'gs://BUCKET/PATH').rstrip('/')}/{job_name(sweep, run)} "
-                          f"{_rel(run.run_dir)}" for run, _ in todo[:2]) + ("; ..." if len(todo) > 2 else "") + ")")
+    failures += _launch(args.launch, args.sweep, sweep, [run for run, _ in todo], launcher_args)
     if done:
       results.add(done)
     return 1 if failures else 0
@@ -792,6 +785,25 @@ def main(argv: list[str] | None = None) -> int:
   if failures:
     print(f"{failures} run(s) failed or unfinished; see each run's sweep.log", file=sys.stderr)
   return 1 if failures else 0
+
+
+def _launch(kind: str, sweep_file: str, sweep: Sweep, runs: list[Run], launcher_args: list[str]) -> int:
+  """Submit ``runs`` one launcher call each; returns the number of calls that failed."""
+  failed = 0
+  for run in runs:
+    cmd = launcher_command(kind, sweep, run, launcher_args)
+    _say(shlex.join(cmd))
+    if subprocess.run(cmd, cwd=REPO).returncode != 0:
+      _say(f"{run.label}: FAILED to submit")
+      failed += 1
+  if runs:
+    _say(f"launched {len(runs) - failed} of {len(runs)} runs; when they have finished: "
+         f"python scripts/sweep.py {sweep_file} --collect")
+  if runs and kind == "tpu":
+    bucket = (_bucket(launcher_args) or "gs://BUCKET/PATH").rstrip("/")
+    _say("first copy each TPU run from the bucket into the sweep's layout:",
+         *(f"  gcloud storage rsync -r {bucket}/{job_name(sweep, run)} {_rel(run.run_dir)}" for run in runs))
+  return failed
 
 
 def _train_all(sweep: Sweep, todo: list[tuple[Run, int]], groups: list[DeviceGroup], results: Results,

@@ -3,6 +3,7 @@
 
 import csv
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -159,7 +160,25 @@ def test_launch_slurm_dry_run_prints_one_launcher_command_per_run(tmp_path, caps
     out = subprocess.run(["bash", args[0], "--dry-run", *args[1:]], capture_output=True, text=True, check=True).stdout
     assert f"train.run_dir={run_dir}" in out.replace("\\", "")
   assert sweep.main([str(spec), "--launch", "slurm", "--launcher-args", "--run-name x"]) == 2
-  assert "--run-name is set by the sweep" in capsys.readouterr().err
+  assert "--run-name is not allowed (the sweep names each run)" in capsys.readouterr().err
+
+
+def test_launch_slurm_submits_one_job_per_run(tmp_path, monkeypatch, capsys):
+  if not (REPO / sweep.LAUNCHERS["slurm"]).is_file():
+    pytest.skip("scripts/launch_slurm.sh is not there")
+  bin_dir = tmp_path / "bin"
+  bin_dir.mkdir()
+  (bin_dir / "sbatch").write_text(f"#!/bin/sh\necho \"$1\" >> {tmp_path / 'submitted'}\necho Submitted batch job 1\n")
+  (bin_dir / "sbatch").chmod(0o755)
+  monkeypatch.setenv("PATH", f"{bin_dir}:{sweep.os.environ['PATH']}")
+  spec = _spec(tmp_path, "seeds: [3]\nvariants:\n  dense: []\n  cla2: [schedule.kind=cla]\n")
+  assert sweep.main([str(spec), "--launch", "slurm", "--launcher-args",
+                     f"--nodes 1 --gpus-per-node 1 --log-dir {tmp_path / 'slurm'}"]) == 0
+  scripts = (tmp_path / "submitted").read_text().split()
+  assert [Path(p).name for p in scripts] == ["sweep-dense-s3.sbatch", "sweep-cla2-s3.sbatch"]
+  assert f"train.run_dir={tmp_path / 'runs' / 'cla2' / 'seed3'}" in Path(scripts[1]).read_text()
+  assert "--collect" in capsys.readouterr().out
+  assert not (tmp_path / "runs" / "results.csv").exists()  # nothing finished yet: no rows
 
 
 # ------------------------------------------------------------------------------------------------ end to end
@@ -178,7 +197,7 @@ def swept(tmp_path_factory):
 def test_sweep_trains_evaluates_tabulates_and_plots(swept):
   spec, root, code = swept
   assert code == 0
-  rows = list(csv.DictReader((root / "results.csv").open()))
+  rows = list(csv.DictReader((root / "results.csv").open()))[:2]  # (a later test may add broken's row)
   assert [(r["variant"], r["seed"], r["status"]) for r in rows] == [("dense", "0", "ok"), ("cla2", "0", "ok")]
   assert int(rows[1]["kv_bytes_per_token_bf16"]) * 2 == int(rows[0]["kv_bytes_per_token_bf16"])
   assert all(r["step"] == "2" and float(r["val_loss"]) > 0 for r in rows)
@@ -218,3 +237,20 @@ def test_a_failing_run_is_recorded_and_the_others_kept(swept, capsys):
   md = (root / "results.md").read_text()
   assert "| broken | 0/1 (failed) | — |" in md and "| cla2 | 1/1 |" in md
   assert "FAILED" in capsys.readouterr().out
+
+
+def test_collect_evaluates_finished_runs_and_trains_nothing(swept, tmp_path, capsys):
+  spec, root, _ = swept
+  shutil.copytree(root, tmp_path / "runs")  # a copy: the other tests keep their state
+  (tmp_path / "runs" / "dense" / "seed0" / "eval.json").unlink()  # trained (e.g. on a cluster), not evaluated
+  copy = tmp_path / "sweep.yaml"
+  copy.write_text(spec.read_text().replace(str(root), str(tmp_path / "runs")))
+  capsys.readouterr()
+  assert sweep.main([str(copy), "--collect"]) == 1  # broken never trained: incomplete
+  out = capsys.readouterr().out
+  assert "dense/seed0: evaluating (step 2)" in out and "cla2/seed0: skipped" in out
+  assert "broken/seed0: not finished (step None of 2)" in out
+  rows = {r["variant"]: r for r in csv.DictReader((tmp_path / "runs" / "results.csv").open())}
+  assert [rows[v]["status"] for v in ("dense", "cla2", "broken")] == ["ok", "ok", "incomplete"]
+  assert (tmp_path / "runs" / "dense" / "seed0" / "eval.json").is_file()
+  assert not (tmp_path / "runs" / "broken" / "seed0" / "checkpoints").exists()
