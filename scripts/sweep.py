@@ -501,7 +501,12 @@ def read_results(path: Path) -> tuple[list[dict], list[str]]:
     return [], []
   with path.open(newline="") as f:
     reader = csv.DictReader(f)
-    return list(reader), list(reader.fieldnames or [])
+    rows, columns = list(reader), list(reader.fieldnames or [])
+  if "variant" not in columns and "name" in columns:  # the table of the sweep script before seeds: one run each
+    rows = [{"variant": r["name"], "seed": "", "status": "ok", **{k: v for k, v in r.items() if k != "name"}}
+            for r in rows]
+    columns = [c for c in columns if c != "name"]
+  return rows, columns
 
 
 def merge_rows(existing: list[dict], new: list[dict], order: list[str] | None = None) -> list[dict]:

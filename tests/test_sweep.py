@@ -110,7 +110,12 @@ def test_mean_std_formatting():
   assert sweep.mean_std([2.0, 2.0, 2.0], digits=2) == "2.00 ± 0.00"
 
 
-def test_table_rows_merge_by_variant_and_seed():
+def test_table_rows_merge_by_variant_and_seed(tmp_path):
+  legacy = tmp_path / "results.csv"  # written by the sweep script before seeds: a name column, one run each
+  legacy.write_text("name,val_loss,bits_per_byte,kv_bytes_per_token_bf16,num_params\ndense,1.7,2.4,3072,99\n")
+  assert sweep.read_results(legacy)[0] == [{"variant": "dense", "seed": "", "status": "ok", "val_loss": "1.7",
+                                            "bits_per_byte": "2.4", "kv_bytes_per_token_bf16": "3072",
+                                            "num_params": "99"}]
   old = [{"variant": "a", "seed": "0", "status": "ok"}, {"variant": "b", "seed": "0", "status": "ok"}]
   new = [{"variant": "a", "seed": 0, "status": "failed"}, {"variant": "a", "seed": 1, "status": "ok"}]
   assert [(r["variant"], str(r["seed"]), r["status"]) for r in sweep.merge_rows(old, new)] == [
