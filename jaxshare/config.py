@@ -248,10 +248,10 @@ class DataConfig:
 
 @dataclasses.dataclass
 class MeshConfig:
-  """Device mesh (MaxText's ici/dcn split): data, fsdp and tensor are the axis sizes inside one slice (ICI); the
-  dcn_* sizes split the same axes across slices (TPU multi-slice over the data-centre network, or processes of a
-  GPU/CPU cluster). Inside a slice the sizes multiply to the slice's device count and one may be -1 (fill); the
-  dcn_* sizes multiply to the number of slices."""
+  """Device mesh: sizes inside a slice (data x fsdp x tensor = its devices, one may be -1) times dcn_* sizes across slices."""
+
+  # MaxText's ici/dcn split: a slice is a TPU slice over ICI, or a process of a GPU/CPU cluster; slices talk over the
+  # data-centre network, where only data parallelism is cheap.
 
   data: int = _f(1, "Data-parallel axis size inside a slice (batch sharded, parameters replicated).")
   fsdp: int = _f(1, "Fully-sharded data-parallel axis size inside a slice (batch and parameters sharded).")
@@ -268,8 +268,7 @@ class MeshConfig:
 
 @dataclasses.dataclass
 class DistributedConfig:
-  """Multi-host runs on JAX's multi-controller runtime (``jax.distributed.initialize``): one process per host (TPU
-  VM worker) or per GPU, each running the same command."""
+  """Multi-host runs (jax.distributed.initialize): one process per TPU VM worker or GPU, all running one command."""
 
   initialize: str = _f("auto", "auto: initialise when a cluster is detected (a TPU pod slice with several workers, a "
                        "Slurm job step with several tasks, or coordinator_address set) and run alone otherwise; on: "

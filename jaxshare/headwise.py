@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from pathlib import Path
 
 import numpy as np
+from etils import epath
 
 from jaxshare.config import ConfigError
 
@@ -168,7 +168,7 @@ def ties_from_pairs(weights: dict[str, np.ndarray], pairs: dict[str, list], matc
 
 def save_pairs(path, ties: HeadTies, match: str, ratio: float) -> None:
   """Write PostShare's penalised pairs (with their match function and ratio) as JSON."""
-  Path(path).write_text(json.dumps({"match": match, "ratio": ratio,
+  epath.Path(path).write_text(json.dumps({"match": match, "ratio": ratio,
                                     "pairs": {m: [list(p) for p in ties.pairs[m]] for m in MATRICES}}))
 
 
@@ -179,7 +179,7 @@ def load_pairs(path) -> dict:
     ConfigError: unreadable or malformed file.
   """
   try:
-    data = json.loads(Path(path).read_text())
+    data = json.loads(epath.Path(path).read_text())
     if not isinstance(data, dict) or set(data) != {"match", "ratio", "pairs"} or set(data["pairs"]) != set(MATRICES):
       raise ValueError("expected {match, ratio, pairs: {q, k, v}}")
   except (OSError, ValueError) as e:

@@ -137,5 +137,7 @@ def test_two_processes_train_and_resume_like_one(one_process_curve, tmp_path):
   assert {"process_0-of-2.json", "process_1-of-2.json"} <= {p.name for p in (run_dir / "checkpoints" / "3" / "data").iterdir()}
   _two_processes(run_dir, "train.steps=6")
   losses = _losses(run_dir)
+  print("\nstep | one process (8 devices) | two processes (4 + 4), resumed at 3")
+  print("\n".join(f"{i + 1} | {a:.7f} | {b:.7f}" for i, (a, b) in enumerate(zip(one_process_curve, losses))))
   assert [json.loads(ln)["step"] for ln in (run_dir / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4, 5, 6]
   np.testing.assert_allclose(losses, one_process_curve, rtol=1e-5)

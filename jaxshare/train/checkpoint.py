@@ -3,13 +3,21 @@ converted model, its parameters alone)."""
 
 from __future__ import annotations
 
-from pathlib import Path
+import os
 from typing import Any
 
 import grain
 import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
+from etils import epath
+
+
+def absolute(path: str | os.PathLike) -> epath.Path:
+  """``path`` as an absolute ``epath.Path``: a local path resolved against the working directory, or a URL such as
+  ``gs://bucket/run`` (run directories on a bucket: orbax, TensorStore and ``epath`` read and write them)."""
+  p = epath.Path(path)
+  return p if p.is_absolute() else p.absolute()
 
 
 class CheckpointError(RuntimeError):
@@ -19,14 +27,14 @@ class CheckpointError(RuntimeError):
 PARAMS_ONLY = "params_only"  # meta key of a checkpoint holding only the parameters (a converted model at step 0)
 
 
-def save_params(directory: str | Path, step: int, params: Any, meta: dict) -> None:
+def save_params(directory: str | os.PathLike, step: int, params: Any, meta: dict) -> None:
   """Write a parameters-only checkpoint (``meta`` gains ``PARAMS_ONLY``) that :class:`Checkpointer` reads with
   :meth:`~Checkpointer.restore_params` and :meth:`~Checkpointer.read_meta`, holding little more than one copy of
   the model in memory: NumPy leaves become JAX arrays (on CPU these alias the NumPy buffers, e.g. disk-backed
   memory maps), written uncompressed with at most 1 GB in flight. Orbax's defaults (compression, 96 GB in flight)
   hold about two more copies while writing; that matters for converting a checkpoint near the machine's RAM."""
   handler = ocp.PyTreeCheckpointHandler(use_compression=False, save_concurrent_gb=1)
-  manager = ocp.CheckpointManager(Path(directory).absolute(),
+  manager = ocp.CheckpointManager(absolute(directory),
                                   item_handlers={"state": handler, "meta": ocp.JsonCheckpointHandler()},
                                   options=ocp.CheckpointManagerOptions(create=True))
   state = {"params": jax.tree.map(jnp.asarray, params)}
@@ -39,8 +47,8 @@ def save_params(directory: str | Path, step: int, params: Any, meta: dict) -> No
 class Checkpointer:
   """``CheckpointManager`` over ``<run_dir>/checkpoints`` with items ``state``, ``data`` and ``meta``."""
 
-  def __init__(self, directory: str | Path, keep: int):
-    self.directory = Path(directory).absolute()
+  def __init__(self, directory: str | os.PathLike, keep: int):
+    self.directory = absolute(directory)
     self.manager = ocp.CheckpointManager(
       self.directory, item_names=("state", "data", "meta"),
       options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True))

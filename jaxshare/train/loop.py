@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import signal
 import time
-from pathlib import Path
 from typing import Any, Iterable
 
 import jax
@@ -15,7 +14,7 @@ from jaxshare import accounting, distributed, parallel
 from jaxshare.config import Config, ConfigError, config_from_yaml_text, to_yaml
 from jaxshare.convert.uptrain import init_report
 from jaxshare.data import Datasets
-from jaxshare.train.checkpoint import PARAMS_ONLY, Checkpointer
+from jaxshare.train.checkpoint import PARAMS_ONLY, Checkpointer, absolute
 from jaxshare.train.metrics import MetricsLogger, resolve_peak
 from jaxshare.train.recipes import Stage1Monitor, build_objective
 from jaxshare.train.state import (RunSetup, abstract_state, init_kv_pool, init_state, load_run, local_batch_rows,
@@ -116,7 +115,7 @@ def train(cfg: Config, *, mesh=None, stop_after: int | None = None) -> dict[str,
   Raises:
     ConfigError / DataError / CheckpointError: bad config, data or run directory (before any training).
   """
-  run_dir = Path(cfg.train.run_dir)
+  run_dir = absolute(cfg.train.run_dir)
   run_dir.mkdir(parents=True, exist_ok=True)
   mesh = mesh or parallel.make_mesh(cfg.mesh)
   tcfg = cfg.train
@@ -178,7 +177,7 @@ def train(cfg: Config, *, mesh=None, stop_after: int | None = None) -> dict[str,
   log.print(f"MFU against {peak.label}; {flops_per_token / 1e6:.2f} MFLOP per trained token (model FLOPs)"
             if peak is not None else "MFU not shown: unknown accelerator peak (set train.peak_tflops)")
 
-  summary: dict[str, Any] = {"run_dir": str(run_dir), "num_params": setup.num_params,
+  summary: dict[str, Any] = {"run_dir": cfg.train.run_dir, "num_params": setup.num_params,
                              "trainable_params": setup.num_trainable, "kv_bytes_per_token": kv_bytes, "step": start,
                              "mfu_peak": None if peak is None else peak.label}
   monitor = Stage1Monitor(tcfg.stage1_ema, tcfg.stage1_patience, tcfg.stage1_max_steps)

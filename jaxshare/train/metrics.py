@@ -7,11 +7,12 @@ import functools
 import json
 import math
 import time
-from pathlib import Path
+import os
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+from etils import epath
 from tqdm.auto import tqdm
 
 # Dense bf16 peak TFLOP/s per device, by substring of jax's device_kind (MaxText's and vendors' figures).
@@ -91,16 +92,21 @@ class MetricsLogger:
   the file holds one consistent curve.
   """
 
-  def __init__(self, run_dir: str | Path, total_steps: int, start_step: int, progress_bar: bool):
-    self.run_dir = Path(run_dir)
+  def __init__(self, run_dir: str | os.PathLike, total_steps: int, start_step: int, progress_bar: bool):
+    self.run_dir = epath.Path(run_dir)
     self.path = self.run_dir / "metrics.jsonl"
+    # Objects on a bucket cannot be appended to: there the file is rewritten whole at each record.
+    self._lines: list[str] | None = [] if "://" in str(self.path) else None
     self._primary = jax.process_index() == 0
     self._file = self._tb = self._bar = None
     if not self._primary:
       return
-    if self.path.exists():
-      self.path.write_text("".join(ln + "\n" for ln in _records_up_to(self.path.read_text(), start_step)))
-    self._file = self.path.open("a")
+    kept = _records_up_to(self.path.read_text(), start_step) if self.path.exists() else []
+    self.path.write_text("".join(ln + "\n" for ln in kept))
+    if self._lines is None:
+      self._file = self.path.open("a")
+    else:
+      self._lines = kept
     from tensorboardX import SummaryWriter  # import here: pulls protobuf, only needed for a real run
 
     self._tb = SummaryWriter(str(self.run_dir / "tensorboard"))
@@ -110,8 +116,12 @@ class MetricsLogger:
   def write(self, record: dict[str, Any]) -> None:
     if not self._primary:
       return
-    self._file.write(json.dumps(record) + "\n")
-    self._file.flush()
+    if self._lines is None:
+      self._file.write(json.dumps(record) + "\n")
+      self._file.flush()
+    else:
+      self._lines.append(json.dumps(record))
+      self.path.write_text("".join(ln + "\n" for ln in self._lines))
     for k, v in record.items():
       if k != "step" and isinstance(v, (int, float)) and math.isfinite(v):
         self._tb.add_scalar(k, v, record["step"])
@@ -135,5 +145,6 @@ class MetricsLogger:
     if not self._primary:
       return
     self._bar.close()
-    self._file.close()
+    if self._file is not None:
+      self._file.close()
     self._tb.close()

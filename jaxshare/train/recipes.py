@@ -3,13 +3,13 @@ two-stage schedule."""
 
 from __future__ import annotations
 
-from pathlib import Path
 
 
 from jaxshare import distributed
 from jaxshare.config import Config, ConfigError
 from jaxshare.headwise import POSTSHARE_PAIRS_FILE, dense_kernels, direct_share, load_pairs, save_pairs
 from jaxshare.schedule import tied_head_count
+from jaxshare.train.checkpoint import absolute
 from jaxshare.train.state import RunSetup, initial_params
 from jaxshare.train.step import Objective
 
@@ -61,7 +61,7 @@ def build_objective(cfg: Config, setup: RunSetup, teacher: RunSetup | None, teac
            for p in setup.schedule.layers) or setup.ties is not None:
       raise ConfigError(f"train.postshare_gamma={t.postshare_gamma} needs an untied dense MHA model; schedule.kind="
                         f"{cfg.schedule.kind!r} is not")
-    path = Path(t.run_dir) / POSTSHARE_PAIRS_FILE
+    path = absolute(t.run_dir) / POSTSHARE_PAIRS_FILE
     if path.exists():  # resuming: the pairs chosen when the run started
       pairs = {m: tuple(tuple(p) for p in ps) for m, ps in load_pairs(path)["pairs"].items()}
     else:

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
+import os
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from etils import epath
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
@@ -21,7 +22,7 @@ from jaxshare.model import Transformer
 from jaxshare.convert.uptrain import convert_kv, init_low_rank, widen_mlp
 from jaxshare.model.params import copy_shared_weights
 from jaxshare.schedule import Schedule, compile_schedule
-from jaxshare.train.checkpoint import CheckpointError, Checkpointer
+from jaxshare.train.checkpoint import CheckpointError, Checkpointer, absolute
 from jaxshare.train.optimizer import (SHARING_MODULES, count_trainable, frozen_paths, learning_rate_schedule,
                                       make_optimizer)
 from jaxshare.train.step import TrainState
@@ -236,13 +237,13 @@ def shard_batch(setup: RunSetup, batch: dict[str, np.ndarray]) -> dict[str, jax.
   return {k: jax.make_array_from_process_local_data(setup.batch_sharding, np.asarray(v)) for k, v in batch.items()}
 
 
-def locate(path: str | Path) -> tuple[Path, int | None]:
+def locate(path: str | os.PathLike) -> tuple[epath.Path, int | None]:
   """``(run_dir, step)`` for a run directory (latest step) or a checkpoint step directory.
 
   Raises:
     ConfigError: the path holds neither.
   """
-  p = Path(path)
+  p = absolute(path)
   if (p / "config.yaml").is_file():
     return p, None
   if p.name.isdigit() and (p.parent.parent / "config.yaml").is_file():
@@ -251,7 +252,7 @@ def locate(path: str | Path) -> tuple[Path, int | None]:
                     "(<run_dir>/checkpoints/<step>)")
 
 
-def load_run(path: str | Path, mesh: Mesh | None = None) -> tuple[Config, RunSetup, dict, int]:
+def load_run(path: str | os.PathLike, mesh: Mesh | None = None) -> tuple[Config, RunSetup, dict, int]:
   """Load a run directory (latest checkpoint) or checkpoint step directory.
 
   Args:
