@@ -7,6 +7,11 @@ Examples:
       schedule.kv_layers=2 train.run_dir=runs/mlkv2
 
 Re-running with the same train.run_dir resumes from its latest checkpoint; Ctrl-C saves a checkpoint and exits.
+
+Ahead-of-time fit check (no TPU, no training; jaxshare/fit.py): compile the real train step for a TPU topology or
+accelerator type on this host and report HBM per chip, FLOPs and whether it fits; exit code 0 fits, 3 does not (what
+to change on stderr), 2 bad flags or config:
+  python train.py --config configs/experiments/llama_1b_pod.yaml --compile-only --topology v5e-256 [--max-batch]
 """
 
 from __future__ import annotations
@@ -21,14 +26,26 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--config", help="experiment YAML (its includes: are merged first)")
   parser.add_argument("--help-config", action="store_true", help="list every config field with its documentation")
   parser.add_argument("--no-eval", action="store_true", help="skip the evaluation summary after training")
+  parser.add_argument("--compile-only", action="store_true",
+                      help="compile the train step for --topology on this host and report whether it fits; no training")
+  parser.add_argument("--topology", help="--compile-only: TPU topology (v5e:16x16, v5p:4x4x4) or accelerator type "
+                      "(v5e-256, v5p-128, v6e-64, v4-128)")
+  parser.add_argument("--num-slices", type=int, help="--compile-only: TPU slices (default: the config's mesh.dcn_* "
+                      "sizes; from a one-slice config, data parallel across the slices)")
+  parser.add_argument("--max-batch", action="store_true",
+                      help="--compile-only: also find the largest global batch that fits, by compiling")
   parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=500 model.num_layers=6")
   args = parser.parse_args(argv)
+  if args.compile_only != bool(args.topology) or (args.max_batch or args.num_slices) and not args.compile_only:
+    parser.error("--compile-only needs --topology; --topology, --num-slices and --max-batch need --compile-only")
 
   from jaxshare.config import ConfigError, describe_fields, load_config
 
   if args.help_config:
     print(describe_fields())
     return 0
+  if args.compile_only:
+    return _compile_only(args)
   from jaxshare.data import DataError
   from jaxshare.train.checkpoint import CheckpointError
 
@@ -53,6 +70,23 @@ def main(argv: list[str] | None = None) -> int:
 
     print(format_report(evaluate_run(cfg.train.run_dir)))
   return 0
+
+
+def _compile_only(args) -> int:
+  """The fit check: the host compiles (JAX_PLATFORMS=cpu, set before JAX is imported) and jax.distributed is never
+  started: there is no TPU and no cluster."""
+  from jaxshare import topology
+  from jaxshare.config import ConfigError, load_config
+
+  try:
+    topology.use_host_compiler()
+    cfg = load_config(args.config, args.overrides)
+    from jaxshare import fit
+
+    return fit.main(cfg, args.topology, args.num_slices, args.max_batch)
+  except ConfigError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

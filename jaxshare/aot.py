@@ -43,25 +43,43 @@ class Compiled:
   flops: float | None = None
 
 
+def topology_devices(topology: str, num_slices: int = 1) -> list:
+  """The devices of ``num_slices`` slices of a TPU topology such as ``v5e:2x2`` or ``v5p:2x2x1``: one per chip (v4
+  and v5p chips are one megacore device, as on the TPU VM), each with its ``slice_index``.
+
+  Raises:
+    ConfigError: libtpu is missing or the topology name is unknown.
+  """
+  from jax.experimental import topologies
+  # v4's default description has a device per TensorCore; JAX on a v4 VM drives each chip as one megacore device
+  megacore = {"chip_config_name": "megacore"} if topology.startswith("v4:") else {}
+  try:
+    return list(topologies.get_topology_desc(topology_name=topology, platform="tpu", num_slices=num_slices,
+                                             **megacore).devices)
+  except Exception as e:  # libtpu missing or unknown name: both surface as generic runtime errors
+    raise ConfigError(f"--topology {topology!r}: cannot describe this TPU topology ({e}); name one like v5e:2x2, "
+                      "v5p:2x2x1 or v6e:2x2, with libtpu importable (make .libtpu/.installed)") from e
+
+
 def topology_mesh(topology: str, mesh_cfg: MeshConfig) -> jax.sharding.Mesh:
-  """A ``(data, fsdp, tensor)`` mesh over the devices of a TPU topology such as ``v5e:2x2`` or ``v5p:2x2x1``.
+  """A ``(data, fsdp, tensor)`` mesh over the devices of a TPU topology such as ``v5e:2x2`` or ``v5p:2x2x1``
+  (``mesh_cfg.num_slices`` slices of it).
 
   Raises:
     ConfigError: libtpu is missing or the topology name is unknown; the mesh does not fill the topology.
   """
-  from jax.experimental import topologies
-  try:
-    devices = topologies.get_topology_desc(topology_name=topology, platform="tpu").devices
-  except Exception as e:  # libtpu missing or unknown name: both surface as generic runtime errors
-    raise ConfigError(f"--topology {topology!r}: cannot describe this TPU topology ({e}); name one like v5e:2x2, "
-                      "v5p:2x2x1 or v6e:2x2, with libtpu importable (make .libtpu/.installed)") from e
-  return parallel.make_mesh(mesh_cfg, devices)
+  return parallel.make_mesh(mesh_cfg, topology_devices(topology, mesh_cfg.num_slices))
 
 
-def _summary(name: str, compiled, text: str, marker: str) -> Compiled:
+MEMORY_FIELDS = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes", "temp_size_in_bytes",
+                 "generated_code_size_in_bytes", "peak_memory_in_bytes")
+
+
+def summarize(name: str, compiled, text: str, marker: str) -> Compiled:
+  """A :class:`Compiled` of ``compiled`` (a ``jax.stages.Compiled``), counting ``marker`` custom calls in ``text``."""
   mem = compiled.memory_analysis()
-  memory = {f: getattr(mem, f) for f in ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes",
-                                          "generated_code_size_in_bytes")} if mem is not None else None
+  # alias/peak are missing from older jaxlibs' stats
+  memory = {f: getattr(mem, f) for f in MEMORY_FIELDS if hasattr(mem, f)} if mem is not None else None
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, list) else cost
   return Compiled(name, text.count(marker), memory, (cost or {}).get("flops"))
@@ -124,7 +142,7 @@ def compile_kernels_tpu(mesh: jax.sharding.Mesh, **shapes) -> list[Compiled]:
       mesh, parallel.logical_to_spec(names, a.shape, mesh))) for a, names in zip(args, axes)]
     with jax.set_mesh(mesh):
       compiled = jax.jit(fn).trace(*args).lower().compile()
-    out.append(_summary(name, compiled, compiled.as_text(), MOSAIC_CALL))
+    out.append(summarize(name, compiled, compiled.as_text(), MOSAIC_CALL))
   return out
 
 
@@ -137,8 +155,20 @@ def lower_kernels_cuda(**shapes) -> list[Compiled]:
   return out
 
 
-def compile_train_step(cfg: Config, mesh: jax.sharding.Mesh) -> Compiled:
-  """The run's real train step (state and batch sharded as in training, state donated) compiled for ``mesh``."""
+@dataclasses.dataclass(frozen=True)
+class TracedStep:
+  """The run's train step traced for a mesh (nothing compiled). ``setup``: the run's ``RunSetup``; ``state``: the
+  abstract train state (ShapeDtypeStructs with shardings); ``traced``: a ``jax.stages.Traced`` (``.jaxpr``,
+  ``.lower()``)."""
+
+  setup: object
+  state: object
+  traced: object
+
+
+def trace_train_step(cfg: Config, mesh: jax.sharding.Mesh) -> TracedStep:
+  """The run's real train step (state and batch sharded as in training, state donated) traced for ``mesh`` with a
+  global batch of ``train.batch_size`` x ``data.seq_len`` tokens."""
   from jaxshare.train.loop import jit_train_step
   from jaxshare.train.state import abstract_state, setup_run
   from jaxshare.train.step import Objective
@@ -149,5 +179,17 @@ def compile_train_step(cfg: Config, mesh: jax.sharding.Mesh) -> Compiled:
   batch = {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=setup.batch_sharding)
            for k in ("inputs", "targets", "positions", "segment_ids", "loss_mask")}
   with jax.set_mesh(mesh):
-    compiled = jit_train_step(setup, Objective(), None).trace(state, batch, None).lower().compile()
-  return _summary(f"train_step[{cfg.schedule.kind}]", compiled, compiled.as_text(), MOSAIC_CALL)
+    return TracedStep(setup, state, jit_train_step(setup, Objective(), None).trace(state, batch, None))
+
+
+def compile_traced(step: TracedStep, name: str) -> Compiled:
+  """Compile a traced train step for its mesh's devices (raises the compiler's error, e.g. RESOURCE_EXHAUSTED when
+  it does not fit in HBM)."""
+  with jax.set_mesh(step.setup.mesh):
+    compiled = step.traced.lower().compile()
+  return summarize(name, compiled, compiled.as_text(), MOSAIC_CALL)
+
+
+def compile_train_step(cfg: Config, mesh: jax.sharding.Mesh) -> Compiled:
+  """The run's real train step (state and batch sharded as in training, state donated) compiled for ``mesh``."""
+  return compile_traced(trace_train_step(cfg, mesh), f"train_step[{cfg.schedule.kind}]")

@@ -1,0 +1,397 @@
+"""Ahead-of-time fit check (``train.py --compile-only``): the run's real train step compiled for a named TPU topology
+on this host (no TPU), its HBM per chip against the chip's capacity, its FLOPs, and the largest global batch that
+fits (``--max-batch``).
+
+**HBM per chip** is the TPU compiler's own figure, ``memory_analysis().peak_memory_in_bytes``: the most bytes live
+at once during the step (arguments, outputs and temporaries; the donated state's buffers, which the new state is
+written into, counted once). It is what the compiler's out-of-memory check holds against the usable HBM (15.75 GiB of
+a v5e's 16): a larger program is refused at compile time (``RESOURCE_EXHAUSTED``), a no-fit reported with the
+compiler's figures. The sum ``arguments + outputs - aliased + temporaries`` (MaxText's formula: the aliased bytes,
+``alias_size_in_bytes``, are the donated state, counted in both arguments and outputs, so subtracted once) equals
+that peak on simple programs (checked: x * 2 with and without donation, a matmul chain) but overstates a train
+step, whose ``temp_size_in_bytes`` exceeds what is live at the peak (a 2-layer step at batch 320 on v5e:2x2:
+temporaries 18.2 GiB, peak 14.8 GiB, and the compiler accepted it for 16 GiB chips). The sum is printed beside as
+an upper bound, and used where jaxlib reports no peak. Generated code (tens of MB) is in neither.
+
+**FLOPs.** XLA's ``cost_analysis()`` of a sharded program is per device (checked: a [4096, 1024] x [1024, 1024]
+matmul sharded 4 ways reports a quarter of 2·M·N·K), but it counts a while loop's body once: an 8-layer step with
+``model.scan_layers`` reported 9.4e10 FLOPs per chip, the same step unrolled 5.5e11. So the check counts the matmul
+FLOPs of the traced step itself ("executed FLOPs": every ``dot_general``, times scan lengths, rematerialisation
+included; global), and adds, when the step holds Pallas kernels (Mosaic custom calls, invisible to both counts), the
+model's causal attention FLOPs, a lower estimate of the kernels' work (their backward recomputes QKᵀ).
+``cost_analysis()`` is kept in the raw figures.
+
+**MFU bound** = model FLOPs per step (:func:`jaxshare.accounting.train_flops_per_token` x tokens: 6N-style, causal
+attention, recomputation not counted) / executed FLOPs. MFU is model FLOPs / (step time x chips x peak), and a step
+takes at least executed FLOPs / (chips x peak) (every chip at its dense bf16 peak, the work split evenly: the
+printed step-time bound), so MFU <= model / executed. It is what rematerialisation and XLA attention's masked half
+cost before any communication, memory-bound or idle time; a real step's MFU is lower.
+
+Exit codes of ``train.py --compile-only``: 0 fits (with ``--max-batch``: some batch fits); :data:`EXIT_NO_FIT` (3)
+does not fit, with what to change on stderr; 2 bad flags or config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import sys
+import time
+from typing import Callable
+
+import jax
+import numpy as np
+
+from jaxshare import accounting, aot, parallel, topology
+from jaxshare.config import Config, ConfigError
+
+EXIT_NO_FIT = 3
+GIB = 2 ** 30
+_UNITS = {"": 1, "K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30, "T": 2 ** 40}  # XLA prints binary sizes
+_NUM = r"([\d.]+)([KMGT]?)i?B?"
+_MAX_BATCH_UNITS = 2 ** 16  # --max-batch stops doubling here (a safeguard: the compiler refuses long before)
+# The TPU compiler's refusals: "... HLO temporaries (26.96G) exceeds available HBM (15.75G)" and "Used 17.50G of
+# 15.48G hbm"
+_OOM = (re.compile(rf"\({_NUM}\) exceeds available HBM \({_NUM}\)"), re.compile(rf"Used {_NUM} of {_NUM} hbm"))
+
+
+@dataclasses.dataclass(frozen=True)
+class Fit:
+  """One compile of the train step for a topology. Bytes are per chip, FLOPs per step over all chips.
+
+  Attributes:
+    topology, device_kind: what was compiled for (``v5e:16x16``, ``TPU v5 lite``). chips: devices in the mesh.
+    slices: TPU slices. mesh: mesh axis sizes. batch, seq_len: global batch (sequences) and tokens per sequence.
+    batch_unit: what the global batch must be a multiple of (batch shards x grad_accum_steps).
+    capacity: the chip's HBM. state_bytes: the train state's shard (parameters and optimizer moments).
+    hbm: bytes needed: the compiler's peak (or the sum where jaxlib has no peak; its figure when it refused; None if
+      it gave none).
+    usable: HBM the compiler may use, when its refusal says. memory: ``memory_analysis()`` fields (None: refused).
+    compiler_error: the compiler's refusal ("" when compiled). model_flops, executed_flops: see the module doc.
+    kernel_calls: Pallas kernel calls in the traced step. xla_flops_per_chip: raw ``cost_analysis()`` flops.
+    peak_flops: the chip's dense bf16 peak FLOP/s (None: unknown). compile_s: seconds to trace and compile.
+  """
+
+  topology: str
+  device_kind: str
+  chips: int
+  slices: int
+  mesh: dict
+  batch: int
+  seq_len: int
+  batch_unit: int
+  capacity: int
+  state_bytes: int
+  hbm: int | None
+  usable: int | None
+  memory: dict | None
+  compiler_error: str
+  model_flops: float
+  executed_flops: float
+  kernel_calls: int
+  xla_flops_per_chip: float | None
+  peak_flops: float | None
+  compile_s: float
+
+  @property
+  def fits(self) -> bool:
+    return not self.compiler_error and self.hbm is not None and self.hbm <= self.capacity
+
+  @property
+  def mfu_bound(self) -> float:
+    return self.model_flops / self.executed_flops if self.executed_flops else float("nan")
+
+  @property
+  def step_time_bound(self) -> float | None:
+    """Seconds: executed FLOPs over every chip at peak."""
+    return self.executed_flops / (self.chips * self.peak_flops) if self.peak_flops else None
+
+
+def matmul_flops(jaxpr) -> tuple[float, int]:
+  """``(FLOPs, pallas_calls)`` of a (closed) jaxpr: 2·M·N·K for every ``dot_general`` over the logical (global)
+  shapes, scan bodies times their length, ``shard_map`` bodies (per-shard shapes) times their manual devices, the
+  costliest ``cond`` branch, while bodies once; Pallas kernels are counted, not entered."""
+  from jax.extend.core import jaxprs_in_params
+
+  jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+  flops, kernels = 0.0, 0
+  for eqn in jaxpr.eqns:
+    name = eqn.primitive.name
+    if name == "dot_general":
+      (contract, _), _ = eqn.params["dimension_numbers"]
+      lhs = eqn.invars[0].aval.shape
+      flops += 2 * math.prod(eqn.outvars[0].aval.shape) * math.prod(lhs[i] for i in contract)
+      continue
+    if name == "pallas_call":
+      kernels += 1
+      continue
+    inner = [matmul_flops(j) for j in jaxprs_in_params(eqn.params)]
+    if not inner:
+      continue
+    if name == "cond":
+      f, k = max(inner)
+    else:
+      f, k = sum(i[0] for i in inner), sum(i[1] for i in inner)
+    times = eqn.params.get("length", 1) if name == "scan" else 1
+    if name == "shard_map":
+      mesh = eqn.params["mesh"]
+      times = math.prod(mesh.shape[a] for a in eqn.params.get("manual_axes", mesh.axis_names))
+    flops += times * f
+    kernels += k  # calls in the program, not executions
+  return flops, kernels
+
+
+def with_slices(cfg: Config, num_slices: int | None) -> Config:
+  """``cfg`` for ``num_slices`` TPU slices: the config's own ``mesh.dcn_*`` when None or equal; else, from a
+  one-slice config, data parallel across the slices (``mesh.dcn_data = num_slices``).
+
+  Raises:
+    ConfigError: num_slices < 1, or it contradicts the config's dcn sizes.
+  """
+  if num_slices is None or num_slices == cfg.mesh.num_slices:
+    return cfg
+  if num_slices < 1 or cfg.mesh.num_slices != 1:
+    raise ConfigError(f"--num-slices {num_slices}: must be >= 1 and match mesh.dcn_data x dcn_fsdp x dcn_tensor = "
+                      f"{cfg.mesh.num_slices} (or leave the dcn_* sizes at 1: the slices then split the data axis)")
+  return dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, dcn_data=num_slices))
+
+
+def _with_batch(cfg: Config, batch: int) -> Config:
+  return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, batch_size=batch))
+
+
+def _state_bytes(state) -> int:
+  """Bytes of one device's shard of an abstract state (the largest shard where shards differ)."""
+  return sum(math.prod(s.sharding.shard_shape(s.shape)) * np.dtype(s.dtype).itemsize
+             for s in jax.tree.leaves(state))
+
+
+def _sum_bytes(memory: dict) -> int:
+  """arguments + outputs - aliased (donated) + temporaries: see the module doc."""
+  return (memory["argument_size_in_bytes"] + memory["output_size_in_bytes"] - memory.get("alias_size_in_bytes", 0)
+          + memory["temp_size_in_bytes"])
+
+
+def _compiler_oom(error: str) -> tuple[int | None, int | None]:
+  """``(needed, usable)`` bytes from the TPU compiler's RESOURCE_EXHAUSTED message (None where it says neither)."""
+  for pattern in _OOM:
+    m = pattern.search(error)
+    if m:
+      return (round(float(m.group(1)) * _UNITS[m.group(2)]), round(float(m.group(3)) * _UNITS[m.group(4)]))
+  return None, None
+
+
+def batch_unit(cfg: Config, mesh: jax.sharding.Mesh) -> int:
+  """The global batch must be a multiple of this: the batch shards (mesh ``data`` x ``fsdp``, slices included) x
+  ``train.grad_accum_steps`` (every micro-batch split evenly)."""
+  return mesh.shape["data"] * mesh.shape["fsdp"] * cfg.train.grad_accum_steps
+
+
+def _peak_flops(device_kind: str) -> float | None:
+  from jaxshare.train.metrics import _PEAK_TFLOPS  # the table MFU uses in training
+
+  kind = device_kind.lower()
+  return next((tflops * 1e12 for key, tflops in _PEAK_TFLOPS if key in kind), None)
+
+
+def _target_mesh(cfg: Config, target: str) -> tuple[str, jax.sharding.Mesh]:
+  """``(topology name, the config's mesh over its devices)``."""
+  name = topology.topology_name(target)
+  return name, parallel.make_mesh(cfg.mesh, aot.topology_devices(name, cfg.mesh.num_slices))
+
+
+def check(cfg: Config, target: str, num_slices: int | None = None) -> Fit:
+  """Compile ``cfg``'s train step for ``target`` (a topology or an accelerator type, see
+  :func:`jaxshare.topology.topology_name`) and the config's mesh over its devices (``mesh.fsdp=-1`` fills).
+
+  Raises:
+    ConfigError: unknown topology, libtpu missing, the mesh does not fit the topology, or the batch is not a
+      multiple of :func:`batch_unit`.
+  """
+  start = time.perf_counter()
+  cfg = with_slices(cfg, num_slices)
+  name, mesh = _target_mesh(cfg, target)
+  unit = batch_unit(cfg, mesh)
+  if cfg.train.batch_size % unit:
+    raise ConfigError(f"train.batch_size={cfg.train.batch_size}: must be a multiple of {unit} on this mesh (batch "
+                      f"shards data x fsdp = {mesh.shape['data'] * mesh.shape['fsdp']}, x train.grad_accum_steps "
+                      f"{cfg.train.grad_accum_steps}), e.g. {max(unit, cfg.train.batch_size // unit * unit)}")
+  kind = mesh.devices.flat[0].device_kind
+  capacity = topology.hbm_bytes(kind)
+  if capacity is None:
+    raise ConfigError(f"--topology {target!r}: no HBM capacity known for device kind {kind!r} "
+                      f"(known: {', '.join(k for k, _ in topology.HBM_GIB)})")
+  step = aot.trace_train_step(cfg, mesh)
+  tokens = cfg.train.batch_size * cfg.data.seq_len
+  model, schedule, match = cfg.model, step.setup.schedule, cfg.schedule.match_params
+  model_flops = accounting.train_flops_per_token(model, schedule, cfg.data.seq_len, match) * tokens
+  executed, kernels = matmul_flops(step.traced.jaxpr)
+  if kernels:  # the kernels' attention, which no count sees: the model's causal attention matmuls, forward x 3
+    ctx = (cfg.data.seq_len + 1) / 2
+    executed += 3 * tokens * (accounting.forward_flops_per_token(model, schedule, ctx, match)
+                              - accounting.forward_flops_per_token(model, schedule, 0, match))
+  memory, error, xla_flops = None, "", None
+  try:
+    compiled = aot.compile_traced(step, f"train_step[{cfg.schedule.kind}]")
+  except jax.errors.JaxRuntimeError as e:
+    if "RESOURCE_EXHAUSTED" not in str(e):
+      raise
+    error = str(e).strip().splitlines()[0]
+    hbm, usable = _compiler_oom(str(e))
+  else:
+    memory, xla_flops, usable = compiled.memory, compiled.flops, None
+    hbm = memory.get("peak_memory_in_bytes") or _sum_bytes(memory)
+  return Fit(name, kind, mesh.devices.size, cfg.mesh.num_slices, dict(mesh.shape), cfg.train.batch_size,
+             cfg.data.seq_len, unit, capacity, _state_bytes(step.state), hbm, usable, memory, error, model_flops,
+             executed, kernels, xla_flops, _peak_flops(kind), time.perf_counter() - start)
+
+
+def max_batch(cfg: Config, target: str, num_slices: int | None = None,
+              log: Callable[[Fit], None] = lambda fit: None) -> tuple[Fit | None, list[Fit]]:
+  """The largest global batch (a multiple of :func:`batch_unit`) whose train step fits, by compiling: from
+  ``train.batch_size`` (rounded down to the unit) doubling while it fits, or halving while it does not, then
+  bisecting between the last fit and the first no-fit (which takes fitting to shrink with the batch: the
+  compiler's verdict did, in every series we compiled).
+
+  Returns:
+    ``(largest fitting compile or None when even one unit does not fit, every compile in order)``; ``log`` sees each
+    compile as it finishes.
+  """
+  probes: list[Fit] = []
+
+  def probe(batch: int) -> Fit:
+    fit = check(_with_batch(cfg, batch), target, num_slices)
+    probes.append(fit)
+    log(fit)
+    return fit
+
+  sliced = with_slices(cfg, num_slices)
+  unit = batch_unit(sliced, _target_mesh(sliced, target)[1])
+  batch = max(unit, cfg.train.batch_size // unit * unit)
+  good: Fit | None = None
+  bad: int | None = None
+  fit = probe(batch)
+  if fit.fits:
+    good = fit
+    while bad is None and good.batch < _MAX_BATCH_UNITS * unit:
+      fit = probe(good.batch * 2)
+      good, bad = (fit, None) if fit.fits else (good, fit.batch)
+    if bad is None:
+      return good, probes
+  else:
+    bad = batch
+    while good is None and bad > unit:
+      fit = probe(max(unit, bad // 2 // unit * unit))
+      good, bad = (fit, bad) if fit.fits else (None, fit.batch)
+    if good is None:
+      return None, probes
+  while bad - good.batch > unit:
+    fit = probe(good.batch + (bad - good.batch) // unit // 2 * unit)
+    good, bad = (fit, bad) if fit.fits else (good, fit.batch)
+  return good, probes
+
+
+def _gib(n: int | None) -> str:
+  if n is None:
+    return "?"
+  return f"{n / GIB:.2f} GiB" if abs(n) >= GIB / 10 else f"{n / 2 ** 20:.1f} MiB"
+
+
+def probe_line(fit: Fit) -> str:
+  """One line per compile: batch, HBM per chip, verdict, time."""
+  verdict = "fits" if fit.fits else "does NOT fit"
+  return (f"  batch {fit.batch:>6} ({fit.batch // (fit.batch_unit or 1)} per unit of {fit.batch_unit}): "
+          f"{_gib(fit.hbm)} per chip of {_gib(fit.capacity)}: {verdict}  ({fit.compile_s:.0f} s)")
+
+
+def format_report(fit: Fit, target: str) -> str:
+  """The fit report: topology and mesh, HBM per chip with its terms, FLOPs, the MFU and step-time bounds, verdict."""
+  named = f" ({target})" if target != fit.topology else ""
+  slices = f", {fit.slices} slices" if fit.slices > 1 else ""
+  lines = [f"AOT fit check: train step compiled for {fit.topology}{named}: {fit.chips} x {fit.device_kind}{slices} "
+           f"in {fit.compile_s:.0f} s",
+           f"  mesh {' '.join(f'{k}={v}' for k, v in fit.mesh.items())}; global batch {fit.batch} x {fit.seq_len} "
+           f"tokens ({fit.batch // fit.batch_unit} per unit of {fit.batch_unit})"]
+  m = fit.memory
+  if m is not None:
+    what = "compiler's peak" if m.get("peak_memory_in_bytes") else "arguments + outputs - aliased + temporaries"
+    lines.append(f"  HBM per chip: {_gib(fit.hbm)} of {_gib(fit.capacity)} ({fit.hbm / fit.capacity:.1%}; {what})")
+    lines.append(f"    upper bound: arguments {_gib(m['argument_size_in_bytes'])} + outputs "
+                 f"{_gib(m['output_size_in_bytes'])} - aliased (donated state) {_gib(m.get('alias_size_in_bytes', 0))}"
+                 f" + temporaries {_gib(m['temp_size_in_bytes'])} = {_gib(_sum_bytes(m))}")
+  else:
+    usable = f" ({_gib(fit.usable)} usable)" if fit.usable else ""
+    lines.append(f"  HBM per chip: the compiler needs {_gib(fit.hbm)} of {_gib(fit.capacity)}{usable}: "
+                 f"{fit.compiler_error}")
+  lines.append(f"  train state per chip: {_gib(fit.state_bytes)} (parameters and optimizer moments, before TPU tile "
+               "padding)")
+  per_chip = fit.executed_flops / fit.chips
+  kernels = f"; {fit.kernel_calls} Pallas kernel calls, counted as the model's attention" if fit.kernel_calls else ""
+  lines.append(f"  FLOPs per step: model {fit.model_flops:.3e}, executed {fit.executed_flops:.3e} "
+               f"({per_chip:.3e} per chip{kernels})")
+  if fit.step_time_bound is not None:
+    lines.append(f"  bounds: step time >= {fit.step_time_bound * 1e3:.1f} ms at {fit.peak_flops / 1e12:g} TFLOP/s "
+                 f"per chip; MFU <= {fit.mfu_bound:.1%} (model / executed FLOPs)")
+  else:
+    lines.append(f"  bound: MFU <= {fit.mfu_bound:.1%} (model / executed FLOPs)")
+  if fit.fits:
+    lines.append(f"  fits: yes ({_gib(fit.capacity - fit.hbm)} free per chip)")
+  else:
+    lines.append("  fits: NO")
+  return "\n".join(lines)
+
+
+def advice(fit: Fit, cfg: Config) -> str:
+  """Why ``fit`` does not fit and what to change, with numbers."""
+  limit = fit.usable or fit.capacity
+  need = (f"needs {_gib(fit.hbm)} per chip, {_gib(limit)} available" if fit.hbm is not None
+          else "the compiler ran out of HBM")
+  if fit.hbm is not None:
+    need += f" (over by {_gib(fit.hbm - limit)})"
+  t, shards = cfg.train, fit.mesh["data"] * fit.mesh["fsdp"]
+  lines = [f"the train step does not fit in HBM on {fit.topology} ({fit.device_kind}): {need}. Change one of:"]
+  if fit.batch > fit.batch_unit:
+    lines.append(f"  - train.batch_size: lower it (now {fit.batch} = {fit.batch // fit.batch_unit} x "
+                 f"{fit.batch_unit}); add --max-batch to find the largest that fits")
+  if cfg.model.remat == "none":
+    lines.append("  - model.remat=full (now none): keep only each superblock's input for the backward pass and "
+                 "recompute the rest (about a third more FLOPs)")
+  micro = fit.batch // (2 * t.grad_accum_steps)
+  if fit.batch % (2 * t.grad_accum_steps) == 0 and micro % shards == 0:
+    lines.append(f"  - train.grad_accum_steps={2 * t.grad_accum_steps} (now {t.grad_accum_steps}): the same global "
+                 f"batch in micro-batches of {micro}")
+  if fit.mesh["data"] > 1:
+    lines.append(f"  - mesh.fsdp: shard the state over the data axis too (mesh.data=1 mesh.fsdp=-1): its "
+                 f"{_gib(fit.state_bytes)} per chip becomes about {_gib(fit.state_bytes // fit.mesh['data'])}")
+  else:
+    lines.append(f"  - mesh.fsdp: the state ({_gib(fit.state_bytes)} per chip) is already sharded over all "
+                 f"{fit.mesh['fsdp'] * fit.mesh['tensor']} chips of a slice; only a larger topology shards it further")
+  return "\n".join(lines)
+
+
+def main(cfg: Config, target: str, num_slices: int | None = None, find_max_batch: bool = False) -> int:
+  """``train.py --compile-only``: print the fit report (and with ``find_max_batch`` each compile and the largest
+  global batch that fits); the advice on stderr when nothing fits. Returns the exit code (0 or :data:`EXIT_NO_FIT`).
+
+  Raises:
+    ConfigError: see :func:`check`.
+  """
+  if not find_max_batch:
+    fit = check(cfg, target, num_slices)
+    print(format_report(fit, target), flush=True)
+    if fit.fits:
+      return 0
+    print(f"error: {advice(fit, cfg)}", file=sys.stderr)
+    return EXIT_NO_FIT
+  print(f"largest global batch on {target}: compiling (doubling, then bisecting)", flush=True)
+  best, probes = max_batch(cfg, target, num_slices, log=lambda fit: print(probe_line(fit), flush=True))
+  if best is None:
+    print(format_report(probes[-1], target), flush=True)
+    print(f"error: even the smallest batch does not fit; {advice(probes[-1], cfg)}", file=sys.stderr)
+    return EXIT_NO_FIT
+  print(format_report(best, target))
+  print(f"largest global batch that fits: {best.batch} ({best.batch // best.batch_unit} x {best.batch_unit}; "
+        f"{_gib(best.hbm)} per chip of {_gib(best.capacity)}; {len(probes)} compiles, "
+        f"{sum(p.compile_s for p in probes):.0f} s)", flush=True)
+  return 0

@@ -1,0 +1,84 @@
+"""TPU topologies by name, their chips' HBM, and the host setup for compiling for them without a TPU.
+
+Imports no JAX: :func:`use_host_compiler` must run before JAX is first imported. ``jaxshare.fit`` is the fit check
+that uses these.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import sys
+from pathlib import Path
+
+from jaxshare.config import ConfigError
+
+LIBTPU = Path(__file__).resolve().parent.parent / ".libtpu"  # where `make .libtpu/.installed` puts libtpu (Makefile)
+
+# HBM per chip in GiB, by substring of jax's device_kind, most specific first ("TPU v5 lite" is v5e, "TPU v5" v5p,
+# "TPU v6 lite" v6e); v4 and v5p chips are one megacore device each. Google Cloud's TPU version pages.
+HBM_GIB = (("v6 lite", 32), ("v6e", 32), ("v5 lite", 16), ("v5e", 16), ("v5p", 95), ("v5", 95), ("v4", 32))
+
+# Accelerator types: generation -> (topology prefix, TensorCores counted per chip in the type's number, mesh rank).
+# v4-N and v5p-N count TensorCores (2 per chip, 3D torus); v5e-N (v5litepod-N) and v6e-N count chips (2D).
+_ACCELERATORS = {"v4": ("v4", 2, 3), "v5p": ("v5p", 2, 3), "v5e": ("v5e", 1, 2), "v5litepod": ("v5e", 1, 2),
+                 "v6e": ("v6e", 1, 2)}
+_TOPOLOGY = re.compile(r"^v[0-9][a-z]*:\d+(x\d+)+$")
+_ACCELERATOR = re.compile(r"^(v[0-9][a-z]*)-(\d+)$")
+
+
+def use_host_compiler() -> None:
+  """Make JAX compile on this host's CPU with libtpu only describing TPU topologies: ``JAX_PLATFORMS=cpu`` (forced:
+  no TPU is touched, even on a TPU VM), several processes may load libtpu, and ``.libtpu/`` (kept outside the venv,
+  see the Makefile) on ``sys.path``.
+
+  Raises:
+    ConfigError: JAX is already imported (its platform is then fixed).
+  """
+  if "jax" in sys.modules:
+    raise ConfigError("--compile-only: JAX was imported before the host compiler was set up; "
+                      "call topology.use_host_compiler() first")
+  os.environ["JAX_PLATFORMS"] = "cpu"
+  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # no TPU to guard: compiles may share libtpu
+  if LIBTPU.is_dir() and str(LIBTPU) not in sys.path:
+    sys.path.insert(0, str(LIBTPU))
+
+
+def _torus(chips: int, rank: int) -> list[int]:
+  """Google's slice shape for ``chips`` (a power of two): as square/cubic as possible, ascending, 1s last
+  (16 -> 4x4, 128 -> 8x16; 4 -> 2x2x1, 16 -> 2x2x4, 64 -> 4x4x4)."""
+  e = int(math.log2(chips))
+  dims = sorted(2 ** (e // rank + (i >= rank - e % rank)) for i in range(rank))
+  return [d for d in dims if d > 1] + [d for d in dims if d == 1]
+
+
+def topology_name(target: str) -> str:
+  """The TPU topology name of ``target``: a topology (``v5e:16x16``, ``v5p:4x4x4``; returned as is) or an
+  accelerator type (``v5e-256`` -> ``v5e:16x16``, ``v5p-128`` -> ``v5p:4x4x4``, ``v4-8`` -> ``v4:2x2x1``,
+  ``v6e-64`` -> ``v6e:8x8``).
+
+  Raises:
+    ConfigError: neither form, an unknown generation, or a size that is not a power of two chips.
+  """
+  if _TOPOLOGY.match(target):
+    return target
+  m = _ACCELERATOR.match(target)
+  if not m or m.group(1) not in _ACCELERATORS:
+    raise ConfigError(f"--topology {target!r}: name a TPU topology (v5e:16x16, v5p:4x4x4) or an accelerator type "
+                      f"({', '.join(f'{g}-N' for g in _ACCELERATORS)}; N counts TensorCores on v4/v5p, chips on "
+                      "v5e/v6e)")
+  prefix, cores, rank = _ACCELERATORS[m.group(1)]
+  n = int(m.group(2))
+  chips = n // cores
+  if n % cores or chips < 1 or chips & (chips - 1):
+    what = "a power of two (chips)" if cores == 1 else f"{cores} x a power of two (TensorCores, {cores} per chip)"
+    raise ConfigError(f"--topology {target!r}: {m.group(1)}-N needs N = {what}, e.g. {m.group(1)}-{cores * 8}; "
+                      f"got N={n}")
+  return f"{prefix}:{'x'.join(map(str, _torus(chips, rank)))}"
+
+
+def hbm_bytes(device_kind: str) -> int | None:
+  """HBM capacity of one chip (bytes) for a jax ``device_kind`` such as ``TPU v5 lite``; None when unknown."""
+  kind = device_kind.lower()
+  return next((gib * 2 ** 30 for key, gib in HBM_GIB if key in kind), None)

@@ -1,0 +1,106 @@
+"""The ahead-of-time fit check (``train.py --compile-only``, jaxshare/fit.py): accelerator types name topologies, the
+traced FLOP count follows scans and shard_map, and, with libtpu, a small model's train step compiles for a TPU
+topology and fits while a too-large batch is refused with advice and exit code 3. The libtpu cases run train.py in a
+child process: libtpu is initialised there, not in the test workers."""
+
+import importlib.util
+import re
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, PartitionSpec as P
+
+from conftest import REPO
+from jaxshare.config import ConfigError
+from jaxshare.topology import hbm_bytes, topology_name
+
+needs_libtpu = pytest.mark.skipif(
+  not (REPO / ".libtpu" / "libtpu").is_dir() and importlib.util.find_spec("libtpu") is None,
+  reason="libtpu is not installed (make .libtpu/.installed)")
+
+SMALL = ["model.num_layers=2", "model.d_model=128", "model.num_heads=4", "model.mlp_dim=256", "data.seq_len=256",
+         "mesh.fsdp=-1"]
+
+
+def compile_only(*args: str) -> subprocess.CompletedProcess:
+  return subprocess.run([sys.executable, "train.py", "--compile-only", *args], cwd=REPO, capture_output=True,
+                        text=True, timeout=600)
+
+
+def gib(text: str) -> float:
+  value, unit = text.split()
+  return float(value) * (1 if unit == "GiB" else 2 ** -10)
+
+
+@pytest.mark.parametrize("name,topology", [
+  ("v5e-256", "v5e:16x16"), ("v5e-8", "v5e:2x4"), ("v5litepod-16", "v5e:4x4"), ("v6e-64", "v6e:8x8"),
+  ("v5p-8", "v5p:2x2x1"), ("v5p-128", "v5p:4x4x4"), ("v5p-256", "v5p:4x4x8"), ("v4-32", "v4:2x2x4"),
+  ("v5e:2x2", "v5e:2x2")])
+def test_accelerator_types_name_topologies(name, topology):
+  assert topology_name(name) == topology
+
+
+@pytest.mark.parametrize("name,message", [
+  ("v5p-6", "v5p-N needs N = 2 x a power of two"), ("v5e-24", "v5e-N needs N = a power of two"),
+  ("v3-8", "name a TPU topology"), ("tpu", "name a TPU topology")])
+def test_bad_accelerator_types_are_refused_by_name(name, message):
+  with pytest.raises(ConfigError, match=re.escape(message)):
+    topology_name(name)
+
+
+def test_hbm_by_device_kind():
+  assert [hbm_bytes(k) / 2 ** 30 for k in ("TPU v5 lite", "TPU v5", "TPU v6 lite", "TPU v4")] == [16, 95, 32, 32]
+  assert hbm_bytes("cpu") is None
+
+
+def test_matmul_flops_follow_scans_and_shard_map():
+  from jaxshare.fit import _compiler_oom, matmul_flops
+
+  def layers(x, w):  # 3 scanned [8, 16] x [16, 16] matmuls
+    return jax.lax.scan(lambda h, wi: (h @ wi, None), x, w)[0]
+
+  x, w = jnp.ones((8, 16)), jnp.ones((3, 16, 16))
+  assert matmul_flops(jax.make_jaxpr(layers)(x, w)) == (3 * 2 * 8 * 16 * 16, 0)
+  mesh = Mesh(np.array(jax.devices()[:4]), ("x",))
+  sharded = jax.shard_map(lambda a, b: a @ b, mesh=mesh, in_specs=(P("x"), P()), out_specs=P("x"))
+  assert matmul_flops(jax.make_jaxpr(sharded)(x, w[0]))[0] == 2 * 8 * 16 * 16  # per-shard shapes x 4 shards
+  assert _compiler_oom("... HLO temporaries (21.42G) exceeds available HBM (15.75G).") == (
+    round(21.42 * 2 ** 30), round(15.75 * 2 ** 30))
+
+
+@needs_libtpu
+def test_small_model_fits_on_a_tpu_topology():
+  proc = compile_only("--topology=v5e-4", *SMALL, "train.batch_size=8")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  out = proc.stdout
+  assert "compiled for v5e:2x2 (v5e-4): 4 x TPU v5 lite" in out and "fits: yes" in out, out
+  hbm, capacity = re.search(r"HBM per chip: ([\d.]+ [GM]iB) of ([\d.]+ GiB)", out).groups()
+  state = re.search(r"train state per chip: ([\d.]+ [GM]iB)", out).group(1)
+  # ~0.4M parameters x 12 bytes (f32 weights, AdamW moments) over 4 chips; activations of 2 x 256 tokens per chip
+  assert 0.5 < gib(state) * 2 ** 10 < 2 and gib(state) < gib(hbm) < 0.5 and gib(capacity) == 16
+  model, executed = (float(v) for v in re.search(r"model ([\d.e+]+), executed ([\d.e+]+)", out).groups())
+  assert 0 < model <= executed
+
+
+@needs_libtpu
+def test_too_large_batch_does_not_fit_with_advice():
+  proc = compile_only("--topology=v5e:2x2", *SMALL, "model.vocab_size=32000", "data.seq_len=1024",
+                      "train.batch_size=1024")
+  assert proc.returncode == 3, proc.stderr[-3000:]
+  assert "fits: NO" in proc.stdout
+  err = proc.stderr
+  assert re.search(r"does not fit in HBM on v5e:2x2 \(TPU v5 lite\): needs [\d.]+ GiB per chip, 15.75 GiB available",
+                   err), err
+  for change in ("train.batch_size: lower it (now 1024", "model.remat=full", "train.grad_accum_steps=2", "mesh.fsdp"):
+    assert change in err, err
+
+
+@needs_libtpu
+def test_unknown_topology_is_refused_by_name():
+  proc = compile_only("--topology=v9z:1x1", *SMALL)
+  assert proc.returncode == 2
+  assert "--topology 'v9z:1x1': cannot describe this TPU topology" in proc.stderr
