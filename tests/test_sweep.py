@@ -2,18 +2,21 @@
 (trains, evaluates, tabulates, plots; skips finished runs; records failures; keeps results it does not own)."""
 
 import csv
+import os
 import shlex
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "scripts"))
+from jaxshare.sweep.__main__ import main
+from jaxshare.sweep.devices import DeviceGroup, device_groups, split_devices
+from jaxshare.sweep.launch import LAUNCHERS
+from jaxshare.sweep.results import markdown_table, mean_std, merge_rows, read_results, summarize
+from jaxshare.sweep.spec import SweepError, check_config, grid_variants, load_sweep
 
-import sweep  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
 
 TINY = ["model.num_layers=2", "model.d_model=32", "model.mlp_dim=64", "data.seq_len=32", "train.batch_size=8",
         "train.steps=2", "train.warmup_steps=1", "train.eval_every=2", "train.eval_batches=1", "train.log_every=1",
@@ -30,20 +33,20 @@ def _spec(tmp_path: Path, body: str, name: str = "sweep.yaml") -> Path:
 
 
 def test_grid_expands_the_cross_product_with_readable_names():
-  variants = sweep.grid_variants({"schedule.factor": [1, 2], "schedule.kv_heads": [1, 4],
-                                  "schedule.lisa.layers": [[1, 2]]})
+  variants = grid_variants({"schedule.factor": [1, 2], "schedule.kv_heads": [1, 4],
+                            "schedule.lisa.layers": [[1, 2]]})
   assert list(variants) == ["factor=1,kv_heads=1,layers=1-2", "factor=1,kv_heads=4,layers=1-2",
                             "factor=2,kv_heads=1,layers=1-2", "factor=2,kv_heads=4,layers=1-2"]
   assert variants["factor=2,kv_heads=1,layers=1-2"] == ["schedule.factor=2", "schedule.kv_heads=1",
                                                         "schedule.lisa.layers=[1,2]"]
   # keys with the same last part keep their whole name
-  assert list(sweep.grid_variants({"schedule.sa.start": [1], "schedule.uniattn.start": [2]})) == [
+  assert list(grid_variants({"schedule.sa.start": [1], "schedule.uniattn.start": [2]})) == [
     "schedule.sa.start=1,schedule.uniattn.start=2"]
 
 
 def test_seeds_give_one_run_each_in_its_own_directory(tmp_path):
-  spec = sweep.load_sweep(_spec(tmp_path, "base: [train.steps=3]\nseeds: [0, 7]\nvariants:\n  dense: []\n"
-                                "grid:\n  schedule.kv_heads: [1, 2]\n"))
+  spec = load_sweep(_spec(tmp_path, "base: [train.steps=3]\nseeds: [0, 7]\nvariants:\n  dense: []\n"
+                          "grid:\n  schedule.kv_heads: [1, 2]\n"))
   runs = spec.runs()
   assert [(r.variant, r.seed) for r in runs] == [("dense", 0), ("dense", 7), ("kv_heads=1", 0), ("kv_heads=1", 7),
                                                  ("kv_heads=2", 0), ("kv_heads=2", 7)]
@@ -51,7 +54,7 @@ def test_seeds_give_one_run_each_in_its_own_directory(tmp_path):
   assert runs[3].train_overrides() == ["train.steps=3", "schedule.kv_heads=1", "train.seed=7",
                                        f"train.run_dir={tmp_path / 'runs' / 'kv_heads=1' / 'seed7'}"]
   # without seeds: one run per variant at the experiment's seed, in <run_root>/<variant>
-  plain = sweep.load_sweep(_spec(tmp_path, "variants:\n  dense: []\n", "plain.yaml")).runs()
+  plain = load_sweep(_spec(tmp_path, "variants:\n  dense: []\n", "plain.yaml")).runs()
   assert [(r.seed, r.run_dir) for r in plain] == [(None, tmp_path / "runs" / "dense")]
 
 
@@ -66,7 +69,7 @@ def test_seeds_give_one_run_each_in_its_own_directory(tmp_path):
   ("variants:\n  dense: []\nseries:\n  MHA: [dens]\n", "series.MHA names 'dens', which is not a variant"),
 ])
 def test_malformed_sweep_files_name_the_key(tmp_path, capsys, body, message):
-  assert sweep.main([str(_spec(tmp_path, body))]) == 2
+  assert main([str(_spec(tmp_path, body))]) == 2
   err = capsys.readouterr().err
   assert message in err and "sweep.yaml" in err
 
@@ -74,11 +77,11 @@ def test_malformed_sweep_files_name_the_key(tmp_path, capsys, body, message):
 def test_missing_keys_and_non_yaml_exit_2(tmp_path, capsys):
   (tmp_path / "no_root.yaml").write_text("experiment: configs/experiments/sharing_base.yaml\nvariants: {a: []}\n")
   (tmp_path / "bad.yaml").write_text("variants: [unclosed\n")
-  assert sweep.main([str(tmp_path / "no_root.yaml")]) == 2
+  assert main([str(tmp_path / "no_root.yaml")]) == 2
   assert "'run_root' is missing" in capsys.readouterr().err
-  assert sweep.main([str(tmp_path / "bad.yaml")]) == 2
+  assert main([str(tmp_path / "bad.yaml")]) == 2
   assert "is not valid YAML" in capsys.readouterr().err
-  assert sweep.main([str(tmp_path / "absent.yaml")]) == 2
+  assert main([str(tmp_path / "absent.yaml")]) == 2
   assert "cannot read sweep file" in capsys.readouterr().err
 
 
@@ -87,15 +90,15 @@ def test_every_shipped_sweep_run_has_a_valid_config():
   files = sorted((REPO / "configs" / "sweeps").glob("*.yaml"))
   assert {"mlkv_ladder", "cla_design_space", "uniattn_blocks", "lisa_rank"} <= {f.stem for f in files}
   for f in files:
-    spec = sweep.load_sweep(f)
+    spec = load_sweep(f)
     for run in {r.variant: r for r in spec.runs()}.values():  # a seed changes no shape
-      cfg, _ = sweep.check_config(spec, run)
+      cfg, _ = check_config(spec, run)
       assert cfg.train.run_dir == str(run.run_dir)
 
 
 def test_check_reports_an_invalid_override(tmp_path, capsys):
   spec = _spec(tmp_path, "variants:\n  ok: []\n  bad: [schedule.kind=cla, schedule.factor=9]\n")
-  assert sweep.main([str(spec), "--check"]) == 2
+  assert main([str(spec), "--check"]) == 2
   out = capsys.readouterr().out
   assert "INVALID bad: schedule.factor=9 is invalid" in out and "ok ok:" in out
 
@@ -104,26 +107,26 @@ def test_check_reports_an_invalid_override(tmp_path, capsys):
 
 
 def test_mean_std_formatting():
-  assert sweep.mean_std([]) == "—"
-  assert sweep.mean_std([1.23456]) == "1.2346"
-  assert sweep.mean_std([1.0, 2.0]) == "1.5000 ± 0.7071"  # sample std (n - 1)
-  assert sweep.mean_std([2.0, 2.0, 2.0], digits=2) == "2.00 ± 0.00"
+  assert mean_std([]) == "—"
+  assert mean_std([1.23456]) == "1.2346"
+  assert mean_std([1.0, 2.0]) == "1.5000 ± 0.7071"  # sample std (n - 1)
+  assert mean_std([2.0, 2.0, 2.0], digits=2) == "2.00 ± 0.00"
 
 
 def test_table_rows_merge_by_variant_and_seed(tmp_path):
   legacy = tmp_path / "results.csv"  # written by the sweep script before seeds: a name column, one run each
   legacy.write_text("name,val_loss,bits_per_byte,kv_bytes_per_token_bf16,num_params\ndense,1.7,2.4,3072,99\n")
-  assert sweep.read_results(legacy)[0] == [{"variant": "dense", "seed": "", "status": "ok", "val_loss": "1.7",
-                                            "bits_per_byte": "2.4", "kv_bytes_per_token_bf16": "3072",
-                                            "num_params": "99"}]
+  assert read_results(legacy)[0] == [{"variant": "dense", "seed": "", "status": "ok", "val_loss": "1.7",
+                                      "bits_per_byte": "2.4", "kv_bytes_per_token_bf16": "3072",
+                                      "num_params": "99"}]
   old = [{"variant": "a", "seed": "0", "status": "ok"}, {"variant": "b", "seed": "0", "status": "ok"}]
   new = [{"variant": "a", "seed": 0, "status": "failed"}, {"variant": "a", "seed": 1, "status": "ok"}]
-  assert [(r["variant"], str(r["seed"]), r["status"]) for r in sweep.merge_rows(old, new)] == [
+  assert [(r["variant"], str(r["seed"]), r["status"]) for r in merge_rows(old, new)] == [
     ("a", "0", "failed"), ("b", "0", "ok"), ("a", "1", "ok")]
   rows = [{"variant": "a", "seed": s, "status": "ok", "val_loss": v, "bits_per_byte": v, "num_params": 10,
            "kv_bytes_per_token_bf16": 512} for s, v in ((0, 2.0), (1, 2.2))]
   rows.append({"variant": "a", "seed": 2, "status": "failed"})
-  table = sweep.markdown_table(sweep.summarize(rows, ["a"]))
+  table = markdown_table(summarize(rows, ["a"]))
   assert "| a | 2/3 (failed) | 2.1000 ± 0.1414 | 2.1000 ± 0.1414 | 512 | 10 |" in table
 
 
@@ -131,23 +134,23 @@ def test_table_rows_merge_by_variant_and_seed(tmp_path):
 
 
 def test_device_groups_split_devices_per_platform():
-  assert sweep.split_devices(["0", "1", "2", "3"], 2, "gpu") == [["0", "1"], ["2", "3"]]
-  assert sweep.split_devices(["0", "1", "2"], 2, "cpu") == [["0", "1"], ["2"]]
-  with pytest.raises(sweep.SweepError, match="must divide the 3 gpu devices"):
-    sweep.split_devices(["0", "1", "2"], 2, "gpu")
-  gpu = sweep.device_groups(2, "4,5,6,7", "gpu")
+  assert split_devices(["0", "1", "2", "3"], 2, "gpu") == [["0", "1"], ["2", "3"]]
+  assert split_devices(["0", "1", "2"], 2, "cpu") == [["0", "1"], ["2"]]
+  with pytest.raises(SweepError, match="must divide the 3 gpu devices"):
+    split_devices(["0", "1", "2"], 2, "gpu")
+  gpu = device_groups(2, "4,5,6,7", "gpu")
   assert [dict(g.env) for g in gpu] == [{"CUDA_VISIBLE_DEVICES": "4,5"}, {"CUDA_VISIBLE_DEVICES": "6,7"}]
-  tpu = [dict(g.env) for g in sweep.device_groups(2, "0,1,2,3", "tpu")]
+  tpu = [dict(g.env) for g in device_groups(2, "0,1,2,3", "tpu")]
   assert tpu[1]["TPU_VISIBLE_CHIPS"] == "2,3" and tpu[1]["TPU_CHIPS_PER_PROCESS_BOUNDS"] == "1,2,1"
   assert tpu[0]["TPU_PROCESS_BOUNDS"] == "1,1,1" and tpu[0]["TPU_PROCESS_PORT"] != tpu[1]["TPU_PROCESS_PORT"]
-  assert sweep.device_groups(2, "0,1", "cpu")[1].prefix == ("taskset", "-c", "1")
-  assert sweep.device_groups(1, None, "cpu") == [sweep.DeviceGroup()]  # no confinement by default
+  assert device_groups(2, "0,1", "cpu")[1].prefix == ("taskset", "-c", "1")
+  assert device_groups(1, None, "cpu") == [DeviceGroup()]  # no confinement by default
 
 
 def test_launch_slurm_dry_run_prints_one_launcher_command_per_run(tmp_path, capsys):
   spec = _spec(tmp_path, "seeds: [0, 1]\nvariants:\n  dense: []\ngrid:\n  schedule.factor: [2]\n")
-  assert sweep.main([str(spec), "--launch", "slurm", "--dry-run", "--launcher-args",
-                     "--nodes 1 --gpus-per-node 8"]) == 0
+  assert main([str(spec), "--launch", "slurm", "--dry-run", "--launcher-args",
+               "--nodes 1 --gpus-per-node 8"]) == 0
   lines = capsys.readouterr().out.strip().splitlines()
   assert len(lines) == 4
   for line, (variant, seed) in zip(lines, [("dense", 0), ("dense", 1), ("factor=2", 0), ("factor=2", 1)]):
@@ -159,26 +162,26 @@ def test_launch_slurm_dry_run_prints_one_launcher_command_per_run(tmp_path, caps
     run_dir = tmp_path / "runs" / variant / f"seed{seed}"
     assert f"train.seed={seed}" in overrides and overrides[-1] == f"train.run_dir={run_dir}"
   assert not (tmp_path / "runs").exists()  # nothing ran, nothing written
-  launcher = REPO / sweep.LAUNCHERS["slurm"]
+  launcher = REPO / LAUNCHERS["slurm"]
   if launcher.is_file():  # the launcher takes the command: its batch script trains in the sweep's run directory
     args = shlex.split(lines[-1])
     out = subprocess.run(["bash", args[0], "--dry-run", *args[1:]], capture_output=True, text=True, check=True).stdout
     assert f"train.run_dir={run_dir}" in out.replace("\\", "")
-  assert sweep.main([str(spec), "--launch", "slurm", "--launcher-args", "--run-name x"]) == 2
+  assert main([str(spec), "--launch", "slurm", "--launcher-args", "--run-name x"]) == 2
   assert "--run-name is not allowed (the sweep names each run)" in capsys.readouterr().err
 
 
 def test_launch_slurm_submits_one_job_per_run(tmp_path, monkeypatch, capsys):
-  if not (REPO / sweep.LAUNCHERS["slurm"]).is_file():
+  if not (REPO / LAUNCHERS["slurm"]).is_file():
     pytest.skip("scripts/launch_slurm.sh is not there")
   bin_dir = tmp_path / "bin"
   bin_dir.mkdir()
   (bin_dir / "sbatch").write_text(f"#!/bin/sh\necho \"$1\" >> {tmp_path / 'submitted'}\necho Submitted batch job 1\n")
   (bin_dir / "sbatch").chmod(0o755)
-  monkeypatch.setenv("PATH", f"{bin_dir}:{sweep.os.environ['PATH']}")
+  monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
   spec = _spec(tmp_path, "seeds: [3]\nvariants:\n  dense: []\n  cla2: [schedule.kind=cla]\n")
-  assert sweep.main([str(spec), "--launch", "slurm", "--launcher-args",
-                     f"--nodes 1 --gpus-per-node 1 --log-dir {tmp_path / 'slurm'}"]) == 0
+  assert main([str(spec), "--launch", "slurm", "--launcher-args",
+               f"--nodes 1 --gpus-per-node 1 --log-dir {tmp_path / 'slurm'}"]) == 0
   scripts = (tmp_path / "submitted").read_text().split()
   assert [Path(p).name for p in scripts] == ["sweep-dense-s3.sbatch", "sweep-cla2-s3.sbatch"]
   assert f"train.run_dir={tmp_path / 'runs' / 'cla2' / 'seed3'}" in Path(scripts[1]).read_text()
@@ -195,7 +198,7 @@ def swept(tmp_path_factory):
   tmp = tmp_path_factory.mktemp("sweep")
   spec = _spec(tmp, f"base: {TINY}\nseeds: [0]\nvariants:\n  dense: []\n  cla2: [schedule.kind=cla]\n"
                     "  broken: [data.path=no_such_corpus.txt]\n")
-  code = sweep.main([str(spec), "--only", "dense", "cla2", "--parallel", "2"])
+  code = main([str(spec), "--only", "dense", "cla2", "--parallel", "2"])
   return spec, tmp / "runs", code
 
 
@@ -217,7 +220,7 @@ def test_second_invocation_skips_finished_runs(swept, capsys):
   ckpt = root / "dense" / "seed0" / "checkpoints" / "2"
   stamps = [p.stat().st_mtime_ns for p in (ckpt, root / "dense" / "seed0" / "eval.json")]
   capsys.readouterr()
-  assert sweep.main([str(spec), "--only", "dense", "cla2"]) == 0
+  assert main([str(spec), "--only", "dense", "cla2"]) == 0
   out = capsys.readouterr().out
   assert out.count("skipped (finished at step 2") == 2 and "training" not in out
   assert [p.stat().st_mtime_ns for p in (ckpt, root / "dense" / "seed0" / "eval.json")] == stamps
@@ -226,7 +229,7 @@ def test_second_invocation_skips_finished_runs(swept, capsys):
 def test_only_with_an_unknown_name_exits_2_and_leaves_results(swept, capsys):
   spec, root, _ = swept
   before = (root / "results.csv").read_bytes(), (root / "results.csv").stat().st_mtime_ns
-  assert sweep.main([str(spec), "--only", "dense", "cla3"]) == 2
+  assert main([str(spec), "--only", "dense", "cla3"]) == 2
   err = capsys.readouterr().err
   assert "--only cla3: no such variant" in err and "known: dense, cla2, broken" in err
   assert ((root / "results.csv").read_bytes(), (root / "results.csv").stat().st_mtime_ns) == before
@@ -234,7 +237,7 @@ def test_only_with_an_unknown_name_exits_2_and_leaves_results(swept, capsys):
 
 def test_a_failing_run_is_recorded_and_the_others_kept(swept, capsys):
   spec, root, _ = swept
-  assert sweep.main([str(spec), "--only", "broken", "dense"]) == 1  # dense is skipped, broken fails
+  assert main([str(spec), "--only", "broken", "dense"]) == 1  # dense is skipped, broken fails
   rows = {r["variant"]: r for r in csv.DictReader((root / "results.csv").open())}
   assert [rows[v]["status"] for v in ("dense", "cla2", "broken")] == ["ok", "ok", "failed"]  # cla2 kept
   assert rows["broken"]["error"].startswith("train.py exit 2: error:") and "no_such_corpus" in rows["broken"]["error"]
@@ -251,7 +254,7 @@ def test_collect_evaluates_finished_runs_and_trains_nothing(swept, tmp_path, cap
   copy = tmp_path / "sweep.yaml"
   copy.write_text(spec.read_text().replace(str(root), str(tmp_path / "runs")))
   capsys.readouterr()
-  assert sweep.main([str(copy), "--collect"]) == 1  # broken never trained: incomplete
+  assert main([str(copy), "--collect"]) == 1  # broken never trained: incomplete
   out = capsys.readouterr().out
   assert "dense/seed0: evaluating (step 2)" in out and "cla2/seed0: skipped" in out
   assert "broken/seed0: not finished (step None of 2)" in out

@@ -1,0 +1,147 @@
+"""Running the sweep here: each run trained (or resumed) with train.py and evaluated with eval.py in its device group,
+its output in <run_dir>/sweep.log, as many runs at once as there are groups."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import queue
+import shlex
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from jaxshare.config import REPO_ROOT
+from jaxshare.sweep.devices import DeviceGroup
+from jaxshare.sweep.results import Results, result_row, write_atomic
+from jaxshare.sweep.spec import Run, Sweep, rel
+
+_PRINT = threading.Lock()
+
+
+def say(*lines: str, file=None) -> None:
+  """Print whole lines: concurrent runs report from threads, and print() may interleave text and newline."""
+  with _PRINT:
+    out = file or sys.stdout
+    out.write("".join(f"{ln}\n" for ln in lines))
+    out.flush()
+
+
+def latest_step(run_dir: Path) -> int | None:
+  """The run's newest finished checkpoint (orbax writes ``checkpoints/<step>``; unfinished ones have a suffix)."""
+  steps = [int(p.name) for p in (run_dir / "checkpoints").glob("*") if p.name.isdigit() and p.is_dir()]
+  return max(steps) if steps else None
+
+
+def cached_eval(run_dir: Path, steps: int) -> dict | None:
+  """``<run_dir>/eval.json`` if it evaluates the checkpoint at ``steps``."""
+  try:
+    report = json.loads((run_dir / "eval.json").read_text())
+  except (OSError, ValueError):
+    return None
+  return report if report.get("step") == steps and latest_step(run_dir) == steps else None
+
+
+def _tail(path: Path, lines: int) -> list[str]:
+  try:
+    text = path.read_text(errors="replace")
+  except OSError:
+    return []
+  return [ln for ln in text.splitlines() if ln.strip()][-lines:]
+
+
+def command(group: DeviceGroup, args: list[str]) -> str:
+  """``args`` as a shell line run in ``group``: its variables, its prefix, then the command."""
+  env = [f"{k}={shlex.quote(v)}" for k, v in group.env]
+  return " ".join(env + [shlex.join([*group.prefix, *args])])
+
+
+def train_args(sweep: Sweep, run: Run) -> list[str]:
+  return [sys.executable, "train.py", "--config", sweep.experiment, "--no-eval", *run.train_overrides()]
+
+
+def eval_args(run: Run) -> list[str]:
+  return [sys.executable, "eval.py", str(run.run_dir), "--json", "--sample-tokens", "0"]
+
+
+def _call(group: DeviceGroup, args: list[str], log: Path, capture: bool = False) -> tuple[int, str]:
+  """Run a command with the group's devices, appending its output to ``log`` as it comes (``tail -f`` follows a
+  run); with ``capture`` stdout is returned instead and appended at the end. ``(exit code, stdout)``."""
+  env = {**os.environ, **dict(group.env), "PYTHONUNBUFFERED": "1"}
+  with log.open("a") as f:
+    f.write(f"\n== {time.strftime('%Y-%m-%d %H:%M:%S')} {command(group, args)}\n")
+    f.flush()
+    proc = subprocess.run([*group.prefix, *args], cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE if capture else f,
+                          stderr=f, text=True)
+    if capture:
+      f.write(proc.stdout)
+  return proc.returncode, proc.stdout or ""
+
+
+def execute(sweep: Sweep, run: Run, steps: int, group: DeviceGroup, evaluate_only: bool = False) -> dict:
+  """Train (or resume) and evaluate one run; a result row with status ok or failed (never raises for the run's
+  own errors: their output is in <run_dir>/sweep.log)."""
+  run.run_dir.mkdir(parents=True, exist_ok=True)
+  log = run.run_dir / "sweep.log"
+
+  def failed(what: str) -> dict:
+    tail = _tail(log, 1)
+    return result_row(run, "failed", error=f"{what}: {tail[-1] if tail else 'no output'}"[:300])
+
+  if not evaluate_only:
+    code, _ = _call(group, train_args(sweep, run), log)
+    if code != 0:
+      return failed(f"train.py exit {code}")
+    reached = latest_step(run.run_dir)
+    if reached != steps:
+      return result_row(run, "failed", error=f"training stopped at step {reached} of {steps}")
+  code, out = _call(group, eval_args(run), log, capture=True)
+  lines = [ln for ln in out.splitlines() if ln.startswith("{")]
+  if code != 0 or not lines:
+    return failed(f"eval.py exit {code}")
+  report = json.loads(lines[-1])
+  write_atomic(run.run_dir / "eval.json", json.dumps(report, indent=1) + "\n")
+  return result_row(run, "ok", report)
+
+
+def train_all(sweep: Sweep, todo: list[tuple[Run, int]], groups: list[DeviceGroup], results: Results,
+              done: list[dict]) -> int:
+  """Train and evaluate ``todo``, as many at once as there are device groups; rows are merged into the table as
+  each run ends. Returns the number of failed runs."""
+  free: queue.Queue[DeviceGroup] = queue.Queue()
+  for g in groups:
+    free.put(g)
+  total, failures = len(todo), 0
+
+  def work(i: int, run: Run, steps: int) -> dict:
+    group = free.get()
+    try:
+      where = f" on {group.label}" if group.label else ""
+      say(f"[{i}/{total}] {run.label}: training to step {steps}{where} (log: {rel(run.run_dir / 'sweep.log')})")
+      start = time.monotonic()
+      row = execute(sweep, run, steps, group)
+      took = time.monotonic() - start
+      if row["status"] == "ok":
+        say(f"[{i}/{total}] {run.label}: val_loss {float(row['val_loss']):.4f} ({took:.0f} s)")
+      else:
+        say(f"[{i}/{total}] {run.label}: FAILED ({row['error']})",
+            *(f"    {line}" for line in _tail(run.run_dir / "sweep.log", 15)))
+      results.add([row])
+      return row
+    finally:
+      free.put(group)
+
+  pool = concurrent.futures.ThreadPoolExecutor(max_workers=len(groups))
+  try:
+    futures = [pool.submit(work, i, run, steps) for i, (run, steps) in enumerate(todo, 1)]
+    for f in futures:
+      row = f.result()
+      done.append(row)
+      failures += row["status"] != "ok"
+  finally:
+    # On Ctrl-C the runs in flight got the SIGINT too and save a checkpoint; start no queued one meanwhile.
+    pool.shutdown(wait=True, cancel_futures=True)
+  return failures
