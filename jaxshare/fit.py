@@ -4,14 +4,15 @@ fits (``--max-batch``).
 
 **HBM per chip** is the TPU compiler's own figure, ``memory_analysis().peak_memory_in_bytes``: the most bytes live
 at once during the step (arguments, outputs and temporaries; the donated state's buffers, which the new state is
-written into, counted once). It is what the compiler's out-of-memory check holds against the usable HBM (15.75 GiB of
-a v5e's 16): a larger program is refused at compile time (``RESOURCE_EXHAUSTED``), a no-fit reported with the
-compiler's figures. The sum ``arguments + outputs - aliased + temporaries`` (MaxText's formula: the aliased bytes,
-``alias_size_in_bytes``, are the donated state, counted in both arguments and outputs, so subtracted once) equals
-that peak on simple programs (checked: x * 2 with and without donation, a matmul chain) but overstates a train
-step, whose ``temp_size_in_bytes`` exceeds what is live at the peak (a 2-layer step at batch 320 on v5e:2x2:
-temporaries 18.2 GiB, peak 14.8 GiB, and the compiler accepted it for 16 GiB chips). The sum is printed beside as
-an upper bound, and used where jaxlib reports no peak. Generated code (tens of MB) is in neither.
+written into, counted once). The compiler refuses a program whose peak exceeds the HBM it may use
+(``RESOURCE_EXHAUSTED``: a no-fit, reported with its figures), so a train step fits when it compiles. That usable
+HBM is asked of the compiler itself (:func:`usable_hbm`: v5e 15.75 GiB of 16, v5p 95.74 of the published 95, v6e
+31.25 of 32, v4 30.75 of 32 with libtpu 0.0.42). The sum ``arguments + outputs - aliased + temporaries`` (MaxText's
+formula: the aliased bytes, ``alias_size_in_bytes``, are the donated state, counted in both arguments and outputs,
+so subtracted once) equals that peak on simple programs (checked: x * 2 with and without donation, a matmul chain)
+but overstates a train step, whose ``temp_size_in_bytes`` exceeds what is live at the peak (a 2-layer step at batch
+320 on v5e:2x2: temporaries 18.2 GiB, peak 14.8 GiB, and the compiler accepted it for 15.75 GiB). The sum is printed
+beside as an upper bound, and used where jaxlib reports no peak. Generated code (tens of MB) is in neither.
 
 **FLOPs.** XLA's ``cost_analysis()`` of a sharded program is per device (checked: a [4096, 1024] x [1024, 1024]
 matmul sharded 4 ways reports a quarter of 2·M·N·K), but it counts a while loop's body once: an 8-layer step with
@@ -64,10 +65,11 @@ class Fit:
     topology, device_kind: what was compiled for (``v5e:16x16``, ``TPU v5 lite``). chips: devices in the mesh.
     slices: TPU slices. mesh: mesh axis sizes. batch, seq_len: global batch (sequences) and tokens per sequence.
     batch_unit: what the global batch must be a multiple of (batch shards x grad_accum_steps).
-    capacity: the chip's HBM. state_bytes: the train state's shard (parameters and optimizer moments).
+    capacity: the chip's published HBM (None: not in the table). state_bytes: the train state's shard (parameters
+      and optimizer moments).
     hbm: bytes needed: the compiler's peak (or the sum where jaxlib has no peak; its figure when it refused; None if
       it gave none).
-    usable: HBM the compiler may use, when its refusal says. memory: ``memory_analysis()`` fields (None: refused).
+    usable: HBM the compiler may use (None: it would not say). memory: ``memory_analysis()`` fields (None: refused).
     compiler_error: the compiler's refusal ("" when compiled). model_flops, executed_flops: see the module doc.
     kernel_calls: Pallas kernel calls in the traced step. xla_flops_per_chip: raw ``cost_analysis()`` flops.
     peak_flops: the chip's dense bf16 peak FLOP/s (None: unknown). compile_s: seconds to trace and compile.
@@ -81,7 +83,7 @@ class Fit:
   batch: int
   seq_len: int
   batch_unit: int
-  capacity: int
+  capacity: int | None
   state_bytes: int
   hbm: int | None
   usable: int | None
@@ -95,8 +97,13 @@ class Fit:
   compile_s: float
 
   @property
+  def limit(self) -> int:
+    """Bytes per chip the step must fit in: the compiler's usable HBM, else the published capacity."""
+    return self.usable or self.capacity
+
+  @property
   def fits(self) -> bool:
-    return not self.compiler_error and self.hbm is not None and self.hbm <= self.capacity
+    return not self.compiler_error and self.hbm is not None and self.hbm <= self.limit
 
   @property
   def mfu_bound(self) -> float:
@@ -182,6 +189,23 @@ def _compiler_oom(error: str) -> tuple[int | None, int | None]:
   return None, None
 
 
+_usable: dict[str, int | None] = {}
+
+
+def usable_hbm(device) -> int | None:
+  """Bytes of HBM the TPU compiler lets one program use on ``device``'s kind (None if it does not say): read from its
+  refusal of a 512 GiB program (well under a second; once per device kind)."""
+  kind = device.device_kind
+  if kind not in _usable:
+    huge = jax.ShapeDtypeStruct((2 ** 39,), np.int8, sharding=jax.sharding.SingleDeviceSharding(device))
+    try:
+      jax.jit(lambda x: x + 1).lower(huge).compile()
+      _usable[kind] = None
+    except jax.errors.JaxRuntimeError as e:
+      _usable[kind] = _compiler_oom(str(e))[1]
+  return _usable[kind]
+
+
 def batch_unit(cfg: Config, mesh: jax.sharding.Mesh) -> int:
   """The global batch must be a multiple of this: the batch shards (mesh ``data`` x ``fsdp``, slices included) x
   ``train.grad_accum_steps`` (every micro-batch split evenly)."""
@@ -218,10 +242,10 @@ def check(cfg: Config, target: str, num_slices: int | None = None) -> Fit:
                       f"shards data x fsdp = {mesh.shape['data'] * mesh.shape['fsdp']}, x train.grad_accum_steps "
                       f"{cfg.train.grad_accum_steps}), e.g. {max(unit, cfg.train.batch_size // unit * unit)}")
   kind = mesh.devices.flat[0].device_kind
-  capacity = topology.hbm_bytes(kind)
-  if capacity is None:
-    raise ConfigError(f"--topology {target!r}: no HBM capacity known for device kind {kind!r} "
-                      f"(known: {', '.join(k for k, _ in topology.HBM_GIB)})")
+  capacity, usable = topology.hbm_bytes(kind), usable_hbm(mesh.devices.flat[0])
+  if capacity is None and usable is None:
+    raise ConfigError(f"--topology {target!r}: the HBM of device kind {kind!r} is unknown (the compiler would not "
+                      f"say; the table knows {', '.join(k for k, _ in topology.HBM_GIB)})")
   step = aot.trace_train_step(cfg, mesh)
   tokens = cfg.train.batch_size * cfg.data.seq_len
   model, schedule, match = cfg.model, step.setup.schedule, cfg.schedule.match_params
@@ -238,9 +262,10 @@ def check(cfg: Config, target: str, num_slices: int | None = None) -> Fit:
     if "RESOURCE_EXHAUSTED" not in str(e):
       raise
     error = str(e).strip().splitlines()[0]
-    hbm, usable = _compiler_oom(str(e))
+    hbm, said = _compiler_oom(str(e))
+    usable = said or usable
   else:
-    memory, xla_flops, usable = compiled.memory, compiled.flops, None
+    memory, xla_flops = compiled.memory, compiled.flops
     hbm = memory.get("peak_memory_in_bytes") or _sum_bytes(memory)
   return Fit(name, kind, mesh.devices.size, cfg.mesh.num_slices, dict(mesh.shape), cfg.train.batch_size,
              cfg.data.seq_len, unit, capacity, _state_bytes(step.state), hbm, usable, memory, error, model_flops,
@@ -298,11 +323,18 @@ def _gib(n: int | None) -> str:
   return f"{n / GIB:.2f} GiB" if abs(n) >= GIB / 10 else f"{n / 2 ** 20:.1f} MiB"
 
 
+def _capacity(fit: Fit) -> str:
+  if fit.usable is None:
+    return f"{_gib(fit.capacity)} HBM"
+  published = f"; {fit.capacity / GIB:g} GiB HBM" if fit.capacity else ""
+  return f"{_gib(fit.usable)} usable (the compiler's limit{published})"
+
+
 def probe_line(fit: Fit) -> str:
   """One line per compile: batch, HBM per chip, verdict, time."""
   verdict = "fits" if fit.fits else "does NOT fit"
   return (f"  batch {fit.batch:>6} ({fit.batch // (fit.batch_unit or 1)} per unit of {fit.batch_unit}): "
-          f"{_gib(fit.hbm)} per chip of {_gib(fit.capacity)}: {verdict}  ({fit.compile_s:.0f} s)")
+          f"{_gib(fit.hbm)} per chip of {_gib(fit.limit)}: {verdict}  ({fit.compile_s:.0f} s)")
 
 
 def format_report(fit: Fit, target: str) -> str:
@@ -316,14 +348,12 @@ def format_report(fit: Fit, target: str) -> str:
   m = fit.memory
   if m is not None:
     what = "compiler's peak" if m.get("peak_memory_in_bytes") else "arguments + outputs - aliased + temporaries"
-    lines.append(f"  HBM per chip: {_gib(fit.hbm)} of {_gib(fit.capacity)} ({fit.hbm / fit.capacity:.1%}; {what})")
+    lines.append(f"  HBM per chip: {_gib(fit.hbm)} of {_capacity(fit)} ({fit.hbm / fit.limit:.1%}; {what})")
     lines.append(f"    upper bound: arguments {_gib(m['argument_size_in_bytes'])} + outputs "
                  f"{_gib(m['output_size_in_bytes'])} - aliased (donated state) {_gib(m.get('alias_size_in_bytes', 0))}"
                  f" + temporaries {_gib(m['temp_size_in_bytes'])} = {_gib(_sum_bytes(m))}")
   else:
-    usable = f" ({_gib(fit.usable)} usable)" if fit.usable else ""
-    lines.append(f"  HBM per chip: the compiler needs {_gib(fit.hbm)} of {_gib(fit.capacity)}{usable}: "
-                 f"{fit.compiler_error}")
+    lines.append(f"  HBM per chip: the compiler needs {_gib(fit.hbm)} of {_capacity(fit)}: {fit.compiler_error}")
   lines.append(f"  train state per chip: {_gib(fit.state_bytes)} (parameters and optimizer moments, before TPU tile "
                "padding)")
   per_chip = fit.executed_flops / fit.chips
@@ -336,7 +366,7 @@ def format_report(fit: Fit, target: str) -> str:
   else:
     lines.append(f"  bound: MFU <= {fit.mfu_bound:.1%} (model / executed FLOPs)")
   if fit.fits:
-    lines.append(f"  fits: yes ({_gib(fit.capacity - fit.hbm)} free per chip)")
+    lines.append(f"  fits: yes ({_gib(fit.limit - fit.hbm)} free per chip)")
   else:
     lines.append("  fits: NO")
   return "\n".join(lines)
@@ -344,11 +374,10 @@ def format_report(fit: Fit, target: str) -> str:
 
 def advice(fit: Fit, cfg: Config) -> str:
   """Why ``fit`` does not fit and what to change, with numbers."""
-  limit = fit.usable or fit.capacity
-  need = (f"needs {_gib(fit.hbm)} per chip, {_gib(limit)} available" if fit.hbm is not None
+  need = (f"needs {_gib(fit.hbm)} per chip, {_gib(fit.limit)} available" if fit.hbm is not None
           else "the compiler ran out of HBM")
   if fit.hbm is not None:
-    need += f" (over by {_gib(fit.hbm - limit)})"
+    need += f" (over by {_gib(fit.hbm - fit.limit)})"
   t, shards = cfg.train, fit.mesh["data"] * fit.mesh["fsdp"]
   lines = [f"the train step does not fit in HBM on {fit.topology} ({fit.device_kind}): {need}. Change one of:"]
   if fit.batch > fit.batch_unit:
@@ -392,6 +421,6 @@ def main(cfg: Config, target: str, num_slices: int | None = None, find_max_batch
     return EXIT_NO_FIT
   print(format_report(best, target))
   print(f"largest global batch that fits: {best.batch} ({best.batch // best.batch_unit} x {best.batch_unit}; "
-        f"{_gib(best.hbm)} per chip of {_gib(best.capacity)}; {len(probes)} compiles, "
+        f"{_gib(best.hbm)} per chip of {_gib(best.limit)}; {len(probes)} compiles, "
         f"{sum(p.compile_s for p in probes):.0f} s)", flush=True)
   return 0
