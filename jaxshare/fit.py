@@ -380,16 +380,29 @@ def advice(fit: Fit, cfg: Config) -> str:
     need += f" (over by {_gib(fit.hbm - fit.limit)})"
   t, shards = cfg.train, fit.mesh["data"] * fit.mesh["fsdp"]
   lines = [f"the train step does not fit in HBM on {fit.topology} ({fit.device_kind}): {need}. Change one of:"]
+  # Linear estimates: the state and its gradients stay, the rest grows with the sequences per batch shard.
+  fixed = 2 * fit.state_bytes
+  per_row = (fit.hbm - fixed) / (fit.batch // shards) if fit.hbm is not None and fit.hbm > fixed else None
   if fit.batch > fit.batch_unit:
+    guess = ""
+    if per_row:
+      rows = int((fit.limit - fixed) // per_row) * shards // fit.batch_unit * fit.batch_unit
+      guess = f"; about {rows} would fit by linear scaling" if rows >= fit.batch_unit else ""
     lines.append(f"  - train.batch_size: lower it (now {fit.batch} = {fit.batch // fit.batch_unit} x "
-                 f"{fit.batch_unit}); add --max-batch to find the largest that fits")
+                 f"{fit.batch_unit}{guess}); add --max-batch to find the largest that fits")
   if cfg.model.remat == "none":
     lines.append("  - model.remat=full (now none): keep only each superblock's input for the backward pass and "
                  "recompute the rest (about a third more FLOPs)")
-  micro = fit.batch // (2 * t.grad_accum_steps)
-  if fit.batch % (2 * t.grad_accum_steps) == 0 and micro % shards == 0:
-    lines.append(f"  - train.grad_accum_steps={2 * t.grad_accum_steps} (now {t.grad_accum_steps}): the same global "
-                 f"batch in micro-batches of {micro}")
+  def splits(k: int) -> bool:  # k micro-batches, each a whole number of rows per batch shard
+    return fit.batch % k == 0 and fit.batch // k % shards == 0
+
+  k = 2 * t.grad_accum_steps  # doubled until the estimate fits
+  while per_row and splits(2 * k) and fixed + per_row * fit.batch / k / shards > fit.limit:
+    k *= 2
+  if splits(k):
+    guess = f", about {_gib(int(fixed + per_row * fit.batch / k / shards))} per chip" if per_row else ""
+    lines.append(f"  - train.grad_accum_steps={k} (now {t.grad_accum_steps}): the same global batch in "
+                 f"micro-batches of {fit.batch // k}{guess}")
   if fit.mesh["data"] > 1:
     lines.append(f"  - mesh.fsdp: shard the state over the data axis too (mesh.data=1 mesh.fsdp=-1): its "
                  f"{_gib(fit.state_bytes)} per chip becomes about {_gib(fit.state_bytes // fit.mesh['data'])}")
