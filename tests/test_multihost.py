@@ -141,3 +141,34 @@ def test_two_processes_train_and_resume_like_one(one_process_curve, tmp_path):
   print("\n".join(f"{i + 1} | {a:.7f} | {b:.7f}" for i, (a, b) in enumerate(zip(one_process_curve, losses))))
   assert [json.loads(ln)["step"] for ln in (run_dir / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4, 5, 6]
   np.testing.assert_allclose(losses, one_process_curve, rtol=1e-5)
+
+
+_COMPILE_ON_MESHES = """
+import sys
+sys.path.insert(0, "tests")
+import jax, jax.numpy as jnp
+from conftest import tiny_config
+from jaxshare import parallel
+from jaxshare.config import MeshConfig
+from jaxshare.train.loop import jit_train_step
+from jaxshare.train.state import abstract_state, setup_run
+from jaxshare.train.step import Objective
+for mesh_cfg in (MeshConfig(fsdp=8), MeshConfig(data=2, fsdp=4), MeshConfig(fsdp=4, tensor=2)):
+  for tie in ("false", "true"):
+    setup = setup_run(tiny_config("schedule.kind=cla", f"model.tie_embeddings={tie}"), parallel.make_mesh(mesh_cfg))
+    batch = {k: jax.ShapeDtypeStruct((8, 32), jnp.int32, sharding=setup.batch_sharding)
+             for k in ("inputs", "targets", "positions", "segment_ids", "loss_mask")}
+    with jax.set_mesh(setup.mesh):
+      jit_train_step(setup, Objective(), None).trace(abstract_state(setup), batch, None).lower().compile()
+print("compiled")
+"""
+
+
+def test_fsdp_train_step_never_replicates_a_tensor_to_reshard_it():
+  """XLA's SPMD partitioner warns when it can only reshard by replicating a whole tensor on every device (the embedding
+  lookup's cotangent did, from the batch-sharded activations to the fsdp-sharded table: B x T x D per device)."""
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+  proc = subprocess.run([sys.executable, "-c", _COMPILE_ON_MESHES], cwd=REPO, env=env, capture_output=True, text=True,
+                        timeout=300)
+  assert proc.returncode == 0 and "compiled" in proc.stdout, proc.stderr[-3000:]
+  assert "Involuntary full rematerialization" not in proc.stderr, proc.stderr[-3000:]

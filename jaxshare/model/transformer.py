@@ -190,7 +190,11 @@ class Transformer(nnx.Module):
     return self._logits(x), kv_cache.write(cache, rows, tokens.shape[1], after=x)
 
   def _embed(self, tokens: jax.Array) -> jax.Array:
-    x = jnp.take(self.embedding[...], tokens, axis=0).astype(self.dtype)
+    # Gather the table's embed dimension first (FSDP's all-gather of a weight before use): a lookup straight from the
+    # fsdp-sharded table gives rows sharded over embed, and the backward then cannot move the batch-sharded cotangent
+    # there except by replicating all of it on every device (XLA's "involuntary full rematerialization").
+    table = parallel.constrain(self.embedding[...], ("vocab", None))
+    x = jnp.take(table, tokens, axis=0).astype(self.dtype)
     return parallel.constrain(x, ("activation_batch", "activation_length", "activation_embed"))
 
   def _segment_kernels(self) -> list[dict | None]:
