@@ -22,7 +22,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from sweep import REPO, pareto_plot, run_variant
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:  # run as a script from anywhere: jaxshare is importable without an install
+  sys.path.insert(0, str(REPO))
 
 EXPERIMENT = "configs/experiments/uptrain_neox.yaml"
 # name -> overrides of the dense model's config; the tiny NeoX has 4 layers x 4 heads
@@ -47,6 +49,12 @@ def run(*cmd: str) -> str:
 def evaluate(run_dir: Path, sample_tokens: int = 0) -> dict:
   return json.loads(run(sys.executable, "eval.py", str(run_dir), "--json", "--sample-tokens", str(sample_tokens),
                         "--prompt", PROMPT))
+
+
+def run_variant(experiment: str, run_dir: Path, overrides: list[str], sample_tokens: int = 0) -> dict:
+  """Train (or resume; a finished run returns at once) one run, then evaluate it: eval.py's JSON report."""
+  run(sys.executable, "train.py", "--config", experiment, "--no-eval", *overrides, f"train.run_dir={run_dir}")
+  return evaluate(run_dir, sample_tokens)
 
 
 def transformers_greedy(hf_dir: Path, tokens: int) -> str:
@@ -135,7 +143,10 @@ def main(argv: list[str] | None = None) -> int:
             "with the uptraining recipe, the control every schedule is compared with."]
   (out / "results.md").write_text("\n".join(table) + "\n")
   (out / "results.json").write_text(json.dumps(rows, indent=1))
-  pareto_plot(rows, out / "pareto.png")
+  from jaxshare.analysis.plots import loss_vs_kv
+
+  loss_vs_kv(rows, out / "pareto.png", kv_key="kv_bytes_per_token_bf16", kv_label="KV cache, bytes per token (bf16)",
+             loss_label="validation loss (nats/byte)")
   print("\n".join(table))
   return 0
 
