@@ -107,3 +107,16 @@ def test_unknown_topology_is_refused_by_name():
   proc = compile_only("--topology=v9z:1x1", *SMALL)
   assert proc.returncode == 2
   assert "--topology 'v9z:1x1': cannot describe this TPU topology" in proc.stderr
+
+
+def test_num_slices_split_the_data_axis_unless_the_config_says():
+  from jaxshare.config import load_config
+  from jaxshare.fit import with_slices
+
+  cfg = load_config(None, ["mesh.fsdp=-1"])
+  assert with_slices(cfg, None) is cfg and with_slices(cfg, 1) is cfg
+  assert with_slices(cfg, 4).mesh.dcn_data == 4
+  fsdp_across = load_config(None, ["mesh.fsdp=-1", "mesh.dcn_fsdp=2"])
+  assert with_slices(fsdp_across, 2) is fsdp_across
+  with pytest.raises(ConfigError, match="--num-slices 4: must be >= 1 and match mesh.dcn_data x .* = 2"):
+    with_slices(fsdp_across, 4)
