@@ -1,6 +1,6 @@
 """The ahead-of-time fit check (``train.py --compile-only``, jaxshare/fit.py): accelerator types name topologies, the
 traced FLOP count follows scans and shard_map, and, with libtpu, a small model's train step compiles for a TPU
-topology and fits while a too-large batch is refused with advice and exit code 3. The libtpu cases run train.py in a
+topology (and two slices of it) and fits while a too-large batch is refused with advice and exit code 3. The libtpu cases run train.py in a
 child process: libtpu is initialised there, not in the test workers."""
 
 import importlib.util
@@ -85,6 +85,13 @@ def test_small_model_fits_on_a_tpu_topology():
   assert 0.5 < gib(state) * 2 ** 10 < 2 and gib(state) < gib(hbm) < 0.5 and gib(usable) == 15.75
   model, executed = (float(v) for v in re.search(r"model ([\d.e+]+), executed ([\d.e+]+)", out).groups())
   assert 0 < model <= executed
+
+
+@needs_libtpu
+def test_two_slices_compile_with_data_parallel_across_them():
+  proc = compile_only("--topology=v5e:2x2", "--num-slices=2", *SMALL, "train.batch_size=8")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "8 x TPU v5 lite, 2 slices" in proc.stdout and "mesh data=2 fsdp=4 tensor=1" in proc.stdout, proc.stdout
 
 
 @needs_libtpu
