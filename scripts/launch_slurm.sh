@@ -40,18 +40,8 @@ Example: $prog --nodes 4 --gpus-per-node 8 --partition gpu --time 24:00:00 --run
 EOF
 }
 
-die() {
-  printf '%s: error: %s\n' "$prog" "$*" >&2
-  exit 2
-}
-
-# Words quoted for bash (printf %q) and joined by spaces: the line reads back as exactly these words, whatever
-# spaces, brackets or quotes an override holds.
-join_q() {
-  local out="" w
-  for w in "$@"; do out+="${out:+ }$(printf '%q' "$w")"; done
-  printf '%s' "$out"
-}
+# shellcheck source=launch_common.sh
+source "$repo_root/scripts/launch_common.sh"
 
 nodes=4
 gpus=8
@@ -67,18 +57,10 @@ repo_dir=$repo_root
 venv=.venv
 log_dir=""
 dry_run=0
-overrides=()
 
 valued_flags=" --nodes --gpus-per-node --partition --account --time --cpus-per-task --sbatch-arg --config --run-name
   --run-root --repo-dir --venv --log-dir "
-
-# Whether a word is one of this launcher's flags (with or without =value): a flag where a value belongs means the
-# value was forgotten. Other words starting with -- are values (--sbatch-arg --qos=high).
-is_flag() {
-  local name=${1%%=*}
-  [[ $valued_flags == *[[:space:]]"$name"[[:space:]]* || $name == --dry-run || $name == --help || $name == -h
-     || $name == -- ]]
-}
+switch_flags=" --dry-run --help "
 
 set_opt() {  # flag value
   case $1 in
@@ -95,28 +77,14 @@ set_opt() {  # flag value
     --repo-dir) repo_dir=$2 ;;
     --venv) venv=$2 ;;
     --log-dir) log_dir=$2 ;;
-    --dry-run | --help) die "$1 takes no value" ;;
-    *) die "unknown flag $1 (see --help)" ;;
   esac
 }
 
-while (($#)); do
-  arg=$1
-  shift
-  case $arg in
-    --) overrides=("$@"); break ;;
-    -h | --help) usage; exit 0 ;;
-    --dry-run) dry_run=1 ;;
-    --*=*) set_opt "${arg%%=*}" "${arg#*=}" ;;
-    --*)
-      [[ $valued_flags == *[[:space:]]"$arg"[[:space:]]* ]] || set_opt "$arg" ""  # dies: unknown flag
-      (($#)) && ! is_flag "$1" || die "$arg needs a value (see --help)"
-      set_opt "$arg" "$1"
-      shift
-      ;;
-    *) die "unexpected argument '$arg': train.py overrides go after -- (see --help)" ;;
-  esac
-done
+set_switch() {
+  dry_run=1  # the only switch
+}
+
+parse_args "$@"
 
 [[ $nodes =~ ^[1-9][0-9]*$ ]] || die "--nodes must be a positive integer, got '$nodes'"
 [[ $gpus =~ ^[1-9][0-9]*$ ]] || die "--gpus-per-node must be a positive integer, got '$gpus'"
@@ -131,7 +99,7 @@ for a in ${sbatch_args[@]+"${sbatch_args[@]}"}; do
   [[ $a == -* && $a != *[[:space:]]* ]] || die "--sbatch-arg must be one sbatch option without spaces, e.g. --qos=high, got '$a'"
 done
 [[ -n $config ]] || die "--config must name an experiment YAML"
-[[ -n $run_name ]] || { run_name=${config##*/}; run_name=${run_name%.yaml}; run_name=${run_name%.yml}; }
+[[ -n $run_name ]] || run_name=$(config_run_name "$config")
 [[ $run_name =~ ^[A-Za-z0-9][A-Za-z0-9._-]*$ ]] ||
   die "--run-name must be letters, digits, '.', '_' or '-' (it names a directory and the job), got '$run_name'"
 [[ -n $run_root && $run_root != *$'\n'* ]] || die "--run-root must be a directory or gs:// path, got '$run_root'"
@@ -148,9 +116,6 @@ check_dir=$repo_dir
 [[ -d $check_dir ]] || check_dir=$repo_root
 if [[ $config == /* ]]; then config_file=$config; else config_file=$check_dir/$config; fi
 [[ -f $config_file ]] || die "--config: no such file: $config_file"
-for ov in ${overrides[@]+"${overrides[@]}"}; do
-  [[ $ov =~ ^[A-Za-z_][A-Za-z0-9_.]*= ]] || die "override '$ov' after -- is not key=value (e.g. train.steps=500)"
-done
 
 run_root=${run_root%/}
 run_dir=$run_root/$run_name

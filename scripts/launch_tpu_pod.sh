@@ -48,18 +48,8 @@ Example: $prog --bucket gs://my-bucket/jaxshare --run-name cla2_v5e --setup -- t
 EOF
 }
 
-die() {
-  printf '%s: error: %s\n' "$prog" "$*" >&2
-  exit 2
-}
-
-# Words quoted with printf %q and joined by spaces: the worker's shell reads them back as exactly these words,
-# whatever spaces, brackets or quotes an override holds.
-join_q() {
-  local out="" w
-  for w in "$@"; do out+="${out:+ }$(printf '%q' "$w")"; done
-  printf '%s' "$out"
-}
+# shellcheck source=launch_common.sh
+source "$repo_root/scripts/launch_common.sh"
 
 # One word quoted for the local shell, readably: bare when safe, else in single quotes (the printed command is
 # meant to be copied; %q's backslashes around a whole remote command would not be readable).
@@ -92,17 +82,9 @@ python=python3
 num_slices=1
 detach=0
 dry_run=0
-overrides=()
 
 valued_flags=" --tpu --zone --project --bucket --run-name --config --repo-dir --venv --python --num-slices "
-switch_flags=" --setup --detach --dry-run --help -h -- "
-
-# Whether a word is one of this launcher's flags (with or without =value): a flag where a value belongs means the
-# value was forgotten.
-is_flag() {
-  local name=${1%%=*}
-  [[ $valued_flags == *" $name "* || $switch_flags == *" $name "* ]]
-}
+switch_flags=" --setup --detach --dry-run --help "
 
 set_opt() {  # flag value
   case $1 in
@@ -116,30 +98,18 @@ set_opt() {  # flag value
     --venv) venv=$2 ;;
     --python) python=$2 ;;
     --num-slices) num_slices=$2 ;;
-    --setup | --detach | --dry-run | --help) die "$1 takes no value" ;;
-    *) die "unknown flag $1 (see --help)" ;;
   esac
 }
 
-while (($#)); do
-  arg=$1
-  shift
-  case $arg in
-    --) overrides=("$@"); break ;;
-    -h | --help) usage; exit 0 ;;
+set_switch() {
+  case $1 in
     --setup) setup=1 ;;
     --detach) detach=1 ;;
     --dry-run) dry_run=1 ;;
-    --*=*) set_opt "${arg%%=*}" "${arg#*=}" ;;
-    --*)
-      [[ $valued_flags == *" $arg "* ]] || set_opt "$arg" ""  # dies: unknown flag
-      (($#)) && ! is_flag "$1" || die "$arg needs a value (see --help)"
-      set_opt "$arg" "$1"
-      shift
-      ;;
-    *) die "unexpected argument '$arg': train.py overrides go after -- (see --help)" ;;
   esac
-done
+}
+
+parse_args "$@"
 
 # gcloud resource names: lowercase letters, digits and hyphens.
 [[ $tpu =~ ^[a-z]([-a-z0-9]*[a-z0-9])?$ ]] || die "--tpu must be a TPU name (lowercase letters, digits, '-'), got '$tpu'"
@@ -154,7 +124,7 @@ fi
 [[ $bucket =~ ^gs://[a-z0-9][-a-z0-9_.]{1,220}[a-z0-9](/[^[:space:]]*)?$ ]] ||
   die "--bucket must be a gs://BUCKET[/PATH] that every worker can write to, got '$bucket'"
 [[ -n $config ]] || die "--config must name an experiment YAML"
-[[ -n $run_name ]] || { run_name=${config##*/}; run_name=${run_name%.yaml}; run_name=${run_name%.yml}; }
+[[ -n $run_name ]] || run_name=$(config_run_name "$config")
 [[ $run_name =~ ^[A-Za-z0-9][A-Za-z0-9._-]*$ ]] ||
   die "--run-name must be letters, digits, '.', '_' or '-' (it names a directory), got '$run_name'"
 [[ -n $repo_dir && $repo_dir != *$'\n'* ]] || die "--repo-dir must be a directory, got '$repo_dir'"
@@ -164,9 +134,6 @@ fi
 # sessions start.
 if [[ $config == /* ]]; then config_file=$config; else config_file=$repo_root/$config; fi
 [[ -f $config_file ]] || die "--config: no such file: $config_file"
-for ov in ${overrides[@]+"${overrides[@]}"}; do
-  [[ $ov =~ ^[A-Za-z_][A-Za-z0-9_.]*= ]] || die "override '$ov' after -- is not key=value (e.g. train.steps=500)"
-done
 
 run_dir=${bucket%/}/$run_name
 venv=${venv%/}
