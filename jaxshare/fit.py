@@ -348,7 +348,7 @@ def format_report(fit: Fit, target: str) -> str:
   m = fit.memory
   if m is not None:
     what = "compiler's peak" if m.get("peak_memory_in_bytes") else "arguments + outputs - aliased + temporaries"
-    lines.append(f"  HBM per chip: {_gib(fit.hbm)} of {_capacity(fit)} ({fit.hbm / fit.limit:.1%}; {what})")
+    lines.append(f"  HBM per chip: {_gib(fit.hbm)} ({what}) of {_capacity(fit)}: {fit.hbm / fit.limit:.1%}")
     lines.append(f"    upper bound: arguments {_gib(m['argument_size_in_bytes'])} + outputs "
                  f"{_gib(m['output_size_in_bytes'])} - aliased (donated state) {_gib(m.get('alias_size_in_bytes', 0))}"
                  f" + temporaries {_gib(m['temp_size_in_bytes'])} = {_gib(_sum_bytes(m))}")

@@ -78,8 +78,8 @@ def test_small_model_fits_on_a_tpu_topology():
   assert proc.returncode == 0, proc.stderr[-3000:]
   out = proc.stdout
   assert "compiled for v5e:2x2 (v5e-4): 4 x TPU v5 lite" in out and "fits: yes" in out, out
-  hbm, usable = re.search(r"HBM per chip: ([\d.]+ [GM]iB) of ([\d.]+ GiB) usable \(the compiler's limit; 16 GiB HBM\)",
-                          out).groups()
+  hbm, usable = re.search(r"HBM per chip: ([\d.]+ [GM]iB) \(compiler's peak\) of ([\d.]+ GiB) usable \(the "
+                          r"compiler's limit; 16 GiB HBM\)", out).groups()
   state = re.search(r"train state per chip: ([\d.]+ [GM]iB)", out).group(1)
   # ~0.4M parameters x 12 bytes (f32 weights, AdamW moments) over 4 chips; activations of 2 x 256 tokens per chip
   assert 0.5 < gib(state) * 2 ** 10 < 2 and gib(state) < gib(hbm) < 0.5 and gib(usable) == 15.75
