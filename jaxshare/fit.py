@@ -143,7 +143,8 @@ def matmul_flops(jaxpr) -> tuple[float, int]:
     times = eqn.params.get("length", 1) if name == "scan" else 1
     if name == "shard_map":
       mesh = eqn.params["mesh"]
-      times = math.prod(mesh.shape[a] for a in eqn.params.get("manual_axes", mesh.axis_names))
+      manual = eqn.params.get("newly_manual_axes", eqn.params.get("manual_axes", mesh.axis_names))  # jax 0.10 / older
+      times = math.prod(mesh.shape[a] for a in manual)
     flops += times * f
     kernels += k  # calls in the program, not executions
   return flops, kernels
@@ -169,7 +170,7 @@ def _with_batch(cfg: Config, batch: int) -> Config:
 
 
 def _state_bytes(state) -> int:
-  """Bytes of one device's shard of an abstract state (the largest shard where shards differ)."""
+  """Bytes of one device's shard of an abstract state (logical shard shapes: before TPU tile padding)."""
   return sum(math.prod(s.sharding.shard_shape(s.shape)) * np.dtype(s.dtype).itemsize
              for s in jax.tree.leaves(state))
 

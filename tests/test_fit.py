@@ -1,7 +1,7 @@
 """The ahead-of-time fit check (``train.py --compile-only``, jaxshare/fit.py): accelerator types name topologies, the
 traced FLOP count follows scans and shard_map, and, with libtpu, a small model's train step compiles for a TPU
-topology (and two slices of it) and fits while a too-large batch is refused with advice and exit code 3. The libtpu cases run train.py in a
-child process: libtpu is initialised there, not in the test workers."""
+topology (and two slices of it) and fits while a too-large batch is refused with advice and exit code 3. The libtpu
+cases run train.py in a child process: libtpu is initialised there, not in the test workers."""
 
 import importlib.util
 import re
@@ -68,6 +68,9 @@ def test_matmul_flops_follow_scans_and_shard_map():
   mesh = Mesh(np.array(jax.devices()[:4]), ("x",))
   sharded = jax.shard_map(lambda a, b: a @ b, mesh=mesh, in_specs=(P("x"), P()), out_specs=P("x"))
   assert matmul_flops(jax.make_jaxpr(sharded)(x, w[0]))[0] == 2 * 8 * 16 * 16  # per-shard shapes x 4 shards
+  mesh2 = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("x", "y"))  # manual over x only: 2 shards
+  partly = jax.shard_map(lambda a, b: a @ b, mesh=mesh2, in_specs=(P("x"), P()), out_specs=P("x"), axis_names={"x"})
+  assert matmul_flops(jax.make_jaxpr(partly)(x, w[0]))[0] == 2 * 8 * 16 * 16
   assert _compiler_oom("... HLO temporaries (21.42G) exceeds available HBM (15.75G).") == (
     round(21.42 * 2 ** 30), round(15.75 * 2 ** 30))
 
