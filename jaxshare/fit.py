@@ -214,10 +214,10 @@ def batch_unit(cfg: Config, mesh: jax.sharding.Mesh) -> int:
 
 
 def _peak_flops(device_kind: str) -> float | None:
-  from jaxshare.train.metrics import _PEAK_TFLOPS  # the table MFU uses in training
+  from jaxshare.train.metrics import vendor_peak_tflops  # the table MFU uses in training
 
-  kind = device_kind.lower()
-  return next((tflops * 1e12 for key, tflops in _PEAK_TFLOPS if key in kind), None)
+  tflops = vendor_peak_tflops(device_kind)
+  return None if tflops is None else tflops * 1e12
 
 
 def _target_mesh(cfg: Config, target: str) -> tuple[str, jax.sharding.Mesh]:

@@ -35,6 +35,12 @@ class Peak:
   tag: str
 
 
+def vendor_peak_tflops(device_kind: str) -> float | None:
+  """Dense bf16 peak TFLOP/s of one device of a known accelerator, by jax's ``device_kind`` (None: unknown)."""
+  kind = device_kind.lower()
+  return next((tflops for key, tflops in _PEAK_TFLOPS if key in kind), None)
+
+
 @functools.cache
 def host_matmul_flops(dtype: str = "float32", n: int = 1536, repeats: int = 5) -> float:
   """FLOP/s of the best of ``repeats`` jitted ``n x n`` matmuls in ``dtype`` on the first device: the host's
@@ -59,11 +65,10 @@ def resolve_peak(configured_tflops: float, num_devices: int, dtype: str) -> Peak
     return Peak(configured_tflops * 1e12 * num_devices,
                 f"train.peak_tflops={configured_tflops:g} TFLOP/s x {num_devices} device(s)", "configured peak")
   device = jax.devices()[0]
-  kind = device.device_kind.lower()
-  for key, tflops in _PEAK_TFLOPS:
-    if key in kind:
-      return Peak(tflops * 1e12 * num_devices, f"{device.device_kind} dense bf16 peak {tflops:g} TFLOP/s x "
-                  f"{num_devices} device(s)", "")
+  tflops = vendor_peak_tflops(device.device_kind)
+  if tflops is not None:
+    return Peak(tflops * 1e12 * num_devices, f"{device.device_kind} dense bf16 peak {tflops:g} TFLOP/s x "
+                f"{num_devices} device(s)", "")
   if device.platform == "cpu":
     flops = host_matmul_flops(dtype)
     return Peak(flops, f"host matmul roofline {flops / 1e12:.3f} TFLOP/s ({dtype} {1536}^3 matmul, measured)",
