@@ -15,6 +15,7 @@ prints them all.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import typing
 from pathlib import Path
@@ -497,7 +498,12 @@ def validate(cfg: Config) -> None:
            f"llama3 scaling needs rope_high_freq_factor > rope_low_freq_factor={m.rope_low_freq_factor} > 0")
   _require(m.rope_original_max_positions > 0, "model.rope_original_max_positions", m.rope_original_max_positions,
            "must be > 0")
-  _require(m.init_std > 0, "model.init_std", m.init_std, "must be > 0")
+  for name in ("init_std", "norm_eps", "rope_theta", "rope_scaling_factor"):
+    v = getattr(m, name)
+    _require(math.isfinite(v) and v > 0, f"model.{name}", v, "must be a finite number > 0")
+  lisa = cfg.schedule.lisa
+  _require(lisa.rank >= 0, "schedule.lisa.rank", lisa.rank, "must be >= 0 (>= 1 unless every LISA layer is DS)")
+  _require(lisa.hidden >= 0, "schedule.lisa.hidden", lisa.hidden, "must be >= 0 (0: 8 * model.num_heads)")
   _require(d.seq_len > 0, "data.seq_len", d.seq_len, "must be a positive integer")
   _require(0.0 < d.val_fraction < 1.0, "data.val_fraction", d.val_fraction, "must be in (0, 1)")
   _require(d.source != "tfds" or bool(d.tfds_name), "data.tfds_name", d.tfds_name,
@@ -506,17 +512,21 @@ def validate(cfg: Config) -> None:
     _require(getattr(t, name) > 0, f"train.{name}", getattr(t, name), "must be a positive integer")
   _require(t.batch_size % t.grad_accum_steps == 0, "train.grad_accum_steps", t.grad_accum_steps,
            f"must divide train.batch_size={t.batch_size}")
-  _require(t.lr > 0, "train.lr", t.lr, "must be > 0")
+  _require(math.isfinite(t.lr) and t.lr > 0, "train.lr", t.lr, "must be a finite number > 0")
+  for name in ("b1", "b2"):
+    _require(0.0 <= getattr(t, name) < 1.0, f"train.{name}", getattr(t, name), "must be in [0, 1)")
+  _require(math.isfinite(t.eps) and t.eps > 0, "train.eps", t.eps, "must be a finite number > 0")
+  for name in ("weight_decay", "clip_norm", "postshare_gamma"):
+    v = getattr(t, name)
+    _require(math.isfinite(v) and v >= 0, f"train.{name}", v, "must be a finite number >= 0")
   _require(0 <= t.warmup_steps < t.steps, "train.warmup_steps", t.warmup_steps,
            f"must be in [0, train.steps={t.steps})")
   _require(0.0 <= t.min_lr_ratio <= 1.0, "train.min_lr_ratio", t.min_lr_ratio, "must be in [0, 1]")
-  _require(t.clip_norm >= 0, "train.clip_norm", t.clip_norm, "must be >= 0 (0 disables clipping)")
   _require(t.eval_every >= 0 and t.eval_batches >= 0, "train.eval_every", t.eval_every, "must be >= 0")
   _require(0.0 <= t.kd_beta <= 1.0, "train.kd_beta", t.kd_beta, "must be in [0, 1]")
   _require(t.kd_beta == 0 or bool(t.init_from), "train.kd_beta", t.kd_beta,
            "distillation needs a teacher: set train.init_from to the dense run")
-  _require(t.kd_delta > 0, "train.kd_delta", t.kd_delta, "must be > 0")
-  _require(t.postshare_gamma >= 0, "train.postshare_gamma", t.postshare_gamma, "must be >= 0")
+  _require(math.isfinite(t.kd_delta) and t.kd_delta > 0, "train.kd_delta", t.kd_delta, "must be a finite number > 0")
   _require(0.0 < t.postshare_ratio < 0.75, "train.postshare_ratio", t.postshare_ratio, "must be in (0, 0.75)")
   _require(t.stage1_max_steps > 0 and t.stage1_patience > 0, "train.stage1_max_steps", t.stage1_max_steps,
            "stage-1 steps and patience must be positive")

@@ -501,6 +501,29 @@ def group(plans: Sequence[LayerPlan], settings: RoleSettings = RoleSettings()
   return blocks, tuple(segments)
 
 
+# The presets that read each knob of ScheduleConfig: a knob set away from its default under presets that all ignore it
+# is an error (a typo or a misunderstanding would otherwise train something else than asked, silently).
+_KNOB_READERS = {
+  "kv_heads": ("dense", "gqa", "cla", "mlkv", "explicit"), "kv_heads_per_layer": ("gqa",),
+  "factor": ("cla",), "producers": ("cla",), "kv_layers": ("mlkv",), "placement": ("mlkv",),
+  "sources": ("explicit",), "sa": ("sa",), "uniattn": ("uniattn",), "lisa": ("lisa", "lisa_plus", "ds"),
+  "headwise": ("headwise",),
+}
+
+
+def _check_ignored_knobs(sched: ScheduleConfig, presets: tuple[str, ...]) -> None:
+  defaults = ScheduleConfig()
+  for knob, readers in _KNOB_READERS.items():
+    value, default = getattr(sched, knob), getattr(defaults, knob)
+    if value == default or any(p in readers for p in presets):
+      continue
+    if dataclasses.is_dataclass(value):  # name the sub-field that was set
+      sub = next(f.name for f in dataclasses.fields(value) if getattr(value, f.name) != getattr(default, f.name))
+      knob, value = f"{knob}.{sub}", getattr(value, sub)
+    raise ScheduleError(f"schedule.{knob}={value!r} is invalid with schedule.kind={sched.kind!r}, which ignores it: "
+                        f"it is read by {', '.join(readers)}; remove it or choose one of those presets")
+
+
 def compile_schedule(model: ModelConfig, sched: ScheduleConfig) -> Schedule:
   """Validate a schedule config against the model and compile it.
 
@@ -509,6 +532,7 @@ def compile_schedule(model: ModelConfig, sched: ScheduleConfig) -> Schedule:
       score sharing (undefined in the paper); a ratio outside [0, 0.75).
   """
   kv_preset, score_preset, head_preset = _split_kind(sched.kind)
+  _check_ignored_knobs(sched, (kv_preset, score_preset, head_preset))
   plans = kv_plans(model, sched, kv_preset)
   for p in plans:
     src = plans[p.kv_source]

@@ -29,10 +29,34 @@ def test_repo_experiment_files_load():
   (["mesh.data=-1", "mesh.fsdp=-1"], "at most one mesh axis"),
   (["train.recipe=uniattn_two_stage", "train.trainable=sharing"],
    "train.trainable='sharing' is invalid: must be all with train.recipe=uniattn_two_stage"),
+  # values that used to be accepted and trained to NaN from step 1
+  (["train.lr=inf"], "train.lr=inf is invalid: must be a finite number > 0"),
+  (["train.lr=nan"], "train.lr=nan is invalid"),
+  (["train.b1=1.5"], "train.b1=1.5 is invalid: must be in [0, 1)"),
+  (["train.b2=-0.1"], "train.b2=-0.1 is invalid"),
+  (["train.eps=0"], "train.eps=0.0 is invalid"),
+  (["train.weight_decay=-5"], "train.weight_decay=-5.0 is invalid: must be a finite number >= 0"),
+  (["train.clip_norm=inf"], "train.clip_norm=inf is invalid"),
+  (["model.norm_eps=-1"], "model.norm_eps=-1.0 is invalid: must be a finite number > 0"),
+  (["model.init_std=inf"], "model.init_std=inf is invalid"),
+  (["model.rope_theta=0"], "model.rope_theta=0.0 is invalid"),
+  (["schedule.lisa.hidden=-5"], "schedule.lisa.hidden=-5 is invalid: must be >= 0"),
+  (["schedule.lisa.rank=-1"], "schedule.lisa.rank=-1 is invalid"),
+  # a knob the preset ignores
+  (["schedule.kind=mqa", "schedule.kv_heads=2"],
+   "schedule.kv_heads=2 is invalid with schedule.kind='mqa', which ignores it: it is read by dense, gqa, cla"),
+  (["schedule.kind=cla", "schedule.kv_heads_per_layer=[4,4,4,4]"],
+   "schedule.kv_heads_per_layer=[4, 4, 4, 4] is invalid with schedule.kind='cla', which ignores it"),
+  (["schedule.kind=dense", "schedule.uniattn.block_size=2"],
+   "schedule.uniattn.block_size=2 is invalid with schedule.kind='dense'"),
+  (["schedule.kind=gqa", "schedule.kv_heads=2", "schedule.factor=3"], "schedule.factor=3 is invalid with"),
 ])
 def test_invalid_values_name_the_field(override, needle):
+  from jaxshare.schedule import compile_schedule
+
   with pytest.raises(ConfigError) as e:
-    load_config(None, override)
+    cfg = load_config(None, override)
+    compile_schedule(cfg.model, cfg.schedule)  # the schedule's own checks (run by every entry point after loading)
   assert needle in str(e.value)
 
 

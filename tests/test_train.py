@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import re
 
 import jax
 import numpy as np
@@ -72,6 +73,33 @@ def test_resume_with_a_different_model_is_refused(straight_run, tmp_path):
                       "train.steps=30")
   with pytest.raises(ConfigError, match="schedule.kv_layers: 2 -> 4"):
     train(other)
+
+
+@pytest.mark.parametrize("change, needle", [
+  ("data.val_fraction=0.2", "data.val_fraction: 0.1 -> 0.2"),  # trained-on windows would become validation data
+  ("data.shuffle_seed=1", "data.shuffle_seed: 0 -> 1"),
+  ("train.clip_norm=0", "train.clip_norm: 1.0 -> 0.0 (changes the optimizer state's structure)"),
+  ("train.trainable=sharing", "train.trainable: 'all' -> 'sharing' (changes the optimizer state's structure)"),
+])
+def test_resume_with_other_data_or_optimizer_structure_is_refused(straight_run, change, needle):
+  _, straight_dir, _ = straight_run
+  with pytest.raises(ConfigError, match=re.escape(needle)):
+    train(tiny_config("schedule.kind=mlkv", "schedule.kv_layers=2", f"train.run_dir={straight_dir}", change))
+
+
+def test_refused_runs_leave_the_run_directory_as_it_was(straight_run, tmp_path):
+  import shutil
+
+  with pytest.raises(ConfigError, match="model.vocab_size=100"):
+    train(tiny_config("model.vocab_size=100", f"train.run_dir={tmp_path / 'new'}"))
+  assert not (tmp_path / "new").exists()  # no empty run directory behind
+  _, straight_dir, _ = straight_run
+  shutil.copytree(straight_dir, tmp_path / "run")
+  (tmp_path / "run" / "config.yaml").unlink()  # nothing to compare with: the restore is what fails
+  with pytest.raises(CheckpointError):
+    train(tiny_config("schedule.kind=mlkv", "schedule.kv_layers=2", "model.d_model=64",
+                      f"train.run_dir={tmp_path / 'run'}"))
+  assert not (tmp_path / "run" / "config.yaml").exists()  # the wrong config was not written over the run
 
 
 def test_corrupt_checkpoint_gives_clear_error(straight_run, tmp_path):

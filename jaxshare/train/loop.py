@@ -21,8 +21,18 @@ from jaxshare.train.state import (RunSetup, abstract_state, init_kv_pool, init_s
                                   setup_run, shard_batch, state_from_params, trainable_for)
 from jaxshare.train.step import Objective, make_eval_step, make_train_step
 
-# Fields a resumed run must share with the run that wrote its checkpoints (the rest, e.g. train.steps, may change).
-_RESUME_FIXED = ("model", "schedule", "data.seq_len", "data.tokenizer", "train.batch_size")
+# Fields a resumed run must share with the run that wrote its checkpoints (the rest, e.g. train.steps, may change):
+# the model, and what it trains on (another corpus, split or order would turn trained-on windows into validation
+# data, or resume a different curve).
+_RESUME_FIXED = ("model", "schedule", "data.source", "data.path", "data.text_field", "data.tfds_name", "data.tfds_split",
+                 "data.document_separator", "data.tokenizer", "data.seq_len", "data.val_fraction", "data.shuffle_seed",
+                 "train.batch_size")
+# Optimizer fields whose change alters the optimizer state's structure, so that no checkpoint can restore into it.
+_OPTIMIZER_STRUCTURE = {
+  "train.clip_norm": lambda t: t.clip_norm == 0,  # clipping on/off adds or removes a transformation's state
+  "train.trainable": lambda t: t.trainable,  # frozen parameters have no moments
+  "train.recipe": lambda t: t.recipe,
+}
 
 
 def _get(cfg: Config, dotted: str) -> Any:
@@ -41,6 +51,8 @@ def check_resume_compatible(saved: Config, cfg: Config) -> None:
       diffs += [f"{key}.{k}: {a[k]!r} -> {b[k]!r}" for k in a if a[k] != b[k]]
     elif a != b:
       diffs.append(f"{key}: {a!r} -> {b!r}")
+  diffs += [f"{key}: {_get(saved, key)!r} -> {_get(cfg, key)!r} (changes the optimizer state's structure)"
+            for key, structure in _OPTIMIZER_STRUCTURE.items() if structure(saved.train) != structure(cfg.train)]
   if diffs:
     raise ConfigError("the run directory holds checkpoints of a different experiment; these fields changed: "
                       + "; ".join(diffs) + ". Use a new train.run_dir, or restore the old values.")
@@ -116,7 +128,6 @@ def train(cfg: Config, *, mesh=None, stop_after: int | None = None) -> dict[str,
     ConfigError / DataError / CheckpointError: bad config, data or run directory (before any training).
   """
   run_dir = absolute(cfg.train.run_dir)
-  run_dir.mkdir(parents=True, exist_ok=True)
   mesh = mesh or parallel.make_mesh(cfg.mesh)
   tcfg = cfg.train
   two_stage = tcfg.recipe == "uniattn_two_stage"
@@ -127,8 +138,9 @@ def train(cfg: Config, *, mesh=None, stop_after: int | None = None) -> dict[str,
   if data.tokenizer.vocab_size > cfg.model.vocab_size:
     raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's vocabulary "
                       f"({data.tokenizer.vocab_size}); set model.vocab_size >= {data.tokenizer.vocab_size}")
-  ckpt = Checkpointer(run_dir / "checkpoints", tcfg.keep_checkpoints)
-  latest = ckpt.latest_step()
+  # Nothing is created in the run directory until the config, data and checkpoint have all been accepted.
+  ckpt = Checkpointer(run_dir / "checkpoints", tcfg.keep_checkpoints) if (run_dir / "checkpoints").exists() else None
+  latest = ckpt.latest_step() if ckpt is not None else None
   if latest is not None and (run_dir / "config.yaml").exists():
     check_resume_compatible(config_from_yaml_text((run_dir / "config.yaml").read_text()), cfg)
   meta = ckpt.read_meta(latest) if latest is not None else {}
@@ -136,8 +148,6 @@ def train(cfg: Config, *, mesh=None, stop_after: int | None = None) -> dict[str,
   stage_start = meta.get("stage_start", 0)  # the step the current stage's learning-rate schedule started at
   source, source_params = _load_source(cfg, mesh)
   setup = setup_run(cfg, mesh, trainable_for(cfg, stage), start_step=stage_start)
-  if distributed.is_primary():
-    (run_dir / "config.yaml").write_text(to_yaml(cfg))
 
   rows = local_batch_rows(setup.batch_sharding, tcfg.batch_size)
   data_iter = data.train_iter(rows)
@@ -149,6 +159,11 @@ def train(cfg: Config, *, mesh=None, stop_after: int | None = None) -> dict[str,
     state = init_state(setup, from_params=(source_params, source.schedule))
   else:
     state = init_state(setup)
+  run_dir.mkdir(parents=True, exist_ok=True)
+  ckpt = ckpt or Checkpointer(run_dir / "checkpoints", tcfg.keep_checkpoints)
+  if distributed.is_primary():  # written then renamed: a kill mid-write never leaves a torn config.yaml
+    (run_dir / ".config.yaml.tmp").write_text(to_yaml(cfg))
+    (run_dir / ".config.yaml.tmp").replace(run_dir / "config.yaml")
   start = int(jax.device_get(state["step"]))
   teacher_params = source_params if tcfg.kd_beta > 0 else None
   teacher_shardings = parallel.param_shardings(source.abstract_params, mesh) if teacher_params is not None else None

@@ -15,7 +15,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxshare import accounting, distributed, parallel
-from jaxshare.config import Config, ConfigError, MeshConfig, config_from_yaml_text
+from jaxshare.config import Config, ConfigError, HeadwiseConfig, MeshConfig, config_from_yaml_text
 from jaxshare.headwise import (POSTSHARE_PAIRS_FILE, HeadTies, dense_kernels, direct_share, load_pairs,
                                ties_from_pairs, tied_params_from_dense)
 from jaxshare.model import Transformer
@@ -37,7 +37,7 @@ def build_model(cfg: Config, schedule: Schedule, seed: int, ties: HeadTies | Non
 
 def dense_counterpart(cfg: Config) -> tuple[Config, Schedule]:
   """The same model with a plain dense schedule (what head-wise sharing is selected on and converted from)."""
-  dense = dataclasses.replace(cfg, schedule=dataclasses.replace(cfg.schedule, kind="dense"))
+  dense = dataclasses.replace(cfg, schedule=dataclasses.replace(cfg.schedule, kind="dense", headwise=HeadwiseConfig()))
   return dense, compile_schedule(dense.model, dense.schedule)
 
 
