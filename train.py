@@ -48,6 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     return _compile_only(args)
   from jaxshare.data import DataError
   from jaxshare.train.checkpoint import CheckpointError
+  from jaxshare.train.loop import DivergenceError
 
   try:
     cfg = load_config(args.config, args.overrides)
@@ -57,9 +58,9 @@ def main(argv: list[str] | None = None) -> int:
     from jaxshare.train.loop import train
 
     summary = train(cfg)
-  except (ConfigError, DataError, CheckpointError) as e:
+  except (ConfigError, DataError, CheckpointError, DivergenceError) as e:
     print(f"error: {e}", file=sys.stderr)
-    return 2
+    return 3 if isinstance(e, DivergenceError) else 2
   if not is_primary():  # process 0 of a multi-host run reports for all
     return 0
   print("training summary: " + json.dumps(summary))

@@ -302,6 +302,10 @@ class TrainConfig:
   eps: float = _f(1e-8, "AdamW epsilon.")
   clip_norm: float = _f(1.0, "Global gradient-norm clip; 0 disables.")
   seed: int = _f(0, "Parameter initialisation seed.")
+  nan_policy: str = _f("stop", "A step whose loss or gradient norm is not finite never updates the state. stop: the run "
+                       "stops at the next log line or checkpoint with a diagnostic (exit code 3), writing no checkpoint "
+                       "after the last good one; skip: such steps are skipped, counted and logged, and training goes "
+                       "on.", ("stop", "skip"))
   log_every: int = _f(25, "Steps between log lines / metrics records.")
   eval_every: int = _f(250, "Steps between validation passes; 0 disables periodic validation.")
   eval_batches: int = _f(16, "Validation batches per pass (0: the whole validation split).")

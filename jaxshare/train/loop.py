@@ -42,6 +42,10 @@ def _get(cfg: Config, dotted: str) -> Any:
   return dataclasses.asdict(obj) if dataclasses.is_dataclass(obj) else obj
 
 
+class DivergenceError(RuntimeError):
+  """Training produced a non-finite loss or gradient norm under ``train.nan_policy=stop`` (exit code 3)."""
+
+
 def check_resume_compatible(saved: Config, cfg: Config) -> None:
   """Raise ConfigError naming every field that differs from the checkpointed run's and may not change."""
   diffs = []
@@ -199,12 +203,39 @@ def train(cfg: Config, *, mesh=None, stop_after: int | None = None) -> dict[str,
   if "stage1" in meta:  # resume early stopping exactly where it was
     monitor.load(meta["stage1"])
   pending: list[dict] = []
+  screened = 0  # how many of pending were already checked for non-finite steps
+  skipped = meta.get("skipped_steps", 0)
   t_last, step = time.perf_counter(), start
   end = tcfg.steps if stop_after is None else min(tcfg.steps, stop_after)
 
+  def screen(flags) -> None:
+    """Check the steps of pending[screened:] (their ``finite`` flags): stop the run at the first non-finite one, or
+    count and report it (train.nan_policy)."""
+    nonlocal screened, skipped
+    first = step - len(pending) + 1 + screened
+    for i, ok in enumerate(flags[screened:]):
+      if bool(ok):
+        continue
+      bad = jax.device_get(pending[screened + i])
+      what = f"loss {float(bad['loss'])}, gradient norm {float(bad['grad_norm'])}"
+      if tcfg.nan_policy == "skip":
+        skipped += 1
+        log.print(f"step {first + i}: {what}: skipped, the state is unchanged ({skipped} skipped so far)")
+        continue
+      ckpt.wait()
+      last = ckpt.latest_step()
+      raise DivergenceError(
+        f"training diverged at step {first + i}: {what}. The state was not updated and nothing after it was saved; "
+        + (f"the last good checkpoint is step {last} in {run_dir / 'checkpoints'}" if last is not None else
+           "no checkpoint had been written yet")
+        + ". Lower train.lr or raise train.warmup_steps and resume, or set train.nan_policy=skip to skip such steps.")
+    screened = len(pending)
+
   def save(step: int) -> None:
+    if len(pending) > screened:  # never checkpoint past a step that was not checked
+      screen(jax.device_get([m["finite"] for m in pending]))
     ckpt.save(step, state, data_iter, {"step": step, "stage": stage, "stage_start": stage_start,
-                                       "stage1": monitor.state()})
+                                       "stage1": monitor.state(), "skipped_steps": skipped})
 
   with jax.set_mesh(setup.mesh), _StopFlag() as stop:
     while step < end and not stop.requested:
@@ -213,7 +244,7 @@ def train(cfg: Config, *, mesh=None, stop_after: int | None = None) -> dict[str,
       step += 1
       pending.append(metrics)
       log.advance(1)
-      if stage == 1 and monitor.update(float(metrics["loss"])):
+      if stage == 1 and bool(metrics["finite"]) and monitor.update(float(metrics["loss"])):
         # UniAttn stage 2: everything trains, with a fresh optimizer state and a learning-rate schedule (warm-up,
         # cosine) over the remaining steps
         stage, stage_start = 2, step
@@ -229,10 +260,12 @@ def train(cfg: Config, *, mesh=None, stop_after: int | None = None) -> dict[str,
       is_eval = bool(tcfg.eval_every and step % tcfg.eval_every == 0) or is_last
       if step % tcfg.log_every == 0 or is_eval or step == end:
         host = jax.device_get(pending)
+        screen([m["finite"] for m in host])
         dt = time.perf_counter() - t_last
         tokens = float(sum(m["tokens"] for m in host))
         tps = tokens / dt
-        record = {"step": step, "loss": float(np.mean([m["loss"] for m in host])),
+        good = [m for m in host if m["finite"]] or host
+        record = {"step": step, "loss": float(np.mean([m["loss"] for m in good])),
                   "lr": float(host[-1]["lr"]), "grad_norm": float(host[-1]["grad_norm"]),
                   "tokens_per_sec": tps, "step_time": dt / len(host),
                   "trainable_params": setup.num_trainable}
@@ -243,7 +276,9 @@ def train(cfg: Config, *, mesh=None, stop_after: int | None = None) -> dict[str,
             record[key] = float(np.mean([m[key] for m in host]))
         if two_stage:
           record["stage"] = stage
-        pending, t_last = [], time.perf_counter()
+        if skipped:
+          record["skipped_steps"] = skipped
+        pending, screened, t_last = [], 0, time.perf_counter()
         if is_eval:
           record["val_loss"] = evaluate_loss(eval_fn, setup, state["params"], data, tcfg.eval_batches)
           summary["val_loss"] = record["val_loss"]
@@ -264,5 +299,5 @@ def train(cfg: Config, *, mesh=None, stop_after: int | None = None) -> dict[str,
   ckpt.wait()
   ckpt.close()
   log.close()
-  summary.update(step=step, stage=stage)
+  summary.update(step=step, stage=stage, skipped_steps=skipped)
   return summary

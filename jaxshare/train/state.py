@@ -279,4 +279,8 @@ def load_run(path: str | os.PathLike, mesh: Mesh | None = None) -> tuple[Config,
   setup = setup_run(cfg, mesh, trainable_for(cfg, stage))
   params = ckpt.restore_params(step, abstract_state(setup)["params"])
   ckpt.close()
+  if not bool(jax.jit(lambda p: jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(p)])))(params)):
+    raise CheckpointError(f"checkpoint {run_dir / 'checkpoints' / str(step)} holds non-finite parameters (NaN or inf): "
+                          "its run diverged before it was saved; use an earlier checkpoint "
+                          f"({run_dir / 'checkpoints'}/<step>)")
   return cfg, setup, params, int(step)

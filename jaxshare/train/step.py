@@ -82,7 +82,9 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, lr
   With ``grad_accum_steps = A`` the batch is split into A micro-batches whose gradients are summed in a
   ``lax.scan``; the LM loss is normalised by the whole batch's target count, so the update equals the one-shot
   step's. ``metrics``: ``loss`` (LM, nats/token), ``objective`` (what was minimised), ``grad_norm``, ``lr``,
-  ``tokens``, and ``kd_loss`` / ``postshare_loss`` when enabled.
+  ``tokens``, ``finite`` (the objective and the gradient norm are finite), and ``kd_loss`` / ``postshare_loss`` when
+  enabled. A step whose objective or gradient norm is not finite leaves the parameters and optimizer state as they
+  were (only the step counter advances): a diverged batch never poisons the state, whatever the loop then does.
   """
   kd = objective.kd_beta > 0
   lm_weight = 1.0 - objective.kd_beta
@@ -130,9 +132,13 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, lr
       value = value + objective.postshare_gamma * penalty
       metrics["postshare_loss"] = penalty
     updates, opt_state = tx.update(grads, state["opt_state"], params)
-    new_state = {"params": optax.apply_updates(params, updates), "opt_state": opt_state, "step": state["step"] + 1}
-    metrics.update(objective=value, grad_norm=optax.tree.norm(grads), lr=lr_schedule(state["step"]))
-    return new_state, metrics
+    grad_norm = optax.tree.norm(grads)
+    finite = jnp.isfinite(value) & jnp.isfinite(grad_norm)
+    kept = jax.tree.map(lambda new, old: jnp.where(finite, new, old),
+                        {"params": optax.apply_updates(params, updates), "opt_state": opt_state},
+                        {"params": params, "opt_state": state["opt_state"]})
+    metrics.update(objective=value, grad_norm=grad_norm, lr=lr_schedule(state["step"]), finite=finite)
+    return {**kept, "step": state["step"] + 1}, metrics
 
   return step
 
