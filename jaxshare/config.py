@@ -21,6 +21,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
+import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -451,12 +452,24 @@ def to_yaml(cfg: Config) -> str:
   return OmegaConf.to_yaml(OmegaConf.structured(cfg))
 
 
-def config_from_yaml_text(text: str) -> Config:
-  """Rebuild a config saved by :func:`to_yaml` (a run directory's ``config.yaml``)."""
+def config_from_yaml_text(text: str, where: str = "config.yaml") -> Config:
+  """Rebuild a config saved by :func:`to_yaml` (a run directory's ``config.yaml``, named ``where`` in errors).
+
+  Raises:
+    ConfigError: empty (a default config would be read instead of the run's), not YAML, or not a valid config.
+  """
+  if not text.strip():
+    raise ConfigError(f"{where} is empty: it should hold the run's resolved config (delete it to resume from the "
+                      "checkpoint alone, whose shapes are then checked against the command's config)")
   try:
-    cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.create(text)))
+    node = OmegaConf.create(text)
+    if not OmegaConf.is_dict(node):
+      raise ConfigError(f"{where} is not a YAML mapping of config groups")
+    cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), node))
   except OmegaConfBaseException as e:
-    raise ConfigError(_friendly(e)) from None
+    raise ConfigError(f"{where}: {_friendly(e)}") from None
+  except yaml.YAMLError as e:
+    raise ConfigError(f"{where} is not valid YAML ({str(e).splitlines()[0]})") from None
   validate(cfg)
   return cfg
 

@@ -60,7 +60,11 @@ class HFTokenizer:
   def __init__(self, path: str):
     if not Path(path).is_dir():
       raise DataError(f"data.tokenizer={path!r} is neither 'byte' nor an existing tokenizer directory")
-    from transformers import AutoTokenizer  # heavy import, only when asked for
+    try:
+      from transformers import AutoTokenizer  # heavy import, only when asked for
+    except ImportError as e:
+      raise DataError(f"data.tokenizer={path!r} is a Hugging Face tokenizer directory, which needs transformers: "
+                      "pip install 'jaxshare[hf]'") from e
 
     try:
       self._tok = AutoTokenizer.from_pretrained(path, local_files_only=True)

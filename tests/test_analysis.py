@@ -195,3 +195,12 @@ def test_cli_rejects_missing_or_short_text(tiny_run, tmp_path, capsys):
   err = capsys.readouterr().err
   assert "9 tokens, shorter than one window of --seq-len 32" in err
   assert not (tmp_path / "o").exists()
+
+
+def test_out_pointing_at_a_file_is_refused(tmp_path, capsys):
+  from jaxshare.analysis.__main__ import parse_args
+
+  (tmp_path / "file").write_text("x")
+  with pytest.raises(SystemExit) as e:
+    parse_args(["run", "--text", "t.txt", "--out", str(tmp_path / "file")])
+  assert e.value.code == 2 and "is a file: it must be a directory" in capsys.readouterr().err

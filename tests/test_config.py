@@ -1,3 +1,5 @@
+import re
+
 import pytest
 
 from jaxshare.config import ConfigError, describe_fields, load_config, to_yaml, config_from_yaml_text
@@ -113,3 +115,13 @@ def test_readme_documents_every_field():
     for name, _, help_text in rows:
       assert help_text, f"{name} has no documentation"
       assert f"`{name}`" in readme, f"README.md lacks {name}"
+
+
+@pytest.mark.parametrize("text, needle", [
+  ("", "run/config.yaml is empty"),  # read as the defaults, it blamed fields the user never changed
+  ("model: {d_model: [", "run/config.yaml is not valid YAML"),
+  ("- a\n- b\n", "run/config.yaml is not a YAML mapping"),
+])
+def test_a_broken_run_config_is_named(text, needle):
+  with pytest.raises(ConfigError, match=re.escape(needle)):
+    config_from_yaml_text(text, "run/config.yaml")

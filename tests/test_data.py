@@ -179,3 +179,11 @@ def test_token_cache_is_built_once_and_memory_mapped(tmp_path):
   text.write_text("Something else entirely.\n" * 40)  # a changed source gets its own entry
   Datasets(cfg, 2)
   assert len([p for p in cache.iterdir() if p.is_dir()]) == 2
+
+
+def test_hf_tokenizer_without_transformers_names_the_extra(tmp_path, monkeypatch):
+  import sys
+
+  monkeypatch.setitem(sys.modules, "transformers", None)  # what an install without the hf extra sees
+  with pytest.raises(DataError, match=r"pip install 'jaxshare\[hf\]'"):
+    HFTokenizer(str(tmp_path))

@@ -217,6 +217,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.error(f"--threshold={args.threshold} is invalid: must be a finite number")
   if args.max_block < 2:
     parser.error(f"--max-block={args.max_block} is invalid: must be >= 2")
+  if args.out.exists() and not args.out.is_dir():
+    parser.error(f"--out={str(args.out)!r} is a file: it must be a directory (created if missing)")
   return args
 
 

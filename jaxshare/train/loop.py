@@ -146,7 +146,8 @@ def train(cfg: Config, *, mesh=None, stop_after: int | None = None) -> dict[str,
   ckpt = Checkpointer(run_dir / "checkpoints", tcfg.keep_checkpoints) if (run_dir / "checkpoints").exists() else None
   latest = ckpt.latest_step() if ckpt is not None else None
   if latest is not None and (run_dir / "config.yaml").exists():
-    check_resume_compatible(config_from_yaml_text((run_dir / "config.yaml").read_text()), cfg)
+    check_resume_compatible(config_from_yaml_text((run_dir / "config.yaml").read_text(), str(run_dir / "config.yaml")),
+                            cfg)
   meta = ckpt.read_meta(latest) if latest is not None else {}
   stage = meta.get("stage", 0) or (1 if two_stage else 0)
   stage_start = meta.get("stage_start", 0)  # the step the current stage's learning-rate schedule started at

@@ -267,7 +267,7 @@ def load_run(path: str | os.PathLike, mesh: Mesh | None = None) -> tuple[Config,
     ConfigError: bad path or saved config. CheckpointError: no, corrupt or mismatched checkpoint.
   """
   run_dir, step = locate(path)
-  cfg: Config = config_from_yaml_text((run_dir / "config.yaml").read_text())
+  cfg: Config = config_from_yaml_text((run_dir / "config.yaml").read_text(), str(run_dir / "config.yaml"))
   if mesh is None:
     cfg.mesh = MeshConfig() if jax.process_count() == 1 else MeshConfig(fsdp=-1)
     mesh = parallel.make_mesh(cfg.mesh, jax.devices()[:1] if jax.process_count() == 1 else None)
