@@ -299,8 +299,8 @@ class Datasets:
   """Train and validation pipelines of one corpus.
 
   Every global batch of ``batch_size`` sequences is the same whatever the number of processes; each process reads
-  only its ``rows`` of it (default: block ``process_index`` of ``process_count`` equal blocks; a multi-host run passes
-  the rows its devices hold, :func:`jaxshare.train.state.local_batch_rows`).
+  only its :attr:`rows` of it (default: block ``process_index`` of ``process_count`` equal blocks; the training loop
+  sets the rows its devices hold, :func:`jaxshare.train.state.local_batch_rows`).
   """
 
   def __init__(self, cfg: DataConfig, batch_size: int, *, tokenizer: Tokenizer | None = None,
@@ -325,18 +325,18 @@ class Datasets:
   def local_batch(self) -> int:
     return self.rows.stop - self.rows.start
 
-  def train_iter(self, rows: slice | None = None) -> grain.DatasetIterator:
-    """Endless, per-epoch reshuffled batches (this process's ``rows`` of each global batch; default
-    :attr:`rows`); ``get_state``/``set_state`` resume exactly."""
-    rows = self.rows if rows is None else rows
+  def train_iter(self) -> grain.DatasetIterator:
+    """Endless, per-epoch reshuffled batches (this process's :attr:`rows` of each global batch);
+    ``get_state``/``set_state`` resume exactly."""
+    rows = self.rows
     ds = grain.MapDataset.source(self.train_source).shuffle(seed=self.cfg.shuffle_seed).repeat(None)
     ds = _block_rows(ds, self.batch_size, rows, len(ds) // self.batch_size)
     return iter(ds.batch(rows.stop - rows.start, drop_remainder=True).to_iter_dataset())
 
-  def val_batches(self, max_batches: int = 0, rows: slice | None = None) -> Iterator[dict[str, np.ndarray]]:
-    """The validation split in order, in global batches (this process's ``rows`` of each); ``max_batches`` 0
+  def val_batches(self, max_batches: int = 0) -> Iterator[dict[str, np.ndarray]]:
+    """The validation split in order, in global batches (this process's :attr:`rows` of each); ``max_batches`` 0
     means all."""
-    rows = self.rows if rows is None else rows
+    rows = self.rows
     total = len(self.val_source) // self.batch_size
     n = total if not max_batches else min(max_batches, total)
     ds = _block_rows(grain.MapDataset.source(self.val_source), self.batch_size, rows, n)

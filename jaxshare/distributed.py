@@ -13,19 +13,20 @@ import jax
 
 from jaxshare.config import ConfigError, DistributedConfig
 
-# Environment that says this process is one of several: Slurm's task count, and the worker list a TPU VM pod's
-# workers carry (one hostname per worker).
+# Environment that says this process is one of several: a Slurm job step's task count, and the TPU worker list GKE
+# gives each pod of a multi-host TPU slice. A plain TPU VM's ssh session has neither (JAX asks the TPU metadata server
+# instead, which distributed.initialize=on leaves to it).
 _SLURM_TASKS = "SLURM_NTASKS"
 _TPU_WORKERS = "TPU_WORKER_HOSTNAMES"
 
 
 def cluster_detected(env: dict[str, str] | None = None) -> str | None:
-  """The kind of multi-process cluster this process runs in (``"slurm"``, ``"tpu_pod"``), or None for one process."""
+  """The kind of multi-process cluster this process runs in (``"slurm"``, ``"gke_tpu"``), or None for one process."""
   env = os.environ if env is None else env
   if int(env.get(_SLURM_TASKS, "1") or "1") > 1 and "SLURM_STEP_ID" in env:
     return "slurm"
   if len([h for h in env.get(_TPU_WORKERS, "").split(",") if h]) > 1:
-    return "tpu_pod"
+    return "gke_tpu"
   return None
 
 
@@ -55,8 +56,9 @@ def initialize(cfg: DistributedConfig) -> bool:
   except Exception as e:  # RuntimeError/ValueError/XlaRuntimeError, depending on what failed
     where = (f"coordinator {cfg.coordinator_address} with {cfg.num_processes} processes (this one "
              f"{cfg.process_id})" if explicit else f"auto-detected cluster ({cluster_detected() or 'none found'})")
+    reason = str(e).splitlines()[0] if str(e) else type(e).__name__
     raise ConfigError(f"distributed.initialize={cfg.initialize}: the JAX distributed runtime did not start for the "
-                      f"{where} within distributed.timeout_s={cfg.timeout_s}: {str(e).splitlines()[0] if str(e) else type(e).__name__}. "
+                      f"{where} within distributed.timeout_s={cfg.timeout_s}: {reason}. "
                       "Check distributed.coordinator_address (reachable from every process), num_processes and "
                       "process_id (one per process), or set distributed.initialize=off for one process.") from e
   return jax.process_count() > 1
@@ -65,14 +67,6 @@ def initialize(cfg: DistributedConfig) -> bool:
 def is_primary() -> bool:
   """Process 0: the one that writes logs, metrics, TensorBoard events and the run's config."""
   return jax.process_index() == 0
-
-
-def barrier(name: str) -> None:
-  """Wait until every process reaches this point (no-op with one process)."""
-  if jax.process_count() > 1:
-    from jax.experimental import multihost_utils
-
-    multihost_utils.sync_global_devices(name)
 
 
 def to_host(tree):

@@ -24,9 +24,9 @@ from jaxshare.train.step import Objective, make_eval_step, make_train_step
 # Fields a resumed run must share with the run that wrote its checkpoints (the rest, e.g. train.steps, may change):
 # the model, and what it trains on (another corpus, split or order would turn trained-on windows into validation
 # data, or resume a different curve).
-_RESUME_FIXED = ("model", "schedule", "data.source", "data.path", "data.text_field", "data.tfds_name", "data.tfds_split",
-                 "data.document_separator", "data.tokenizer", "data.seq_len", "data.val_fraction", "data.shuffle_seed",
-                 "train.batch_size")
+_RESUME_FIXED = ("model", "schedule", "data.source", "data.path", "data.text_field", "data.tfds_name",
+                 "data.tfds_split", "data.document_separator", "data.tokenizer", "data.seq_len", "data.val_fraction",
+                 "data.shuffle_seed", "train.batch_size")
 # Optimizer fields whose change alters the optimizer state's structure, so that no checkpoint can restore into it.
 _OPTIMIZER_STRUCTURE = {
   "train.clip_norm": lambda t: t.clip_norm == 0,  # clipping on/off adds or removes a transformation's state
@@ -96,8 +96,7 @@ def loss_sums(eval_fn, setup: RunSetup, params, batches: Iterable[dict]) -> tupl
 
 def evaluate_loss(eval_fn, setup: RunSetup, params, data: Datasets, max_batches: int) -> float:
   """Mean validation loss in nats per token over up to ``max_batches`` global batches (0: all)."""
-  rows = local_batch_rows(setup.batch_sharding, data.batch_size)
-  total, count = loss_sums(eval_fn, setup, params, data.val_batches(max_batches, rows))
+  total, count = loss_sums(eval_fn, setup, params, data.val_batches(max_batches))
   return total / max(count, 1.0)
 
 
@@ -154,8 +153,8 @@ def train(cfg: Config, *, mesh=None, stop_after: int | None = None) -> dict[str,
   source, source_params = _load_source(cfg, mesh)
   setup = setup_run(cfg, mesh, trainable_for(cfg, stage), start_step=stage_start)
 
-  rows = local_batch_rows(setup.batch_sharding, tcfg.batch_size)
-  data_iter = data.train_iter(rows)
+  data.rows = local_batch_rows(setup.batch_sharding, tcfg.batch_size)  # what this process's devices hold
+  data_iter = data.train_iter()
   if latest is not None and meta.get(PARAMS_ONLY):  # a converted model (convert/run_dir.py): a fresh optimizer
     state = state_from_params(setup, ckpt.restore_params(latest, abstract_state(setup)["params"]), latest)
   elif latest is not None:
