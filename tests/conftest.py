@@ -5,6 +5,7 @@ import os
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import json  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
@@ -41,3 +42,22 @@ def corpus() -> Path:
   if not CORPUS.is_file():
     pytest.fail(f"the shared corpus {CORPUS} is missing")
   return CORPUS
+
+
+def read_metrics(run_dir) -> list[dict]:
+  """The records of a run's ``metrics.jsonl``."""
+  return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+STRAIGHT = ("schedule.kind=mlkv", "schedule.kv_layers=2")  # the straight run's schedule, as overrides
+
+
+@pytest.fixture(scope="session")
+def straight_run(tmp_path_factory):
+  """``(config, run_dir, summary)`` of an uninterrupted 20-step tiny MLKV run (checkpoints at 10 and 20): what
+  resumed, interrupted and corrupted runs are compared with. Tests copy it before changing anything."""
+  from jaxshare.train.loop import train
+
+  run_dir = tmp_path_factory.mktemp("straight")
+  cfg = tiny_config(*STRAIGHT, f"train.run_dir={run_dir}")
+  return cfg, run_dir, train(cfg)

@@ -3,14 +3,26 @@ converted model, its parameters alone)."""
 
 from __future__ import annotations
 
+import contextlib
+import gc
+import logging
 import os
-from typing import Any
+import re
+import sys
+from typing import Any, Callable, TypeVar
 
 import grain
 import jax
 import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
+
+from jaxshare.train import integrity
+
+T = TypeVar("T")
+CHECKSUMS = "checksums"  # meta key: integrity.checksums of the saved arrays
+TMP_MARKER = ".orbax-checkpoint-tmp"  # in the name of a step directory whose write did not finish
 
 
 def absolute(path: str | os.PathLike) -> epath.Path:
@@ -22,6 +34,33 @@ def absolute(path: str | os.PathLike) -> epath.Path:
 
 class CheckpointError(RuntimeError):
   """A checkpoint that is corrupt or does not match the run's config."""
+
+
+@contextlib.contextmanager
+def _library_noise_suppressed():
+  """Keep a failed restore's library noise off the console: orbax's reads run as asyncio tasks whose failures
+  TensorStore reports again (with its multi-kilobyte specs) through the ``asyncio`` logger and as "Exception ignored"
+  messages when the abandoned coroutines are collected; the error raised to the caller already says what failed."""
+  hook, mute = sys.unraisablehook, logging.Filter()
+  mute.filter = lambda record: False
+  logger = logging.getLogger("asyncio")
+  sys.unraisablehook = lambda unraisable: None
+  logger.addFilter(mute)
+  try:
+    yield
+  finally:
+    gc.collect()  # finalise the abandoned tasks while their reports are muted
+    logger.removeFilter(mute)
+    sys.unraisablehook = hook
+
+
+def _root_cause(e: BaseException) -> str:
+  """The innermost exception's first line, without TensorStore's spec dumps, at most 300 characters."""
+  while e.__cause__ is not None or e.__context__ is not None:
+    e = e.__cause__ or e.__context__
+  text = (str(e).splitlines() or [""])[0]
+  text = re.sub(r"\s*\[tensorstore_spec=.*|\s*See full TensorStore details.*", "", text)
+  return f"{type(e).__name__}: {text[:300]}"
 
 
 PARAMS_ONLY = "params_only"  # meta key of a checkpoint holding only the parameters (a converted model at step 0)
@@ -38,80 +77,160 @@ def save_params(directory: str | os.PathLike, step: int, params: Any, meta: dict
                                   item_handlers={"state": handler, "meta": ocp.JsonCheckpointHandler()},
                                   options=ocp.CheckpointManagerOptions(create=True))
   state = {"params": jax.tree.map(jnp.asarray, params)}
-  manager.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(state),
-                                             meta=ocp.args.JsonSave({**meta, PARAMS_ONLY: True})), force=True)
+  meta = {**meta, PARAMS_ONLY: True, CHECKSUMS: integrity.checksums(state)}
+  manager.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(state), meta=ocp.args.JsonSave(meta)),
+               force=True)
   manager.wait_until_finished()
   manager.close()
 
 
 class Checkpointer:
-  """``CheckpointManager`` over ``<run_dir>/checkpoints`` with items ``state``, ``data`` and ``meta``."""
+  """``CheckpointManager`` over ``<run_dir>/checkpoints`` with items ``state``, ``data`` and ``meta``.
+
+  Every save records checksums of the state's arrays in ``meta`` (:mod:`jaxshare.train.integrity`) and every restore
+  checks them. Only finished checkpoints are listed (orbax writes into a temporary directory and renames it when
+  done); temporary directories an interrupted write left behind are deleted on opening (``cleaned`` names them).
+  """
 
   def __init__(self, directory: str | os.PathLike, keep: int):
     self.directory = absolute(directory)
+    self.cleaned = sorted(p.name for p in self.directory.glob(f"*{TMP_MARKER}*")) if self.directory.exists() else []
     self.manager = ocp.CheckpointManager(
       self.directory, item_names=("state", "data", "meta"),
-      options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True))
+      options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True, cleanup_tmp_directories=True))
 
   def latest_step(self) -> int | None:
     return self.manager.latest_step()
 
   def save(self, step: int, state: Any, data_iter: grain.DatasetIterator | None, meta: dict) -> None:
-    """Save asynchronously (call :meth:`wait` before exiting)."""
+    """Save asynchronously (call :meth:`wait` before exiting); ``meta`` gains the arrays' checksums."""
+    meta = {**meta, CHECKSUMS: integrity.checksums(state)}
     items = {"state": ocp.args.StandardSave(state), "meta": ocp.args.JsonSave(meta)}
     if data_iter is not None:
       items["data"] = grain.checkpoint.CheckpointSave(data_iter)
     self.manager.save(step, args=ocp.args.Composite(**items), force=True)
 
   def restore(self, step: int, abstract_state: Any, data_iter: grain.DatasetIterator | None) -> tuple[Any, dict]:
-    """Restore ``(state, meta)`` at ``step`` into ``abstract_state``'s shapes, dtypes and shardings.
+    """Restore ``(state, meta)`` at ``step`` into ``abstract_state``'s shapes, dtypes and shardings, verified
+    against the checksums saved with it.
 
     Raises:
-      CheckpointError: files missing or corrupt, or shapes that do not match the configured model.
+      CheckpointError: files missing, unreadable or changed since they were written, or shapes that do not match
+        the configured model.
     """
     items = {"state": ocp.args.StandardRestore(abstract_state), "meta": ocp.args.JsonRestore()}
     if data_iter is not None:
       items["data"] = grain.checkpoint.CheckpointRestore(data_iter)
-    try:
-      restored = self.manager.restore(step, args=ocp.args.Composite(**items))
-    except Exception as e:  # orbax/tensorstore raise many types for bad files
-      raise self._unreadable(step, e) from e
+    with _library_noise_suppressed():
+      try:
+        restored = self.manager.restore(step, args=ocp.args.Composite(**items))
+      except Exception as e:  # orbax/tensorstore raise many types for bad files
+        raise self._unreadable(step, e) from e
+    self._verify(step, restored["state"], restored["meta"])
     return restored["state"], restored["meta"]
 
   def restore_params(self, step: int, abstract_params: Any) -> Any:
     """Restore only ``state["params"]`` at ``step`` (orbax partial restore: the optimizer state is never read, so
-    loading a model for evaluation or conversion costs one copy of its weights).
+    loading a model for evaluation or conversion costs one copy of its weights), verified against its checksums.
 
     Raises:
-      CheckpointError: files missing or corrupt, or shapes that do not match the configured model.
+      CheckpointError: files missing, unreadable or changed since they were written, or shapes that do not match
+        the configured model.
     """
     target = {"params": abstract_params}
     args = ocp.args.PyTreeRestore(target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
                                   partial_restore=True)
-    try:  # a standalone reader: the manager's "state" item stays bound to StandardSave/Restore
-      with ocp.PyTreeCheckpointer() as reader:
-        return reader.restore(self.directory / str(step) / "state", args=args)["params"]
-    except Exception as e:  # orbax/tensorstore raise many types for bad files
-      raise self._unreadable(step, e) from e
+    meta = self.read_meta(step)
+    with _library_noise_suppressed():
+      try:  # a standalone reader: the manager's "state" item stays bound to StandardSave/Restore
+        with ocp.PyTreeCheckpointer() as reader:
+          params = reader.restore(self.directory / str(step) / "state", args=args)["params"]
+      except Exception as e:  # orbax/tensorstore raise many types for bad files
+        raise self._unreadable(step, e) from e
+    self._verify(step, {"params": params}, meta)
+    return params
+
+  def _verify(self, step: int, state: Any, meta: dict) -> None:
+    if CHECKSUMS not in meta:  # written before checksums were recorded: nothing to check against
+      return
+    bad = integrity.mismatches(state, meta[CHECKSUMS])
+    if bad:
+      raise CheckpointError(
+        f"checkpoint {self.directory / str(step)} is corrupt: {len(bad)} of {len(jax.tree.leaves(state))} arrays "
+        f"differ from the checksums saved with them ({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''}); its "
+        "files were changed after it was written.")
 
   def _unreadable(self, step: int, e: Exception) -> CheckpointError:
     return CheckpointError(
-      f"checkpoint {self.directory / str(step)} could not be restored: it is corrupt or was written by a run with "
-      f"a different model/schedule ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
+      f"checkpoint {self.directory / str(step)} could not be read: it is corrupt (files missing or truncated) or was "
+      f"written by a run with a different model/schedule ({_root_cause(e)}).")
 
   def read_meta(self, step: int) -> dict:
-    """The ``meta`` item (step, recipe stage) of a checkpoint, without restoring arrays.
+    """The ``meta`` item (step, recipe stage, checksums) of a checkpoint, without restoring arrays.
 
     Raises:
       CheckpointError: missing or unreadable.
     """
-    try:
-      return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
-    except Exception as e:
-      raise CheckpointError(f"checkpoint {self.directory / str(step)} has no readable metadata: {e}") from e
+    with _library_noise_suppressed():
+      try:
+        return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+      except Exception as e:
+        raise CheckpointError(f"checkpoint {self.directory / str(step)} has no readable metadata ({_root_cause(e)})."
+                              ) from e
+
+  def restore_newest_valid(self, restore: Callable[[int], T]) -> tuple[int, T, list[str]] | None:
+    """``restore(step)`` from the newest finished checkpoint down until one succeeds.
+
+    The newer checkpoints that failed (``restore`` raised CheckpointError) are moved out of the way, to
+    ``<run_dir>/corrupt_checkpoints/<step>``: kept for inspection, and no longer in the way of the steps the run
+    saves again. Every process of a multi-process run takes the same decision.
+
+    Returns:
+      ``(step, restore's result, one paragraph per failed checkpoint saying where it went)``; None without
+      checkpoints.
+
+    Raises:
+      CheckpointError: every checkpoint failed (a paragraph for each); nothing is moved, since that is more likely
+        a different model than a run whose every checkpoint is corrupt.
+    """
+    failures: list[tuple[int, str]] = []
+    for step in sorted(self.manager.all_steps(), reverse=True):
+      try:
+        result, error = restore(step), None
+      except CheckpointError as e:
+        result, error = None, str(e)
+      if not _everywhere(error is None):
+        failures.append((step, error or "another process could not restore it"))
+        continue
+      return step, result, [f"{error} It was moved to {self._quarantine(bad)}." for bad, error in failures]
+    if failures:
+      raise CheckpointError(" ".join(error for _, error in failures)
+                            + f" No checkpoint in {self.directory} could be restored; nothing was moved.")
+    return None
+
+  def _quarantine(self, step: int) -> epath.Path:
+    target = self.directory.parent / "corrupt_checkpoints" / str(step)
+    n = 1
+    while target.exists():
+      target, n = self.directory.parent / "corrupt_checkpoints" / f"{step}-{n}", n + 1
+    if jax.process_index() == 0:
+      target.parent.mkdir(parents=True, exist_ok=True)
+      (self.directory / str(step)).rename(target)
+    _everywhere(True)  # the others wait for the move
+    self.manager.reload()
+    return target
 
   def wait(self) -> None:
     self.manager.wait_until_finished()
 
   def close(self) -> None:
     self.manager.close()
+
+
+def _everywhere(ok: bool) -> bool:
+  """Whether ``ok`` holds in every process (a collective in a multi-process run)."""
+  if jax.process_count() == 1:
+    return ok
+  from jax.experimental import multihost_utils
+
+  return bool(np.all(multihost_utils.process_allgather(np.asarray(ok, np.int32))))

@@ -143,26 +143,37 @@ def train(cfg: Config, *, mesh=None, stop_after: int | None = None) -> dict[str,
                       f"({data.tokenizer.vocab_size}); set model.vocab_size >= {data.tokenizer.vocab_size}")
   # Nothing is created in the run directory until the config, data and checkpoint have all been accepted.
   ckpt = Checkpointer(run_dir / "checkpoints", tcfg.keep_checkpoints) if (run_dir / "checkpoints").exists() else None
-  latest = ckpt.latest_step() if ckpt is not None else None
-  if latest is not None and (run_dir / "config.yaml").exists():
+  if ckpt is not None and ckpt.latest_step() is not None and (run_dir / "config.yaml").exists():
     check_resume_compatible(config_from_yaml_text((run_dir / "config.yaml").read_text(), str(run_dir / "config.yaml")),
                             cfg)
-  meta = ckpt.read_meta(latest) if latest is not None else {}
+  source, source_params = _load_source(cfg, mesh)
+
+  def prepare(meta: dict) -> tuple[RunSetup, Any]:
+    """The run's setup at the recipe stage ``meta`` records, and a data iterator at the start of the data."""
+    stage = meta.get("stage", 0) or (1 if two_stage else 0)
+    setup = setup_run(cfg, mesh, trainable_for(cfg, stage), start_step=meta.get("stage_start", 0))
+    data.rows = local_batch_rows(setup.batch_sharding, tcfg.batch_size)  # what this process's devices hold
+    return setup, data.train_iter()
+
+  def resume(step: int) -> tuple[dict, RunSetup, Any, Any]:
+    meta = ckpt.read_meta(step)
+    setup, data_iter = prepare(meta)
+    if meta.get(PARAMS_ONLY):  # a converted model (convert/run_dir.py): a fresh optimizer
+      state = state_from_params(setup, ckpt.restore_params(step, abstract_state(setup)["params"]), step)
+    else:
+      state, _ = ckpt.restore(step, abstract_state(setup), data_iter)
+    return meta, setup, data_iter, state
+
+  resumed = ckpt.restore_newest_valid(resume) if ckpt is not None else None
+  if resumed is not None:
+    latest, (meta, setup, data_iter, state), fallbacks = resumed
+  else:
+    latest, meta, fallbacks = None, {}, []
+    setup, data_iter = prepare(meta)
+    state = (init_state(setup, from_params=(source_params, source.schedule)) if source is not None else
+             init_state(setup))
   stage = meta.get("stage", 0) or (1 if two_stage else 0)
   stage_start = meta.get("stage_start", 0)  # the step the current stage's learning-rate schedule started at
-  source, source_params = _load_source(cfg, mesh)
-  setup = setup_run(cfg, mesh, trainable_for(cfg, stage), start_step=stage_start)
-
-  data.rows = local_batch_rows(setup.batch_sharding, tcfg.batch_size)  # what this process's devices hold
-  data_iter = data.train_iter()
-  if latest is not None and meta.get(PARAMS_ONLY):  # a converted model (convert/run_dir.py): a fresh optimizer
-    state = state_from_params(setup, ckpt.restore_params(latest, abstract_state(setup)["params"]), latest)
-  elif latest is not None:
-    state, _ = ckpt.restore(latest, abstract_state(setup), data_iter)
-  elif source is not None:
-    state = init_state(setup, from_params=(source_params, source.schedule))
-  else:
-    state = init_state(setup)
   run_dir.mkdir(parents=True, exist_ok=True)
   ckpt = ckpt or Checkpointer(run_dir / "checkpoints", tcfg.keep_checkpoints)
   if distributed.is_primary():  # written then renamed: a kill mid-write never leaves a torn config.yaml
@@ -183,6 +194,11 @@ def train(cfg: Config, *, mesh=None, stop_after: int | None = None) -> dict[str,
                                                  2 if cfg.model.dtype == "bfloat16" else 4)
   log = MetricsLogger(run_dir, tcfg.steps, start, tcfg.progress_bar)
   log.print(f"jaxshare | {setup.schedule.describe()}")
+  if ckpt.cleaned:
+    log.print(f"removed {len(ckpt.cleaned)} unfinished checkpoint write(s) an interrupted run left: "
+              + ", ".join(ckpt.cleaned))
+  for report in fallbacks:
+    log.print(f"warning: {report} Resuming from checkpoint {latest}, the newest one that restored and verified.")
   log.print(f"params {setup.num_params:,} ({setup.num_trainable:,} trainable) | KV cache {kv_bytes:,} B/token | "
             f"mesh {dict(setup.mesh.shape)} ({n_dev} {jax.devices()[0].platform}) | train "
             f"{len(data.train_source):,} seqs, val {len(data.val_source):,} seqs of {cfg.data.seq_len} | "
