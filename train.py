@@ -6,7 +6,12 @@ Examples:
   python train.py --config configs/experiments/shakespeare_cla2.yaml train.steps=500 schedule.kind=mlkv \\
       schedule.kv_layers=2 train.run_dir=runs/mlkv2
 
-Re-running with the same train.run_dir resumes from its latest checkpoint; Ctrl-C saves a checkpoint and exits.
+Re-running with the same train.run_dir resumes from its latest checkpoint. Ctrl-C or SIGTERM (preemption) saves a
+checkpoint after the current step and exits; a second signal still waits for that write, a third aborts (the last
+finished checkpoint is kept).
+
+Exit codes: 0 finished (or stopped at train.steps); 130 interrupted by SIGINT/SIGTERM, checkpoint saved (or aborted
+by a third signal); 2 bad input (config, schedule, data, checkpoint); 3 training diverged (train.nan_policy=stop).
 
 Ahead-of-time fit check (no TPU, no training; jaxshare/fit.py): compile the real train step for a TPU topology or
 accelerator type on this host and report HBM per chip, FLOPs and whether it fits; exit code 0 fits, 3 does not (what
@@ -18,6 +23,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import sys
 
 
@@ -48,8 +55,10 @@ def main(argv: list[str] | None = None) -> int:
     return _compile_only(args)
   from jaxshare.data import DataError
   from jaxshare.train.checkpoint import CheckpointError
+  from jaxshare.train.interrupts import INTERRUPTED_EXIT_CODE
   from jaxshare.train.loop import DivergenceError
 
+  signal.signal(signal.SIGTERM, _terminate_as_interrupt)  # outside the training loop, which handles it itself
   try:
     cfg = load_config(args.config, args.overrides)
     from jaxshare.distributed import initialize, is_primary
@@ -61,9 +70,18 @@ def main(argv: list[str] | None = None) -> int:
   except (ConfigError, DataError, CheckpointError, DivergenceError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 3 if isinstance(e, DivergenceError) else 2
+  except KeyboardInterrupt as e:  # before training started (nothing written yet), or a third signal
+    print(f"interrupted{f' ({e})' if str(e) else ''}: re-run the same command to resume from the last finished "
+          "checkpoint", file=sys.stderr, flush=True)
+    if str(e).startswith("aborted"):  # leave orbax's write threads as they are: the interpreter's shutdown would
+      sys.stdout.flush()  # make them fail with a traceback, and what they leave is a temporary directory anyway
+      os._exit(INTERRUPTED_EXIT_CODE)
+    return INTERRUPTED_EXIT_CODE
   if not is_primary():  # process 0 of a multi-host run reports for all
-    return 0
+    return INTERRUPTED_EXIT_CODE if summary["interrupted"] else 0
   print("training summary: " + json.dumps(summary))
+  if summary["interrupted"]:
+    return INTERRUPTED_EXIT_CODE
   if multi_process:  # the evaluation runs in one process: evaluating here would leave the others out of its collectives
     print(f"evaluate with: python eval.py {cfg.train.run_dir}")
   elif not args.no_eval and summary["step"] >= cfg.train.steps:
@@ -71,6 +89,12 @@ def main(argv: list[str] | None = None) -> int:
 
     print(format_report(evaluate_run(cfg.train.run_dir)))
   return 0
+
+
+def _terminate_as_interrupt(signum, frame):
+  """SIGTERM before or after the training loop (loading, compiling, the final evaluation): exit like Ctrl-C, with the
+  interrupted exit code, instead of dying on the signal."""
+  raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
 def _compile_only(args) -> int:
@@ -94,4 +118,7 @@ if __name__ == "__main__":
   from jaxshare.allocator import reexec_with_tuned_allocator
 
   reexec_with_tuned_allocator()  # before JAX allocates anything: see jaxshare/allocator.py
-  sys.exit(main())
+  code = main()
+  for late in (signal.SIGINT, signal.SIGTERM):  # the run is over: a late signal must not turn its exit code into a kill
+    signal.signal(late, signal.SIG_IGN)
+  sys.exit(code)

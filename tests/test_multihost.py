@@ -4,9 +4,11 @@ train and resume exactly like one process."""
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 
 import jax
 import numpy as np
@@ -114,17 +116,22 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-def _two_processes(run_dir, *overrides, timeout=300):
+def _start_two_processes(run_dir, *overrides) -> list[subprocess.Popen]:
   """``train.py`` as two processes of 4 CPU devices each, joined through a coordinator on localhost."""
   env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
   port = _free_port()
-  procs = [subprocess.Popen(
-    [sys.executable, "train.py", "--no-eval", *RESUMABLE, f"train.run_dir={run_dir}", "mesh.fsdp=4", "mesh.dcn_data=2",
-     f"distributed.coordinator_address=localhost:{port}", "distributed.num_processes=2", f"distributed.process_id={i}",
-     *overrides], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+  return [subprocess.Popen(
+    [sys.executable, "-u", "train.py", "--no-eval", *RESUMABLE, f"train.run_dir={run_dir}", "mesh.fsdp=4",
+     "mesh.dcn_data=2", f"distributed.coordinator_address=localhost:{port}", "distributed.num_processes=2",
+     f"distributed.process_id={i}", *overrides], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    text=True) for i in range(2)]
+
+
+def _two_processes(run_dir, *overrides, timeout=300, returncode=0):
+  procs = _start_two_processes(run_dir, *overrides)
   outs = [p.communicate(timeout=timeout)[0] for p in procs]
   for p, out in zip(procs, outs):
-    assert p.returncode == 0, out[-3000:]
+    assert p.returncode == returncode, out[-3000:]
   return outs
 
 
@@ -141,6 +148,34 @@ def test_two_processes_train_and_resume_like_one(one_process_curve, tmp_path):
   print("\n".join(f"{i + 1} | {a:.7f} | {b:.7f}" for i, (a, b) in enumerate(zip(one_process_curve, losses))))
   assert [json.loads(ln)["step"] for ln in (run_dir / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4, 5, 6]
   np.testing.assert_allclose(losses, one_process_curve, rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_sigterm_to_one_process_stops_both_at_the_same_step_with_a_checkpoint(tmp_path):
+  """A preemption notice reaches one host of a pod first: JAX's preemption service agrees on a step, every process
+  stops there and the checkpoint is written collectively (a local stop would leave the other in a collective)."""
+  import re
+  import threading
+
+  run_dir = tmp_path / "run"
+  procs = _start_two_processes(run_dir, "train.steps=100000", "train.checkpoint_every=100000")
+  lines: list[str] = []
+  reader = threading.Thread(target=lambda: lines.extend(procs[0].stdout), daemon=True)
+  reader.start()
+  deadline = time.time() + 240
+  while not any(line.startswith("step      3/") for line in lines) and time.time() < deadline:
+    time.sleep(0.05)
+  procs[1].send_signal(signal.SIGTERM)  # the process that does not log
+  other = procs[1].communicate(timeout=240)[0]
+  procs[0].wait(timeout=240)
+  reader.join(timeout=10)
+  out = "".join(lines)
+  assert procs[0].returncode == procs[1].returncode == 130, out[-3000:] + other[-3000:]
+  stopped = int(re.search(r"interrupted by SIGTERM at step (\d+); checkpoint \1 saved", out).group(1))
+  assert stopped >= 3 and {p.name for p in (run_dir / "checkpoints" / str(stopped) / "data").iterdir()} >= {
+    "process_0-of-2.json", "process_1-of-2.json"}
+  resumed = _two_processes(run_dir, f"train.steps={stopped + 2}")
+  assert f"resumed at step {stopped}" in resumed[0]
 
 
 _COMPILE_ON_MESHES = """

@@ -1,9 +1,9 @@
-"""The training loop: resume, step, log, validate, checkpoint, stop cleanly on Ctrl-C."""
+"""The training loop: resume, step, log, validate, checkpoint, stop cleanly on Ctrl-C or preemption."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import signal
 import time
 from typing import Any, Iterable
 
@@ -15,6 +15,7 @@ from jaxshare.config import Config, ConfigError, config_from_yaml_text, to_yaml
 from jaxshare.convert.uptrain import init_report
 from jaxshare.data import Datasets
 from jaxshare.train.checkpoint import PARAMS_ONLY, Checkpointer, absolute
+from jaxshare.train.interrupts import Interrupts
 from jaxshare.train.metrics import MetricsLogger, resolve_peak
 from jaxshare.train.recipes import Stage1Monitor, build_objective
 from jaxshare.train.state import (RunSetup, abstract_state, init_kv_pool, init_state, load_run, local_batch_rows,
@@ -62,27 +63,18 @@ def check_resume_compatible(saved: Config, cfg: Config) -> None:
                       + "; ".join(diffs) + ". Use a new train.run_dir, or restore the old values.")
 
 
-class _StopFlag:
-  """Turns the first SIGINT into a request to save and stop after the current step."""
-
-  def __init__(self):
-    self.requested = False
-    self._previous = None
-
-  def __enter__(self):
-    def handler(signum, frame):
-      if self.requested:  # a second Ctrl-C stops at once
-        raise KeyboardInterrupt
-      self.requested = True
-    try:
-      self._previous = signal.signal(signal.SIGINT, handler)
-    except ValueError:  # not the main thread (e.g. under some test runners): no handler
-      self._previous = None
-    return self
-
-  def __exit__(self, *exc):
-    if self._previous is not None:
-      signal.signal(signal.SIGINT, self._previous)
+@contextlib.contextmanager
+def _writes_finished_on_error(ckpt: Checkpointer):
+  """An error in the loop (not a third interrupt, which means "now") first lets a checkpoint write in flight finish:
+  exiting mid-write would lose it."""
+  try:
+    yield
+  except KeyboardInterrupt:
+    raise
+  except BaseException:
+    with contextlib.suppress(Exception):
+      ckpt.wait()
+    raise
 
 
 def loss_sums(eval_fn, setup: RunSetup, params, batches: Iterable[dict]) -> tuple[float, float]:
@@ -125,10 +117,13 @@ def train(cfg: Config, *, mesh=None, stop_after: int | None = None) -> dict[str,
 
   Returns:
     Summary: ``step``, ``loss`` (last logged training loss), ``val_loss``, ``num_params``, ``trainable_params``,
-    ``kv_bytes_per_token``, ``tokens_per_sec``, ``stage``, ``run_dir``.
+    ``kv_bytes_per_token``, ``tokens_per_sec``, ``stage``, ``run_dir``, ``interrupted`` (the signal that stopped the
+    run after saving, e.g. ``"SIGTERM"``; None). See :class:`~jaxshare.train.interrupts.Interrupts`.
 
   Raises:
     ConfigError / DataError / CheckpointError: bad config, data or run directory (before any training).
+    DivergenceError: a non-finite step under ``train.nan_policy=stop``.
+    KeyboardInterrupt: a third SIGINT/SIGTERM (the last finished checkpoint is kept).
   """
   run_dir = absolute(cfg.train.run_dir)
   mesh = mesh or parallel.make_mesh(cfg.mesh)
@@ -253,8 +248,8 @@ def train(cfg: Config, *, mesh=None, stop_after: int | None = None) -> dict[str,
     ckpt.save(step, state, data_iter, {"step": step, "stage": stage, "stage_start": stage_start,
                                        "stage1": monitor.state(), "skipped_steps": skipped})
 
-  with jax.set_mesh(setup.mesh), _StopFlag() as stop:
-    while step < end and not stop.requested:
+  with jax.set_mesh(setup.mesh), Interrupts() as interrupts, _writes_finished_on_error(ckpt):
+    while step < end and not interrupts.should_stop(step):
       batch = shard_batch(setup, next(data_iter))
       state, metrics = step_fn(state, batch, teacher_params)
       step += 1
@@ -311,9 +306,12 @@ def train(cfg: Config, *, mesh=None, stop_after: int | None = None) -> dict[str,
         save(step)
     if step < tcfg.steps and step % tcfg.checkpoint_every:
       save(step)
-      log.print(f"stopped at step {step}; checkpoint saved, re-run the same command to resume")
-  ckpt.wait()
+    ckpt.wait()  # still under the handlers: a second signal cannot cut the write short
+    if step < tcfg.steps:
+      how = f"interrupted by {interrupts.received[0]}" if interrupts.received else "stopped"
+      log.print(f"{how} at step {step}; checkpoint {step} saved, re-run the same command to resume")
   ckpt.close()
   log.close()
-  summary.update(step=step, stage=stage, skipped_steps=skipped)
+  summary.update(step=step, stage=stage, skipped_steps=skipped,
+                 interrupted=interrupts.received[0] if interrupts.received else None)
   return summary
