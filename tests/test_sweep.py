@@ -262,3 +262,28 @@ def test_collect_evaluates_finished_runs_and_trains_nothing(swept, tmp_path, cap
   assert [rows[v]["status"] for v in ("dense", "cla2", "broken")] == ["ok", "ok", "incomplete"]
   assert (tmp_path / "runs" / "dense" / "seed0" / "eval.json").is_file()
   assert not (tmp_path / "runs" / "broken" / "seed0" / "checkpoints").exists()
+
+
+def test_ctrl_c_saves_the_running_run_and_records_it_as_interrupted(tmp_path):
+  """Ctrl-C reaches the sweep and its train.py together (one process group): the run saves a checkpoint, and the
+  table says interrupted (it said failed, with the run's summary line as the error); the next sweep resumes it."""
+  import re
+  import signal
+  import time
+
+  spec = _spec(tmp_path, "base: [" + ", ".join(TINY + ["train.steps=100000", "train.checkpoint_every=100000"])
+               + "]\nvariants:\n  dense: []\n")
+  proc = subprocess.Popen([os.sys.executable, "-m", "jaxshare.sweep", str(spec)], cwd=REPO, text=True,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+  log = tmp_path / "runs" / "dense" / "sweep.log"
+  deadline = time.time() + 180
+  while not (log.exists() and re.search(r"^step +3/", log.read_text(), re.M)) and time.time() < deadline:
+    time.sleep(0.1)
+  os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
+  out, _ = proc.communicate(timeout=180)
+  assert proc.returncode == 130, out
+  stopped = int(re.search(r"interrupted by SIGINT at step (\d+); checkpoint \1 saved", log.read_text()).group(1))
+  assert (tmp_path / "runs" / "dense" / "checkpoints" / str(stopped) / "commit_success.txt").exists()
+  row = read_results(tmp_path / "runs" / "results.csv")[0][0]
+  assert row["status"] == "interrupted" and row["error"] == (
+    f"stopped by a signal at step {stopped} with a checkpoint; run the sweep again to resume it")

@@ -21,7 +21,8 @@ Sweep file (YAML):
 Runs are the named variants followed by the grid's points, each for every seed. A run whose latest checkpoint is at
 train.steps and whose evaluation is cached in <run_dir>/eval.json is skipped; an interrupted run resumes (train.py
 resumes from its run directory). Each run's train.py/eval.py output goes to <run_dir>/sweep.log. A failing run is
-recorded with status `failed` and the sweep goes on; the exit code is 1 if any run failed, 2 for a bad sweep file
+recorded with status `failed` and the sweep goes on; one stopped by Ctrl-C or preemption (train.py exit 130, its
+checkpoint saved) as `interrupted`. The exit code is 1 if any run failed, 130 on Ctrl-C, 2 for a bad sweep file
 or flag. Results merge by (variant, seed) into <run_root>/results.csv (rows of other variants are kept), and
 results.md (mean ± sample std over seeds), loss_vs_kv.png and loss_vs_params.png are rewritten from it.
 """

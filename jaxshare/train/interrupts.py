@@ -6,8 +6,6 @@ from __future__ import annotations
 import os
 import signal
 
-import jax
-
 # train.py's exit code for a run that stopped on a signal after saving its checkpoint (128 + SIGINT, the shell's own
 # code for Ctrl-C), whichever signal it was.
 INTERRUPTED_EXIT_CODE = 130
@@ -36,6 +34,8 @@ class Interrupts:
   def __init__(self):
     self.received: list[str] = []
     self._previous: dict[int, object] = {}
+    import jax  # here, not at the top: the sweep tool reads the exit code without importing JAX
+
     self._multi_process = jax.process_count() > 1
 
   def _handler(self, signum: int, frame) -> None:
