@@ -68,8 +68,12 @@ def main(argv: list[str] | None = None) -> int:
 
     summary = train(cfg)
   except (ConfigError, DataError, CheckpointError, DivergenceError) as e:
-    print(f"error: {e}", file=sys.stderr)
-    return 3 if isinstance(e, DivergenceError) else 2
+    print(f"error: {e}", file=sys.stderr, flush=True)
+    code = 3 if isinstance(e, DivergenceError) else 2
+    if _joined_others():  # this process may have stopped alone: waiting for the others in JAX's shutdown barrier
+      sys.stdout.flush()  # would hang; gone, it is noticed by the coordination service, which stops them
+      os._exit(code)
+    return code
   except KeyboardInterrupt as e:  # before training started (nothing written yet), or a third signal
     print(f"interrupted{f' ({e})' if str(e) else ''}: re-run the same command to resume from the last finished "
           "checkpoint", file=sys.stderr, flush=True)
@@ -89,6 +93,12 @@ def main(argv: list[str] | None = None) -> int:
 
     print(format_report(evaluate_run(cfg.train.run_dir)))
   return 0
+
+
+def _joined_others() -> bool:
+  """Whether this process is one of several joined by jax.distributed."""
+  jax = sys.modules.get("jax")
+  return jax is not None and jax.distributed.is_initialized() and jax.process_count() > 1
 
 
 def _terminate_as_interrupt(signum, frame):

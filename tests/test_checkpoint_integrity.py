@@ -118,11 +118,27 @@ def test_unfinished_writes_never_count_and_are_cleaned(straight_run, tmp_path, c
   assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["10", "20"]
 
 
+def _change_one_parameter(step_dir):
+  """Rewrite ``state`` with one parameter element changed, through orbax itself: a well-formed checkpoint whose
+  contents no longer match the checksums in its ``meta`` (what bytes changed inside a chunk amount to, aimed at a
+  parameter so that a parameters-only load reads it)."""
+  import orbax.checkpoint as ocp
+
+  with ocp.StandardCheckpointer() as io:
+    state = io.restore(step_dir / "state")
+    state["params"]["embedding"] = np.asarray(state["params"]["embedding"]).copy()
+    state["params"]["embedding"].flat[7] += 1.0
+    io.save(step_dir.parent.parent / "rewritten", state)
+  shutil.rmtree(step_dir / "state")
+  shutil.copytree(step_dir.parent.parent / "rewritten", step_dir / "state")
+
+
 def test_loading_a_corrupt_checkpoint_names_it(straight_run, tmp_path):
   _, straight_dir, _ = straight_run
   shutil.copytree(straight_dir, tmp_path / "run")
-  _flip_bytes(tmp_path / "run" / "checkpoints" / "20")
-  with pytest.raises(CheckpointError, match=r"checkpoints/20 is corrupt: 1 of \d+ arrays differ"):
+  _change_one_parameter(tmp_path / "run" / "checkpoints" / "20")
+  with pytest.raises(CheckpointError, match=r"checkpoints/20 is corrupt: 1 of \d+ arrays differ from the checksums "
+                     r"saved with them \(\['params'\]\['embedding'\]\)"):
     load_run(tmp_path / "run")  # what eval.py, the analysis and the converters load through
   assert load_run(tmp_path / "run" / "checkpoints" / "10")[3] == 10
 
@@ -158,3 +174,17 @@ def test_cli_reports_an_unreadable_run_in_one_paragraph(straight_run, tmp_path):
   assert len(lines) == 1 and lines[0].startswith("error: checkpoint "), proc.stderr
   assert "OUT_OF_RANGE" in lines[0] and "tensorstore_spec" not in lines[0] and len(lines[0]) < 1500
 
+
+
+def test_eval_cli_reports_an_unreadable_checkpoint_in_one_line(straight_run, tmp_path):
+  """The parameters-only read left its abandoned reads to be reported at exit (TensorStore spec dumps after the
+  error); now one line, exit 2."""
+  _, straight_dir, _ = straight_run
+  shutil.copytree(straight_dir, tmp_path / "run")
+  for f in (tmp_path / "run" / "checkpoints" / "20" / "state").rglob("ocdbt.process_0/d/*"):
+    f.write_bytes(f.read_bytes()[:100])
+  proc = subprocess.run([sys.executable, str(REPO / "eval.py"), str(tmp_path / "run")], capture_output=True,
+                        text=True, cwd=REPO, timeout=300)
+  assert proc.returncode == 2, proc.stderr
+  lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+  assert len(lines) == 1 and lines[0].startswith("error: checkpoint ") and "could not be read" in lines[0], proc.stderr

@@ -178,6 +178,27 @@ def test_sigterm_to_one_process_stops_both_at_the_same_step_with_a_checkpoint(tm
   assert f"resumed at step {stopped}" in resumed[0]
 
 
+@pytest.mark.slow
+def test_a_checkpoint_one_process_cannot_read_stops_the_run_with_what_to_do(tmp_path):
+  """With fsdp across the two processes each reads only the shards it wrote (ocdbt.process_<i>). A read that fails in
+  one process fails inside orbax's collective restore, where the processes cannot agree to skip it: the run stops,
+  the failing process at once (exit 2, saying which directory to move), the other through JAX's coordination service
+  (heartbeat timeout, 100 s) instead of waiting forever; moved aside, the run resumes from the previous one."""
+  run_dir = tmp_path / "run"
+  _two_processes(run_dir, "train.steps=6", "mesh.fsdp=8", "mesh.dcn_data=1")
+  for f in (run_dir / "checkpoints" / "6" / "state" / "ocdbt.process_1" / "d").iterdir():
+    f.write_bytes(f.read_bytes()[:100])
+  procs = _start_two_processes(run_dir, "train.steps=8", "mesh.fsdp=8", "mesh.dcn_data=1")
+  failing = procs[1].communicate(timeout=120)[0]
+  assert procs[1].returncode == 2, failing[-3000:]
+  assert f"move {run_dir / 'checkpoints' / '6'} to {run_dir / 'corrupt_checkpoints'}/ and re-run" in failing
+  procs[0].communicate(timeout=240)
+  assert procs[0].returncode != 0
+  (run_dir / "corrupt_checkpoints").mkdir()
+  (run_dir / "checkpoints" / "6").rename(run_dir / "corrupt_checkpoints" / "6")
+  assert "resumed at step 3" in _two_processes(run_dir, "train.steps=8", "mesh.fsdp=8", "mesh.dcn_data=1")[0]
+
+
 _COMPILE_ON_MESHES = """
 import sys
 sys.path.insert(0, "tests")

@@ -3,18 +3,16 @@ converted model, its parameters alone)."""
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import logging
 import os
 import re
 import sys
+import traceback
 from typing import Any, Callable, TypeVar
 
 import grain
 import jax
 import jax.numpy as jnp
-import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
@@ -36,22 +34,37 @@ class CheckpointError(RuntimeError):
   """A checkpoint that is corrupt or does not match the run's config."""
 
 
-@contextlib.contextmanager
-def _library_noise_suppressed():
-  """Keep a failed restore's library noise off the console: orbax's reads run as asyncio tasks whose failures
-  TensorStore reports again (with its multi-kilobyte specs) through the ``asyncio`` logger and as "Exception ignored"
-  messages when the abandoned coroutines are collected; the error raised to the caller already says what failed."""
-  hook, mute = sys.unraisablehook, logging.Filter()
-  mute.filter = lambda record: False
-  logger = logging.getLogger("asyncio")
-  sys.unraisablehook = lambda unraisable: None
-  logger.addFilter(mute)
-  try:
-    yield
-  finally:
-    gc.collect()  # finalise the abandoned tasks while their reports are muted
-    logger.removeFilter(mute)
-    sys.unraisablehook = hook
+class UnsharedReadError(CheckpointError):
+  """A multi-process run's restore failed in this process, maybe not in the others: orbax's collective restore
+  leaves no point at which they could agree to try an older checkpoint, so the run stops (train.py ends the process
+  at once; JAX's coordination service then stops the others)."""
+
+
+_noise_muted = False
+
+
+def _mute_library_noise() -> None:
+  """After a failed read, for the rest of the process, keep its library noise off the console: orbax's reads run as
+  asyncio tasks whose failures TensorStore reports again, with multi-kilobyte specs, through the ``asyncio`` logger
+  and as "Exception ignored" messages whenever the abandoned coroutines are collected (during the call, or at exit);
+  the CheckpointError raised to the caller already says what failed. Only reports from orbax's and asyncio's own
+  frames are dropped; anything else still reaches the previous hook."""
+  global _noise_muted
+  if _noise_muted:
+    return
+  _noise_muted = True
+  previous = sys.unraisablehook
+
+  def hook(unraisable) -> None:
+    frames = traceback.extract_tb(unraisable.exc_traceback) if unraisable.exc_traceback else []
+    code = getattr(unraisable.object, "cr_code", None)
+    files = [f.filename for f in frames] + ([code.co_filename] if code is not None else [])
+    if not any("/orbax/" in f or "/asyncio/" in f for f in files):
+      previous(unraisable)
+
+  sys.unraisablehook = hook
+  logging.getLogger("asyncio").addFilter(
+    lambda record: not record.getMessage().startswith("Task exception was never retrieved"))
 
 
 def _root_cause(e: BaseException) -> str:
@@ -121,11 +134,10 @@ class Checkpointer:
     items = {"state": ocp.args.StandardRestore(abstract_state), "meta": ocp.args.JsonRestore()}
     if data_iter is not None:
       items["data"] = grain.checkpoint.CheckpointRestore(data_iter)
-    with _library_noise_suppressed():
-      try:
-        restored = self.manager.restore(step, args=ocp.args.Composite(**items))
-      except Exception as e:  # orbax/tensorstore raise many types for bad files
-        raise self._unreadable(step, e) from e
+    try:
+      restored = self.manager.restore(step, args=ocp.args.Composite(**items))
+    except Exception as e:  # orbax/tensorstore raise many types for bad files
+      raise self._unreadable(step, e) from None
     self._verify(step, restored["state"], restored["meta"])
     return restored["state"], restored["meta"]
 
@@ -141,12 +153,11 @@ class Checkpointer:
     args = ocp.args.PyTreeRestore(target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
                                   partial_restore=True)
     meta = self.read_meta(step)
-    with _library_noise_suppressed():
-      try:  # a standalone reader: the manager's "state" item stays bound to StandardSave/Restore
-        with ocp.PyTreeCheckpointer() as reader:
-          params = reader.restore(self.directory / str(step) / "state", args=args)["params"]
-      except Exception as e:  # orbax/tensorstore raise many types for bad files
-        raise self._unreadable(step, e) from e
+    try:  # a standalone reader: the manager's "state" item stays bound to StandardSave/Restore
+      with ocp.PyTreeCheckpointer() as reader:
+        params = reader.restore(self.directory / str(step) / "state", args=args)["params"]
+    except Exception as e:  # orbax/tensorstore raise many types for bad files
+      raise self._unreadable(step, e) from None
     self._verify(step, {"params": params}, meta)
     return params
 
@@ -161,9 +172,14 @@ class Checkpointer:
         "files were changed after it was written.")
 
   def _unreadable(self, step: int, e: Exception) -> CheckpointError:
-    return CheckpointError(
-      f"checkpoint {self.directory / str(step)} could not be read: it is corrupt (files missing or truncated) or was "
-      f"written by a run with a different model/schedule ({_root_cause(e)}).")
+    _mute_library_noise()
+    message = (f"checkpoint {self.directory / str(step)} could not be read: it is corrupt (files missing or "
+               f"truncated) or was written by a run with a different model/schedule ({_root_cause(e)}).")
+    if jax.process_count() == 1:
+      return CheckpointError(message)
+    return UnsharedReadError(
+      f"{message} In a multi-process run this process cannot skip it alone: move {self.directory / str(step)} to "
+      f"{self.directory.parent / 'corrupt_checkpoints'}/ and re-run to resume from the previous checkpoint.")
 
   def read_meta(self, step: int) -> dict:
     """The ``meta`` item (step, recipe stage, checksums) of a checkpoint, without restoring arrays.
@@ -171,19 +187,20 @@ class Checkpointer:
     Raises:
       CheckpointError: missing or unreadable.
     """
-    with _library_noise_suppressed():
-      try:
-        return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
-      except Exception as e:
-        raise CheckpointError(f"checkpoint {self.directory / str(step)} has no readable metadata ({_root_cause(e)})."
-                              ) from e
+    try:
+      return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+    except Exception as e:
+      _mute_library_noise()
+      raise CheckpointError(f"checkpoint {self.directory / str(step)} has no readable metadata ({_root_cause(e)}).",
+                            ) from None
 
   def restore_newest_valid(self, restore: Callable[[int], T]) -> tuple[int, T, list[str]] | None:
     """``restore(step)`` from the newest finished checkpoint down until one succeeds.
 
     The newer checkpoints that failed (``restore`` raised CheckpointError) are moved out of the way, to
     ``<run_dir>/corrupt_checkpoints/<step>``: kept for inspection, and no longer in the way of the steps the run
-    saves again. Every process of a multi-process run takes the same decision.
+    saves again. Every process of a multi-process run takes the same decision, except after a read that failed in
+    some processes only (UnsharedReadError, raised).
 
     Returns:
       ``(step, restore's result, one paragraph per failed checkpoint saying where it went)``; None without
@@ -192,15 +209,16 @@ class Checkpointer:
     Raises:
       CheckpointError: every checkpoint failed (a paragraph for each); nothing is moved, since that is more likely
         a different model than a run whose every checkpoint is corrupt.
+      UnsharedReadError: see the class.
     """
     failures: list[tuple[int, str]] = []
     for step in sorted(self.manager.all_steps(), reverse=True):
-      try:
-        result, error = restore(step), None
+      try:  # every process reaches the same verdict: checksums are compared on replicated sums, metadata is shared
+        result = restore(step)
+      except UnsharedReadError:
+        raise
       except CheckpointError as e:
-        result, error = None, str(e)
-      if not _everywhere(error is None):
-        failures.append((step, error or "another process could not restore it"))
+        failures.append((step, str(e)))
         continue
       return step, result, [f"{error} It was moved to {self._quarantine(bad)}." for bad, error in failures]
     if failures:
@@ -216,7 +234,10 @@ class Checkpointer:
     if jax.process_index() == 0:
       target.parent.mkdir(parents=True, exist_ok=True)
       (self.directory / str(step)).rename(target)
-    _everywhere(True)  # the others wait for the move
+    if jax.process_count() > 1:  # the others wait for the move before listing the steps again
+      from jax.experimental import multihost_utils
+
+      multihost_utils.sync_global_devices(f"jaxshare:quarantine:{step}")
     self.manager.reload()
     return target
 
@@ -225,12 +246,3 @@ class Checkpointer:
 
   def close(self) -> None:
     self.manager.close()
-
-
-def _everywhere(ok: bool) -> bool:
-  """Whether ``ok`` holds in every process (a collective in a multi-process run)."""
-  if jax.process_count() == 1:
-    return ok
-  from jax.experimental import multihost_utils
-
-  return bool(np.all(multihost_utils.process_allgather(np.asarray(ok, np.int32))))
