@@ -430,22 +430,45 @@ def apply_overrides(cfg: Config, overrides: list[str] | tuple[str, ...]) -> Conf
 
 
 def _with_overrides(merged, overrides) -> Config:
-  try:
-    parsed = []
-    for ov in overrides:
-      if "=" not in ov:
-        raise ConfigError(f"override {ov!r} is not of the form key=value (e.g. train.steps=500)")
-      key, value = ov.split("=", 1)
+  nodes = []  # (override, key, its parsed node)
+  for ov in overrides:
+    if "=" not in ov:
+      raise ConfigError(f"override {ov!r} is not of the form key=value (e.g. train.steps=500)")
+    key, value = ov.split("=", 1)
+    try:
       if _field_type(key) is str:  # keep e.g. '0_0_2_2' a string: YAML would read it as the integer 22
         OmegaConf.update(merged, key, value, merge=True)
       else:
-        parsed.append(ov)
-    merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(parsed))
+        nodes.append((ov, key, OmegaConf.from_dotlist([ov])))
+    except yaml.YAMLError as e:  # e.g. train.lr=[1 or model.d_model=*a
+      raise ConfigError(f"{key}={value!r} is invalid: not a YAML value ({str(e).splitlines()[0]})") from None
+    except OmegaConfBaseException as e:
+      raise _override_error(ov, key, e) from None
+  try:
+    merged = OmegaConf.merge(merged, *(node for _, _, node in nodes))
+  except (OmegaConfBaseException, TypeError) as e:
+    for ov, key, node in nodes:  # merge one at a time to name the override at fault
+      try:
+        merged = OmegaConf.merge(merged, node)
+      except (OmegaConfBaseException, TypeError) as e:
+        raise _override_error(ov, key, e) from None
+    raise ConfigError(str(e)) from None
+  try:
     cfg = OmegaConf.to_object(merged)
-  except OmegaConfBaseException as e:
-    raise ConfigError(_friendly(e)) from None
+  except OmegaConfBaseException as e:  # an interpolation resolved to a wrong type, e.g. schedule.sa=${model.d_model}
+    msg, refs = _friendly(e), [ov for ov in overrides if "${" in ov]
+    raise ConfigError(f"{msg} (resolving {', '.join(map(repr, refs))})" if refs and "field '" not in msg
+                      else msg) from None
   validate(cfg)
   return cfg
+
+
+def _override_error(ov: str, key: str, e: Exception) -> ConfigError:
+  if isinstance(e, TypeError):  # OmegaConf merging a dict into a list: schedule.producers.0=1
+    return ConfigError(f"override {ov!r} is invalid: {key} is not a config field ({e}); set a list field whole, "
+                       "e.g. schedule.producers=[0,2]")
+  msg = _friendly(e)
+  return ConfigError(msg if key in msg else f"override {ov!r} is invalid: {msg}")
 
 
 def to_yaml(cfg: Config) -> str:
@@ -489,6 +512,16 @@ def _choice_fields(obj: Any, prefix: str = ""):
       yield f"{prefix}{f.name}", value, f.metadata["choices"]
 
 
+def _float_fields(obj: Any, prefix: str = ""):
+  """``(dotted name, value)`` for every float field, nested groups included."""
+  for f in dataclasses.fields(obj):
+    value = getattr(obj, f.name)
+    if dataclasses.is_dataclass(value):
+      yield from _float_fields(value, f"{prefix}{f.name}.")
+    elif isinstance(value, float):
+      yield f"{prefix}{f.name}", value
+
+
 def validate(cfg: Config) -> None:
   """Check every field and field combination; the schedule itself is checked by :mod:`jaxshare.schedule`.
 
@@ -506,7 +539,8 @@ def validate(cfg: Config) -> None:
   _require(0.0 < m.rotary_pct <= 1.0, "model.rotary_pct", m.rotary_pct, "must be in (0, 1]")
   rot = int(m.resolved_head_dim * m.rotary_pct)
   _require(rot % 2 == 0 and rot > 0, "model.rotary_pct", m.rotary_pct,
-           f"must rotate an even, positive number of the {m.resolved_head_dim} head dims (got {rot})")
+           f"must rotate an even, positive number of the {m.resolved_head_dim} head dims (got {rot}; head dims: "
+           f"model.head_dim={m.head_dim}, or model.d_model={m.d_model} // model.num_heads={m.num_heads} when 0)")
   _require(m.rope_theta > 0, "model.rope_theta", m.rope_theta, "must be > 0")
   _require(m.sliding_window >= 0, "model.sliding_window", m.sliding_window, "must be >= 0 (0: no window)")
   _require(m.rope_scaling_factor > 0, "model.rope_scaling_factor", m.rope_scaling_factor, "must be > 0")
@@ -522,6 +556,8 @@ def validate(cfg: Config) -> None:
   _require(lisa.rank >= 0, "schedule.lisa.rank", lisa.rank, "must be >= 0 (>= 1 unless every LISA layer is DS)")
   _require(lisa.hidden >= 0, "schedule.lisa.hidden", lisa.hidden, "must be >= 0 (0: 8 * model.num_heads)")
   _require(d.seq_len > 0, "data.seq_len", d.seq_len, "must be a positive integer")
+  _require(0 <= d.shuffle_seed < 2**32, "data.shuffle_seed", d.shuffle_seed,
+           "must be in [0, 2**32) (the shuffle's seed is unsigned 32-bit)")
   _require(0.0 < d.val_fraction < 1.0, "data.val_fraction", d.val_fraction, "must be in (0, 1)")
   _require(d.source != "tfds" or bool(d.tfds_name), "data.tfds_name", d.tfds_name,
            "must name a dataset when data.source=tfds")
@@ -529,6 +565,8 @@ def validate(cfg: Config) -> None:
     _require(getattr(t, name) > 0, f"train.{name}", getattr(t, name), "must be a positive integer")
   _require(t.batch_size % t.grad_accum_steps == 0, "train.grad_accum_steps", t.grad_accum_steps,
            f"must divide train.batch_size={t.batch_size}")
+  _require(-2**63 <= t.seed < 2**63, "train.seed", t.seed, "must be a signed 64-bit integer")
+  _require(t.peak_tflops >= 0, "train.peak_tflops", t.peak_tflops, "must be >= 0 (0: the device's known peak)")
   _require(math.isfinite(t.lr) and t.lr > 0, "train.lr", t.lr, "must be a finite number > 0")
   for name in ("b1", "b2"):
     _require(0.0 <= getattr(t, name) < 1.0, f"train.{name}", getattr(t, name), "must be in [0, 1)")
@@ -539,14 +577,15 @@ def validate(cfg: Config) -> None:
   _require(0 <= t.warmup_steps < t.steps, "train.warmup_steps", t.warmup_steps,
            f"must be in [0, train.steps={t.steps})")
   _require(0.0 <= t.min_lr_ratio <= 1.0, "train.min_lr_ratio", t.min_lr_ratio, "must be in [0, 1]")
-  _require(t.eval_every >= 0 and t.eval_batches >= 0, "train.eval_every", t.eval_every, "must be >= 0")
+  _require(t.eval_every >= 0, "train.eval_every", t.eval_every, "must be >= 0 (0: no periodic validation)")
+  _require(t.eval_batches >= 0, "train.eval_batches", t.eval_batches, "must be >= 0 (0: the whole split)")
   _require(0.0 <= t.kd_beta <= 1.0, "train.kd_beta", t.kd_beta, "must be in [0, 1]")
   _require(t.kd_beta == 0 or bool(t.init_from), "train.kd_beta", t.kd_beta,
            "distillation needs a teacher: set train.init_from to the dense run")
   _require(math.isfinite(t.kd_delta) and t.kd_delta > 0, "train.kd_delta", t.kd_delta, "must be a finite number > 0")
   _require(0.0 < t.postshare_ratio < 0.75, "train.postshare_ratio", t.postshare_ratio, "must be in (0, 0.75)")
-  _require(t.stage1_max_steps > 0 and t.stage1_patience > 0, "train.stage1_max_steps", t.stage1_max_steps,
-           "stage-1 steps and patience must be positive")
+  for name in ("stage1_max_steps", "stage1_patience"):
+    _require(getattr(t, name) > 0, f"train.{name}", getattr(t, name), "must be a positive integer")
   _require(0.0 < t.stage1_ema < 1.0, "train.stage1_ema", t.stage1_ema, "must be in (0, 1)")
   _require(t.recipe != "uniattn_two_stage" or t.trainable == "all", "train.trainable", t.trainable,
            "must be all with train.recipe=uniattn_two_stage (stage 1 trains W_c alone, stage 2 fine-tunes everything)")
@@ -567,6 +606,10 @@ def validate(cfg: Config) -> None:
            "distributed.coordinator_address", dist.coordinator_address,
            "must be host:port, with distributed.num_processes and distributed.process_id set")
   _require(dist.timeout_s > 0, "distributed.timeout_s", dist.timeout_s, "must be > 0")
+  _require(all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in dist.local_device_ids),
+           "distributed.local_device_ids", dist.local_device_ids, "must list device ids (integers >= 0), e.g. [0]")
+  for name, value in _float_fields(cfg):  # nan or inf is never a setting, even of a field the run ignores
+    _require(math.isfinite(value), name, value, "must be a finite number")
 
 
 def resolve_data_dir(cfg: DataConfig) -> Path:

@@ -1,0 +1,611 @@
+"""Property-based tests (hypothesis) of configuration and schedule validation.
+
+Configs are built as users build them: dotted ``key=value`` override strings parsed by :func:`load_config` (YAML
+reading of the values included). Every drawn combination is judged twice: by validation (``load_config``, then
+``compile_schedule``, as every entry point runs them) and by an oracle written here from the documented rule of each
+field (its help text and the schedule module's docstrings), independently of the code under test. The properties:
+
+* a combination the oracle calls invalid is rejected with a :class:`ConfigError` (a ``ScheduleError`` is one) whose
+  message names an offending field by its dotted name (``schedule.kv_heads``); nothing else is ever raised;
+* a combination the oracle calls valid is accepted, compiles to the per-layer K/V sources, K/V head counts, score
+  reuse and tied-head count the oracle predicts, and builds: ``setup_run`` on a one-device mesh and an abstract
+  forward pass with its loss (``jax.eval_shape`` on a ``[batch, seq]`` int32 input) give ``[batch, seq, vocab]``
+  float32 logits and a scalar loss;
+* any value at all, in any field (or under a malformed key), is either accepted and builds or rejected with a
+  ConfigError that names the key.
+
+Each property test ends by reporting how many invalid inputs it tried (every one rejected, naming the field) and how
+many valid ones it built: ``pytest -rA tests/test_properties.py`` shows the lines, ``--hypothesis-show-statistics``
+the events. Examples are derandomized, so every run (and CI) draws the same ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from fractions import Fraction
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+from hypothesis import HealthCheck, event, example, given, note, settings, strategies as st
+
+from conftest import TINY
+from jaxshare.config import Config, ConfigError, MeshConfig, load_config
+from jaxshare.parallel import make_mesh
+from jaxshare.schedule import compile_schedule
+from jaxshare.train.state import setup_run
+from jaxshare.train.step import masked_cross_entropy
+
+BATCH = 2
+NAN, INF = float("nan"), float("inf")
+PROPERTY = settings(max_examples=150, deadline=None, derandomize=True, database=None, print_blob=False,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+
+# The documented preset families (ScheduleConfig.kind's help) and the knobs each preset reads (each knob's help).
+KV_KINDS = ("dense", "gqa", "mqa", "cla", "mlkv", "explicit")
+SCORE_KINDS = ("sa", "uniattn", "lisa", "lisa_plus", "ds")
+HEAD_KINDS = ("headwise",)
+FAMILY = {**{k: "kv" for k in KV_KINDS}, **{k: "score" for k in SCORE_KINDS}, **{k: "head" for k in HEAD_KINDS}}
+READERS = {"kv_heads": {"dense", "gqa", "cla", "mlkv", "explicit"}, "kv_heads_per_layer": {"gqa"},
+           "factor": {"cla"}, "producers": {"cla"}, "kv_layers": {"mlkv"}, "placement": {"mlkv"},
+           "sources": {"explicit"}, "sa": {"sa"}, "uniattn": {"uniattn"}, "lisa": {"lisa", "lisa_plus", "ds"},
+           "headwise": {"headwise"}}
+INTEGRATORS = ("ffn", "linear", "add", "none")
+
+
+def _flat(obj: Any, prefix: str = "") -> dict[str, Any]:
+  """Dotted name -> value of every leaf field of a config dataclass."""
+  out = {}
+  for f in dataclasses.fields(obj):
+    value = getattr(obj, f.name)
+    if dataclasses.is_dataclass(value):
+      out.update(_flat(value, f"{prefix}{f.name}."))
+    else:
+      out[f"{prefix}{f.name}"] = value
+  return out
+
+
+def _groups(obj: Any, prefix: str = "") -> list[str]:
+  """Dotted names of the config groups (``model``, ``schedule.sa``, ...)."""
+  out = []
+  for f in dataclasses.fields(obj):
+    if dataclasses.is_dataclass(getattr(obj, f.name)):
+      out += [f"{prefix}{f.name}"] + _groups(getattr(obj, f.name), f"{prefix}{f.name}.")
+  return out
+
+
+BASE = _flat(load_config(None, TINY))  # TINY over the defaults: a valid starting point
+DEFAULTS = _flat(Config())
+FIELDS = set(DEFAULTS)
+GROUPS = _groups(Config())
+FLOAT_FIELDS = sorted(k for k, v in DEFAULTS.items() if type(v) is float)
+INT_LIST_FIELDS = ("schedule.kv_heads_per_layer", "schedule.producers", "schedule.lisa.layers",
+                   "distributed.local_device_ids")
+_DOTTED = re.compile(r"\b(?:%s)(?:\.[A-Za-z_]\w*)+" % "|".join(f.name for f in dataclasses.fields(Config)))
+
+
+def named_fields(message: str) -> set[str]:
+  """The config fields (and groups) a message names by dotted name."""
+  return {m for m in _DOTTED.findall(message) if m in FIELDS or m in GROUPS}
+
+
+def is_int(x: Any) -> bool:
+  return isinstance(x, int) and not isinstance(x, bool)
+
+
+def finite(x: Any) -> bool:
+  return isinstance(x, (int, float)) and math.isfinite(x)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Overrides as a user types them
+
+
+def render(value: Any, spelling: int = 0) -> str:
+  """A value as command-line YAML text; ``spelling`` picks one of the ways people write non-finite floats."""
+  if isinstance(value, bool):
+    return "true" if value else "false"
+  if isinstance(value, float):
+    if math.isnan(value):
+      return ("nan", ".nan", "NaN")[spelling % 3]
+    if math.isinf(value):
+      return ("-" if value < 0 else "") + ("inf", ".inf", "Infinity")[spelling % 3]
+    return repr(value)
+  if isinstance(value, list):
+    return "[" + ", ".join(render(v, spelling) for v in value) + "]"
+  if isinstance(value, dict):
+    return "{" + ", ".join(f"{k}: {render(v, spelling)}" for k, v in value.items()) + "}"
+  return str(value)
+
+
+def overrides(spec: dict[str, Any], spelling: int = 0) -> list[str]:
+  out = list(TINY)
+  for key, value in spec.items():
+    # a top-level string (schedule.kind, schedule.sources) is kept as typed; inside lists YAML quotes it
+    text = value if isinstance(value, str) else render(value, spelling)
+    out.append(f"{key}={text}")
+  return out
+
+
+def same(a: Any, b: Any) -> bool:
+  """Equality with nan == nan and without True == 1 or 1.0 == 1 (the YAML round trip must keep the type)."""
+  if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+    return True
+  if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+    return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+  if dataclasses.is_dataclass(a) and isinstance(b, dict):
+    return all(same(getattr(a, k), v) for k, v in b.items())
+  return type(a) is type(b) and a == b
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The oracle: the documented rule of every field, applied to the effective values (BASE updated with the spec)
+
+
+@dataclasses.dataclass
+class Verdict:
+  """Violations (each a set of dotted fields an error may blame) and, for a valid config, the expected plan."""
+
+  violations: list[frozenset[str]] = dataclasses.field(default_factory=list)
+  sources: list[int] | None = None
+  heads: list[int] | None = None
+  reuse: dict[int, tuple[str, int, str]] | None = None  # layer -> (probs|logits, score source, integrator)
+  tied: int = 0
+
+  def bad(self, ok: bool, *blame: str) -> bool:
+    if not ok:
+      self.violations.append(frozenset(blame))
+    return not ok
+
+
+def config_rules(v: dict[str, Any], out: Verdict) -> None:
+  """What :class:`~jaxshare.config.ModelConfig`/``TrainConfig`` fields document, for the fields drawn here."""
+  for name, choices in (("model.flavor", ("llama", "neox")), ("model.rope_scaling", ("none", "linear", "llama3")),
+                        ("model.dtype", ("float32", "bfloat16")), ("model.param_dtype", ("float32", "bfloat16")),
+                        ("schedule.placement", ("paper", "reference_code")),
+                        ("schedule.sa.semantics", ("paper", "reference_code")),
+                        ("schedule.uniattn.wc_input", ("residual", "normed")),
+                        ("schedule.lisa.integrator", INTEGRATORS),
+                        ("schedule.headwise.match", ("qk", "q", "k", "v", "qkv", "separately")),
+                        ("attention.score_sharing", ("recompute", "materialize"))):
+    out.bad(v[name] in choices, name)
+  for name in FLOAT_FIELDS:  # a float setting is a number: nan or inf is never meant
+    out.bad(finite(v[name]), name)
+  for name in ("num_layers", "d_model", "num_heads", "mlp_dim"):
+    out.bad(v[f"model.{name}"] > 0, f"model.{name}")
+  D, H, hd = v["model.d_model"], v["model.num_heads"], v["model.head_dim"]
+  out.bad(hd >= 0, "model.head_dim")
+  if D > 0 and H > 0 and hd >= 0:
+    dims = ("model.num_heads", "model.d_model", "model.head_dim")
+    if not out.bad(hd > 0 or D % H == 0, *dims):
+      pct = v["model.rotary_pct"]
+      if not out.bad(0 < pct <= 1, "model.rotary_pct"):
+        rot = int((hd or D // H) * pct)  # RoPE rotates dims in pairs
+        out.bad(rot > 0 and rot % 2 == 0, "model.rotary_pct", *dims)
+  for name in ("norm_eps", "init_std", "rope_theta", "rope_scaling_factor"):
+    out.bad(v[f"model.{name}"] > 0, f"model.{name}")
+  if v["model.rope_scaling"] == "llama3":
+    out.bad(v["model.rope_high_freq_factor"] > v["model.rope_low_freq_factor"] > 0, "model.rope_high_freq_factor",
+            "model.rope_low_freq_factor")
+  out.bad(v["model.sliding_window"] >= 0, "model.sliding_window")
+  out.bad(v["train.lr"] > 0, "train.lr")
+  out.bad(0 <= v["train.b1"] < 1, "train.b1")
+  out.bad(0 <= v["train.b2"] < 1, "train.b2")
+  out.bad(v["train.eps"] > 0, "train.eps")
+  out.bad(v["train.weight_decay"] >= 0, "train.weight_decay")
+  out.bad(v["train.clip_norm"] >= 0, "train.clip_norm")
+  out.bad(v["train.peak_tflops"] >= 0, "train.peak_tflops")
+  out.bad(v["schedule.lisa.rank"] >= 0, "schedule.lisa.rank")
+  out.bad(v["schedule.lisa.hidden"] >= 0, "schedule.lisa.hidden")
+
+
+def mlkv_owners(L: int, m: int, placement: str) -> list[int]:
+  """MLKV's KV-owning layers as the placement help text documents them."""
+  if placement == "paper":  # layer n uses KV set floor(n / (L/m)); a set's owner is its lowest layer
+    sets = [math.floor(Fraction(n) / Fraction(L, m)) for n in range(L)]
+    return [n for n in range(L) if n == 0 or sets[n] != sets[n - 1]]
+  return [0] + [int((i + 1) * (L / m)) for i in range(m - 1)]  # pythia-mlkv's expression
+
+
+def kv_rules(v: dict[str, Any], kv: str, out: Verdict) -> None:
+  L, H = v["model.num_layers"], v["model.num_heads"]
+  kv_heads = v["schedule.kv_heads"]
+  g = kv_heads or H
+  g_ok = is_int(g) and g >= 1 and H % g == 0
+  producers: list[int] = list(range(L))
+  if kv == "dense":
+    out.bad(kv_heads in (0, H), "schedule.kv_heads")
+    heads = [H] * L
+  elif kv == "mqa":
+    heads = [1] * L
+  elif kv == "gqa" and v["schedule.kv_heads_per_layer"]:
+    per = v["schedule.kv_heads_per_layer"]
+    out.bad(len(per) == L and all(is_int(x) and x >= 1 and H % x == 0 for x in per), "schedule.kv_heads_per_layer")
+    heads = per
+  else:
+    heads = [g] * L
+    if out.bad(g_ok, "schedule.kv_heads") or kv == "gqa":
+      pass
+    elif kv == "cla" and v["schedule.producers"]:
+      p = v["schedule.producers"]
+      ok = (all(is_int(x) for x in p) and p[0] == 0 and all(b > a for a, b in zip(p, p[1:])) and p[-1] < L)
+      out.bad(ok, "schedule.producers")
+      producers = p
+    elif kv == "cla":
+      f = v["schedule.factor"]
+      if not out.bad(1 <= f <= L, "schedule.factor"):
+        producers = list(range(0, L, f))
+    elif kv == "mlkv":
+      m = v["schedule.kv_layers"]
+      if not out.bad(1 <= m <= L, "schedule.kv_layers"):
+        producers = mlkv_owners(L, m, v["schedule.placement"])
+    elif kv == "explicit":
+      parts = v["schedule.sources"].replace(",", "_").split("_")
+      ok = bool(v["schedule.sources"]) and all(re.fullmatch(r"-?\d+", p) for p in parts)
+      src = [int(p) for p in parts] if ok else []
+      ok = ok and len(src) == L and all(0 <= s <= i and src[s] == s for i, s in enumerate(src))
+      if not out.bad(ok, "schedule.sources"):
+        producers = sorted(set(src))
+        out.sources = src
+  if out.violations:
+    return
+  if out.sources is None:
+    out.sources = [max(p for p in producers if p <= i) for i in range(L)]
+  out.heads = heads
+
+
+def span(value: int, default: int, lo: int, hi: int) -> int | None:
+  """A range end as documented: -1 is the default; None when outside lo..hi."""
+  value = default if value == -1 else value
+  return value if lo <= value <= hi else None
+
+
+def lisa_rules(v: dict[str, Any], preset: str, out: Verdict) -> dict[int, tuple[str, int, str]]:
+  L, H = v["model.num_layers"], v["model.num_heads"]
+  groups, layers = v["schedule.lisa.groups"], v["schedule.lisa.layers"]
+  if groups:
+    field = "schedule.lisa.groups"
+    if out.bad(preset == "lisa", field, "schedule.kind") or out.bad(not layers, field, "schedule.lisa.layers"):
+      return {}
+    pairs = [(g["layers"], g.get("integrator", "ffn")) for g in groups]
+    if any(out.bad(i in INTEGRATORS and bool(ls), field) for ls, i in pairs):
+      return {}
+  else:
+    field = "schedule.lisa.layers"
+    pairs = [(layers or list(range(3, L - 2)), {"lisa_plus": "add", "ds": "none"}.get(preset,
+                                                                                    v["schedule.lisa.integrator"]))]
+    if out.bad(bool(pairs[0][0]), field):
+      return {}
+  flat = [n for ls, _ in pairs for n in ls]
+  if out.bad(all(is_int(n) and 1 <= n <= L - 1 for n in flat) and len(set(flat)) == len(flat), field):
+    return {}
+  integrators = {i for _, i in pairs}
+  out.bad(v["schedule.lisa.rank"] >= 1 or integrators == {"none"}, "schedule.lisa.rank")
+  hidden = v["schedule.lisa.hidden"]
+  out.bad("ffn" not in integrators or hidden == 0 or hidden >= 2 * H, "schedule.lisa.hidden")
+  return {n: ("logits", n - 1, i) for ls, i in pairs for n in ls}
+
+
+def score_rules(v: dict[str, Any], preset: str, out: Verdict) -> dict[int, tuple[str, int, str]]:
+  L = v["model.num_layers"]
+  if preset == "sa":
+    start = span(v["schedule.sa.start"], L // 2, 0, L - 1)
+    if out.bad(start is not None, "schedule.sa.start"):
+      return {}
+    end = span(v["schedule.sa.end"], L - 2, start, L - 1)
+    if out.bad(end is not None, "schedule.sa.end"):
+      return {}
+    if v["schedule.sa.semantics"] == "reference_code":  # every span layer reuses the layer before the span
+      out.bad(start > 0, "schedule.sa.start")
+      return {i: ("probs", start - 1, "") for i in range(start, end + 1)}
+    return {i: ("probs", start, "") for i in range(start + 1, end + 1)}
+  if preset == "uniattn":
+    b = v["schedule.uniattn.block_size"]
+    start = span(v["schedule.uniattn.start"], L // 2, 0, L - 1)
+    if out.bad(start is not None, "schedule.uniattn.start"):
+      return {}
+    end = span(v["schedule.uniattn.end"], L, start + 1, L)
+    if out.bad(end is not None, "schedule.uniattn.end") or out.bad(b >= 1, "schedule.uniattn.block_size"):
+      return {}
+    return {i: ("probs", bottom, "") for bottom in range(start, end, b) for i in range(bottom + 1,
+                                                                                        min(bottom + b, end))}
+  return lisa_rules(v, preset, out)
+
+
+def oracle(spec: dict[str, Any]) -> Verdict:
+  """The verdict of the documented rules on BASE updated with ``spec``."""
+  v = {**BASE, **spec}
+  out = Verdict()
+  config_rules(v, out)
+  if out.violations:  # the config is checked as a whole before its schedule
+    return out
+  kind = v["schedule.kind"]
+  tokens = [t.strip() for t in kind.split("+") if t.strip()]
+  families = [FAMILY.get(t) for t in tokens]
+  if out.bad(tokens and None not in families and len(set(families)) == len(families), "schedule.kind"):
+    return out
+  picked = dict(zip(families, tokens))
+  kv, score, head = picked.get("kv", "dense"), picked.get("score"), picked.get("head")
+  presets = {kv, score, head}
+  for knob, readers in READERS.items():  # a knob set under presets that all ignore it
+    if not readers & presets:
+      changed = [k for k in FIELDS if (k == f"schedule.{knob}" or k.startswith(f"schedule.{knob}."))
+                 and not same(v[k], DEFAULTS[k])]
+      out.bad(not changed, *changed)
+  if out.violations:
+    return out
+  kv_rules(v, kv, out)
+  if out.violations:
+    return out
+  out.reuse = score_rules(v, score, out) if score else {}
+  if out.violations:
+    return out
+  # a layer that reuses scores has no K of its own: it must project its own V, and nobody may read its K
+  L, H = v["model.num_layers"], v["model.num_heads"]
+  if out.bad(all(out.sources[i] == i for i in out.reuse) and
+             not any(out.sources[i] in out.reuse for i in range(L) if i not in out.reuse), "schedule.kind"):
+    return out
+  if head:
+    ratio = v["schedule.headwise.ratio"]
+    if out.bad(0 <= ratio < 0.75, "schedule.headwise.ratio"):
+      return out
+    # defined for MHA layers that compute their own scores (every layer dense) with bias-free projections
+    if out.bad(out.sources == list(range(L)) and out.heads == [H] * L and not score, "schedule.kind"):
+      return out
+    if out.bad(v["model.flavor"] == "llama", "schedule.kind", "model.flavor"):
+      return out
+    if out.bad(not v["model.qkv_bias"], "model.qkv_bias", "schedule.kind"):
+      return out
+    out.tied = round(ratio * 4 * L * H / 3)
+    out.bad(out.tied <= (L - 1) * H, "schedule.headwise.ratio")
+  return out
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Judging one drawn config
+
+
+@pytest.fixture(scope="module")
+def mesh():
+  return make_mesh(MeshConfig(), jax.devices()[:1])
+
+
+def build(cfg: Config, mesh) -> None:
+  """setup_run on the one-device mesh, then an abstract forward pass and loss of the model."""
+  setup = setup_run(cfg, mesh)
+  tokens = jax.ShapeDtypeStruct((BATCH, cfg.data.seq_len), jnp.int32)
+  batch = {k: tokens for k in ("inputs", "targets", "positions", "segment_ids", "loss_mask")}
+
+  def forward(params, batch):
+    logits = nnx.merge(setup.graphdef, params)(batch["inputs"], batch["positions"], batch["segment_ids"])
+    return logits, masked_cross_entropy(logits, batch)
+
+  with jax.set_mesh(mesh):
+    logits, (loss, count) = jax.eval_shape(forward, setup.abstract_params, batch)
+  assert (logits.shape, logits.dtype) == ((BATCH, cfg.data.seq_len, cfg.model.vocab_size), jnp.float32)
+  assert loss.shape == count.shape == ()
+  assert len(setup.schedule.layers) == cfg.model.num_layers and setup.num_params > 0
+
+
+def judge(spec: dict[str, Any], mesh, counts: dict[str, int], spelling: int = 0) -> None:
+  """Validation against the oracle: rejected naming an offending field, or accepted as predicted and built."""
+  verdict = oracle(spec)
+  note(f"overrides: {overrides(spec, spelling)[len(TINY):]}\noracle: {verdict.violations}")
+  try:
+    cfg = load_config(None, overrides(spec, spelling))
+    schedule = compile_schedule(cfg.model, cfg.schedule)
+  except ConfigError as e:
+    named = named_fields(str(e))
+    assert verdict.violations, f"rejected a combination the documented rules allow: {e}"
+    blamed = frozenset().union(*verdict.violations)
+    assert named & blamed, f"the error names {sorted(named) or 'no field'}, not one of {sorted(blamed)}: {e}"
+    counts["invalid inputs tried and rejected"] += 1
+    event(f"rejected: {sorted(named & blamed)[0]}")
+    return
+  assert not verdict.violations, f"accepted although {[sorted(b) for b in verdict.violations]} are invalid"
+  for key, value in spec.items():  # the YAML text was read as intended
+    assert same(_flat(cfg)[key], value), (key, _flat(cfg)[key], value)
+  assert [p.kv_source for p in schedule.layers] == verdict.sources
+  assert [p.num_kv_heads for p in schedule.layers] == list(verdict.heads)
+  assert {p.index: (p.score_reuse, p.score_source, p.integrator) for p in schedule.layers
+          if p.score_reuse} == verdict.reuse
+  assert schedule.tied_heads == verdict.tied
+  build(cfg, mesh)
+  counts["valid inputs built"] += 1
+  event(f"built: {schedule.kind}")
+
+
+def report(request, name: str, counts: dict[str, int]) -> None:
+  line = f"{name}: " + ", ".join(f"{n} {k}" for k, n in counts.items())
+  print(line)
+  request.node.user_properties.append((name, dict(counts)))
+  assert all(counts.values()), f"a property test drew no examples of one side: {line}"
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Strategies
+
+
+def pick(typical: list, edge: list) -> tuple:
+  """A field's (typical values, out-of-range or odd values) strategies."""
+  return st.sampled_from(typical), st.sampled_from(edge)
+
+
+MODEL_FIELDS = {  # dotted field -> (typical values, out-of-range / odd values)
+  "model.num_layers": (st.integers(1, 6), st.sampled_from([0, -1, -6])),
+  "model.d_model": (st.sampled_from([8, 12, 16, 24, 32, 48, 64]), st.sampled_from([0, -16, 1, 2, 7, 30])),
+  "model.num_heads": (st.sampled_from([1, 2, 3, 4, 6, 8]), st.sampled_from([0, -2, 5, 7, 16, 64])),
+  "model.head_dim": (st.sampled_from([0, 0, 4, 8, 16]), st.sampled_from([-1, -8, 1, 2, 3, 5, 6])),
+  "model.mlp_dim": (st.sampled_from([16, 32, 48, 64, 100]), st.sampled_from([0, -1, 1, 7])),
+  "model.rotary_pct": pick([1.0, 0.5, 0.25], [0.0, -0.5, 1.5, NAN, INF, 0.1, 0.34, 0.75]),
+  "model.norm_eps": pick([1e-5, 1e-6, 0.1], [0.0, -1e-5, NAN, INF, -INF, 1e300, 5e-324]),
+  "model.init_std": pick([0.02, 0.1, 1.0], [0.0, -0.02, NAN, INF]),
+  "model.rope_theta": pick([10000.0, 500000.0, 1.5], [0.0, -1.0, NAN, INF, 1e-300]),
+  "model.rope_scaling": (st.sampled_from(["none", "linear", "llama3"]), st.sampled_from(["yarn", ""])),
+  "model.rope_scaling_factor": pick([1.0, 8.0], [0.0, -2.0, NAN]),
+  "model.rope_low_freq_factor": pick([1.0, 2.0], [0.0, -1.0, 4.0, NAN, INF]),
+  "model.rope_high_freq_factor": pick([4.0, 8.0], [1.0, 0.5, NAN, -INF]),
+  "model.sliding_window": (st.sampled_from([0, 4, 16, 1000]), st.sampled_from([-1, -32])),
+  "model.flavor": (st.sampled_from(["llama", "neox"]), st.sampled_from(["gpt2", "", "LLAMA"])),
+  "model.qkv_bias": (st.booleans(), None),
+  "model.tie_embeddings": (st.booleans(), None),
+  "model.dtype": (st.sampled_from(["float32", "bfloat16"]), st.sampled_from(["float16", "fp32"])),
+  "schedule.kind": (st.sampled_from(["dense", "mqa"]), None),
+}
+OPTIMIZER_FIELDS = {
+  "train.lr": pick([3e-3, 1e-4, 1.0], [0.0, -1e-3, NAN, INF, -INF, 1e30]),
+  "train.b1": pick([0.9, 0.0, 0.5], [1.0, -0.1, 1.5, NAN, INF]),
+  "train.b2": pick([0.95, 0.999, 0.0], [1.0, -0.5, NAN, -INF]),
+  "train.eps": pick([1e-8, 1e-6], [0.0, -1e-8, NAN, INF]),
+  "train.weight_decay": pick([0.1, 0.0, 1.0], [-0.1, NAN, INF]),
+  "train.clip_norm": pick([1.0, 0.0, 0.5], [-1.0, NAN, INF]),
+}
+
+
+def draw_fields(draw, fields: dict[str, tuple], max_edges: int = 2) -> dict[str, Any]:
+  """Every field at a typical value except up to ``max_edges`` at out-of-range or odd ones."""
+  edges = draw(st.sets(st.sampled_from(sorted(k for k, (_, e) in fields.items() if e is not None)),
+                       max_size=max_edges))
+  return {k: draw(edge if k in edges else typical) for k, (typical, edge) in fields.items()}
+
+
+@st.composite
+def model_specs(draw) -> dict[str, Any]:
+  """Model dimensions and model/optimizer floats, up to two of them out of range."""
+  return draw_fields(draw, {**MODEL_FIELDS, **OPTIMIZER_FIELDS})
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The properties
+
+
+def test_model_and_optimizer_fields_are_rejected_by_name_or_build(mesh, request):
+  """Model dimensions (non-divisible, zero, negative) and model/optimizer floats (nan, inf, negative, out of range),
+  as YAML text: every combination the documented rules forbid is rejected naming an offending field; every other
+  one builds."""
+  counts = {"invalid inputs tried and rejected": 0, "valid inputs built": 0}
+
+  @PROPERTY
+  @given(model_specs(), st.integers(0, 2))
+  # regressions, each failing before its fix in config.validate: non-finite floats of fields the run may ignore, and
+  # a negative peak, were accepted
+  @example({"model.rope_low_freq_factor": NAN}, 0)
+  @example({"model.rope_scaling": "none", "model.rope_high_freq_factor": INF}, 1)
+  @example({"train.peak_tflops": -1.0}, 0)
+  def check(spec, spelling):
+    judge(spec, mesh, counts, spelling)
+
+  check()
+  report(request, "model and optimizer fields", counts)
+
+
+ODD_KEYS = ["", "model.", ".model", "model..d_model", "model.nope", "nope", "model.d_model.x", "schedule.producers.0",
+            "schedule.kv_heads_per_layer[0]", "schedule.lisa.groups.0.layers"]
+RAW_VALUES = ["abc", "", "null", "~", "[1", "{a: 1}", "[1, 2]", "[]", "{}", "1.5", "-3", "0", "1e400", "nan", ".inf",
+              "-inf", "true", "0x10", "'5'", "2", "-1", "7", "100000", "[0, 1, x]", "[[0]]", "[true]", "[0, 1.0]",
+              "1e2", "-0.5", "0.75", "${nope}", "${model.d_model}", "*a", "%", "!!binary abc", "&a 3", "a=b", "- 1",
+              "? x", "@", "`", "|", "[{layers: [1]}]"]
+
+
+def _choices(obj: Any) -> set[str]:
+  """Every allowed value of every field with a closed set of values (``model.flavor``: llama, neox; ...)."""
+  out = set()
+  for f in dataclasses.fields(obj):
+    value = getattr(obj, f.name)
+    out |= _choices(value) if dataclasses.is_dataclass(value) else set(map(str, f.metadata.get("choices", ())))
+  return out
+
+
+CHOICES = sorted(_choices(Config()))
+
+
+def test_any_value_in_any_field_is_rejected_by_name_or_builds(mesh, request):
+  """Any text after ``key=`` for any field (or a malformed key): parsed and accepted, then built (or refused at
+  build with a ConfigError naming the key, e.g. Pallas kernels on a host without an accelerator), or rejected with a
+  ConfigError that names the key. Accepted values keep the documented types: no nan/inf float, no list of layer or
+  head counts with anything but integers in it."""
+  counts = {"invalid inputs tried and rejected": 0, "valid inputs built": 0}
+  keys = sorted(FIELDS) + GROUPS + ODD_KEYS
+  text = st.text(st.characters(min_codepoint=32, max_codepoint=126), max_size=6)
+
+  @PROPERTY
+  @given(st.sampled_from(keys), st.sampled_from(RAW_VALUES + CHOICES) | text | st.integers(-3, 100).map(str))
+  # regressions, each failing before its fix in config.load_config: a value that is not YAML raised yaml's errors, a
+  # list index key TypeError, an interpolation of the wrong type named no field
+  @example("model.d_model", "[1")
+  @example("train.lr", "*a")
+  @example("model.d_model", "%")
+  @example("train.lr", "!!binary abc")
+  @example("schedule.producers.0", "1")
+  @example("schedule.uniattn", "${model.d_model}")
+  # ... in config.validate: errors that blamed another field (eval_every, stage1_max_steps, rotary_pct alone)
+  @example("train.eval_batches", "-1")
+  @example("train.stage1_patience", "0")
+  @example("model.head_dim", "3")
+  # ... nan/inf and non-integers accepted
+  @example("model.rope_low_freq_factor", "nan")
+  @example("train.peak_tflops", ".inf")
+  @example("distributed.local_device_ids", "[0, x]")
+  def check(key, raw):
+    note(f"override: {key}={raw}")
+    try:
+      cfg = load_config(None, TINY + [f"{key}={raw}"])
+      compile_schedule(cfg.model, cfg.schedule)
+    except ConfigError as e:
+      assert (key in named_fields(str(e))) if key in FIELDS else (key in str(e)), f"the error does not name {key}: {e}"
+      counts["invalid inputs tried and rejected"] += 1
+      return
+    value = _flat(cfg).get(key)
+    assert key not in FLOAT_FIELDS or finite(value), f"accepted {key}={value!r}"
+    assert key not in INT_LIST_FIELDS or all(is_int(x) for x in value), f"accepted {key}={value!r}"
+    try:
+      build(cfg, mesh)
+    except ConfigError as e:  # the config is fine but this host cannot run it
+      assert key in named_fields(str(e)), f"the error does not name {key}: {e}"
+      event(f"refused at build: {key}={raw}")
+    counts["valid inputs built"] += 1
+
+  check()
+  report(request, "any value in any field", counts)
+
+
+def test_seeds_are_accepted_only_where_they_work(request):
+  """A seed validation accepts is one the data shuffle (grain) and the parameter initialisation (JAX) take."""
+  import grain.python as grain
+
+  counts = {"invalid inputs tried and rejected": 0, "valid inputs built": 0}
+  bounds = [0, 1, -1, 2**31 - 1, 2**31, 2**32 - 1, 2**32, 2**63 - 1, 2**63, -2**63, -2**63 - 1, 2**64]
+
+  @settings(PROPERTY, max_examples=60)
+  @given(st.sampled_from(["data.shuffle_seed", "train.seed"]), st.sampled_from(bounds) | st.integers(-2**70, 2**70))
+  # regressions, each failing before its fix in config.validate: grain refuses seeds outside [0, 2**32), JAX
+  # outside int64
+  @example("data.shuffle_seed", -1)
+  @example("data.shuffle_seed", 2**32)
+  @example("train.seed", 2**64)
+  def check(key, seed):
+    try:
+      cfg = load_config(None, TINY + [f"{key}={seed}"])
+    except ConfigError as e:
+      assert key in named_fields(str(e)), e
+      counts["invalid inputs tried and rejected"] += 1
+      return
+    list(grain.MapDataset.range(4).shuffle(seed=cfg.data.shuffle_seed))
+    nnx.Rngs(cfg.train.seed).params()
+    counts["valid inputs built"] += 1
+
+  check()
+  report(request, "seeds", counts)
+
+
+@pytest.mark.parametrize("field", FLOAT_FIELDS)
+@pytest.mark.parametrize("text", ["nan", ".inf", "-inf"])
+def test_non_finite_floats_are_rejected_in_every_field(field, text):
+  """Every float field, read or not by the configured run, refuses nan and infinities by name."""
+  with pytest.raises(ConfigError) as e:
+    load_config(None, TINY + [f"{field}={text}"])
+  assert field in named_fields(str(e.value)), str(e.value)
