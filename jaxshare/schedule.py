@@ -216,8 +216,17 @@ def mlkv_owners(num_layers: int, m: int, placement: str) -> list[int]:
   raise ScheduleError(f"schedule.placement={placement!r} is invalid: must be paper or reference_code")
 
 
+def _is_int(x) -> bool:
+  """A layer index or head count: an int, not a bool (YAML reads ``true`` as one) nor a float."""
+  return isinstance(x, int) and not isinstance(x, bool)
+
+
 def _from_producers(producers: Sequence[int], num_layers: int, g: int, field: str) -> list[LayerPlan]:
   producers = list(producers)
+  bad = next((p for p in producers if not _is_int(p)), None)
+  if bad is not None:
+    raise ScheduleError(f"{field}={producers!r} is invalid: {bad!r} is not a layer index (integers 0.."
+                        f"{num_layers - 1})")
   if not producers or producers[0] != 0:
     raise ScheduleError(f"{field}={producers!r} is invalid: layer 0 must produce K/V (nothing precedes it)")
   if any(b <= a for a, b in zip(producers, producers[1:])):
@@ -275,7 +284,7 @@ def kv_plans(model: ModelConfig, sched: ScheduleConfig, kind: str) -> list[Layer
         raise ScheduleError(f"schedule.kv_heads_per_layer={per!r} is invalid: needs {L} entries "
                             f"(model.num_layers), got {len(per)}")
       for i, g in enumerate(per):
-        if not isinstance(g, int) or g < 1 or H % g:
+        if not _is_int(g) or g < 1 or H % g:
           raise ScheduleError(f"schedule.kv_heads_per_layer[{i}]={g!r} is invalid: must divide "
                               f"model.num_heads={H}")
       return [LayerPlan(i, i, g) for i, g in enumerate(per)]
@@ -393,6 +402,7 @@ def lisa_groups(model: ModelConfig, sched: ScheduleConfig, preset: str) -> list[
       raise ScheduleError(f"schedule.lisa.layers={list(c.layers)!r} is invalid together with schedule.lisa.groups: "
                           "give the layers inside the groups")
     groups = [(list(g.layers), g.integrator) for g in c.groups]
+    fields = [f"schedule.lisa.groups[{i}].layers" for i in range(len(groups))]
     for i, (layers, integrator) in enumerate(groups):
       if integrator not in INTEGRATORS:
         raise ScheduleError(f"schedule.lisa.groups[{i}].integrator={integrator!r} is invalid: must be one of "
@@ -406,14 +416,16 @@ def lisa_groups(model: ModelConfig, sched: ScheduleConfig, preset: str) -> list[
       raise ScheduleError(f"schedule.lisa.layers=[] is invalid for model.num_layers={L}: the default, layers 3..L-3 "
                           "(the paper never shares the first three layers or the last two), is empty; list the layers")
     groups = [(layers, integrator)]
+    fields = ["schedule.lisa.layers"]
   seen: set = set()
-  for layers, _ in groups:
+  for (layers, _), field in zip(groups, fields):
     for n in layers:
-      if not isinstance(n, int) or not 1 <= n <= L - 1:
-        raise ScheduleError(f"schedule.lisa layers {layers!r} are invalid: layer {n!r} must be in 1..{L - 1} (it "
-                            "reuses layer n-1)")
+      if not _is_int(n) or not 1 <= n <= L - 1:
+        raise ScheduleError(f"{field}={layers!r} is invalid: layer {n!r} must be in 1..{L - 1} (it reuses layer "
+                            "n-1)")
       if n in seen:
-        raise ScheduleError(f"schedule.lisa.groups is invalid: layer {n} is in two groups")
+        raise ScheduleError(f"{field}={layers!r} is invalid: layer {n} is "
+                            + ("in two groups" if c.groups else "listed twice"))
       seen.add(n)
   integrators = {integrator for _, integrator in groups}
   if integrators - {"none"} and c.rank < 1:
@@ -528,8 +540,9 @@ def compile_schedule(model: ModelConfig, sched: ScheduleConfig) -> Schedule:
   """Validate a schedule config against the model and compile it.
 
   Raises:
-    ScheduleError: see :func:`kv_plans` and :func:`score_plans`; head-wise sharing on GQA models or together with
-      score sharing (undefined in the paper); a ratio outside [0, 0.75).
+    ScheduleError: see :func:`kv_plans` and :func:`score_plans`; head-wise sharing on GQA models, with K/V consumers,
+      together with score sharing (undefined in the paper) or with Q/K/V biases (the tied projections have none); a
+      ratio outside [0, 0.75).
   """
   kv_preset, score_preset, head_preset = _split_kind(sched.kind)
   _check_ignored_knobs(sched, (kv_preset, score_preset, head_preset))
@@ -551,13 +564,16 @@ def compile_schedule(model: ModelConfig, sched: ScheduleConfig) -> Schedule:
     if not 0.0 <= ratio < 0.75:
       raise ScheduleError(f"schedule.headwise.ratio={ratio!r} is invalid: must be in [0, 0.75) (all q,k,v of the "
                           "layers after the first removed is 0.75 * (L-1)/L)")
-    if any(p.num_kv_heads != model.num_heads for p in plans) or score_preset:
+    if any(not p.is_producer or p.num_kv_heads != model.num_heads for p in plans) or score_preset:
       raise ScheduleError(f"schedule.kind={sched.kind!r} is invalid: head-wise sharing is defined for MHA layers "
                           "that compute their own scores (every layer dense); combine it with no GQA/MQA/CLA/MLKV "
                           "or score-sharing preset")
     if model.flavor != "llama":
       raise ScheduleError(f"schedule.kind={sched.kind!r} is invalid for model.flavor={model.flavor!r}: head-wise "
                           "sharing ties bias-free projections; use model.flavor=llama")
+    if model.qkv_bias:
+      raise ScheduleError(f"model.qkv_bias=True is invalid with schedule.kind={sched.kind!r}: head-wise sharing "
+                          "ties bias-free Q/K/V projections (the biases would be dropped); set model.qkv_bias=false")
     tied = tied_head_count(model, ratio)
     if tied > (model.num_layers - 1) * model.num_heads:
       raise ScheduleError(f"schedule.headwise.ratio={ratio!r} ties {tied} heads, more than the "

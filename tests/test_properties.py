@@ -479,6 +479,134 @@ def model_specs(draw) -> dict[str, Any]:
   return draw_fields(draw, {**MODEL_FIELDS, **OPTIMIZER_FIELDS})
 
 
+def divisors(n: int) -> list[int]:
+  return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@st.composite
+def sorted_subsets(draw, values: list[int], min_size: int = 0) -> list[int]:
+  return sorted(draw(st.sets(st.sampled_from(values), min_size=min_size))) if values else []
+
+
+@st.composite
+def knob_values(draw, knob: str, kv: str, score: str | None, L: int, H: int, edge: bool) -> dict[str, Any]:
+  """The overrides of one schedule knob (group), typical or out of range / malformed (``edge``)."""
+  layers = list(range(L))
+  odd = [-1, 0, L, L + 2]
+  if knob == "kv_heads":
+    good = [0, H] if kv == "dense" else [0] + divisors(H)
+    bad = [g for g in range(-1, 2 * H + 2) if g not in good]
+    return {"schedule.kv_heads": draw(st.sampled_from(bad if edge else good))}
+  if knob == "kv_heads_per_layer":
+    per = draw(st.lists(st.sampled_from(divisors(H)), min_size=L, max_size=L))
+    if edge:
+      i = draw(st.integers(0, L - 1))
+      per = draw(st.sampled_from([per[:-1], per + [H], per[:i] + [draw(st.sampled_from(
+        [0, -1, H + 1, float(H), True, "x"] + [g for g in range(2, H) if H % g]))] + per[i + 1:]]))
+    return {"schedule.kv_heads_per_layer": per}
+  if knob == "factor":
+    return {"schedule.factor": draw(st.sampled_from([0, -1, L + 1, 10]) if edge else st.integers(1, L))}
+  if knob == "producers":
+    p = [0] + draw(sorted_subsets(layers[1:]))
+    if edge:
+      p = draw(st.sampled_from([p[1:] or [1], p + [L], list(reversed(p)) if len(p) > 1 else [0, 0], p + p[-1:],
+                                [-1] + p, p + [float(L - 1)], p + ["a"], p + [[L - 1]], [0, True]]))
+    return {"schedule.producers": p}
+  if knob == "kv_layers":
+    return {"schedule.kv_layers": draw(st.sampled_from([0, -1, L + 1]) if edge else st.integers(1, L))}
+  if knob == "placement":
+    return {"schedule.placement": draw(st.sampled_from(["bogus"] if edge else ["paper", "reference_code"]))}
+  if knob == "sources":
+    if edge:
+      numbers = st.lists(st.integers(-1, L), min_size=max(L - 1, 1), max_size=L + 1)
+      src = draw(st.sampled_from(["", "0_a", "0__0", "-1"]) | numbers.map(lambda s: "_".join(map(str, s))))
+    else:
+      own = [True] + draw(st.lists(st.booleans(), min_size=L - 1, max_size=L - 1))
+      src = []
+      for i in range(L):
+        src.append(i if own[i] else draw(st.sampled_from([j for j in range(i) if own[j]])))
+      src = draw(st.sampled_from(["_", ","])).join(map(str, src))
+    return {"schedule.sources": src}
+  if knob == "sa":
+    ends = odd if edge else [-1] + layers
+    return {"schedule.sa.start": draw(st.sampled_from(ends)), "schedule.sa.end": draw(st.sampled_from(ends)),
+            "schedule.sa.semantics": draw(st.sampled_from(["paper", "reference_code"]))}
+  if knob == "uniattn":
+    return {"schedule.uniattn.block_size": draw(st.sampled_from([0, -1]) if edge else st.integers(1, 5)),
+            "schedule.uniattn.start": draw(st.sampled_from(odd if edge else [-1] + layers)),
+            "schedule.uniattn.end": draw(st.sampled_from([-1] + layers[1:] + [L])),
+            "schedule.uniattn.wc_input": draw(st.sampled_from(["residual", "normed"]))}
+  if knob == "lisa":
+    out = {"schedule.lisa.integrator": draw(st.sampled_from(INTEGRATORS)),
+           "schedule.lisa.rank": draw(st.sampled_from([0, -1]) if edge else st.integers(1, 8)),
+           "schedule.lisa.hidden": draw(st.sampled_from([-1, 1, 2 * H - 1] if edge else [0, 2 * H, 8 * H, 64])),
+           "schedule.lisa.rope": draw(st.booleans()), "schedule.lisa.keep_qk": draw(st.booleans())}
+    chosen = draw(sorted_subsets(layers[1:], min_size=1)) or [1]  # one layer: LISA has no layer to share
+    if not ((score == "lisa" or edge) and draw(st.booleans())):  # layers (or the default) + integrator
+      if edge:
+        chosen = draw(st.sampled_from([chosen + [0], chosen + [L], [-1], chosen + chosen[:1], chosen + ["x"],
+                                       chosen + [1.5], [True]]))
+      out["schedule.lisa.layers"] = draw(st.sampled_from([chosen, []]))
+    else:  # groups, one integrator each (lisa only: lisa_plus and ds fix the integrator; an edge case for them)
+      cut = draw(st.integers(0, len(chosen)))
+      groups = [{"layers": g, "integrator": draw(st.sampled_from(INTEGRATORS))}
+                for g in (chosen[:cut], chosen[cut:]) if g]
+      if edge:
+        groups = draw(st.sampled_from([groups + [{"layers": chosen[:1]}], groups + [{"layers": []}],
+                                       [{**groups[0], "integrator": "sum"}]]))
+        if draw(st.booleans()):
+          out["schedule.lisa.layers"] = chosen
+      out["schedule.lisa.groups"] = groups
+    return out
+  if knob == "headwise":
+    return {"schedule.headwise.ratio": draw(st.sampled_from([0.75, 1.0, -0.1, NAN, INF] if edge
+                                                            else [0.0, 0.1, 0.3, 0.5, 0.7])),
+            "schedule.headwise.match": draw(st.sampled_from(["qk", "q", "k", "v", "qkv", "separately"]))}
+  raise AssertionError(knob)
+
+
+STRAY = {  # a non-default value of each knob, set under presets that ignore it
+  "kv_heads": {"schedule.kv_heads": 1}, "kv_heads_per_layer": {"schedule.kv_heads_per_layer": [1]},
+  "factor": {"schedule.factor": 3}, "producers": {"schedule.producers": [0]}, "kv_layers": {"schedule.kv_layers": 1},
+  "placement": {"schedule.placement": "paper"}, "sources": {"schedule.sources": "0"},
+  "sa": {"schedule.sa.semantics": "paper"}, "uniattn": {"schedule.uniattn.block_size": 2},
+  "lisa": {"schedule.lisa.rank": 2}, "headwise": {"schedule.headwise.ratio": 0.1},
+}
+MALFORMED_KINDS = ["", "flash", "sa+lisa", "dense+gqa", "headwise+headwise", "MLKV", "dense,sa", "+", "lisa_plus+ds"]
+
+
+@st.composite
+def schedule_specs(draw) -> dict[str, Any]:
+  """A valid model (1..6 layers, d_model <= 64) with a preset expression and the knobs its presets read."""
+  L, H = draw(st.integers(1, 6)), draw(st.sampled_from([1, 2, 3, 4, 6, 8]))
+  hd = draw(st.sampled_from([2, 4, 8]))
+  explicit_hd = draw(st.booleans())
+  spec = {"model.num_layers": L, "model.num_heads": H, "model.d_model": draw(st.sampled_from([16, 32, 64]))
+          if explicit_hd else H * hd, "model.head_dim": hd if explicit_hd else 0,
+          "model.flavor": draw(st.sampled_from(["llama", "neox"])), "model.qkv_bias": draw(st.booleans()),
+          "schedule.match_params": draw(st.booleans()),
+          "attention.score_sharing": draw(st.sampled_from(["recompute", "materialize"]))}
+  kv = draw(st.sampled_from(KV_KINDS + (None,)))
+  score = draw(st.sampled_from(SCORE_KINDS + (None,) * 5))  # about half the expressions share no scores
+  head = draw(st.sampled_from([None] * 4 + ["headwise"]))
+  tokens = draw(st.permutations([t for t in (kv, score, head) if t])) or ["dense"]
+  kv = kv or "dense"
+  read = [k for k, readers in READERS.items() if readers & {kv, score, head}]
+  edges = draw(st.sets(st.sampled_from(read + ["stray", "kind"]), max_size=2))
+  joiner = draw(st.sampled_from(["+", " + "]))  # spaces around '+' are allowed
+  spec["schedule.kind"] = draw(st.sampled_from(MALFORMED_KINDS)) if "kind" in edges else joiner.join(tokens)
+  for knob in read:
+    if knob == "kv_heads_per_layer" and knob not in edges and draw(st.booleans()):
+      continue  # gqa with one kv_heads for all layers
+    if knob == "producers" and knob not in edges and draw(st.booleans()):
+      continue  # cla by factor
+    spec.update(draw(knob_values(knob, kv, score, L, H, knob in edges)))
+  ignored = [k for k in READERS if k not in read]
+  if "stray" in edges and ignored:
+    spec.update(STRAY[draw(st.sampled_from(ignored))])
+  return spec
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # The properties
 
@@ -501,6 +629,39 @@ def test_model_and_optimizer_fields_are_rejected_by_name_or_build(mesh, request)
 
   check()
   report(request, "model and optimizer fields", counts)
+
+
+def test_schedules_are_rejected_by_name_or_compile_as_documented_and_build(mesh, request):
+  """Every preset and '+' combination with the knobs its presets read, in and out of range, plus malformed
+  expressions and knobs set under presets that ignore them: rejected naming an offending field, or compiled to the
+  documented per-layer plan and built."""
+  counts = {"invalid inputs tried and rejected": 0, "valid inputs built": 0}
+
+  @PROPERTY
+  @given(schedule_specs())
+  # regressions, each failing before its fix in jaxshare.schedule: a producer list with a string or a nested list
+  # raised TypeError;
+  # a float or bool in it was accepted (layer 1.5 silently dropped, True taken as layer 1)
+  @example({"schedule.kind": "cla", "schedule.producers": [0, "a"]})
+  @example({"schedule.kind": "cla", "schedule.producers": [0, [1]]})
+  @example({"schedule.kind": "cla", "schedule.producers": [0, 1.5, 3]})
+  @example({"schedule.kind": "cla", "schedule.producers": [0, True]})
+  # ... bools taken for head counts and layers: G=True K/V heads, LISA on layer True
+  @example({"schedule.kind": "gqa", "schedule.kv_heads_per_layer": [True] * 4})
+  @example({"schedule.kind": "lisa", "schedule.lisa.layers": [True]})
+  # ... a LISA layer listed twice blamed schedule.lisa.groups (not set); an invalid layer named no dotted field
+  @example({"schedule.kind": "lisa", "schedule.lisa.layers": [2, 2]})
+  @example({"schedule.kind": "lisa", "schedule.lisa.layers": [2, "x"]})
+  @example({"model.num_layers": 1, "schedule.kind": "lisa", "schedule.lisa.layers": [1]})
+  # ... head-wise sharing was accepted with K/V consumers (CLA, MLKV with m < L) and with Q/K/V biases (dropped)
+  @example({"schedule.kind": "cla+headwise", "schedule.headwise.ratio": 0.3})
+  @example({"schedule.kind": "mlkv+headwise", "schedule.kv_layers": 2, "schedule.headwise.ratio": 0.3})
+  @example({"schedule.kind": "headwise", "schedule.headwise.ratio": 0.3, "model.qkv_bias": True})
+  def check(spec):
+    judge(spec, mesh, counts)
+
+  check()
+  report(request, "schedules", counts)
 
 
 ODD_KEYS = ["", "model.", ".model", "model..d_model", "model.nope", "nope", "model.d_model.x", "schedule.producers.0",
