@@ -9,6 +9,7 @@ from typing import Callable
 
 import jax
 
+from jaxshare.config import ConfigError
 from jaxshare.kernels import decode, flash, flash_decode, pallas, reference, xla
 
 log = logging.getLogger(__name__)
@@ -95,7 +96,8 @@ def _require_accelerator(kernel: Callable, check: Callable) -> Callable:
   @functools.wraps(kernel)
   def call(*args, **kwargs):
     if reason := _reason_not_to_run(args, check):
-      raise ValueError(f"attention.impl=pallas cannot run here: {reason}. Use pallas_interpret to run the kernels "
+      # a ConfigError (a ValueError): the config is valid, but not for this host or these shapes
+      raise ConfigError(f"attention.impl=pallas cannot run here: {reason}. Use pallas_interpret to run the kernels "
                        "in interpret mode, or auto to fall back to xla")
     return kernel(*args, **kwargs)
   return call
