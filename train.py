@@ -74,13 +74,14 @@ def main(argv: list[str] | None = None) -> int:
       sys.stdout.flush()  # would hang; gone, it is noticed by the coordination service, which stops them
       os._exit(code)
     return code
-  except KeyboardInterrupt as e:  # before training started (nothing written yet), or a third signal
+  except KeyboardInterrupt as e:  # outside the loop (nothing of this run written yet, or all of it), or a third signal
     print(f"interrupted{f' ({e})' if str(e) else ''}: re-run the same command to resume from the last finished "
           "checkpoint", file=sys.stderr, flush=True)
-    if str(e).startswith("aborted"):  # leave orbax's write threads as they are: the interpreter's shutdown would
-      sys.stdout.flush()  # make them fail with a traceback, and what they leave is a temporary directory anyway
-      os._exit(INTERRUPTED_EXIT_CODE)
-    return INTERRUPTED_EXIT_CODE
+    # Exit without the interpreter's teardown: the signal may have cut a native library's initialisation or an orbax
+    # write thread short, and tearing those down crashed (SIGSEGV) or printed tracebacks. What a cut write leaves is
+    # a temporary directory, which never counts.
+    sys.stdout.flush()
+    os._exit(INTERRUPTED_EXIT_CODE)
   if not is_primary():  # process 0 of a multi-host run reports for all
     return INTERRUPTED_EXIT_CODE if summary["interrupted"] else 0
   print("training summary: " + json.dumps(summary))

@@ -65,6 +65,15 @@ class Run:
     except FileNotFoundError:
       return False
 
+  def catches(self, sig: int) -> bool:
+    """Whether the process has a handler installed for ``sig`` (Linux: the SigCgt mask of /proc/<pid>/status)."""
+    try:
+      status = Path(f"/proc/{self.proc.pid}/status").read_text()
+    except FileNotFoundError:
+      return False
+    mask = int(re.search(r"^SigCgt:\s*([0-9a-f]+)", status, re.M).group(1), 16)
+    return bool(mask >> (sig - 1) & 1)
+
   def signal(self, sig: int) -> None:
     self.proc.send_signal(sig)
 

@@ -140,7 +140,9 @@ def test_interrupt_handler_counts_signals_and_aborts_on_the_third():
 
 def test_sigterm_before_training_exits_as_interrupted(tmp_path):
   run = Run(tmp_path)
-  time.sleep(1.5)  # importing, loading the corpus or compiling: before the training loop
+  # train.py re-executes itself first (allocator), and Python's default for SIGTERM is to die: wait for its handler
+  assert run.wait_until(lambda: run.catches(SIGNALS["SIGTERM"]), timeout=120)
+  time.sleep(0.5)  # importing, loading the corpus or compiling: before the training loop
   assert run.last_step == 0
   run.signal(SIGNALS["SIGTERM"])
   assert run.finish() == INTERRUPTED, run.output[-3000:]
