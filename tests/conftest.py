@@ -49,6 +49,17 @@ def read_metrics(run_dir) -> list[dict]:
   return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
 
 
+# One small schedule of each family, as overrides on tiny_config (multi-device and determinism tests run each).
+SCHEDULE_FAMILIES = {
+  "dense": [],
+  "cla": ["schedule.kind=cla"],
+  "mlkv": ["schedule.kind=mlkv", "schedule.kv_layers=2", "schedule.kv_heads=2"],
+  "uniattn": ["schedule.kind=uniattn", "schedule.uniattn.block_size=2"],
+  "lisa_plus": ["schedule.kind=lisa_plus", "schedule.lisa.layers=[2,3]"],
+  "cla+uniattn": ["schedule.kind=cla+uniattn", "schedule.producers=[0,2,3]", "schedule.uniattn.start=2",
+                  "schedule.uniattn.block_size=2"],
+}
+
 STRAIGHT = ("schedule.kind=mlkv", "schedule.kv_layers=2")  # the straight run's schedule, as overrides
 
 

@@ -13,12 +13,12 @@ import time
 from pathlib import Path
 
 from conftest import REPO, TINY
+from jaxshare.train.checkpoint import TMP_MARKER
 
 # A tiny run whose every step is logged: the step lines say how far it got, to the step. Checkpoints are frequent,
 # so that kills land during writes as well as between them.
 RUN = TINY + ["train.steps=60", "train.warmup_steps=1", "train.log_every=1", "train.eval_every=0",
               "train.checkpoint_every=4", "train.keep_checkpoints=2"]
-TMP_MARKER = ".orbax-checkpoint-tmp"
 _STEP_LINE = re.compile(r"^step\s+(\d+)/")
 
 

@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import read_metrics, tiny_config
+from conftest import SCHEDULE_FAMILIES, read_metrics, tiny_config
 from jaxshare import parallel
 from jaxshare.config import MeshConfig
 from jaxshare.data import Datasets
@@ -30,16 +30,7 @@ def test_same_config_and_seed_give_bit_identical_runs(straight_run, tmp_path):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
-SCHEDULES = {
-  "dense": [],
-  "cla": ["schedule.kind=cla"],
-  "mlkv": ["schedule.kind=mlkv", "schedule.kv_layers=2", "schedule.kv_heads=2"],
-  "sa": ["schedule.kind=sa", "schedule.sa.start=1"],
-  "uniattn": ["schedule.kind=uniattn", "schedule.uniattn.block_size=2"],
-  "lisa_plus": ["schedule.kind=lisa_plus", "schedule.lisa.layers=[2,3]"],
-  "cla+uniattn": ["schedule.kind=cla+uniattn", "schedule.producers=[0,2,3]", "schedule.uniattn.start=2",
-                  "schedule.uniattn.block_size=2"],
-}
+SCHEDULES = {**SCHEDULE_FAMILIES, "sa": ["schedule.kind=sa", "schedule.sa.start=1"]}
 
 
 def _train_steps(cfg, batches):

@@ -14,7 +14,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import REPO, TINY, tiny_config
+from conftest import REPO, SCHEDULE_FAMILIES, TINY, tiny_config
 from jaxshare import parallel
 from jaxshare.config import ConfigError, MeshConfig
 from jaxshare.data import Datasets
@@ -22,15 +22,7 @@ from jaxshare.train.loop import jit_train_step, train
 from jaxshare.train.state import init_state, local_batch_rows, setup_run, shard_batch
 from jaxshare.train.step import Objective
 
-SCHEDULES = {
-  "dense": [],
-  "cla": ["schedule.kind=cla"],
-  "mlkv": ["schedule.kind=mlkv", "schedule.kv_layers=2", "schedule.kv_heads=2"],
-  "uniattn": ["schedule.kind=uniattn", "schedule.uniattn.block_size=2"],
-  "lisa_plus": ["schedule.kind=lisa_plus", "schedule.lisa.layers=[2,3]"],
-  "cla+uniattn": ["schedule.kind=cla+uniattn", "schedule.producers=[0,2,3]", "schedule.uniattn.start=2",
-                  "schedule.uniattn.block_size=2"],
-}
+SCHEDULES = SCHEDULE_FAMILIES
 MESHES = {"dp8": MeshConfig(data=8), "fsdp8": MeshConfig(fsdp=8), "fsdp4_tensor2": MeshConfig(fsdp=4, tensor=2),
           "data2_fsdp2_tensor2": MeshConfig(data=2, fsdp=2, tensor=2)}
 

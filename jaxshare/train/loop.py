@@ -143,10 +143,12 @@ def train(cfg: Config, *, mesh=None, stop_after: int | None = None) -> dict[str,
                             cfg)
   source, source_params = _load_source(cfg, mesh)
 
+  def stage_of(meta: dict) -> int:
+    return meta.get("stage", 0) or (1 if two_stage else 0)
+
   def prepare(meta: dict) -> tuple[RunSetup, Any]:
     """The run's setup at the recipe stage ``meta`` records, and a data iterator at the start of the data."""
-    stage = meta.get("stage", 0) or (1 if two_stage else 0)
-    setup = setup_run(cfg, mesh, trainable_for(cfg, stage), start_step=meta.get("stage_start", 0))
+    setup = setup_run(cfg, mesh, trainable_for(cfg, stage_of(meta)), start_step=meta.get("stage_start", 0))
     data.rows = local_batch_rows(setup.batch_sharding, tcfg.batch_size)  # what this process's devices hold
     return setup, data.train_iter()
 
@@ -167,7 +169,7 @@ def train(cfg: Config, *, mesh=None, stop_after: int | None = None) -> dict[str,
     setup, data_iter = prepare(meta)
     state = (init_state(setup, from_params=(source_params, source.schedule)) if source is not None else
              init_state(setup))
-  stage = meta.get("stage", 0) or (1 if two_stage else 0)
+  stage = stage_of(meta)
   stage_start = meta.get("stage_start", 0)  # the step the current stage's learning-rate schedule started at
   run_dir.mkdir(parents=True, exist_ok=True)
   ckpt = ckpt or Checkpointer(run_dir / "checkpoints", tcfg.keep_checkpoints)
