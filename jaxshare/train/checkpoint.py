@@ -45,26 +45,32 @@ _noise_muted = False
 
 def _mute_library_noise() -> None:
   """After a failed read, for the rest of the process, keep its library noise off the console: orbax's reads run as
-  asyncio tasks whose failures TensorStore reports again, with multi-kilobyte specs, through the ``asyncio`` logger
-  and as "Exception ignored" messages whenever the abandoned coroutines are collected (during the call, or at exit);
-  the CheckpointError raised to the caller already says what failed. Only reports from orbax's and asyncio's own
-  frames are dropped; anything else still reaches the previous hook."""
+  asyncio tasks and gathers whose failures TensorStore reports again, with multi-kilobyte specs, through the
+  ``asyncio`` logger ("Task exception was never retrieved", "_GatheringFuture exception was never retrieved") and as
+  "Exception ignored" messages whenever the abandoned coroutines are collected (during the call, or at exit); the
+  CheckpointError raised to the caller already says what failed. Only reports raised from orbax's frames (or, for
+  "Exception ignored", asyncio's) are dropped; anything else still shows."""
   global _noise_muted
   if _noise_muted:
     return
   _noise_muted = True
   previous = sys.unraisablehook
 
+  def files(tb) -> list[str]:
+    return [f.filename for f in traceback.extract_tb(tb)] if tb is not None else []
+
   def hook(unraisable) -> None:
-    frames = traceback.extract_tb(unraisable.exc_traceback) if unraisable.exc_traceback else []
     code = getattr(unraisable.object, "cr_code", None)
-    files = [f.filename for f in frames] + ([code.co_filename] if code is not None else [])
-    if not any("/orbax/" in f or "/asyncio/" in f for f in files):
+    where = files(unraisable.exc_traceback) + ([code.co_filename] if code is not None else [])
+    if not any("/orbax/" in f or "/asyncio/" in f for f in where):
       previous(unraisable)
 
+  def keep(record: logging.LogRecord) -> bool:
+    abandoned = record.exc_info is not None and "exception was never retrieved" in record.getMessage()
+    return not (abandoned and any("/orbax/" in f for f in files(record.exc_info[2])))
+
   sys.unraisablehook = hook
-  logging.getLogger("asyncio").addFilter(
-    lambda record: not record.getMessage().startswith("Task exception was never retrieved"))
+  logging.getLogger("asyncio").addFilter(keep)
 
 
 def _root_cause(e: BaseException) -> str:
