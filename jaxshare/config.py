@@ -502,24 +502,14 @@ def _require(cond: bool, field: str, value: Any, allowed: str) -> None:
     raise ConfigError(f"{field}={value!r} is invalid: {allowed}")
 
 
-def _choice_fields(obj: Any, prefix: str = ""):
-  """``(dotted name, value, allowed)`` for every field with a closed set of values, nested groups included."""
+def _leaf_fields(obj: Any, prefix: str = ""):
+  """``(dotted name, dataclasses.Field, value)`` for every field that is not a group, nested groups included."""
   for f in dataclasses.fields(obj):
     value = getattr(obj, f.name)
     if dataclasses.is_dataclass(value):
-      yield from _choice_fields(value, f"{prefix}{f.name}.")
-    elif "choices" in f.metadata:
-      yield f"{prefix}{f.name}", value, f.metadata["choices"]
-
-
-def _float_fields(obj: Any, prefix: str = ""):
-  """``(dotted name, value)`` for every float field, nested groups included."""
-  for f in dataclasses.fields(obj):
-    value = getattr(obj, f.name)
-    if dataclasses.is_dataclass(value):
-      yield from _float_fields(value, f"{prefix}{f.name}.")
-    elif isinstance(value, float):
-      yield f"{prefix}{f.name}", value
+      yield from _leaf_fields(value, f"{prefix}{f.name}.")
+    else:
+      yield f"{prefix}{f.name}", f, value
 
 
 def validate(cfg: Config) -> None:
@@ -528,8 +518,9 @@ def validate(cfg: Config) -> None:
   Raises:
     ConfigError: naming the first invalid field, its value and what is allowed.
   """
-  for name, value, choices in _choice_fields(cfg):
-    _require(value in choices, name, value, f"must be one of {', '.join(map(str, choices))}")
+  for name, f, value in _leaf_fields(cfg):
+    if choices := f.metadata.get("choices"):
+      _require(value in choices, name, value, f"must be one of {', '.join(map(str, choices))}")
   m, d, t = cfg.model, cfg.data, cfg.train
   for name in ("vocab_size", "num_layers", "d_model", "num_heads", "mlp_dim"):
     _require(getattr(m, name) > 0, f"model.{name}", getattr(m, name), "must be a positive integer")
@@ -608,8 +599,9 @@ def validate(cfg: Config) -> None:
   _require(dist.timeout_s > 0, "distributed.timeout_s", dist.timeout_s, "must be > 0")
   _require(all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in dist.local_device_ids),
            "distributed.local_device_ids", dist.local_device_ids, "must list device ids (integers >= 0), e.g. [0]")
-  for name, value in _float_fields(cfg):  # nan or inf is never a setting, even of a field the run ignores
-    _require(math.isfinite(value), name, value, "must be a finite number")
+  for name, _, value in _leaf_fields(cfg):  # nan or inf is never a setting, even of a field the run ignores
+    if isinstance(value, float):
+      _require(math.isfinite(value), name, value, "must be a finite number")
 
 
 def resolve_data_dir(cfg: DataConfig) -> Path:

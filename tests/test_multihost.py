@@ -17,9 +17,8 @@ import pytest
 from conftest import REPO, SCHEDULE_FAMILIES, TINY, tiny_config
 from jaxshare import parallel
 from jaxshare.config import ConfigError, MeshConfig
-from jaxshare.data import Datasets
 from jaxshare.train.loop import jit_train_step, train
-from jaxshare.train.state import init_state, local_batch_rows, setup_run, shard_batch
+from jaxshare.train.state import init_state, setup_run, shard_batch
 from jaxshare.train.step import Objective
 
 SCHEDULES = SCHEDULE_FAMILIES
@@ -51,18 +50,6 @@ def test_every_mesh_trains_like_one_device(schedule, batches):
       specs = jax.tree.leaves(jax.tree.map(lambda s: s.spec, setup.param_shardings),
                               is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
       assert any("fsdp" in str(s) for s in specs)
-
-
-def test_batch_rows_follow_the_devices():
-  mesh = parallel.make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
-  setup = setup_run(tiny_config(), mesh)
-  assert local_batch_rows(setup.batch_sharding, 8) == slice(0, 8)  # one process holds every row
-  # the block of process p out of P is the same rows of the same global batches
-  cfg = tiny_config()
-  whole = next(Datasets(cfg.data, 8, process_index=0, process_count=1).train_iter())
-  halves = [next(Datasets(cfg.data, 8, process_index=p, process_count=2).train_iter()) for p in range(2)]
-  for k in whole:
-    np.testing.assert_array_equal(np.concatenate([h[k] for h in halves]), whole[k])
 
 
 def test_hybrid_mesh_needs_slices():

@@ -57,16 +57,19 @@ READERS = {"kv_heads": {"dense", "gqa", "cla", "mlkv", "explicit"}, "kv_heads_pe
 INTEGRATORS = ("ffn", "linear", "add", "none")
 
 
-def _flat(obj: Any, prefix: str = "") -> dict[str, Any]:
-  """Dotted name -> value of every leaf field of a config dataclass."""
-  out = {}
+def _leaves(obj: Any, prefix: str = ""):
+  """``(dotted name, dataclasses.Field, value)`` of every leaf field of a config dataclass."""
   for f in dataclasses.fields(obj):
     value = getattr(obj, f.name)
     if dataclasses.is_dataclass(value):
-      out.update(_flat(value, f"{prefix}{f.name}."))
+      yield from _leaves(value, f"{prefix}{f.name}.")
     else:
-      out[f"{prefix}{f.name}"] = value
-  return out
+      yield f"{prefix}{f.name}", f, value
+
+
+def _flat(obj: Any) -> dict[str, Any]:
+  """Dotted name -> value of every leaf field of a config dataclass."""
+  return {name: value for name, _, value in _leaves(obj)}
 
 
 def _groups(obj: Any, prefix: str = "") -> list[str]:
@@ -672,16 +675,8 @@ RAW_VALUES = ["abc", "", "null", "~", "[1", "{a: 1}", "[1, 2]", "[]", "{}", "1.5
               "? x", "@", "`", "|", "[{layers: [1]}]"]
 
 
-def _choices(obj: Any) -> set[str]:
-  """Every allowed value of every field with a closed set of values (``model.flavor``: llama, neox; ...)."""
-  out = set()
-  for f in dataclasses.fields(obj):
-    value = getattr(obj, f.name)
-    out |= _choices(value) if dataclasses.is_dataclass(value) else set(map(str, f.metadata.get("choices", ())))
-  return out
-
-
-CHOICES = sorted(_choices(Config()))
+# every allowed value of every field with a closed set of values (model.flavor: llama, neox; ...)
+CHOICES = sorted({str(c) for _, f, _ in _leaves(Config()) for c in f.metadata.get("choices", ())})
 
 
 def test_any_value_in_any_field_is_rejected_by_name_or_builds(mesh, request):

@@ -3,9 +3,12 @@
 
 import csv
 import os
+import re
 import shlex
 import shutil
+import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -267,10 +270,6 @@ def test_collect_evaluates_finished_runs_and_trains_nothing(swept, tmp_path, cap
 def test_ctrl_c_saves_the_running_run_and_records_it_as_interrupted(tmp_path):
   """Ctrl-C reaches the sweep and its train.py together (one process group): the run saves a checkpoint, and the
   table says interrupted (it said failed, with the run's summary line as the error); the next sweep resumes it."""
-  import re
-  import signal
-  import time
-
   spec = _spec(tmp_path, "base: [" + ", ".join(TINY + ["train.steps=100000", "train.checkpoint_every=100000"])
                + "]\nvariants:\n  dense: []\n")
   proc = subprocess.Popen([os.sys.executable, "-m", "jaxshare.sweep", str(spec)], cwd=REPO, text=True,

@@ -147,9 +147,12 @@ class Checkpointer:
     self._verify(step, restored["state"], restored["meta"])
     return restored["state"], restored["meta"]
 
-  def restore_params(self, step: int, abstract_params: Any) -> Any:
+  def restore_params(self, step: int, abstract_params: Any, meta: dict | None = None) -> Any:
     """Restore only ``state["params"]`` at ``step`` (orbax partial restore: the optimizer state is never read, so
     loading a model for evaluation or conversion costs one copy of its weights), verified against its checksums.
+
+    Args:
+      meta: the checkpoint's :meth:`read_meta`, where the caller has read it already (it holds the checksums).
 
     Raises:
       CheckpointError: files missing, unreadable or changed since they were written, or shapes that do not match
@@ -158,7 +161,7 @@ class Checkpointer:
     target = {"params": abstract_params}
     args = ocp.args.PyTreeRestore(target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
                                   partial_restore=True)
-    meta = self.read_meta(step)
+    meta = self.read_meta(step) if meta is None else meta
     try:  # a standalone reader: the manager's "state" item stays bound to StandardSave/Restore
       with ocp.PyTreeCheckpointer() as reader:
         params = reader.restore(self.directory / str(step) / "state", args=args)["params"]

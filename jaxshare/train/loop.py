@@ -156,7 +156,7 @@ def train(cfg: Config, *, mesh=None, stop_after: int | None = None) -> dict[str,
     meta = ckpt.read_meta(step)
     setup, data_iter = prepare(meta)
     if meta.get(PARAMS_ONLY):  # a converted model (convert/run_dir.py): a fresh optimizer
-      state = state_from_params(setup, ckpt.restore_params(step, abstract_state(setup)["params"]), step)
+      state = state_from_params(setup, ckpt.restore_params(step, abstract_state(setup)["params"], meta), step)
     else:
       state, _ = ckpt.restore(step, abstract_state(setup), data_iter)
     return meta, setup, data_iter, state

@@ -275,9 +275,9 @@ def load_run(path: str | os.PathLike, mesh: Mesh | None = None) -> tuple[Config,
   step = ckpt.latest_step() if step is None else step
   if step is None:
     raise CheckpointError(f"run directory {str(run_dir)!r} has no checkpoint yet")
-  stage = ckpt.read_meta(step).get("stage", 0)
-  setup = setup_run(cfg, mesh, trainable_for(cfg, stage))
-  params = ckpt.restore_params(step, abstract_state(setup)["params"])
+  meta = ckpt.read_meta(step)
+  setup = setup_run(cfg, mesh, trainable_for(cfg, meta.get("stage", 0)))
+  params = ckpt.restore_params(step, abstract_state(setup)["params"], meta)
   ckpt.close()
   if not bool(jax.jit(lambda p: jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(p)])))(params)):
     raise CheckpointError(f"checkpoint {run_dir / 'checkpoints' / str(step)} holds non-finite parameters (NaN or inf): "
