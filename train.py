@@ -55,10 +55,10 @@ def main(argv: list[str] | None = None) -> int:
     return _compile_only(args)
   from jaxshare.data import DataError
   from jaxshare.train.checkpoint import CheckpointError
-  from jaxshare.train.interrupts import INTERRUPTED_EXIT_CODE
+  from jaxshare.train.interrupts import INTERRUPTED_EXIT_CODE, interrupt_outside_loop
   from jaxshare.train.loop import DivergenceError
 
-  signal.signal(signal.SIGTERM, _terminate_as_interrupt)  # outside the training loop, which handles it itself
+  interrupt_outside_loop()  # SIGTERM outside the training loop, which handles it itself
   try:
     cfg = load_config(args.config, args.overrides)
     from jaxshare.distributed import initialize, is_primary
@@ -100,12 +100,6 @@ def _joined_others() -> bool:
   """Whether this process is one of several joined by jax.distributed."""
   jax = sys.modules.get("jax")
   return jax is not None and jax.distributed.is_initialized() and jax.process_count() > 1
-
-
-def _terminate_as_interrupt(signum, frame):
-  """SIGTERM before or after the training loop (loading, compiling, the final evaluation): exit like Ctrl-C, with the
-  interrupted exit code, instead of dying on the signal."""
-  raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
 def _compile_only(args) -> int:

@@ -5,10 +5,37 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 
 # train.py's exit code for a run that stopped on a signal after saving its checkpoint (128 + SIGINT, the shell's own
 # code for Ctrl-C), whichever signal it was.
 INTERRUPTED_EXIT_CODE = 130
+
+_outside_loop: list[str] = []  # signals raised as KeyboardInterrupt outside the loop, for Interrupts to raise again
+
+
+def interrupt_outside_loop() -> None:
+  """Make SIGTERM outside the training loop (loading, compiling, the final evaluation) raise ``KeyboardInterrupt``,
+  as Ctrl-C does, instead of killing the process (train.py then exits 130). Call it from the main thread.
+
+  The exception is raised wherever the main thread is, and that can be code that swallows it: inside JAX's gc
+  callback it was reported as "Exception ignored" with a traceback, and start-up went on. The signal is therefore
+  also recorded, the training loop raises it again on entry (:class:`Interrupts`), and such reports of it are
+  dropped.
+  """
+  def handler(signum: int, frame) -> None:
+    name = signal.Signals(signum).name
+    _outside_loop.append(name)
+    raise KeyboardInterrupt(name)
+
+  previous = sys.unraisablehook
+
+  def hook(unraisable) -> None:
+    if not (isinstance(unraisable.exc_value, KeyboardInterrupt) and str(unraisable.exc_value) in _outside_loop):
+      previous(unraisable)
+
+  signal.signal(signal.SIGTERM, handler)
+  sys.unraisablehook = hook
 
 
 class Interrupts:
@@ -21,6 +48,8 @@ class Interrupts:
     probe's "second Ctrl-C during the write" leaves a finished checkpoint, not a temporary directory.
   - A third raises ``KeyboardInterrupt`` at once. A write cut short that way never counts (orbax renames a
     checkpoint into place only when it is complete), so the last finished checkpoint is what the run resumes from.
+
+  A signal that arrived before the loop (see :func:`interrupt_outside_loop`) raises ``KeyboardInterrupt`` on entry.
 
   In a multi-process run every process must stop at the same step (the checkpoint is written collectively). SIGTERM
   is left to JAX's preemption service, which ``jax.distributed`` starts: it hears the signal on any process and
@@ -52,6 +81,10 @@ class Interrupts:
       raise KeyboardInterrupt(f"aborted by a third signal ({name})")
 
   def __enter__(self) -> "Interrupts":
+    if _outside_loop:  # a signal before the loop whose KeyboardInterrupt was swallowed: stop before training
+      name = _outside_loop[-1]
+      _outside_loop.clear()
+      raise KeyboardInterrupt(name)
     # Under the preemption service SIGTERM belongs to JAX; only the main thread may set handlers.
     signals = (signal.SIGINT,) if self._multi_process else (signal.SIGINT, signal.SIGTERM)
     try:
