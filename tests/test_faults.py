@@ -138,6 +138,30 @@ def test_interrupt_handler_counts_signals_and_aborts_on_the_third():
   assert signal.getsignal(signal.SIGTERM) is not interrupts._handler  # the previous handlers are back
 
 
+def test_the_third_signal_is_not_logged_as_a_library_failure(caplog):
+  """The third signal's KeyboardInterrupt can land in orbax's wait_until_finished, which catches it, logs "Save
+  Finalize thread failed" with a traceback (absl logging) and re-raises: the abort came with a library traceback. The
+  abort is train.py's to report; orbax's record of it is dropped, other records are kept."""
+  import os
+  import signal
+
+  from absl import logging as absl_logging
+
+  from jaxshare.train.interrupts import Interrupts
+
+  with pytest.raises(KeyboardInterrupt, match="aborted by a third signal"):
+    with Interrupts():
+      try:  # as orbax's CheckpointManager.wait_until_finished does around its join
+        for _ in range(3):
+          os.kill(os.getpid(), signal.SIGTERM)
+          time.sleep(0.01)
+      except BaseException:
+        absl_logging.exception("[wait_until_finished] Save Finalize thread (save_finalize) failed.")
+        absl_logging.error("an unrelated error")
+        raise
+  assert [r.getMessage() for r in caplog.records if r.levelname == "ERROR"] == ["an unrelated error"]
+
+
 def test_a_signal_before_the_loop_that_a_library_swallowed_still_interrupts():
   """Outside the loop SIGTERM raises KeyboardInterrupt wherever the main thread is, and that can be code that swallows
   it: JAX's gc callback reported it as "Exception ignored" with a traceback and the run trained to the end, exit 0

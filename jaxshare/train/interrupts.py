@@ -3,6 +3,7 @@ process agrees on."""
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import sys
@@ -78,7 +79,11 @@ class Interrupts:
       _say(f"{name} again: still stopping; the checkpoint is being written and waited for (a third signal abandons "
            "it, keeping the previous finished checkpoint)")
     elif not self._multi_process:
-      raise KeyboardInterrupt(f"aborted by a third signal ({name})")
+      abort = KeyboardInterrupt(f"aborted by a third signal ({name})")
+      # orbax's wait_until_finished catches it to log "Save Finalize thread failed" with a traceback, then re-raises:
+      # the abort is the caller's to report (train.py: one line), not a library failure
+      logging.getLogger("absl").addFilter(lambda record: not (record.exc_info and record.exc_info[1] is abort))
+      raise abort
 
   def __enter__(self) -> "Interrupts":
     if _outside_loop:  # a signal before the loop whose KeyboardInterrupt was swallowed: stop before training
