@@ -19,7 +19,12 @@ import sys
 COMMANDS = ("report", "generate", "ppl", "efficiency")
 
 
-def _parser() -> argparse.ArgumentParser:
+def parse_args(argv: list[str]) -> argparse.Namespace:
+  """The command line (``eval.py RUN`` is ``eval.py report RUN``); flags may come anywhere after the command."""
+  from jaxshare.cli_args import parse_anywhere
+
+  if argv and argv[0] not in COMMANDS and not argv[0].startswith("-"):
+    argv = ["report", *argv]
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   sub = parser.add_subparsers(dest="command", required=True)
   run_help = "run directory (latest checkpoint) or <run_dir>/checkpoints/<step>"
@@ -63,14 +68,11 @@ def _parser() -> argparse.ArgumentParser:
   eff.add_argument("--batch", type=int, default=4, help="batch of the timed decode")
   eff.add_argument("--steps", type=int, default=32, help="timed decode steps")
   eff.add_argument("--json", action="store_true", help="print one JSON object")
-  return parser
+  return parse_anywhere(parser, argv, {"report": report, "generate": gen, "ppl": ppl, "efficiency": eff})
 
 
 def main(argv: list[str] | None = None) -> int:
-  argv = list(sys.argv[1:] if argv is None else argv)
-  if argv and argv[0] not in COMMANDS and not argv[0].startswith("-"):
-    argv.insert(0, "report")  # `eval.py RUN` is the report
-  args = _parser().parse_args(argv)
+  args = parse_args(list(sys.argv[1:] if argv is None else argv))
 
   from jaxshare.config import ConfigError
   from jaxshare.data import DataError
@@ -97,6 +99,7 @@ def _generate(args) -> int:
   from jaxshare.data import make_tokenizer
   from jaxshare.evaluation.generate import Generator
   from jaxshare.evaluation.sampling import Sampling
+  from jaxshare.evaluation.text_stream import TextStream
   from jaxshare.train.state import load_run
 
   sampling = Sampling(args.temperature, args.top_k, args.top_p)
@@ -105,20 +108,15 @@ def _generate(args) -> int:
   prompt = tokenizer.encode(args.prompt)
   stop = [int(s) for s in args.stop] or [tokenizer.eos_id]
   generator = Generator(nnx.merge(setup.graphdef, params), cfg.model, setup.schedule)
-  produced: list[int] = []
-  shown = 0
+  text = TextStream(tokenizer)
   print(args.prompt, end="", flush=True)
 
   def stream(tokens, live):
-    nonlocal shown
-    produced.extend(int(t) for t, keep in zip(tokens[0], live[0]) if keep)
-    text = tokenizer.decode(produced)
-    print(text[shown:], end="", flush=True)  # decode the whole continuation: multi-token characters stay whole
-    shown = len(text)
+    print(text.push(t for t, keep in zip(tokens[0], live[0]) if keep), end="", flush=True)
 
   generator.generate([prompt], args.max_new_tokens, sampling, seed=args.seed, stop_tokens=stop, nf=args.nf,
                      use_cache=not args.no_cache, chunk=1 if args.no_cache else 8, on_tokens=stream)
-  print()
+  print(text.finish())
   return 0
 
 

@@ -82,15 +82,17 @@ class HeadTable(nnx.Module):
   def __init__(self, cfg: ModelConfig, ties: HeadTies, rngs: nnx.Rngs):
     D, d = cfg.d_model, cfg.resolved_head_dim
     pdtype = jnp.dtype(cfg.param_dtype)
-    self.index = {m: ties.index[m] for m in MATRICES}
+    # Static graph data, hashed with the graphdef wherever a jitted function takes it as a static argument (the
+    # decode steps): tuples, not a dict.
+    self.index = tuple(ties.index[m] for m in MATRICES)
     self.q = param(rngs, (len(ties.rows["q"]), D, d), ("heads", "embed", "head_dim"), cfg.init_std, pdtype)
     self.k = param(rngs, (len(ties.rows["k"]), D, d), ("heads", "embed", "head_dim"), cfg.init_std, pdtype)
     self.v = param(rngs, (len(ties.rows["v"]), D, d), ("heads", "embed", "head_dim"), cfg.init_std, pdtype)
 
   def kernels(self) -> dict[str, jax.Array]:
     """Every layer's kernels ``{"q", "k", "v"}: [L, D, H, d]``, gathered from the stored heads."""
-    return {m: jnp.take(getattr(self, m)[...], jnp.asarray(self.index[m]), axis=0).transpose(0, 2, 1, 3)
-            for m in MATRICES}
+    return {m: jnp.take(getattr(self, m)[...], jnp.asarray(index), axis=0).transpose(0, 2, 1, 3)
+            for m, index in zip(MATRICES, self.index)}
 
 
 class Transformer(nnx.Module):
