@@ -30,7 +30,8 @@ from jaxshare.train.step import TrainState
 
 def build_model(cfg: Config, schedule: Schedule, seed: int, ties: HeadTies | None = None) -> Transformer:
   """The NNX model of ``cfg`` with parameters drawn from ``seed`` (``ties``: head-wise sharing's head map)."""
-  return Transformer(cfg.model, schedule, mlp_dim=accounting.mlp_dim(cfg.model, schedule, cfg.schedule.match_params),
+  return Transformer(cfg.model, schedule, mlp_dim=accounting.mlp_dim(cfg.model, schedule,
+                                                                    accounting.param_match(cfg.schedule)),
                      attention_impl=cfg.attention.impl, score_sharing=cfg.attention.score_sharing, ties=ties,
                      rngs=nnx.Rngs(seed))
 
@@ -39,6 +40,26 @@ def dense_counterpart(cfg: Config) -> tuple[Config, Schedule]:
   """The same model with a plain dense schedule (what head-wise sharing is selected on and converted from)."""
   dense = dataclasses.replace(cfg, schedule=dataclasses.replace(cfg.schedule, kind="dense", headwise=HeadwiseConfig()))
   return dense, compile_schedule(dense.model, dense.schedule)
+
+
+def with_match_reference(cfg: Config) -> Config:
+  """``cfg`` with ``schedule.match_reference_params`` set to its uptraining source's total parameter count, when it
+  matches parameters exactly (``schedule.match_params``) from ``train.init_from`` and the reference is not yet set:
+  an uptrained model is matched to the model it came from (a GQA source has fewer K/V parameters than the dense MHA
+  model of its config). The count is the source's exact one (:func:`~jaxshare.accounting.param_count`, read from its
+  config alone) and stays in the run's config, so the run rebuilds without its source.
+
+  Raises:
+    ConfigError: the source is not a run directory, or its config is unreadable.
+  """
+  s = cfg.schedule
+  if not (s.match_params and s.match_formula == "exact" and not s.match_reference_params and cfg.train.init_from):
+    return cfg
+  src_dir, _ = locate(cfg.train.init_from)
+  src = config_from_yaml_text((src_dir / "config.yaml").read_text(), str(src_dir / "config.yaml"))
+  src_schedule = compile_schedule(src.model, src.schedule)
+  total = accounting.param_count(src.model, src_schedule, accounting.param_match(src.schedule)).total
+  return dataclasses.replace(cfg, schedule=dataclasses.replace(s, match_reference_params=total))
 
 
 def compute_ties(cfg: Config, schedule: Schedule, seed: int, mesh: Mesh | None = None) -> HeadTies | None:
@@ -58,10 +79,19 @@ def compute_ties(cfg: Config, schedule: Schedule, seed: int, mesh: Mesh | None =
     params = nnx.to_pure_dict(nnx.state(build_model(dense_cfg, dense_schedule, seed), nnx.Param))
     return direct_share(dense_kernels(params, dense_schedule, cfg.model.num_layers), schedule.tied_heads,
                         cfg.schedule.headwise.match)
-  _, src_setup, params, _ = load_run(cfg.train.init_from, mesh)
+  src_cfg, src_setup, params, _ = load_run(cfg.train.init_from, mesh)
+  if src_setup.ties is not None:  # already head-wise (e.g. `convert uptrain`'s output): training goes on with its ties
+    if (src_setup.schedule.tied_heads, src_cfg.schedule.headwise.match) != (schedule.tied_heads,
+                                                                           cfg.schedule.headwise.match):
+      raise ConfigError(f"train.init_from={cfg.train.init_from!r} ties {src_setup.schedule.tied_heads} heads matched "
+                        f"by {src_cfg.schedule.headwise.match!r}; schedule.headwise (ratio "
+                        f"{cfg.schedule.headwise.ratio}, match {cfg.schedule.headwise.match!r}) would tie "
+                        f"{schedule.tied_heads} by {cfg.schedule.headwise.match!r}: set schedule.headwise.ratio="
+                        f"{src_cfg.schedule.headwise.ratio} and match={src_cfg.schedule.headwise.match!r}")
+    return src_setup.ties
   if src_setup.schedule.kind != "dense":
     raise ConfigError(f"train.init_from={cfg.train.init_from!r} has schedule {src_setup.schedule.kind!r}: "
-                      "head-wise sharing is selected on a dense MHA model")
+                      "head-wise sharing is selected on a dense MHA model (or continued from a head-wise one)")
   weights = dense_kernels(distributed.to_host(params), src_setup.schedule, cfg.model.num_layers)
   pairs_file = locate(cfg.train.init_from)[0] / POSTSHARE_PAIRS_FILE
   if not pairs_file.exists():
@@ -170,6 +200,9 @@ def _fresh_state(setup: RunSetup, seed: int, from_params: tuple[dict, Schedule] 
     params = convert_kv(from_params[0], from_params[1], params, setup.schedule, kv_pool=init_kv_pool(setup.cfg))
     params = widen_mlp(from_params[0], from_params[1], params, setup.schedule, rule=setup.cfg.train.init_mlp_widen)
     params = init_low_rank(from_params[0], from_params[1], params, setup.schedule)
+  elif from_params is not None and "head_table" in from_params[0]:  # a head-wise source with these ties: its weights
+    params = {**copy_shared_weights(from_params[0], from_params[1], params, setup.schedule),
+              "head_table": from_params[0]["head_table"]}
   elif from_params is not None:  # DirectShare uptraining: the head table from the source's tied heads
     params = tied_params_from_dense(from_params[0], params, setup.ties, from_params[1])
   return _train_state(setup, params, 0)
