@@ -94,6 +94,15 @@ def test_default_blocks_and_one_block_sequences():
          ["out", "lse", "dq", "dk", "dv"])
 
 
+def test_default_backend_is_the_platforms():
+  """Called without ``backend``, both kernels take the default device's (interpret mode on this CPU host)."""
+  q, k, v, seg, _, _ = _inputs(1, 20, 2, 2, 8, 8, jnp.float32)
+  out, lse = flash.attention(q, k, v, seg, seg, return_lse=True)
+  np.testing.assert_allclose(out, reference.attention(q, k, v, seg, seg), atol=2e-5)
+  reused = flash.attention_from_lse(q, k, lse, v, seg, seg, scale=8 ** -0.5)
+  np.testing.assert_allclose(reused, reference.attention_from_lse(q, k, lse, v, seg, seg, scale=8 ** -0.5), atol=2e-5)
+
+
 @pytest.mark.parametrize("gk,gv", [(2, 2), (1, 4), (4, 1)])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_probability_reuse_matches_reference(gk, gv, dtype):

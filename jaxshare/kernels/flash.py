@@ -438,6 +438,7 @@ def attention_from_lse(q: jax.Array, k: jax.Array, lse: jax.Array, v: jax.Array,
   Args:
     q, k: the source layer's ``[B, T, H, e]`` / ``[B, S, Gk, e]``; lse: its ``[B, H, T]`` float32 log-sum-exp.
     v: the consumer's ``[B, S, Gv, d]`` values (Gk ≠ Gv are both repeated to their least common multiple).
+    backend: as :func:`attention` (None: the default device's).
 
   Returns:
     ``[B, T, H, d]`` in v's dtype; gradients reach q, k, lse and v.
@@ -449,5 +450,6 @@ def attention_from_lse(q: jax.Array, k: jax.Array, lse: jax.Array, v: jax.Array,
   geo = geometry(t, k.shape[1], causal=causal, window=window, scale=scale, block_q=block_q, block_k=block_k)
   lse = jnp.pad(lse.astype(jnp.float32), ((0, 0), (0, 0), (0, geo.t_padded - t)))[..., None]
   out = _reuse(_to_kernel_layout(q, geo.t_padded), _to_kernel_layout(k, geo.s_padded), lse,
-               _to_kernel_layout(v, geo.s_padded), *_segments(q_segment_ids, kv_segment_ids, geo), geo, backend)
+               _to_kernel_layout(v, geo.s_padded), *_segments(q_segment_ids, kv_segment_ids, geo), geo,
+               backend or default_backend())
   return out[:, :, :t, :v.shape[3]].transpose(0, 2, 1, 3)
