@@ -28,7 +28,10 @@ import signal
 import sys
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+  """The command line; flags may come before, between or after the overrides."""
+  from jaxshare.cli_args import parse_anywhere
+
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--config", help="experiment YAML (its includes: are merged first)")
   parser.add_argument("--help-config", action="store_true", help="list every config field with its documentation")
@@ -42,9 +45,14 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--max-batch", action="store_true",
                       help="--compile-only: also find the largest global batch that fits, by compiling")
   parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=500 model.num_layers=6")
-  args = parser.parse_args(argv)
+  args = parse_anywhere(parser, argv)
   if args.compile_only != bool(args.topology) or (args.max_batch or args.num_slices) and not args.compile_only:
     parser.error("--compile-only needs --topology; --topology, --num-slices and --max-batch need --compile-only")
+  return args
+
+
+def main(argv: list[str] | None = None) -> int:
+  args = parse_args(argv)
 
   from jaxshare.config import ConfigError, describe_fields, load_config
 

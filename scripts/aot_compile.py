@@ -55,7 +55,7 @@ def main(argv=None) -> int:
   ap.add_argument("--no-cuda", action="store_true", help="skip the CUDA lowering of the kernels")
   ap.add_argument("--json", help="also write the results to this JSON file")
   ap.add_argument("overrides", nargs="*", help="config overrides for the train step (key=value)")
-  args = ap.parse_args(argv)
+  args = ap.parse_intermixed_args(argv)
   results: dict = {"tpu": {}, "cuda": []}
   try:
     for topology in args.topology or TOPOLOGIES:

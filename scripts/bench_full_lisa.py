@@ -45,7 +45,7 @@ def main(argv=None) -> int:
   ap.add_argument("--integrator", choices=["ffn", "linear"], default="ffn")
   ap.add_argument("--repeats", type=int, default=3)
   ap.add_argument("overrides", nargs="*")
-  args = ap.parse_args(argv)
+  args = ap.parse_intermixed_args(argv)
   for t in args.lengths:
     common = BASE + [f"data.seq_len={t}", f"schedule.lisa.integrator={args.integrator}", *args.overrides]
     (mem_m, s_m), (mem_r, s_r) = (measure(common + [f"attention.score_sharing={mode}"], args.repeats)

@@ -104,7 +104,7 @@ def main() -> None:
                       "train.log_every and checkpoints every train.checkpoint_every, as configured)")
   parser.add_argument("--rounds", type=int, default=3)
   parser.add_argument("overrides", nargs="*", help="config overrides")
-  args = parser.parse_args()
+  args = parser.parse_intermixed_args()
   cfg = load_config(args.config, [*args.overrides, "train.progress_bar=false", "train.eval_every=0"])
   pure = pure_seconds_per_step(cfg, 50)
   with tempfile.TemporaryDirectory() as tmp:

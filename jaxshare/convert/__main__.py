@@ -23,7 +23,10 @@ import tempfile
 from pathlib import Path
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+  """The command line; flags may come before, between or after the overrides."""
+  from jaxshare.cli_args import parse_anywhere
+
   parser = argparse.ArgumentParser(prog="python -m jaxshare.convert", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   sub = parser.add_subparsers(dest="command", required=True)
@@ -49,11 +52,16 @@ def main(argv: list[str] | None = None) -> int:
                   help="UniAttn W_c fit: tokens (least squares over every calibration token) or mean (the paper's "
                   "v=1: sample means per position; when seq_len is not much larger than d_model it fits the mean "
                   "error exactly with a W_c that fails on single tokens) (default: %(default)s)")
-  args = parser.parse_args(argv)
+  args = parse_anywhere(parser, argv, {"import": imp, "export": exp, "uptrain": up})
   if args.command == "uptrain" and args.calibration_batches < 0:
-    parser.error(f"--calibration-batches={args.calibration_batches} is invalid: must be >= 0")
+    up.error(f"--calibration-batches={args.calibration_batches} is invalid: must be >= 0")
   if args.command == "export" and args.max_shard_gb <= 0:
-    parser.error(f"--max-shard-gb={args.max_shard_gb} is invalid: must be > 0")
+    exp.error(f"--max-shard-gb={args.max_shard_gb} is invalid: must be > 0")
+  return args
+
+
+def main(argv: list[str] | None = None) -> int:
+  args = parse_args(argv)
 
   from jaxshare.config import ConfigError
   from jaxshare.data import DataError
