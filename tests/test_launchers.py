@@ -167,14 +167,15 @@ def test_slurm_submits_the_script_it_prints(tmp_path):
   fake_tool(bin_dir, "sbatch", "#!/usr/bin/env bash\nset -eu\nexec bash \"$1\"\n")
   argv_recorder(bin_dir / "srun", str(tmp_path / "srun.json"))
   env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
-  args = ["--log-dir", str(logs), "--run-name", "r3", "--", *NASTY]
+  # The environment running this test, whatever it is: the default (.venv under the repo) may not exist.
+  args = ["--log-dir", str(logs), "--run-name", "r3", "--venv", sys.prefix, "--", *NASTY]
   r = run(SLURM, *args, env=env)
   assert r.returncode == 0, r.stderr
   assert r.stdout.splitlines()[0] == f"wrote {logs}/r3.sbatch"
   assert (logs / "r3.sbatch").read_text() == batch_script(run(SLURM, "--dry-run", *args).stdout)
   rec = json.loads((tmp_path / "srun.json").read_text())
   assert rec["cwd"] == str(REPO)
-  assert rec["argv"] == ["--kill-on-bad-exit=1", ".venv/bin/python", "train.py", "--config",
+  assert rec["argv"] == ["--kill-on-bad-exit=1", f"{sys.prefix}/bin/python", "train.py", "--config",
                          "configs/experiments/pod_cla2.yaml",
                          "train.run_dir=runs/r3", "distributed.initialize=on", "mesh.data=4", "mesh.fsdp=8", *NASTY]
 
@@ -280,7 +281,8 @@ def test_slurm_launcher_starts_a_two_process_run(tmp_path, corpus):
   env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "FAKE_JOB_ID": str(_free_slurm_port() - 61440),
          "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
   cmd = [str(SLURM), "--nodes", "1", "--gpus-per-node", "2", "--run-root", str(runs), "--run-name", "two",
-         "--log-dir", str(logs), "--config", "configs/experiments/shakespeare_cla2.yaml", "--", *TINY]
+         "--log-dir", str(logs), "--venv", sys.prefix, "--config", "configs/experiments/shakespeare_cla2.yaml", "--",
+         *TINY]
   proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                           start_new_session=True)
   try:
