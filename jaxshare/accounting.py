@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxshare.config import ModelConfig
-from jaxshare.schedule import Schedule
+from jaxshare.config import ModelConfig, ScheduleConfig
+from jaxshare.schedule import Schedule, compile_schedule
 
 
 def _has_bias(model: ModelConfig) -> bool:
@@ -49,20 +49,65 @@ def _kv_params_per_head(model: ModelConfig) -> int:
   return 2 * model.d_model * d + (2 * d if _has_bias(model) else 0)
 
 
-def mlp_dim(model: ModelConfig, schedule: Schedule, match_params: bool) -> int:
+@dataclasses.dataclass(frozen=True)
+class ParamMatch:
+  """How ``schedule.match_params`` sizes the MLPs.
+
+  Attributes:
+    formula: ``exact`` (the reference's total parameter count) or ``pythia_mlkv`` (pythia-mlkv's formula).
+    reference: ``exact``: the total parameter count to match; 0 means the dense MHA model of the same config.
+  """
+
+  formula: str = "exact"
+  reference: int = 0
+
+
+def param_match(schedule_cfg: ScheduleConfig) -> ParamMatch | None:
+  """The config's parameter matching (None without ``schedule.match_params``)."""
+  if not schedule_cfg.match_params:
+    return None
+  return ParamMatch(schedule_cfg.match_formula, schedule_cfg.match_reference_params)
+
+
+def _as_match(match: ParamMatch | bool | None) -> ParamMatch | None:
+  return ParamMatch() if match is True else (match or None)
+
+
+def params_per_mlp_neuron(model: ModelConfig) -> int:
+  """Parameters one hidden unit adds to every layer's MLP: its input and output weights (and input bias, GELU)."""
+  return model.num_layers * (_mlp_matrices(model) * model.d_model + (1 if model.flavor == "neox" else 0))
+
+
+def mlp_dim(model: ModelConfig, schedule: Schedule, match: ParamMatch | bool | None = None) -> int:
   """MLP width F' used by the model.
 
-  With ``match_params`` the K/V parameters the schedule drops, relative to dense MHA, are given back by widening
-  every layer's MLP. pythia-mlkv's formula (reproduces every MLKV Table 2 count):
-  ``P_lost = (L·H - Σ G_producers)·(2Dd + 2d)``, ``F' = F + round(floor(P_lost / L) / D) // k``, with k = 2 weight
-  matrices per neuron for the GELU MLP; k = 3 for SwiGLU (our generalisation).
+  Without ``match`` (None or False), ``model.mlp_dim``. ``exact`` (``True`` is ``ParamMatch()``): the width whose
+  model has the reference's total parameter count within half a neuron's worth (:func:`params_per_mlp_neuron`),
+  counting everything the schedule drops or adds (K/V and Q/K projections, tied heads, W_c, LISA's low-rank
+  projections and aligners). ``pythia_mlkv``, pythia-mlkv's formula, which reproduces every MLKV Table 2 count:
+  ``P_lost = (L·H - Σ G_producers)·(2Dd + 2d)``, ``F' = F + round(floor(P_lost / L) / D) // k``, k = 2 weight matrices
+  per neuron for the GELU MLP (k = 3 for SwiGLU, our generalisation); it counts only K/V heads dropped relative to
+  dense MHA.
+
+  Raises:
+    ValueError: an unknown formula, or a reference so small that no MLP width reaches it.
   """
-  if not match_params:
+  match = _as_match(match)
+  if match is None:
     return model.mlp_dim
-  dropped_heads = model.num_layers * model.num_heads - sum(
-    p.num_kv_heads for p in schedule.layers if p.is_producer)
-  p_lost = dropped_heads * _kv_params_per_head(model)
-  return model.mlp_dim + round((p_lost // model.num_layers) / model.d_model) // _mlp_matrices(model)
+  if match.formula == "pythia_mlkv":
+    dropped_heads = model.num_layers * model.num_heads - sum(
+      p.num_kv_heads for p in schedule.layers if p.is_producer)
+    p_lost = dropped_heads * _kv_params_per_head(model)
+    return model.mlp_dim + round((p_lost // model.num_layers) / model.d_model) // _mlp_matrices(model)
+  if match.formula != "exact":
+    raise ValueError(f"schedule.match_formula={match.formula!r} is invalid: must be exact or pythia_mlkv")
+  reference = match.reference or param_count(model, compile_schedule(model, ScheduleConfig())).total
+  width = model.mlp_dim + round((reference - param_count(model, schedule).total) / params_per_mlp_neuron(model))
+  if width < 1:
+    raise ValueError(f"schedule.match_reference_params={reference} is invalid for this model: matching it would "
+                     f"need an MLP width of {width} (< 1)")
+  return width
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,17 +147,17 @@ def sharing_params(model: ModelConfig, schedule: Schedule, p) -> int:
   return n
 
 
-def param_count(model: ModelConfig, schedule: Schedule, match_params: bool = False) -> ParamCount:
+def param_count(model: ModelConfig, schedule: Schedule, match: ParamMatch | bool | None = None) -> ParamCount:
   """Exact parameter count of :class:`jaxshare.model.Transformer` built from (model, schedule).
 
   K/V consumers have no K/V projections; layers that reuse scores have no W_q/W_k (LISA layers with ``keep_qk`` keep
   them, untrained, for NF decoding); head-wise sharing removes the
   W_q, W_k, W_v (and biases) of ``schedule.tied_heads`` heads. Reproduces MLKV Table 2 (Pythia-160M,
-  ``match_params``) and head-wise Table 3 exactly.
+  ``ParamMatch("pythia_mlkv")``) and head-wise Table 3 exactly.
   """
   D, H, d = model.d_model, model.num_heads, model.resolved_head_dim
   bias, out_bias = _has_bias(model), model.flavor == "neox"
-  F = mlp_dim(model, schedule, match_params)
+  F = mlp_dim(model, schedule, match)
   attn = sharing = 0
   for p in schedule.layers:
     full_qk = p.has_query_key or p.keep_qk
@@ -137,7 +182,7 @@ def param_count(model: ModelConfig, schedule: Schedule, match_params: bool = Fal
 
 
 def forward_flops_per_token(model: ModelConfig, schedule: Schedule, context_len: float,
-                            match_params: bool = False) -> float:
+                            match: ParamMatch | bool | None = None) -> float:
   """Forward matmul FLOPs for one token attending to ``context_len`` keys (2 FLOPs per multiply-add; elementwise
   work such as norms, RoPE and the softmax is not counted).
 
@@ -149,7 +194,7 @@ def forward_flops_per_token(model: ModelConfig, schedule: Schedule, context_len:
   """
   D, H, d = model.d_model, model.num_heads, model.resolved_head_dim
   r, hid = schedule.lisa_rank, schedule.lisa_hidden
-  F = mlp_dim(model, schedule, match_params)
+  F = mlp_dim(model, schedule, match)
   flops = 2 * model.vocab_size * D  # output projection
   for p in schedule.layers:
     g = p.num_kv_heads
@@ -170,13 +215,14 @@ def forward_flops_per_token(model: ModelConfig, schedule: Schedule, context_len:
   return flops
 
 
-def train_flops_per_token(model: ModelConfig, schedule: Schedule, seq_len: int, match_params: bool = False) -> float:
+def train_flops_per_token(model: ModelConfig, schedule: Schedule, seq_len: int,
+                          match: ParamMatch | bool | None = None) -> float:
   """Training FLOPs per token (forward + backward = 3x forward), causal attention averaged over positions.
 
   Used for MFU (model FLOPs: recomputation under remat or ``score_sharing=recompute`` is not counted). Like PaLM's
   6N + 12·L·H·d·T but with the causal average context (T+1)/2 and the schedule's actual projections.
   """
-  return 3 * forward_flops_per_token(model, schedule, (seq_len + 1) / 2, match_params)
+  return 3 * forward_flops_per_token(model, schedule, (seq_len + 1) / 2, match)
 
 
 def lisa_memory_saving_bytes(model: ModelConfig, schedule: Schedule, seq_len: int, phase: str,

@@ -114,7 +114,8 @@ class SAConfig:
   end: int = _f(-1, "Last layer of the span, inclusive; -1 means num_layers - 2 (the top layer is never shared).")
   semantics: str = _f("reference_code", "paper: the span's first layer computes the probabilities and the others "
                       "reuse them (|S|-1 layers lose K). reference_code (metacarbon/shareAtt): every span layer reuses "
-                      "the layer before the span (|S| layers lose K; reproduces the paper's 12.5% KV saving).",
+                      "the layer before the span (|S| layers lose K: 12.5% of Llama2-7B's KV cache for the paper's span 23~30 "
+                      "vs 10.9% with paper semantics, both derived by jaxshare's accounting; the paper prints neither).",
                       ("paper", "reference_code"))
 
 
@@ -195,8 +196,18 @@ class ScheduleConfig:
                       ("paper", "reference_code"))
   sources: str = _f("", "explicit: per-layer KV source, LCKV style, e.g. '0_0_2_2' (layer i reads the K/V of "
                     "layer sources[i] <= i; a layer that is its own source produces).")
-  match_params: bool = _f(False, "Give the dropped K/V parameters back by widening every MLP (MLKV Sec. 4, "
-                          "pythia-mlkv formula), so that variants have equal parameter counts.")
+  match_params: bool = _f(False, "Give the model the total parameter count of its reference by resizing every "
+                          "MLP (MLKV Sec. 4's control: variants compared at equal parameters). The reference is the "
+                          "source model when uptraining (train.init_from, convert uptrain: recorded in "
+                          "schedule.match_reference_params), else the dense MHA model of this config.")
+  match_formula: str = _f("exact", "schedule.match_params: exact (the same total parameter count as the reference, "
+                          "within half an MLP neuron per layer's worth, whatever the schedule adds or drops) or "
+                          "pythia_mlkv (pythia-mlkv's formula: only the K/V heads dropped relative to dense MHA, "
+                          "F' = F + round(floor(P_lost / L) / D) // 2; reproduces MLKV Table 2).",
+                          ("exact", "pythia_mlkv"))
+  match_reference_params: int = _f(0, "schedule.match_params=exact: the total parameter count to match; 0: the dense "
+                                   "MHA model of this config. Set from the source by train.init_from and convert "
+                                   "uptrain, and kept in the run's config so the run rebuilds without its source.")
   sa: SAConfig = dataclasses.field(default_factory=SAConfig)
   uniattn: UniAttnConfig = dataclasses.field(default_factory=UniAttnConfig)
   lisa: LisaConfig = dataclasses.field(default_factory=LisaConfig)
@@ -543,6 +554,8 @@ def validate(cfg: Config) -> None:
   for name in ("init_std", "norm_eps", "rope_theta", "rope_scaling_factor"):
     v = getattr(m, name)
     _require(math.isfinite(v) and v > 0, f"model.{name}", v, "must be a finite number > 0")
+  _require(cfg.schedule.match_reference_params >= 0, "schedule.match_reference_params",
+           cfg.schedule.match_reference_params, "must be >= 0 (0: the dense MHA model of this config)")
   lisa = cfg.schedule.lisa
   _require(lisa.rank >= 0, "schedule.lisa.rank", lisa.rank, "must be >= 0 (>= 1 unless every LISA layer is DS)")
   _require(lisa.hidden >= 0, "schedule.lisa.hidden", lisa.hidden, "must be >= 0 (0: 8 * model.num_heads)")

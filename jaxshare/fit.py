@@ -249,7 +249,7 @@ def check(cfg: Config, target: str, num_slices: int | None = None) -> Fit:
                       f"say; the table knows {', '.join(k for k, _ in topology.HBM_GIB)})")
   step = aot.trace_train_step(cfg, mesh)
   tokens = cfg.train.batch_size * cfg.data.seq_len
-  model, schedule, match = cfg.model, step.setup.schedule, cfg.schedule.match_params
+  model, schedule, match = cfg.model, step.setup.schedule, accounting.param_match(cfg.schedule)
   model_flops = accounting.train_flops_per_token(model, schedule, cfg.data.seq_len, match) * tokens
   executed, kernels = matmul_flops(step.traced.jaxpr)
   if kernels:  # the kernels' attention, which no count sees: the model's causal attention matmuls, forward x 3

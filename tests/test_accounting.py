@@ -38,8 +38,9 @@ def _schedule(kind, m, g):
 @pytest.mark.parametrize("kind, m, g, params, widened", TABLE_2)
 def test_mlkv_table2_parameter_counts_exact(kind, m, g, params, widened):
   s = _schedule(kind, m, g)
-  assert accounting.mlp_dim(PYTHIA_160M, s, match_params=True) == widened
-  assert accounting.param_count(PYTHIA_160M, s, match_params=True).total == params
+  match = accounting.ParamMatch("pythia_mlkv")
+  assert accounting.mlp_dim(PYTHIA_160M, s, match) == widened
+  assert accounting.param_count(PYTHIA_160M, s, match).total == params
 
 
 @pytest.mark.parametrize("kind, m, g, params, widened", TABLE_2)

@@ -21,8 +21,9 @@ and the new neurons still learn, since their output rows receive gradients).
 
 LISA's new modules (:func:`init_low_rank`): the low-rank ``k_lr`` starts at zero, so ``A_delta = Q_lr K_lr^T = 0``
 and, with the aligners' identity-on-``A_{n-1}`` initialisation (:func:`jaxshare.model.attention.sum_aligner`), every
-LISA layer starts as DS, the exact reuse of the previous layer's logits that the papers evaluate untrained (LISA
-Sec. 3; UniAttn's unification without W_c). A random ``A_delta`` would add noise carrying nothing about the source;
+LISA layer starts as DS, the exact reuse of the previous layer's logits that the papers evaluate untrained (LISA's
+DS rows; UniAttn's unification without W_c). This start is jaxshare's choice: LISA prescribes no initialisation for
+a conversion, and its analysis shows plain reuse is what does not work untrained. A random ``A_delta`` would add noise carrying nothing about the source;
 an SVD of the layer's own ``W_q W_k^T`` approximates its logits, not the difference to the reused ones, and is not
 position-independent under RoPE. As in LoRA's zero-initialised factor, ``q_lr`` stays random so that ``k_lr``
 receives gradients from the first step (``dL/dK_lr = Q_lr^T dL/dA_delta``).
@@ -113,8 +114,10 @@ def convert_kv(src: dict, src_schedule: Schedule, dst: dict, dst_schedule: Sched
 
 
 def widen_mlp(src: dict, src_schedule: Schedule, dst: dict, dst_schedule: Schedule, *, rule: str = "zero") -> dict:
-  """``dst`` with every MLP wider than the source's (F' > F hidden units) built from it by ``rule`` (see the module
-  docstring; ``duplicate`` repeats the source's neurons cyclically when F' > 2F). Traceable.
+  """``dst`` with every MLP of another width than the source's built from it: wider (F' > F hidden units) by ``rule``
+  (see the module docstring; ``duplicate`` repeats the source's neurons cyclically when F' > 2F), narrower (a matched
+  model that adds parameters elsewhere, or a target larger than its GQA source) from the source's first F' units.
+  Traceable.
 
   Raises:
     ValueError: ``rule`` is invalid.
@@ -126,7 +129,13 @@ def widen_mlp(src: dict, src_schedule: Schedule, dst: dict, dst_schedule: Schedu
     s_mlp = P.layer_params(src, src_schedule, layer)["mlp"]
     d_layer = P.layer_params(out, dst_schedule, layer)
     f, f_new = s_mlp["up"]["kernel"].shape[-1], d_layer["mlp"]["up"]["kernel"].shape[-1]
-    if f_new <= f:
+    if f_new == f:
+      continue
+    if f_new < f:
+      mlp = {name: {leaf: jax.lax.slice_in_dim(s_mlp[name][leaf], 0, f_new, axis=0 if name == "down" else -1)
+                    if s_mlp[name][leaf].shape != target.shape else s_mlp[name][leaf]
+                    for leaf, target in proj.items()} for name, proj in d_layer["mlp"].items()}
+      out = P.replace_layer(out, dst_schedule, layer, {**d_layer, "mlp": mlp})
       continue
     extra = jnp.arange(f_new - f) % f
     mlp = {}
@@ -151,13 +160,13 @@ def widen_mlp(src: dict, src_schedule: Schedule, dst: dict, dst_schedule: Schedu
 
 
 def widened_layers(src: dict, src_schedule: Schedule, dst: dict, dst_schedule: Schedule) -> dict[int, tuple[int, int]]:
-  """``{layer: (F, F')}`` for the layers whose MLP :func:`widen_mlp` builds (shapes only)."""
+  """``{layer: (F, F')}`` for the layers whose MLP :func:`widen_mlp` resizes (shapes only)."""
   def width(params, schedule, layer):
     return jax.eval_shape(lambda: P.layer_params(params, schedule, layer)["mlp"]["up"]["kernel"]).shape[-1]
   out = {}
   for layer in range(len(dst_schedule.layers)):
     f, f_new = width(src, src_schedule, layer), width(dst, dst_schedule, layer)
-    if f_new > f:
+    if f_new != f:
       out[layer] = (f, f_new)
   return out
 
@@ -231,7 +240,8 @@ def init_report(src: dict, src_schedule: Schedule, dst: dict, dst_schedule: Sche
   lines = [f"{copied} tensors copied (same layer, name and shape)", *kv_report(src_schedule, dst_schedule, kv_pool)]
   how = {"zero": "new neurons: fresh input weights, zero output rows (same function)",
          "duplicate": "new neurons: copies of the first ones (pythia-mlkv)"}[mlp_widen]
-  lines += [f"layer {layer} mlp: widened {f} -> {f_new} hidden units, the first {f} copied; {how}"
+  lines += [f"layer {layer} mlp: widened {f} -> {f_new} hidden units, the first {f} copied; {how}" if f_new > f else
+            f"layer {layer} mlp: narrowed {f} -> {f_new} hidden units, the first {f_new} copied"
             for layer, (f, f_new) in widened.items()]
   if low_rank:
     lines.append(f"layers {sorted(set(low_rank))} attn/k_lr: zero (LISA's A_delta = 0: each starts as DS, the "
@@ -263,10 +273,12 @@ def uptrain_run(src_run, out_run, overrides, *, calibration_batches: int = 8, wc
   from jaxshare.convert.calibrate import calibrate_compensation, format_fits
   from jaxshare.convert.run_dir import write_run
   from jaxshare.data import Datasets
-  from jaxshare.train.state import init_kv_pool, init_state, load_run, setup_run
+  from jaxshare.train.state import init_kv_pool, init_state, load_run, setup_run, with_match_reference
 
   src_cfg, src_setup, src_params, step = load_run(src_run)
-  cfg = apply_overrides(src_cfg, [*overrides, f"train.init_from={src_run}"])
+  # the source's own reference (if it was matched) is not the target's: the target is matched to the source
+  cfg = with_match_reference(apply_overrides(src_cfg, ["schedule.match_reference_params=0", *overrides,
+                                                       f"train.init_from={src_run}"]))
   setup = setup_run(cfg)
   params = init_state(setup, from_params=(src_params, src_setup.schedule))["params"]
   calibrate = bool(calibration_batches) and any(p.compensation for p in setup.schedule.layers)

@@ -79,7 +79,7 @@ def _check(sweep: Sweep, runs: list[Run]) -> int:
       bad += 1
       continue
     kv = accounting.kv_cache_bytes_per_token(cfg.model, schedule, 2)
-    params = accounting.param_count(cfg.model, schedule, cfg.schedule.match_params).total
+    params = accounting.param_count(cfg.model, schedule, accounting.param_match(cfg.schedule)).total
     print(f"ok {run.variant}: {kv:,} KV bytes/token (bf16), {params:,} params | {schedule.describe()}")
   print(f"{len(runs)} runs of {len({r.variant for r in runs})} variants; {bad} invalid")
   return 2 if bad else 0

@@ -19,7 +19,7 @@ from jaxshare.train.interrupts import Interrupts
 from jaxshare.train.metrics import MetricsLogger, resolve_peak
 from jaxshare.train.recipes import Stage1Monitor, build_objective
 from jaxshare.train.state import (RunSetup, abstract_state, init_kv_pool, init_state, load_run, local_batch_rows,
-                                  setup_run, shard_batch, state_from_params, trainable_for)
+                                  setup_run, shard_batch, state_from_params, trainable_for, with_match_reference)
 from jaxshare.train.step import Objective, make_eval_step, make_train_step
 
 # Fields a resumed run must share with the run that wrote its checkpoints (the rest, e.g. train.steps, may change):
@@ -125,6 +125,7 @@ def train(cfg: Config, *, mesh=None, stop_after: int | None = None) -> dict[str,
     DivergenceError: a non-finite step under ``train.nan_policy=stop``.
     KeyboardInterrupt: a third SIGINT/SIGTERM (the last finished checkpoint is kept).
   """
+  cfg = with_match_reference(cfg)
   run_dir = absolute(cfg.train.run_dir)
   mesh = mesh or parallel.make_mesh(cfg.mesh)
   tcfg = cfg.train
@@ -185,7 +186,7 @@ def train(cfg: Config, *, mesh=None, stop_after: int | None = None) -> dict[str,
 
   n_dev = setup.mesh.size
   flops_per_token = accounting.train_flops_per_token(cfg.model, setup.schedule, cfg.data.seq_len,
-                                                     cfg.schedule.match_params)
+                                                     accounting.param_match(cfg.schedule))
   peak = resolve_peak(tcfg.peak_tflops, n_dev, cfg.model.dtype)
   kv_bytes = accounting.kv_cache_bytes_per_token(cfg.model, setup.schedule,
                                                  2 if cfg.model.dtype == "bfloat16" else 4)
