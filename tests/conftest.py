@@ -8,11 +8,31 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import json  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+import jax  # noqa: E402
 import pytest  # noqa: E402
 
 from jaxshare.config import load_config  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session", autouse=True)
+def xla_compilation_cache(tmp_path_factory, worker_id) -> Path:
+  """XLA's persistent compilation cache, shared by this session's processes: identical programs built anew (a
+  resumed run's train step, a converted run's evaluation, one schedule in several tests) compile once. Entries are
+  keyed by the program, compile options and versions, and the directory lives in this session's temporary root
+  (shared by the pytest-xdist workers, removed with pytest's old sessions), so nothing compiled by earlier code is
+  reused. A size limit turns on the cache's file lock: no worker reads an entry while another writes it.
+  Subprocesses (train.py runs) do not use it."""
+  base = tmp_path_factory.getbasetemp()
+  path = (base if worker_id == "master" else base.parent) / "xla-cache"
+  jax.config.update("jax_compilation_cache_dir", str(path))
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+  jax.config.update("jax_compilation_cache_max_size", 8 << 30)
+  return path
+
+
 CORPUS = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
 
 
