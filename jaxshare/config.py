@@ -330,6 +330,12 @@ class TrainConfig:
                       "every parameter with the same layer, name and shape is copied, each K/V producer's "
                       "projections are pooled from the source (train.init_kv_pool), new modules keep their "
                       "initialisation; the log lists which rule built each. Empty: train from scratch.")
+  init_lisa: str = _f("ds", "Uptraining into LISA: how a LISA layer's low-rank Q/K start. ds: k_lr = 0 (A_delta = "
+                      "0; with the aligners' initial sum the layer starts as DS, exact reuse of the previous layer's "
+                      "logits); fit: the rank-r truncated SVD of the difference between the source layer's own W_q "
+                      "W_k^T and its score source's, per K/V group, so A_{n-1} + A_delta approximates the layer's own "
+                      "logits (RoPE ignored). Both are jaxshare's: LISA prescribes no conversion start.",
+                      ("ds", "fit"))
   init_kv_pool: str = _f("auto", "Uptraining into K/V sharing: how a producer's K/V are built from the source layers "
                          "that read them (heads always mean-pooled into the target's groups, GQA Sec. 2.1). mean: "
                          "uniform mean over the layers (MLKV); running: pythia-mlkv's running pairwise mean; "

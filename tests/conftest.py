@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="session", autouse=True)
-def xla_compilation_cache(tmp_path_factory, worker_id) -> Path:
+def xla_compilation_cache(tmp_path_factory) -> Path:
   """XLA's persistent compilation cache, shared by this session's processes: identical programs built anew (a
   resumed run's train step, a converted run's evaluation, one schedule in several tests) compile once. Entries are
   keyed by the program, compile options and versions, and the directory lives in this session's temporary root
@@ -25,7 +25,7 @@ def xla_compilation_cache(tmp_path_factory, worker_id) -> Path:
   reused. A size limit turns on the cache's file lock: no worker reads an entry while another writes it.
   Subprocesses (train.py runs) do not use it."""
   base = tmp_path_factory.getbasetemp()
-  path = (base if worker_id == "master" else base.parent) / "xla-cache"
+  path = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "xla-cache"
   jax.config.update("jax_compilation_cache_dir", str(path))
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

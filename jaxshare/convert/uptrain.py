@@ -171,16 +171,46 @@ def widened_layers(src: dict, src_schedule: Schedule, dst: dict, dst_schedule: S
   return out
 
 
-def init_low_rank(src: dict, src_schedule: Schedule, dst: dict, dst_schedule: Schedule) -> dict:
-  """``dst`` with ``k_lr`` zeroed in every LISA layer the source has no low-rank K for (``A_delta = 0``: the layer
-  starts as DS; see the module docstring); a LISA source's trained ``k_lr`` stays as copied. Traceable."""
+LISA_STARTS = ("ds", "fit")
+
+
+def fittable_lisa_layers(src: dict, src_schedule: Schedule, dst_schedule: Schedule) -> list[int]:
+  """LISA layers of ``dst_schedule`` whose layer and score source both have their own W_q and W_k in the source
+  (what ``train.init_lisa=fit`` needs; shapes only)."""
+  def own_qk(layer):
+    attn = jax.eval_shape(lambda: P.layer_params(src, src_schedule, layer))["attn"]
+    return "q_proj" in attn and "k_proj" in attn
+  return [p.index for p in dst_schedule.layers if p.has_low_rank and own_qk(p.index) and own_qk(p.score_source)]
+
+
+def init_low_rank(src: dict, src_schedule: Schedule, dst: dict, dst_schedule: Schedule, start: str = "ds") -> dict:
+  """``dst``'s LISA layers started from the source, for those the source has no low-rank K for (a LISA source's
+  trained ``q_lr``/``k_lr`` stay as copied). ``ds``: ``k_lr`` zeroed (``A_delta = 0``: the layer starts as DS; see
+  the module docstring). ``fit``: ``q_lr``, ``k_lr`` from :func:`~jaxshare.convert.lisa_start.fit_low_rank` on the
+  source's W_q, W_k of the layer and its score source (layers without them start as ``ds``). Traceable.
+
+  Raises:
+    ValueError: ``start`` is invalid.
+  """
+  from jaxshare.convert.lisa_start import fit_low_rank
+
+  if start not in LISA_STARTS:
+    raise ValueError(f"train.init_lisa={start!r} is invalid: must be one of {', '.join(LISA_STARTS)}")
+  fittable = fittable_lisa_layers(src, src_schedule, dst_schedule) if start == "fit" else []
   out = dst
   for plan in dst_schedule.layers:
     layer = P.layer_params(out, dst_schedule, plan.index)
-    if "k_lr" in layer["attn"] and not _same_shapes(P.layer_params(src, src_schedule, plan.index)["attn"].get("k_lr"),
-                                                    layer["attn"]["k_lr"]):
-      attn = {**layer["attn"], "k_lr": jax.tree.map(jnp.zeros_like, layer["attn"]["k_lr"])}
-      out = P.replace_layer(out, dst_schedule, plan.index, {**layer, "attn": attn})
+    if "k_lr" not in layer["attn"] or _same_shapes(P.layer_params(src, src_schedule, plan.index)["attn"].get("k_lr"),
+                                                   layer["attn"]["k_lr"]):
+      continue
+    attn = {**layer["attn"], "k_lr": jax.tree.map(jnp.zeros_like, layer["attn"]["k_lr"])}
+    if plan.index in fittable:
+      own, prev = (P.layer_params(src, src_schedule, i)["attn"] for i in (plan.index, plan.score_source))
+      q_lr, k_lr = fit_low_rank(own["q_proj"]["kernel"], own["k_proj"]["kernel"], prev["q_proj"]["kernel"],
+                                prev["k_proj"]["kernel"], attn["q_lr"]["kernel"].shape[-1], plan.num_kv_heads)
+      attn["q_lr"] = {**attn["q_lr"], "kernel": q_lr.astype(attn["q_lr"]["kernel"].dtype)}
+      attn["k_lr"] = {**attn["k_lr"], "kernel": k_lr.astype(attn["k_lr"]["kernel"].dtype)}
+    out = P.replace_layer(out, dst_schedule, plan.index, {**layer, "attn": attn})
   return out
 
 
@@ -209,13 +239,14 @@ def kv_report(src_schedule: Schedule, dst_schedule: Schedule, kv_pool: str) -> l
 
 
 def init_report(src: dict, src_schedule: Schedule, dst: dict, dst_schedule: Schedule, kv_pool: str,
-                mlp_widen: str = "zero", wc_fitted: bool = False) -> list[str]:
+                mlp_widen: str = "zero", wc_fitted: bool = False, lisa_start: str = "ds") -> list[str]:
   """How each parameter of ``dst`` was initialised from ``src`` (shapes only, nothing computed): the number copied
   unchanged, one line per K/V producer (:func:`kv_report`), the widened MLPs, LISA's zeroed ``k_lr``, and every
   parameter left at its fresh initialisation (UniAttn's W_c excepted when ``wc_fitted``: the calibration reports
   those)."""
   converted = convertible_groups(src_schedule, dst_schedule)
   widened = widened_layers(src, src_schedule, dst, dst_schedule)
+  fitted = set(fittable_lisa_layers(src, src_schedule, dst_schedule)) if lisa_start == "fit" else set()
   low_rank = []
   copied, new = 0, []
   for key in dst:
@@ -233,6 +264,8 @@ def init_report(src: dict, src_schedule: Schedule, dst: dict, dst_schedule: Sche
         continue
       if s.get(path) == shape:
         copied += 1
+      elif layer in fitted and path.split("/")[1] in ("q_lr", "k_lr"):
+        continue
       elif path.startswith("attn/k_lr/"):
         low_rank.append(layer)
       else:
@@ -246,6 +279,10 @@ def init_report(src: dict, src_schedule: Schedule, dst: dict, dst_schedule: Sche
   if low_rank:
     lines.append(f"layers {sorted(set(low_rank))} attn/k_lr: zero (LISA's A_delta = 0: each starts as DS, the "
                  "previous layer's logits; q_lr random, aligners identity on A_(n-1))")
+  if fitted:
+    lines.append(f"layers {sorted(fitted)} attn/q_lr, k_lr: fitted, the rank-r truncated SVD of the source layer's "
+                 "W_q W_k^T minus its score source's (A_(n-1) + A_delta approximates the layer's own logits; "
+                 "jaxshare/convert/lisa_start.py)")
   if new:
     lines.append(f"NEW (fresh initialisation): {', '.join(new)}")
   return lines
@@ -283,7 +320,7 @@ def uptrain_run(src_run, out_run, overrides, *, calibration_batches: int = 8, wc
   params = init_state(setup, from_params=(src_params, src_setup.schedule))["params"]
   calibrate = bool(calibration_batches) and any(p.compensation for p in setup.schedule.layers)
   lines = init_report(src_params, src_setup.schedule, params, setup.schedule, init_kv_pool(cfg),
-                      cfg.train.init_mlp_widen, wc_fitted=calibrate) \
+                      cfg.train.init_mlp_widen, wc_fitted=calibrate, lisa_start=cfg.train.init_lisa) \
     if setup.ties is None else ["head-wise sharing: DirectShare's tying of the source's heads (jaxshare/headwise.py)"]
   if calibrate:
     data = Datasets(cfg.data, cfg.train.batch_size, process_index=0, process_count=1)

@@ -199,7 +199,7 @@ def _fresh_state(setup: RunSetup, seed: int, from_params: tuple[dict, Schedule] 
     params = copy_shared_weights(from_params[0], from_params[1], params, setup.schedule)
     params = convert_kv(from_params[0], from_params[1], params, setup.schedule, kv_pool=init_kv_pool(setup.cfg))
     params = widen_mlp(from_params[0], from_params[1], params, setup.schedule, rule=setup.cfg.train.init_mlp_widen)
-    params = init_low_rank(from_params[0], from_params[1], params, setup.schedule)
+    params = init_low_rank(from_params[0], from_params[1], params, setup.schedule, setup.cfg.train.init_lisa)
   elif from_params is not None and "head_table" in from_params[0]:  # a head-wise source with these ties: its weights
     params = {**copy_shared_weights(from_params[0], from_params[1], params, setup.schedule),
               "head_table": from_params[0]["head_table"]}
