@@ -579,9 +579,9 @@ MALFORMED_KINDS = ["", "flash", "sa+lisa", "dense+gqa", "headwise+headwise", "ML
 
 
 @st.composite
-def schedule_specs(draw) -> dict[str, Any]:
-  """A valid model (1..6 layers, d_model <= 64) with a preset expression and the knobs its presets read."""
-  L, H = draw(st.integers(1, 6)), draw(st.sampled_from([1, 2, 3, 4, 6, 8]))
+def schedule_specs(draw, layers: tuple[int, int] = (1, 6)) -> dict[str, Any]:
+  """A valid model (``layers`` layers, d_model <= 64) with a preset expression and the knobs its presets read."""
+  L, H = draw(st.integers(*layers)), draw(st.sampled_from([1, 2, 3, 4, 6, 8]))
   hd = draw(st.sampled_from([2, 4, 8]))
   explicit_hd = draw(st.booleans())
   spec = {"model.num_layers": L, "model.num_heads": H, "model.d_model": draw(st.sampled_from([16, 32, 64]))

@@ -67,3 +67,11 @@ def rope_parameters(model) -> dict:
     out.update(low_freq_factor=model.rope_low_freq_factor, high_freq_factor=model.rope_high_freq_factor,
                original_max_position_embeddings=model.rope_original_max_positions)
   return out
+
+
+def kv_heads(cfg) -> int:
+  """The K/V heads of every layer of a model an HF architecture can hold (one count for all layers): the compiled
+  schedule's, since ``schedule.kv_heads`` is 0 for both MHA and MQA."""
+  from jaxshare.schedule import compile_schedule
+
+  return compile_schedule(cfg.model, cfg.schedule).layers[0].num_kv_heads

@@ -10,7 +10,7 @@ import jax
 import numpy as np
 
 from jaxshare.config import Config, apply_overrides, load_config
-from jaxshare.convert import native
+from jaxshare.convert import hf_config, native
 from jaxshare.convert.hf_checkpoint import HFCheckpoint
 from jaxshare.convert.llama import LLAMA
 from jaxshare.convert.mapping import Architecture, Dims, UnsupportedModelError, hf_to_params
@@ -37,7 +37,7 @@ def architecture_for(ckpt: HFCheckpoint) -> Architecture:
 def dims(cfg: Config) -> Dims:
   """The :class:`Dims` of a uniform (every layer alike) model config."""
   m = cfg.model
-  return Dims(D=m.d_model, H=m.num_heads, G=cfg.schedule.kv_heads or m.num_heads, d=m.resolved_head_dim,
+  return Dims(D=m.d_model, H=m.num_heads, G=hf_config.kv_heads(cfg), d=m.resolved_head_dim,
               F=m.mlp_dim, V=m.vocab_size)
 
 

@@ -58,7 +58,7 @@ def _llama_config(cfg) -> dict:
   m = cfg.model
   return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": m.vocab_size,
           "hidden_size": m.d_model, "intermediate_size": m.mlp_dim, "num_hidden_layers": m.num_layers,
-          "num_attention_heads": m.num_heads, "num_key_value_heads": cfg.schedule.kv_heads or m.num_heads,
+          "num_attention_heads": m.num_heads, "num_key_value_heads": C.kv_heads(cfg),
           "head_dim": m.resolved_head_dim, "hidden_act": "silu", "rms_norm_eps": m.norm_eps,
           "rope_theta": m.rope_theta, "rope_parameters": C.rope_parameters(m),
           "tie_word_embeddings": m.tie_embeddings, "attention_bias": False, "mlp_bias": False,
