@@ -64,6 +64,26 @@ def corpus() -> Path:
   return CORPUS
 
 
+def write_multiple_choice_task(directory: Path, name: str, docs: list[dict]) -> None:
+  """An lm-evaluation-harness multiple-choice task ``name`` in ``directory`` (YAML + JSONL; the hub is unreachable):
+  ``docs`` of ``{"context", "choices", "label"}``, each context followed by a newline."""
+  with open(directory / f"{name}.jsonl", "w") as f:
+    f.writelines(json.dumps(doc) + "\n" for doc in docs)
+  (directory / f"{name}.yaml").write_text(f"""task: {name}
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {directory / f'{name}.jsonl'}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{context}}}}\\n"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: "{{{{label}}}}"
+metric_list:
+  - metric: acc
+""")
+
+
 def read_metrics(run_dir) -> list[dict]:
   """The records of a run's ``metrics.jsonl``."""
   return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import CORPUS, TINY, read_metrics
+from conftest import CORPUS, TINY, read_metrics, write_multiple_choice_task
 
 # One small schedule of every kind (and a composed one) on TINY's 4 layers x 4 heads.
 KINDS = {
@@ -99,22 +99,8 @@ def lm_eval_task(tmp_path_factory) -> Path:
   """A 4-document next-line multiple-choice task from the corpus (YAML + JSONL), for lm_eval.simple_evaluate."""
   path = tmp_path_factory.mktemp("task")
   lines = [ln for ln in CORPUS.read_text().splitlines() if len(ln) > 20][:12]
-  with open(path / "docs.jsonl", "w") as f:
-    for i in range(4):
-      f.write(json.dumps({"context": lines[i], "choices": [lines[i + 1], lines[i + 6]], "label": 0}) + "\n")
-  (path / "tiny.yaml").write_text(f"""task: matrix_next_line
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {path / 'docs.jsonl'}
-test_split: test
-output_type: multiple_choice
-doc_to_text: "{{{{context}}}}\\n"
-doc_to_choice: "{{{{choices}}}}"
-doc_to_target: "{{{{label}}}}"
-metric_list:
-  - metric: acc
-""")
+  write_multiple_choice_task(path, "matrix_next_line", [
+    {"context": lines[i], "choices": [lines[i + 1], lines[i + 6]], "label": 0} for i in range(4)])
   return path
 
 
@@ -160,7 +146,7 @@ def check_lm_eval(run: Path, task: Path) -> None:
     def __init__(self, *args):
       self.args = args
 
-  docs = [json.loads(line) for line in (task / "docs.jsonl").read_text().splitlines()]
+  docs = [json.loads(line) for line in (task / "matrix_next_line.jsonl").read_text().splitlines()]
   own = [np.argmax([lp for lp, _ in lm.loglikelihood([Request(d["context"] + "\n", " " + c) for c in d["choices"]])])
          == d["label"] for d in docs]
   assert acc == pytest.approx(np.mean(own))

@@ -12,7 +12,7 @@ from flax import nnx
 
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
-from conftest import CORPUS, tiny_config  # noqa: E402
+from conftest import CORPUS, tiny_config, write_multiple_choice_task  # noqa: E402
 from jaxshare.convert.run_dir import write_run  # noqa: E402
 from jaxshare.evaluation.lm_eval_harness import JaxshareLM  # noqa: E402
 from test_model import randomized  # noqa: E402
@@ -78,31 +78,19 @@ def test_simple_evaluate_runs_a_local_multiple_choice_task(run, tmp_path):
   run_dir, _, _ = run
   lines = [ln for ln in CORPUS.read_text().splitlines() if len(ln) > 20][:40]
   rng = np.random.default_rng(0)
-  with open(tmp_path / "next_line.jsonl", "w") as f:
-    for i in range(0, 16):
-      others = [lines[j] for j in rng.choice([j for j in range(len(lines)) if j != i + 1], 3, replace=False)]
-      choices = [lines[i + 1], *others]
-      order = rng.permutation(4)
-      f.write(json.dumps({"context": lines[i], "choices": [choices[k] for k in order],
-                          "label": int(np.flatnonzero(order == 0)[0])}) + "\n")
-  (tmp_path / "next_line.yaml").write_text(f"""task: shakespeare_next_line
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {tmp_path / 'next_line.jsonl'}
-test_split: test
-output_type: multiple_choice
-doc_to_text: "{{{{context}}}}\\n"
-doc_to_choice: "{{{{choices}}}}"
-doc_to_target: "{{{{label}}}}"
-metric_list:
-  - metric: acc
-""")
+  docs = []
+  for i in range(0, 16):
+    others = [lines[j] for j in rng.choice([j for j in range(len(lines)) if j != i + 1], 3, replace=False)]
+    choices = [lines[i + 1], *others]
+    order = rng.permutation(4)
+    docs.append({"context": lines[i], "choices": [choices[k] for k in order],
+                 "label": int(np.flatnonzero(order == 0)[0])})
+  write_multiple_choice_task(tmp_path, "shakespeare_next_line", docs)
   results = simple_evaluate(model="jaxshare", model_args=f"run={run_dir},batch_size=8",
-                            tasks=["shakespeare_next_line"], task_manager=TaskManager(include_path=str(tmp_path)))
+                            tasks=["shakespeare_next_line"],
+                            task_manager=TaskManager(include_path=str(tmp_path), include_defaults=False))
   acc = results["results"]["shakespeare_next_line"]["acc,none"]
   lm = JaxshareLM(run=str(run_dir))
-  docs = [json.loads(line) for line in (tmp_path / "next_line.jsonl").read_text().splitlines()]
   own = [np.argmax([p for p, _ in lm.loglikelihood([Request(d["context"] + "\n", " " + c) for c in d["choices"]])])
          == d["label"] for d in docs]
   assert acc == pytest.approx(np.mean(own))  # the harness scored the task with the adapter's loglikelihoods
