@@ -2,7 +2,6 @@
 loglikelihoods equal jaxshare's own forward pass, rolling loglikelihoods cover every token once, generate_until
 stops at its strings, and ``simple_evaluate`` runs the task end to end."""
 
-import json
 import os
 
 import jax
