@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Sequence
 
 
@@ -19,12 +20,9 @@ def parse_anywhere(parser: argparse.ArgumentParser, argv: Sequence[str] | None,
   Raises:
     SystemExit: argparse's usage error or help, as ``parse_args``.
   """
-  argv = list(argv) if argv is not None else None
+  argv = list(sys.argv[1:] if argv is None else argv)
   if commands is None:
     return parser.parse_intermixed_args(argv)
-  if argv is None:
-    import sys
-    argv = sys.argv[1:]
   if argv and argv[0] in commands:
     args = commands[argv[0]].parse_intermixed_args(argv[1:])
     args.command = argv[0]
