@@ -1,23 +1,31 @@
 #!/usr/bin/env python
 """The uptraining experiment, end to end through the CLIs: a miniature of the MLKV paper's Tables 2-3.
 
-  1. train a dense Pythia-style (GPT-NeoX) model on Tiny Shakespeare     train.py --config uptrain_neox.yaml
-  2. export it to a Hugging Face directory                               python -m jaxshare.convert export
+  1. train a dense 8-layer Pythia-style (GPT-NeoX) model on Tiny Shakespeare   train.py --config uptrain_neox.yaml
+  2. export it to a Hugging Face directory                                     python -m jaxshare.convert export
   3. load it with transformers (PyTorch) and generate greedily; the text must equal jaxshare's own greedy sample
-  4. import the HF directory back into a jaxshare run                    python -m jaxshare.convert import
-  5. convert the imported model into each schedule                       python -m jaxshare.convert uptrain
-     (GQA, MQA, MLKV at m = 2 and 1, CLA2, UniAttn with least-squares W_c)
-  6. uptrain each for the same token budget, and train each from scratch for the same tokens   train.py
-  7. tabulate validation loss against KV bytes per token: results.md, results.json, pareto.png in --out
+  4. import the HF directory back into a jaxshare run                          python -m jaxshare.convert import
+  5. convert the imported model into each schedule (SCHEDULES)                 python -m jaxshare.convert uptrain
+     GQA, MQA, the MLKV ladder (4, 2 and 1 K/V heads over 8 layers), CLA2, each with and without
+     schedule.match_params (MLKV Sec. 4's control: equal parameter counts); UniAttn with least-squares W_c, uptrained
+     with the standard and the paper's two-stage recipe; LISA from its DS start and from the fitted start
+  6. uptrain each for the same token budget at every seed, and train the KV schedules from scratch for the same
+     tokens at every seed                                                      train.py
+  7. tabulate validation loss (mean ± sample std over seeds) against KV bytes per token: results.md, results.json,
+     pareto.png in --out
 
-Re-running skips finished steps (each run resumes or is reused). Usage:
-  python scripts/uptrain_experiment.py [--out runs/uptrain] [--dense-steps 600] [--steps 150]
+Seeds vary the uptraining (train.seed and data.shuffle_seed); the dense source and each conversion are shared by
+every seed. Re-running skips finished steps: conversions and runs are reused, evaluations read back from each run's
+eval.json. Runs go seed by seed, so an interrupted experiment has whole seeds to tabulate. Usage:
+  python scripts/uptrain_experiment.py [--out runs/uptrain] [--dense-steps 600] [--steps 150] [--seeds 0 1 2]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -26,34 +34,58 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # run as a script from anywhere: jaxshare is importable without an install
   sys.path.insert(0, str(REPO))
 
+from jaxshare.sweep.results import mean_std  # noqa: E402  (after the path fix above)
+
 EXPERIMENT = "configs/experiments/uptrain_neox.yaml"
-# name -> overrides of the dense model's config; the tiny NeoX has 4 layers x 4 heads
-SCHEDULES = {
-  "dense": ["schedule.kind=dense"],  # the control: the dense model trained on for the same tokens
+MATCHED = ["schedule.match_params=true"]
+# name -> (conversion overrides of the dense model's config, extra uptraining overrides, also trained from scratch).
+# The dense model has 8 layers x 4 heads; the MLKV ladder has 4, 2 and 1 K/V heads in all, fewer than its layers.
+_KV = {
   "gqa2": ["schedule.kind=gqa", "schedule.kv_heads=2"],
   "mqa": ["schedule.kind=mqa"],
+  "mlkv4": ["schedule.kind=mlkv", "schedule.kv_layers=4", "schedule.kv_heads=1"],
   "mlkv2": ["schedule.kind=mlkv", "schedule.kv_layers=2", "schedule.kv_heads=1"],
   "mlkv1": ["schedule.kind=mlkv", "schedule.kv_layers=1", "schedule.kv_heads=1"],
   "cla2": ["schedule.kind=cla", "schedule.factor=2"],
-  "uniattn": ["schedule.kind=uniattn", "schedule.uniattn.block_size=2"],
 }
+_UNIATTN = ["schedule.kind=uniattn", "schedule.uniattn.block_size=2"]  # top half: layers 5 and 7 reuse 4 and 6
+_LISA = ["schedule.kind=lisa", "schedule.lisa.rank=8"]  # layers 3-5 (the paper's rule), ffn aligner
+SCHEDULES: dict[str, tuple[list[str], list[str], bool]] = {
+  "dense": (["schedule.kind=dense"], [], True),  # the control: the dense model trained on for the same tokens
+  **{name: (o, [], True) for name, o in _KV.items()},
+  **{f"{name}_m": ([*o, *MATCHED], [], False) for name, o in _KV.items()},
+  "uniattn": (_UNIATTN, [], True),
+  "uniattn_2stage": (_UNIATTN, ["train.recipe=uniattn_two_stage", "train.stage1_max_steps=50"], False),
+  "lisa_ds": ([*_LISA, "train.init_lisa=ds"], [], False),
+  "lisa_fit": ([*_LISA, "train.init_lisa=fit"], [], False),
+}
+# uniattn_2stage uptrains the conversion of uniattn; the others convert their own
+CONVERSION = {"uniattn_2stage": "uniattn"}
 PROMPT = "ROMEO:\n"
 
 
 def run(*cmd: str) -> str:
-  """Run a command from the repository root, echoing it; returns its stdout."""
+  """Run a command from the repository root, echoing it; returns its stdout. XLA's persistent compilation cache
+  (JAX_COMPILATION_CACHE_DIR, set in main) lets later seeds skip the compilations of the first."""
   print("$ " + " ".join(cmd), flush=True)
   return subprocess.run(cmd, check=True, cwd=REPO, capture_output=True, text=True).stdout
 
 
 def evaluate(run_dir: Path, sample_tokens: int = 0) -> dict:
-  return json.loads(run(sys.executable, "eval.py", str(run_dir), "--json", "--sample-tokens", str(sample_tokens),
-                        "--prompt", PROMPT))
+  """eval.py's JSON report of a run's latest checkpoint, kept in run_dir/eval.json for re-runs."""
+  cached = run_dir / "eval.json"
+  if cached.exists() and not sample_tokens:
+    return json.loads(cached.read_text())
+  report = json.loads(run(sys.executable, "eval.py", str(run_dir), "--json", "--sample-tokens", str(sample_tokens),
+                          "--prompt", PROMPT))
+  cached.write_text(json.dumps(report))
+  return report
 
 
 def run_variant(experiment: str, run_dir: Path, overrides: list[str], sample_tokens: int = 0) -> dict:
   """Train (or resume; a finished run returns at once) one run, then evaluate it: eval.py's JSON report."""
-  run(sys.executable, "train.py", "--config", experiment, "--no-eval", *overrides, f"train.run_dir={run_dir}")
+  if not (run_dir / "eval.json").exists() or sample_tokens:
+    run(sys.executable, "train.py", "--config", experiment, "--no-eval", *overrides, f"train.run_dir={run_dir}")
   return evaluate(run_dir, sample_tokens)
 
 
@@ -69,20 +101,12 @@ def transformers_greedy(hf_dir: Path, tokens: int) -> str:
   return bytes(out[0, ids.shape[1]:].tolist()).decode("utf-8", errors="replace")
 
 
-def main(argv: list[str] | None = None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--out", default="runs/uptrain", help="directory of every run and the results")
-  parser.add_argument("--dense-steps", type=int, default=600, help="training steps of the dense model")
-  parser.add_argument("--steps", type=int, default=150, help="steps of every uptraining and from-scratch run")
-  parser.add_argument("--uptrain-lr", type=float, default=1e-3, help="peak learning rate of uptraining")
-  parser.add_argument("--wc-fit", default="tokens", choices=("mean", "tokens"), help="UniAttn W_c fit")
-  parser.add_argument("--only", nargs="*", default=None, help="run only these schedules")
-  args = parser.parse_args(argv)
-  out = (REPO / args.out).resolve()
+def dense_round_trip(out: Path, dense_steps: int) -> dict:
+  """Steps 1-4: the dense source trained, exported, checked against transformers and imported back; the imported
+  run's evaluation."""
   dense = out / "dense"
-  dense_eval = run_variant(EXPERIMENT, dense, [f"train.steps={args.dense_steps}",
-                                               f"train.warmup_steps={args.dense_steps // 12}"], sample_tokens=100)
-
+  dense_eval = run_variant(EXPERIMENT, dense, [f"train.steps={dense_steps}",
+                                               f"train.warmup_steps={dense_steps // 12}"], sample_tokens=100)
   hf_dir = out / "hf_dense"
   if not hf_dir.exists():
     print(run(sys.executable, "-m", "jaxshare.convert", "export", str(dense), str(hf_dir)), end="")
@@ -91,7 +115,6 @@ def main(argv: list[str] | None = None) -> int:
   if torch_text != dense_eval["sample"]:
     raise SystemExit(f"transformers and jaxshare disagree on the greedy sample:\n{torch_text!r}\n"
                      f"{dense_eval['sample']!r}")
-
   imported = out / "imported"
   if not imported.exists():
     print(run(sys.executable, "-m", "jaxshare.convert", "import", str(hf_dir), str(imported),
@@ -99,55 +122,99 @@ def main(argv: list[str] | None = None) -> int:
   imported_eval = evaluate(imported)
   print(f"dense val loss {dense_eval['val_loss']:.5f}, after export + import {imported_eval['val_loss']:.5f}",
         flush=True)
+  return imported_eval
+
+
+def table(rows: list[dict], args: argparse.Namespace) -> list[str]:
+  """results.md: one line per schedule, losses as mean ± sample std over the seeds that finished."""
+  control = statistics.mean(next(r for r in rows if r["name"] == "dense")["uptrained"] or [float("nan")])
+  lines = [f"Dense source: {args.dense_steps} steps. Uptraining and from-scratch runs: {args.steps} steps of the same "
+           f"32x128 tokens each (uptraining lr {args.uptrain_lr}, from scratch the dense recipe's), at seeds "
+           f"{', '.join(map(str, args.seeds))}: mean ± sample std over the seeds (n in the last column). "
+           "Validation loss in nats per token (= per byte: byte tokenizer) on the whole validation split.", "",
+           "| schedule | KV bytes/token (bf16) | params | converted (step 0) | uptrained | uptrained - dense "
+           "uptrained | from scratch | n |", "|---|---|---|---|---|---|---|---|"]
+  for r in rows:
+    up = r["uptrained"]
+    delta = "—" if not up or r["name"] in ("start", "dense") else f"{statistics.mean(up) - control:+.4f}"
+    lines.append(f"| {r['name']} ({r['schedule']}) | {r['kv_bytes_per_token_bf16']:,} | {r['num_params']:,} | "
+                 f"{r['converted']:.4f} | {mean_std(up)} | {delta} | {mean_std(r['scratch'])} | {len(up)} |")
+  return lines + ["", "start: the dense model after export to HF and import back (bit-exact); dense: that model "
+                  "trained on with the uptraining recipe, the control every schedule is compared with; _m: "
+                  "schedule.match_params (the MLPs resized to the dense model's parameter count)."]
+
+
+def plot(rows: list[dict], out: Path) -> None:
+  from jaxshare.analysis.plots import loss_vs_kv
+
+  points = []
+  for r in rows:
+    for series, key in (("uptrained", "uptrained"), ("from scratch", "scratch")):
+      if r[key]:
+        series = f"{series}, matched" if r["name"].endswith("_m") else series
+        points.append({"name": r["name"], "series": series, "val_loss": statistics.mean(r[key]),
+                       "std": statistics.stdev(r[key]) if len(r[key]) > 1 else 0.0,
+                       "kv_bytes_per_token_bf16": r["kv_bytes_per_token_bf16"]})
+  loss_vs_kv(points, out / "pareto.png", kv_key="kv_bytes_per_token_bf16", kv_label="KV cache, bytes per token (bf16)",
+             loss_label="validation loss (nats/byte)", err_key="std", title="mean ± std over seeds", log_x=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--out", default="runs/uptrain", help="directory of every run and the results")
+  parser.add_argument("--dense-steps", type=int, default=600, help="training steps of the dense model")
+  parser.add_argument("--steps", type=int, default=150, help="steps of every uptraining and from-scratch run")
+  parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="seeds of every uptraining and "
+                      "from-scratch run")
+  parser.add_argument("--uptrain-lr", type=float, default=1e-3, help="peak learning rate of uptraining")
+  parser.add_argument("--wc-fit", default="tokens", choices=("mean", "tokens"), help="UniAttn W_c fit")
+  parser.add_argument("--only", nargs="*", default=None, choices=list(SCHEDULES), metavar="NAME",
+                      help=f"run only these schedules ({', '.join(SCHEDULES)}); dense is always run, as the control")
+  args = parser.parse_args(argv)
+  out = (REPO / args.out).resolve()
+  os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(out / "xla_cache"))
+  imported_eval = dense_round_trip(out, args.dense_steps)
+  names = [n for n in SCHEDULES if n == "dense" or not args.only or n in args.only]
 
   budget = [f"train.steps={args.steps}", f"train.warmup_steps={max(1, args.steps // 10)}",
             f"train.eval_every={args.steps}", f"train.checkpoint_every={args.steps}"]
-  rows = [{"name": "start", "series": "dense start", "val_loss": imported_eval["val_loss"],
-           "kv_bytes_per_token_bf16": imported_eval["kv_bytes_per_token_bf16"], "schedule": imported_eval["schedule"],
-           "num_params": imported_eval["num_params"], "converted": imported_eval["val_loss"],
-           "uptrained": None, "scratch": None}]
-  for name, overrides in SCHEDULES.items():
-    if args.only and name not in args.only:
-      continue
-    converted = out / f"converted_{name}"
-    if not converted.exists():
-      print(run(sys.executable, "-m", "jaxshare.convert", "uptrain", str(imported), str(converted), *overrides,
-                "--wc-fit", args.wc_fit), end="")
-    config = str(converted / "config.yaml")
-    at_conversion = evaluate(converted)
-    uptrained = run_variant(config, out / f"uptrained_{name}", [*budget, f"train.init_from={converted}",
-                                                                f"train.lr={args.uptrain_lr}"])
-    scratch = run_variant(config, out / f"scratch_{name}", [*budget, "train.init_from="])
-    rows.append({"name": name, "series": "uptrained", "val_loss": uptrained["val_loss"],
-                 "kv_bytes_per_token_bf16": uptrained["kv_bytes_per_token_bf16"], "schedule": uptrained["schedule"],
-                 "num_params": uptrained["num_params"], "converted": at_conversion["val_loss"],
-                 "uptrained": uptrained["val_loss"], "scratch": scratch["val_loss"]})
-    rows.append({**rows[-1], "series": "from scratch", "val_loss": scratch["val_loss"]})
-    print(f"{name}: converted {at_conversion['val_loss']:.4f}, uptrained {uptrained['val_loss']:.4f}, "
-          f"from scratch {scratch['val_loss']:.4f}", flush=True)
+  converted = {}
+  for name in names:
+    source = CONVERSION.get(name, name)
+    path = out / f"converted_{source}"
+    if not path.exists():
+      print(run(sys.executable, "-m", "jaxshare.convert", "uptrain", str(out / "imported"), str(path),
+                *SCHEDULES[source][0], "--wc-fit", args.wc_fit), end="")
+    converted[name] = (path, evaluate(path))
+  results = {name: {"uptrained": [], "scratch": []} for name in names}
+  for seed in args.seeds:
+    seeded = [*budget, f"train.seed={seed}", f"data.shuffle_seed={seed}"]
+    for name in names:
+      path, at_conversion = converted[name]
+      config = str(path / "config.yaml")
+      up = run_variant(config, out / f"uptrained_{name}" / f"seed{seed}",
+                       [*seeded, f"train.init_from={path}", f"train.lr={args.uptrain_lr}", *SCHEDULES[name][1]])
+      results[name]["uptrained"].append(up["val_loss"])
+      line = f"seed {seed} {name}: converted {at_conversion['val_loss']:.4f}, uptrained {up['val_loss']:.4f}"
+      if SCHEDULES[name][2]:
+        scratch = run_variant(config, out / f"scratch_{name}" / f"seed{seed}", [*seeded, "train.init_from="])
+        results[name]["scratch"].append(scratch["val_loss"])
+        line += f", from scratch {scratch['val_loss']:.4f}"
+      print(line, flush=True)
 
-  table = [f"Dense start: {args.dense_steps} steps; uptraining and from-scratch runs: {args.steps} steps of the same "
-           f"32x128 tokens each (uptraining lr {args.uptrain_lr}, from scratch the dense recipe's). Validation loss "
-           "in nats per token (= per byte: byte tokenizer) on the whole validation split.", "",
-           "| schedule | KV bytes/token (bf16) | params | converted (step 0) | uptrained | from scratch | "
-           "uptrained - dense uptrained |", "|---|---|---|---|---|---|---|"]
-  for r in (r for r in rows if r["series"] != "from scratch"):
-    up = "—" if r["uptrained"] is None else f"{r['uptrained']:.4f}"
-    sc = "—" if r["scratch"] is None else f"{r['scratch']:.4f}"
-    control = next((c["uptrained"] for c in rows if c["name"] == "dense" and c["series"] == "uptrained"), None)
-    delta = "—" if r["uptrained"] is None or control is None else f"{r['uptrained'] - control:+.4f}"
-    table.append(f"| {r['name']} ({r['schedule']}) | {r['kv_bytes_per_token_bf16']:,} | {r['num_params']:,} | "
-                 f"{r['converted']:.4f} | {up} | {sc} | {delta} |")
-  out.mkdir(parents=True, exist_ok=True)
-  table += ["", "start: the dense model after export to HF and import back (bit-exact); dense: that model trained on "
-            "with the uptraining recipe, the control every schedule is compared with."]
-  (out / "results.md").write_text("\n".join(table) + "\n")
+  rows = [{"name": "start", "schedule": imported_eval["schedule"], "num_params": imported_eval["num_params"],
+           "kv_bytes_per_token_bf16": imported_eval["kv_bytes_per_token_bf16"],
+           "converted": imported_eval["val_loss"], "uptrained": [], "scratch": []}]
+  for name in names:
+    report = converted[name][1]
+    rows.append({"name": name, "schedule": report["schedule"], "num_params": report["num_params"],
+                 "kv_bytes_per_token_bf16": report["kv_bytes_per_token_bf16"], "converted": report["val_loss"],
+                 **results[name]})
+  lines = table(rows, args)
+  (out / "results.md").write_text("\n".join(lines) + "\n")
   (out / "results.json").write_text(json.dumps(rows, indent=1))
-  from jaxshare.analysis.plots import loss_vs_kv
-
-  loss_vs_kv(rows, out / "pareto.png", kv_key="kv_bytes_per_token_bf16", kv_label="KV cache, bytes per token (bf16)",
-             loss_label="validation loss (nats/byte)")
-  print("\n".join(table))
+  plot(rows, out)
+  print("\n".join(lines))
   return 0
 
 

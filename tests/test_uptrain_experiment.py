@@ -1,0 +1,54 @@
+"""The uptraining experiment's cells (scripts/uptrain_experiment.py) are the ones its README table claims, checked
+before anyone spends two CPU hours on them: every cell is a valid config of the 8-layer source; the MLKV ladder has
+fewer K/V heads in all than layers (the regime MLKV's Table 2 is about); the matched variants have the dense model's
+parameter count and the unmatched ones do not; each pair differs only in schedule.match_params."""
+
+import importlib.util
+
+import pytest
+
+from conftest import REPO
+from jaxshare import accounting
+from jaxshare.config import load_config
+from jaxshare.schedule import compile_schedule
+
+_spec = importlib.util.spec_from_file_location("uptrain_experiment", REPO / "scripts" / "uptrain_experiment.py")
+experiment = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(experiment)
+
+
+def _cell(name: str):
+  conversion, uptraining, _ = experiment.SCHEDULES[experiment.CONVERSION.get(name, name)]
+  cfg = load_config(REPO / experiment.EXPERIMENT, [*conversion, *experiment.SCHEDULES[name][1]])
+  return cfg, compile_schedule(cfg.model, cfg.schedule)
+
+
+def _params(cfg, schedule) -> int:
+  return accounting.param_count(cfg.model, schedule, accounting.param_match(cfg.schedule)).total
+
+
+@pytest.mark.parametrize("name", list(experiment.SCHEDULES))
+def test_every_cell_is_a_valid_config(name):
+  cfg, schedule = _cell(name)
+  assert cfg.model.num_layers >= 8
+  assert schedule.layers  # compiled: the schedule is valid on this model
+
+
+def test_mlkv_ladder_has_fewer_kv_heads_than_layers():
+  ladder = {name: _cell(name) for name in experiment.SCHEDULES if name.startswith("mlkv") and "_" not in name}
+  totals = {name: sum(p.num_kv_heads for p in s.layers if p.is_producer) for name, (cfg, s) in ladder.items()}
+  assert sorted(totals.values()) == [1, 2, 4]
+  assert all(total < cfg.model.num_layers for (cfg, _), total in zip(ladder.values(), totals.values()))
+
+
+def test_matched_cells_have_the_dense_parameter_count():
+  dense = _params(*_cell("dense"))
+  matched = [name for name in experiment.SCHEDULES if name.endswith("_m")]
+  assert matched
+  for name in matched:
+    unmatched = name[:-2]
+    assert experiment.SCHEDULES[name][0] == [*experiment.SCHEDULES[unmatched][0], *experiment.MATCHED]
+    cfg, schedule = _cell(name)
+    per_neuron = accounting.params_per_mlp_neuron(cfg.model) * cfg.model.num_layers
+    assert abs(_params(cfg, schedule) - dense) <= per_neuron / 2, name
+    assert _params(*_cell(unmatched)) < dense - per_neuron, unmatched
