@@ -131,6 +131,7 @@ class UniAttnConfig:
 
 
 INTEGRATORS = ("ffn", "linear", "add", "none")
+LISA_STARTS = ("ds", "fit", "calibrated")  # train.init_lisa
 
 
 @dataclasses.dataclass
@@ -334,8 +335,11 @@ class TrainConfig:
                       "0; with the aligners' initial sum the layer starts as DS, exact reuse of the previous layer's "
                       "logits); fit: the rank-r truncated SVD of the difference between the source layer's own W_q "
                       "W_k^T and its score source's, per K/V group, so A_{n-1} + A_delta approximates the layer's own "
-                      "logits (RoPE ignored). Both are jaxshare's: LISA prescribes no conversion start.",
-                      ("ds", "fit"))
+                      "logits (RoPE ignored); calibrated (python -m jaxshare.convert uptrain only: it reads calibration "
+                      "batches): fit, then Adam on the factors so the logits each converted layer uses match the "
+                      "source layer's own over the batches' causal positions (RoPE and the converted inputs "
+                      "included). All are jaxshare's: LISA prescribes no conversion start.",
+                      LISA_STARTS)
   init_kv_pool: str = _f("auto", "Uptraining into K/V sharing: how a producer's K/V are built from the source layers "
                          "that read them (heads always mean-pooled into the target's groups, GQA Sec. 2.1). mean: "
                          "uniform mean over the layers (MLKV); running: pythia-mlkv's running pairwise mean; "

@@ -1,5 +1,7 @@
 """LISA's fitted conversion start: the factors reproduce the logit difference they fit (exactly at full rank, as the
-best rank-r approximation below it, one K factor per K/V group), and a converted layer's logits follow."""
+best rank-r approximation below it, one K factor per K/V group), and a converted layer's logits follow. The
+calibrated start brings the logits the converted layers use closer to the source's own than plain reuse and the
+weight fit, by the error it reports, changing nothing but the factors; it is refused where no data is read."""
 
 import jax
 import jax.numpy as jnp
@@ -92,3 +94,72 @@ def test_uptraining_starts_lisa_layers_as_asked(start):
                                atol=1e-4 * np.abs(want).max())
   report = "\n".join(init_report(src_params, src_schedule, params, setup.schedule, "mean", lisa_start=start))
   assert ("fitted" in report) == (start == "fit") and ("A_delta = 0" in report) == (start == "ds")
+
+
+def _lisa_conversion(start):
+  from conftest import tiny_config
+  from jaxshare.train.state import init_state, setup_run
+  from test_model import randomized
+
+  src_cfg = tiny_config("schedule.kind=gqa", "schedule.kv_heads=2")
+  src = randomized(src_cfg)
+  cfg = tiny_config("schedule.kind=gqa+lisa_plus", "schedule.kv_heads=2", "schedule.lisa.layers=[2,3]",
+                    "schedule.lisa.rank=4", f"train.init_lisa={start}")
+  setup = setup_run(cfg)
+  return src_cfg, src, cfg, setup, lambda: init_state(setup, from_params=(src[2], src[0]))["params"]
+
+
+def test_calibrated_factors_bring_the_logits_closer_than_reuse_and_the_fit(batches):
+  from flax import nnx
+
+  from jaxshare.convert.lisa_start import calibrate_low_rank
+  from jaxshare.model.params import flat_leaves, layer_params, replace_layer
+
+  _, (src_schedule, src_graphdef, src_params), _, setup, init = _lisa_conversion("fit")
+  params = init()
+  out, fit = calibrate_low_rank((src_graphdef, src_params), (setup.graphdef, params), setup.schedule, batches,
+                                steps=100)
+  assert fit.layers == (2, 3)
+
+  def logits(graphdef, p, b):  # layers 2 and 3: [2, B, H, T, T]
+    return np.asarray(nnx.merge(graphdef, p)(b["inputs"], b["positions"], b["segment_ids"],
+                                             capture_attention=True)[1])[[2, 3]]
+
+  def error(graphdef, p, batch, target):  # squared error over causal positions, computed here independently
+    seg, t = np.asarray(batch["segment_ids"]), batch["inputs"].shape[1]
+    visible = (seg[:, :, None] == seg[:, None, :]) & np.tril(np.ones((t, t), bool))
+    return float(np.sum(visible[:, None] * (logits(graphdef, p, batch) - target) ** 2))
+
+  def total(p):
+    targets = [logits(src_graphdef, src_params, b) for b in batches]
+    return sum(error(setup.graphdef, p, b, t) for b, t in zip(batches, targets))
+
+  reuse = params
+  for n in (2, 3):
+    old = layer_params(reuse, setup.schedule, n)
+    attn = {**old["attn"], "k_lr": {"kernel": np.zeros_like(old["attn"]["k_lr"]["kernel"])}}
+    reuse = replace_layer(reuse, setup.schedule, n, {**old, "attn": attn})
+  baseline = total(reuse)
+  assert total(params) / baseline == pytest.approx(fit.start, rel=1e-3)
+  assert total(out) / baseline == pytest.approx(fit.calibrated, rel=1e-3)
+  assert fit.calibrated < min(1.0, fit.start)  # better than plain reuse (DS) and than the weight fit
+  changed = {k for k, v in flat_leaves(out).items() if not np.array_equal(np.asarray(v), np.asarray(
+    flat_leaves(params)[k]))}
+  assert changed and all(k.rsplit("/", 2)[-2] in ("q_lr", "k_lr") for k in changed), changed
+
+
+def test_calibrated_start_needs_calibration_batches(tmp_path):
+  """train.init_from cannot read data for it: refused with a message naming the field and the way out; convert
+  uptrain with --calibration-batches 0 likewise."""
+  from jaxshare.config import ConfigError
+  from jaxshare.convert.run_dir import write_run
+  from jaxshare.convert.uptrain import uptrain_run
+
+  src_cfg, src, _, _, init = _lisa_conversion("calibrated")
+  with pytest.raises(ConfigError, match="train.init_lisa=calibrated needs calibration batches"):
+    init()
+  write_run(tmp_path / "src", src_cfg, src[2])
+  with pytest.raises(ConfigError, match="--calibration-batches must be >= 1"):
+    uptrain_run(tmp_path / "src", tmp_path / "out", ["schedule.kind=gqa+lisa_plus", "schedule.lisa.layers=[2,3]",
+                                                      "train.init_lisa=calibrated"], calibration_batches=0)
+  assert not (tmp_path / "out").exists()

@@ -48,6 +48,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
   up.add_argument("--calibration-batches", type=int, default=8, metavar="N",
                   help="UniAttn: fit each W_c by least squares on the first N training batches (Thm 3.1 / Alg. 1, "
                   "bottom-up); 0 keeps W_c at zero (default: %(default)s)")
+  up.add_argument("--lisa-steps", type=int, default=200, metavar="N",
+                  help="train.init_lisa=calibrated: Adam steps fitting LISA's low-rank factors to the source's logits "
+                  "on the calibration batches (default: %(default)s)")
   up.add_argument("--wc-fit", choices=("mean", "tokens"), default="tokens",
                   help="UniAttn W_c fit: tokens (least squares over every calibration token) or mean (the paper's "
                   "v=1: sample means per position; when seq_len is not much larger than d_model it fits the mean "
@@ -55,6 +58,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
   args = parse_anywhere(parser, argv, {"import": imp, "export": exp, "uptrain": up})
   if args.command == "uptrain" and args.calibration_batches < 0:
     up.error(f"--calibration-batches={args.calibration_batches} is invalid: must be >= 0")
+  if args.command == "uptrain" and args.lisa_steps < 0:
+    up.error(f"--lisa-steps={args.lisa_steps} is invalid: must be >= 0")
   if args.command == "export" and args.max_shard_gb <= 0:
     exp.error(f"--max-shard-gb={args.max_shard_gb} is invalid: must be > 0")
   return args
@@ -87,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
             f"into {run}")
     elif args.command == "uptrain":
       for line in uptrain_run(args.src_run, args.out_run, args.overrides, calibration_batches=args.calibration_batches,
-                              wc_fit=args.wc_fit):
+                              wc_fit=args.wc_fit, lisa_steps=args.lisa_steps):
         print(line)
     else:
       arch, why_native = export_run(args.run_dir, args.hf_dir, progress=True,

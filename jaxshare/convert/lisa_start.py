@@ -10,11 +10,27 @@ K/V group, so the query heads of a group are stacked before the SVD. Along a cha
 (``A_s`` is itself fitted towards ``M_s``). This is the fit UniAttn does for its W_c (there on activations); LISA
 itself prescribes no conversion start. What the fit ignores: RoPE (the source's logits are rotated; the low-rank
 path is rotated only with ``schedule.lisa.rope``, at its own width) and that layers n and s see different inputs.
+
+:func:`calibrate_low_rank` removes both approximations, on data, as UniAttn fits its W_c on calibration batches: it
+starts from that fit and minimises, by Adam on the factors alone, the squared error between the logits each LISA
+layer of the converted model *uses* (``A_s + A_delta``, in that model's own forward pass: its own inputs, RoPE as
+configured, the chain's earlier layers already converted) and the source layer's own logits, over every causal
+position of the calibration batches.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Iterable
+
+import jax
 import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from jaxshare.model import params as P
+from jaxshare.schedule import Schedule
 
 
 def fit_low_rank(wq_n, wk_n, wq_s, wk_s, rank: int, kv_heads: int) -> tuple[jnp.ndarray, jnp.ndarray]:
@@ -51,3 +67,102 @@ def fit_low_rank(wq_n, wk_n, wq_s, wk_s, rank: int, kv_heads: int) -> tuple[jnp.
   q_lr = (u[:, :, :rank] * root[:, None]).reshape(kv_heads, per_group, D, rank)
   k_lr = vt[:, :rank].transpose(0, 2, 1) * root[:, None]  # [G, D, r]
   return q_lr.reshape(H, D, rank).transpose(1, 0, 2), k_lr.transpose(1, 0, 2)
+
+
+@dataclasses.dataclass(frozen=True)
+class LowRankCalibration:
+  """How close the converted LISA layers' logits are to the source's, on the calibration batches: the squared error
+  of ``A_s + A_delta`` against the source's own logits over causal positions, relative to that of plain reuse
+  (``A_delta = 0``, the DS start: 1.0 by definition), for the starting factors and the calibrated ones."""
+
+  layers: tuple[int, ...]
+  start: float
+  calibrated: float
+
+
+def _causal_mask(segment_ids: jax.Array) -> jax.Array:
+  """``[B, 1, T, T]`` float32: key s visible to query t (s <= t, same document)."""
+  t = segment_ids.shape[1]
+  same = segment_ids[:, :, None] == segment_ids[:, None, :]
+  return (same & jnp.tril(jnp.ones((t, t), bool)))[:, None].astype(jnp.float32)
+
+
+def calibrate_low_rank(src: tuple[nnx.GraphDef, dict], dst: tuple[nnx.GraphDef, dict], schedule: Schedule,
+                       batches: Iterable[dict[str, np.ndarray]], steps: int = 200, learning_rate: float = 3e-3
+                       ) -> tuple[dict, LowRankCalibration]:
+  """LISA's calibrated conversion start (module docstring): every LISA layer's ``q_lr``, ``k_lr`` of ``dst`` trained
+  so that the logits the layer uses match the source layer's own on ``batches``; nothing else changes.
+
+  Args:
+    src: the source model ``(graphdef, params)`` (pure dicts), e.g. the dense model converted into ``dst``.
+    dst: the converted model; its current factors are the starting point (e.g. :func:`fit_low_rank`'s).
+    schedule: ``dst``'s compiled schedule.
+    batches: calibration batches (``inputs``, ``positions``, ``segment_ids``; ``[B, T]`` each).
+    steps: Adam steps, cycling through the batches.
+    learning_rate: Adam's step size (constant).
+
+  Returns:
+    ``(dst params with the calibrated factors, LowRankCalibration)``; errors are summed over the LISA layers.
+
+  Raises:
+    ValueError: the schedule has no LISA layer with low-rank factors, ``batches`` is empty, or ``steps < 0``.
+  """
+  layers = tuple(p.index for p in schedule.layers if p.has_low_rank)
+  if not layers:
+    raise ValueError(f"schedule {schedule.describe()} has no LISA layer with low-rank factors to calibrate")
+  batches = [{k: jnp.asarray(b[k]) for k in ("inputs", "positions", "segment_ids")} for b in batches]
+  if not batches:
+    raise ValueError("LISA calibration needs at least one batch")
+  if steps < 0:
+    raise ValueError(f"LISA calibration steps={steps} is invalid: must be >= 0")
+  index = jnp.asarray(layers)
+
+  def attention_logits(graphdef, params, batch):
+    return nnx.merge(graphdef, params)(batch["inputs"], batch["positions"], batch["segment_ids"],
+                                       capture_attention=True)[1][index]  # [n, B, H, T, T]
+
+  targets = [jax.jit(attention_logits, static_argnums=0)(src[0], src[1], b) for b in batches]
+
+  def factors(params):
+    return {n: {k: P.layer_params(params, schedule, n)["attn"][k]["kernel"] for k in ("q_lr", "k_lr")}
+            for n in layers}
+
+  def with_factors(params, fs):
+    for n, f in fs.items():
+      old = P.layer_params(params, schedule, n)
+      attn = {**old["attn"], **{k: {**old["attn"][k], "kernel": v} for k, v in f.items()}}
+      params = P.replace_layer(params, schedule, n, {**old, "attn": attn})
+    return params
+
+  def sse(fs, params, batch, target):
+    got = attention_logits(dst[0], with_factors(params, fs), batch)
+    return jnp.sum(_causal_mask(batch["segment_ids"]) * (got - target) ** 2)
+
+  def reuse_sse(batch, target):  # A_delta = 0 everywhere: the DS start
+    zero = {n: {**f, "k_lr": jnp.zeros_like(f["k_lr"])} for n, f in factors(dst[1]).items()}
+    return sse(zero, dst[1], batch, target)
+
+  def total(fs, params, fn=sse):
+    return sum(float(fn(fs, params, b, t)) for b, t in zip(batches, targets))
+
+  params = jax.tree.map(jnp.asarray, dst[1])
+  sse_jit = jax.jit(sse)
+  baseline = sum(float(jax.jit(reuse_sse)(b, t)) for b, t in zip(batches, targets))
+  fs = jax.tree.map(lambda a: a.astype(jnp.float32), factors(params))
+  start = total(fs, params, sse_jit)
+  optimizer = optax.adam(learning_rate)
+  tokens = batches[0]["inputs"].size
+
+  @jax.jit
+  def step(fs, opt_state, batch, target):
+    loss, grads = jax.value_and_grad(lambda f: sse(f, params, batch, target) / tokens)(fs)
+    updates, opt_state = optimizer.update(grads, opt_state, fs)
+    return optax.apply_updates(fs, updates), opt_state
+
+  opt_state = optimizer.init(fs)
+  for i in range(steps):
+    fs, opt_state = step(fs, opt_state, batches[i % len(batches)], targets[i % len(targets)])
+  calibrated = total(fs, params, sse_jit)
+  if calibrated > start:  # Adam overshot on these batches: the starting factors are the better start
+    return params, LowRankCalibration(layers, start / baseline, start / baseline)
+  return with_factors(params, fs), LowRankCalibration(layers, start / baseline, calibrated / baseline)

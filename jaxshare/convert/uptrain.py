@@ -38,6 +38,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxshare.config import LISA_STARTS, ConfigError
 from jaxshare.model import params as P
 from jaxshare.schedule import Schedule
 
@@ -171,9 +172,6 @@ def widened_layers(src: dict, src_schedule: Schedule, dst: dict, dst_schedule: S
   return out
 
 
-LISA_STARTS = ("ds", "fit")
-
-
 def fittable_lisa_layers(src: dict, src_schedule: Schedule, dst_schedule: Schedule) -> list[int]:
   """LISA layers of ``dst_schedule`` whose layer and score source both have their own W_q and W_k in the source
   (what ``train.init_lisa=fit`` needs; shapes only)."""
@@ -203,6 +201,10 @@ def init_low_rank(src: dict, src_schedule: Schedule, dst: dict, dst_schedule: Sc
     if "k_lr" not in layer["attn"] or _same_shapes(P.layer_params(src, src_schedule, plan.index)["attn"].get("k_lr"),
                                                    layer["attn"]["k_lr"]):
       continue
+    if start == "calibrated":
+      raise ConfigError(f"train.init_lisa=calibrated needs calibration batches, which only `python -m "
+                        f"jaxshare.convert uptrain` reads (layer {plan.index} starts from the source here): convert "
+                        "with it, or use train.init_lisa=ds or fit")
     attn = {**layer["attn"], "k_lr": jax.tree.map(jnp.zeros_like, layer["attn"]["k_lr"])}
     if plan.index in fittable:
       own, prev = (P.layer_params(src, src_schedule, i)["attn"] for i in (plan.index, plan.score_source))
@@ -292,22 +294,26 @@ def _shapes(tree: dict) -> dict[str, tuple[int, ...]]:
   return {path: tuple(v.shape) for path, v in P.flat_leaves(tree).items()}
 
 
-def uptrain_run(src_run, out_run, overrides, *, calibration_batches: int = 8, wc_fit: str = "tokens") -> list[str]:
+def uptrain_run(src_run, out_run, overrides, *, calibration_batches: int = 8, wc_fit: str = "tokens",
+                lisa_steps: int = 200) -> list[str]:
   """Convert a run into another schedule and write it as a new run directory (step 0); returns the report lines.
 
   The target config is the source's with ``overrides`` applied (``train.init_from`` set to the source), its
-  parameters those ``train.py`` would start from with ``train.init_from``, except that UniAttn's W_c are fitted by
-  least squares on the first ``calibration_batches`` training batches (:mod:`jaxshare.convert.calibrate`; 0 keeps
-  them at zero).
+  parameters those ``train.py`` would start from with ``train.init_from``, except what is fitted on the first
+  ``calibration_batches`` training batches: UniAttn's W_c by least squares (:mod:`jaxshare.convert.calibrate`; 0
+  batches keep them at zero), and with ``train.init_lisa=calibrated`` LISA's low-rank factors, from the ``fit``
+  start by ``lisa_steps`` Adam steps (:func:`~jaxshare.convert.lisa_start.calibrate_low_rank`).
 
   Raises:
-    ConfigError / CheckpointError: unreadable source or invalid overrides. DataError: the calibration data cannot be
-      read. ValueError: invalid ``wc_fit``. FileExistsError: ``out_run`` not empty.
+    ConfigError / CheckpointError: unreadable source or invalid overrides, or ``train.init_lisa=calibrated`` with
+      no calibration batches. DataError: the calibration data cannot be read. ValueError: invalid ``wc_fit``.
+      FileExistsError: ``out_run`` not empty.
   """
   import itertools
 
   from jaxshare.config import apply_overrides
   from jaxshare.convert.calibrate import calibrate_compensation, format_fits
+  from jaxshare.convert.lisa_start import calibrate_low_rank
   from jaxshare.convert.run_dir import write_run
   from jaxshare.data import Datasets
   from jaxshare.train.state import init_kv_pool, init_state, load_run, setup_run, with_match_reference
@@ -316,17 +322,29 @@ def uptrain_run(src_run, out_run, overrides, *, calibration_batches: int = 8, wc
   # the source's own reference (if it was matched) is not the target's: the target is matched to the source
   cfg = with_match_reference(apply_overrides(src_cfg, ["schedule.match_reference_params=0", *overrides,
                                                        f"train.init_from={src_run}"]))
-  setup = setup_run(cfg)
+  start = "fit" if cfg.train.init_lisa == "calibrated" else cfg.train.init_lisa  # calibrated starts from fit
+  setup = setup_run(apply_overrides(cfg, [f"train.init_lisa={start}"]))
+  lisa_calibrated = cfg.train.init_lisa == "calibrated" and bool(fittable_lisa_layers(
+    src_params, src_setup.schedule, setup.schedule))
+  if lisa_calibrated and not calibration_batches:
+    raise ConfigError("train.init_lisa=calibrated needs calibration batches: --calibration-batches must be >= 1")
   params = init_state(setup, from_params=(src_params, src_setup.schedule))["params"]
   calibrate = bool(calibration_batches) and any(p.compensation for p in setup.schedule.layers)
   lines = init_report(src_params, src_setup.schedule, params, setup.schedule, init_kv_pool(cfg),
-                      cfg.train.init_mlp_widen, wc_fitted=calibrate, lisa_start=cfg.train.init_lisa) \
+                      cfg.train.init_mlp_widen, wc_fitted=calibrate, lisa_start=start) \
     if setup.ties is None else ["head-wise sharing: DirectShare's tying of the source's heads (jaxshare/headwise.py)"]
-  if calibrate:
+  if calibrate or lisa_calibrated:
     data = Datasets(cfg.data, cfg.train.batch_size, process_index=0, process_count=1)
     batches = list(itertools.islice(data.train_iter(), calibration_batches))
+  if calibrate:
     params, fits, losses = calibrate_compensation((src_setup.graphdef, src_params), (setup.graphdef, params),
                                                   setup.schedule, batches, fit=wc_fit)
     lines += format_fits(fits, losses, wc_fit)
+  if lisa_calibrated:
+    params, fit = calibrate_low_rank((src_setup.graphdef, src_params), (setup.graphdef, params), setup.schedule,
+                                     batches, steps=lisa_steps)
+    lines.append(f"layers {list(fit.layers)} attn/q_lr, k_lr: calibrated on {len(batches)} batches ({lisa_steps} "
+                 f"Adam steps from the fit): squared logit error vs the source's own, relative to plain reuse "
+                 f"(DS = 1): fit {fit.start:.4f} -> calibrated {fit.calibrated:.4f}")
   write_run(out_run, cfg, params, meta={"uptrained_from": str(src_run), "source_step": step})
   return [f"{src_setup.schedule.describe()} -> {setup.schedule.describe()}", *lines, f"written to {out_run}"]
