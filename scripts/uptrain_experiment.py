@@ -8,7 +8,8 @@
   5. convert the imported model into each schedule (SCHEDULES)                 python -m jaxshare.convert uptrain
      GQA, MQA, the MLKV ladder (4, 2 and 1 K/V heads over 8 layers), CLA2, each with and without
      schedule.match_params (MLKV Sec. 4's control: equal parameter counts); UniAttn with least-squares W_c, uptrained
-     with the standard and the paper's two-stage recipe; LISA from its DS start and from the fitted start
+     with the standard and the paper's two-stage recipe; LISA from its DS start, the weight fit and the fit
+     calibrated on data (train.init_lisa=ds, fit, calibrated)
   6. uptrain each for the same token budget at every seed, and train the KV schedules from scratch for the same
      tokens at every seed                                                      train.py
   7. tabulate validation loss (mean ± sample std over seeds) against KV bytes per token: results.md, results.json,
@@ -58,6 +59,7 @@ SCHEDULES: dict[str, tuple[list[str], list[str], bool]] = {
   "uniattn_2stage": (_UNIATTN, ["train.recipe=uniattn_two_stage", "train.stage1_max_steps=50"], False),
   "lisa_ds": ([*_LISA, "train.init_lisa=ds"], [], False),
   "lisa_fit": ([*_LISA, "train.init_lisa=fit"], [], False),
+  "lisa_cal": ([*_LISA, "train.init_lisa=calibrated"], [], False),
 }
 # uniattn_2stage uptrains the conversion of uniattn; the others convert their own
 CONVERSION = {"uniattn_2stage": "uniattn"}
