@@ -101,6 +101,9 @@ def calibrate_low_rank(src: tuple[nnx.GraphDef, dict], dst: tuple[nnx.GraphDef, 
     steps: Adam steps, cycling through the batches.
     learning_rate: Adam's step size (constant).
 
+  Every step runs ``dst``'s forward pass with every layer's ``[B, H, T, T]`` float32 logits materialised (and the
+  targets of the LISA layers are kept for all batches): calibrate large models on short sequences.
+
   Returns:
     ``(dst params with the calibrated factors, LowRankCalibration)``; errors are summed over the LISA layers.
 
