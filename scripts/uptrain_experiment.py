@@ -73,22 +73,28 @@ def run(*cmd: str) -> str:
   return subprocess.run(cmd, check=True, cwd=REPO, capture_output=True, text=True).stdout
 
 
-def evaluate(run_dir: Path, sample_tokens: int = 0) -> dict:
-  """eval.py's JSON report of a run's latest checkpoint, kept in run_dir/eval.json for re-runs."""
+def evaluate(run_dir: Path, sample_tokens: int = 0, step: int | None = None) -> dict:
+  """eval.py's JSON report of a run's latest checkpoint, kept in run_dir/eval.json for re-runs (reused only if it
+  is of ``step``, when given: a run trained under another --steps is evaluated again)."""
   cached = run_dir / "eval.json"
   if cached.exists() and not sample_tokens:
-    return json.loads(cached.read_text())
+    report = json.loads(cached.read_text())
+    if step is None or report["step"] == step:
+      return report
   report = json.loads(run(sys.executable, "eval.py", str(run_dir), "--json", "--sample-tokens", str(sample_tokens),
                           "--prompt", PROMPT))
   cached.write_text(json.dumps(report))
   return report
 
 
-def run_variant(experiment: str, run_dir: Path, overrides: list[str], sample_tokens: int = 0) -> dict:
-  """Train (or resume; a finished run returns at once) one run, then evaluate it: eval.py's JSON report."""
-  if not (run_dir / "eval.json").exists() or sample_tokens:
-    run(sys.executable, "train.py", "--config", experiment, "--no-eval", *overrides, f"train.run_dir={run_dir}")
-  return evaluate(run_dir, sample_tokens)
+def run_variant(experiment: str, run_dir: Path, overrides: list[str], steps: int, sample_tokens: int = 0) -> dict:
+  """Train (or resume; a finished run returns at once) one run of ``steps`` steps, then evaluate it: eval.py's
+  JSON report."""
+  cached = run_dir / "eval.json"
+  if sample_tokens or not cached.exists() or json.loads(cached.read_text())["step"] != steps:
+    run(sys.executable, "train.py", "--config", experiment, "--no-eval", *overrides, f"train.steps={steps}",
+        f"train.run_dir={run_dir}")
+  return evaluate(run_dir, sample_tokens, steps)
 
 
 def transformers_greedy(hf_dir: Path, tokens: int) -> str:
@@ -107,8 +113,8 @@ def dense_round_trip(out: Path, dense_steps: int) -> dict:
   """Steps 1-4: the dense source trained, exported, checked against transformers and imported back; the imported
   run's evaluation."""
   dense = out / "dense"
-  dense_eval = run_variant(EXPERIMENT, dense, [f"train.steps={dense_steps}",
-                                               f"train.warmup_steps={dense_steps // 12}"], sample_tokens=100)
+  dense_eval = run_variant(EXPERIMENT, dense, [f"train.warmup_steps={dense_steps // 12}"], dense_steps,
+                           sample_tokens=100)
   hf_dir = out / "hf_dense"
   if not hf_dir.exists():
     print(run(sys.executable, "-m", "jaxshare.convert", "export", str(dense), str(hf_dir)), end="")
@@ -129,16 +135,18 @@ def dense_round_trip(out: Path, dense_steps: int) -> dict:
 
 def table(rows: list[dict], args: argparse.Namespace) -> list[str]:
   """results.md: one line per schedule, losses as mean ± sample std over the seeds that finished."""
-  control = statistics.mean(next(r for r in rows if r["name"] == "dense")["uptrained"] or [float("nan")])
+  control = next(r for r in rows if r["name"] == "dense")["uptrained"]
   lines = [f"Dense source: {args.dense_steps} steps. Uptraining and from-scratch runs: {args.steps} steps of the same "
            f"32x128 tokens each (uptraining lr {args.uptrain_lr}, from scratch the dense recipe's), at seeds "
            f"{', '.join(map(str, args.seeds))}: mean ± sample std over the seeds (n in the last column). "
-           "Validation loss in nats per token (= per byte: byte tokenizer) on the whole validation split.", "",
+           "Validation loss in nats per token (= per byte: byte tokenizer) on the whole validation split. The "
+           "difference from the dense control is the mean ± std of the per-seed differences (a seed fixes the data "
+           "order).", "",
            "| schedule | KV bytes/token (bf16) | params | converted (step 0) | uptrained | uptrained - dense "
-           "uptrained | from scratch | n |", "|---|---|---|---|---|---|---|---|"]
+           "uptrained (paired by seed) | from scratch | n |", "|---|---|---|---|---|---|---|---|"]
   for r in rows:
     up = r["uptrained"]
-    delta = "—" if not up or r["name"] in ("start", "dense") else f"{statistics.mean(up) - control:+.4f}"
+    delta = "—" if not up or r["name"] in ("start", "dense") else mean_std([a - b for a, b in zip(up, control)])
     lines.append(f"| {r['name']} ({r['schedule']}) | {r['kv_bytes_per_token_bf16']:,} | {r['num_params']:,} | "
                  f"{r['converted']:.4f} | {mean_std(up)} | {delta} | {mean_std(r['scratch'])} | {len(up)} |")
   return lines + ["", "start: the dense model after export to HF and import back (bit-exact); dense: that model "
@@ -178,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
   imported_eval = dense_round_trip(out, args.dense_steps)
   names = [n for n in SCHEDULES if n == "dense" or not args.only or n in args.only]
 
-  budget = [f"train.steps={args.steps}", f"train.warmup_steps={max(1, args.steps // 10)}",
+  budget = [f"train.warmup_steps={max(1, args.steps // 10)}",
             f"train.eval_every={args.steps}", f"train.checkpoint_every={args.steps}"]
   converted = {}
   for name in names:
@@ -195,11 +203,13 @@ def main(argv: list[str] | None = None) -> int:
       path, at_conversion = converted[name]
       config = str(path / "config.yaml")
       up = run_variant(config, out / f"uptrained_{name}" / f"seed{seed}",
-                       [*seeded, f"train.init_from={path}", f"train.lr={args.uptrain_lr}", *SCHEDULES[name][1]])
+                       [*seeded, f"train.init_from={path}", f"train.lr={args.uptrain_lr}", *SCHEDULES[name][1]],
+                       args.steps)
       results[name]["uptrained"].append(up["val_loss"])
       line = f"seed {seed} {name}: converted {at_conversion['val_loss']:.4f}, uptrained {up['val_loss']:.4f}"
       if SCHEDULES[name][2]:
-        scratch = run_variant(config, out / f"scratch_{name}" / f"seed{seed}", [*seeded, "train.init_from="])
+        scratch = run_variant(config, out / f"scratch_{name}" / f"seed{seed}", [*seeded, "train.init_from="],
+                              args.steps)
         results[name]["scratch"].append(scratch["val_loss"])
         line += f", from scratch {scratch['val_loss']:.4f}"
       print(line, flush=True)

@@ -142,7 +142,7 @@ def test_calibrated_factors_bring_the_logits_closer_than_reuse_and_the_fit(batch
   baseline = total(reuse)
   assert total(params) / baseline == pytest.approx(fit.start, rel=1e-3)
   assert total(out) / baseline == pytest.approx(fit.calibrated, rel=1e-3)
-  assert fit.calibrated < min(1.0, fit.start)  # better than plain reuse (DS) and than the weight fit
+  assert fit.calibrated < min(1.0, fit.start) and not fit.kept_start  # better than plain reuse and the weight fit
   changed = {k for k, v in flat_leaves(out).items() if not np.array_equal(np.asarray(v), np.asarray(
     flat_leaves(params)[k]))}
   assert changed and all(k.rsplit("/", 2)[-2] in ("q_lr", "k_lr") for k in changed), changed

@@ -21,7 +21,8 @@ position of the calibration batches.
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterable
+import functools
+from typing import Iterable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -29,6 +30,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from jaxshare.kernels import reference
 from jaxshare.model import params as P
 from jaxshare.schedule import Schedule
 
@@ -71,48 +73,48 @@ def fit_low_rank(wq_n, wk_n, wq_s, wk_s, rank: int, kv_heads: int) -> tuple[jnp.
 
 @dataclasses.dataclass(frozen=True)
 class LowRankCalibration:
-  """How close the converted LISA layers' logits are to the source's, on the calibration batches: the squared error
-  of ``A_s + A_delta`` against the source's own logits over causal positions, relative to that of plain reuse
-  (``A_delta = 0``, the DS start: 1.0 by definition), for the starting factors and the calibrated ones."""
+  """How close the calibrated LISA layers' logits are to the source's, on the calibration batches: the squared error
+  of ``A_s + A_delta`` against the source's own logits over the positions each query attends, relative to that of
+  plain reuse (``A_delta = 0``, the DS start: 1.0 by definition; NaN where plain reuse is already exact), for the
+  starting factors and the returned ones. ``kept_start``: Adam did not improve on the start, which is returned."""
 
   layers: tuple[int, ...]
   start: float
   calibrated: float
-
-
-def _causal_mask(segment_ids: jax.Array) -> jax.Array:
-  """``[B, 1, T, T]`` float32: key s visible to query t (s <= t, same document)."""
-  t = segment_ids.shape[1]
-  same = segment_ids[:, :, None] == segment_ids[:, None, :]
-  return (same & jnp.tril(jnp.ones((t, t), bool)))[:, None].astype(jnp.float32)
+  kept_start: bool
 
 
 def calibrate_low_rank(src: tuple[nnx.GraphDef, dict], dst: tuple[nnx.GraphDef, dict], schedule: Schedule,
-                       batches: Iterable[dict[str, np.ndarray]], steps: int = 200, learning_rate: float = 3e-3
+                       batches: Iterable[dict[str, np.ndarray]], layers: Sequence[int] | None = None, *,
+                       window: int = 0, steps: int = 200, learning_rate: float = 3e-3
                        ) -> tuple[dict, LowRankCalibration]:
-  """LISA's calibrated conversion start (module docstring): every LISA layer's ``q_lr``, ``k_lr`` of ``dst`` trained
-  so that the logits the layer uses match the source layer's own on ``batches``; nothing else changes.
+  """LISA's calibrated conversion start (module docstring): the ``q_lr``, ``k_lr`` of ``dst``'s LISA layers trained
+  so that the logits each layer uses match the source layer's own on ``batches``; nothing else changes.
 
   Args:
     src: the source model ``(graphdef, params)`` (pure dicts), e.g. the dense model converted into ``dst``.
     dst: the converted model; its current factors are the starting point (e.g. :func:`fit_low_rank`'s).
     schedule: ``dst``'s compiled schedule.
     batches: calibration batches (``inputs``, ``positions``, ``segment_ids``; ``[B, T]`` each).
+    layers: the LISA layers to calibrate (default: every layer with low-rank factors).
+    window: ``model.sliding_window`` (0: none): the positions compared are those a query attends.
     steps: Adam steps, cycling through the batches.
     learning_rate: Adam's step size (constant).
 
   Every step runs ``dst``'s forward pass with every layer's ``[B, H, T, T]`` float32 logits materialised (and the
-  targets of the LISA layers are kept for all batches): calibrate large models on short sequences.
+  targets of the calibrated layers are kept for all batches): calibrate large models on short sequences.
 
   Returns:
-    ``(dst params with the calibrated factors, LowRankCalibration)``; errors are summed over the LISA layers.
+    ``(dst params with the calibrated factors, LowRankCalibration)``; errors are summed over ``layers``.
 
   Raises:
-    ValueError: the schedule has no LISA layer with low-rank factors, ``batches`` is empty, or ``steps < 0``.
+    ValueError: no layer to calibrate or one without low-rank factors, ``batches`` is empty, or ``steps < 0``.
   """
-  layers = tuple(p.index for p in schedule.layers if p.has_low_rank)
-  if not layers:
-    raise ValueError(f"schedule {schedule.describe()} has no LISA layer with low-rank factors to calibrate")
+  low_rank = [p.index for p in schedule.layers if p.has_low_rank]
+  layers = tuple(low_rank if layers is None else layers)
+  if not layers or not set(layers) <= set(low_rank):
+    raise ValueError(f"LISA calibration of layers {list(layers)}: must be a non-empty subset of the layers with "
+                     f"low-rank factors {low_rank} of schedule {schedule.describe()}")
   batches = [{k: jnp.asarray(b[k]) for k in ("inputs", "positions", "segment_ids")} for b in batches]
   if not batches:
     raise ValueError("LISA calibration needs at least one batch")
@@ -120,52 +122,51 @@ def calibrate_low_rank(src: tuple[nnx.GraphDef, dict], dst: tuple[nnx.GraphDef, 
     raise ValueError(f"LISA calibration steps={steps} is invalid: must be >= 0")
   index = jnp.asarray(layers)
 
-  def attention_logits(graphdef, params, batch):
+  @functools.partial(jax.jit, static_argnums=0)
+  def attention_logits(graphdef, params, batch):  # [n, B, H, T, T]
     return nnx.merge(graphdef, params)(batch["inputs"], batch["positions"], batch["segment_ids"],
-                                       capture_attention=True)[1][index]  # [n, B, H, T, T]
+                                       capture_attention=True)[1][index]
 
-  targets = [jax.jit(attention_logits, static_argnums=0)(src[0], src[1], b) for b in batches]
+  targets = [attention_logits(src[0], src[1], b) for b in batches]
 
   def factors(params):
-    return {n: {k: P.layer_params(params, schedule, n)["attn"][k]["kernel"] for k in ("q_lr", "k_lr")}
-            for n in layers}
+    return {n: {k: P.layer_params(params, schedule, n)["attn"][k] for k in ("q_lr", "k_lr")} for n in layers}
 
   def with_factors(params, fs):
     for n, f in fs.items():
       old = P.layer_params(params, schedule, n)
-      attn = {**old["attn"], **{k: {**old["attn"][k], "kernel": v} for k, v in f.items()}}
-      params = P.replace_layer(params, schedule, n, {**old, "attn": attn})
+      params = P.replace_layer(params, schedule, n, {**old, "attn": {**old["attn"], **f}})
     return params
 
+  @jax.jit
   def sse(fs, params, batch, target):
     got = attention_logits(dst[0], with_factors(params, fs), batch)
-    return jnp.sum(_causal_mask(batch["segment_ids"]) * (got - target) ** 2)
+    seg = batch["segment_ids"]
+    visible = reference.attention_mask(seg, seg, True, window)[:, None]  # [B, 1, T, T]
+    return jnp.sum(jnp.where(visible, (got - target) ** 2, 0.0))
 
-  def reuse_sse(batch, target):  # A_delta = 0 everywhere: the DS start
-    zero = {n: {**f, "k_lr": jnp.zeros_like(f["k_lr"])} for n, f in factors(dst[1]).items()}
-    return sse(zero, dst[1], batch, target)
-
-  def total(fs, params, fn=sse):
-    return sum(float(fn(fs, params, b, t)) for b, t in zip(batches, targets))
+  def total(fs, params):
+    return sum(float(sse(fs, params, b, t)) for b, t in zip(batches, targets))
 
   params = jax.tree.map(jnp.asarray, dst[1])
-  sse_jit = jax.jit(sse)
-  baseline = sum(float(jax.jit(reuse_sse)(b, t)) for b, t in zip(batches, targets))
   fs = jax.tree.map(lambda a: a.astype(jnp.float32), factors(params))
-  start = total(fs, params, sse_jit)
+  baseline = total({n: {**f, "k_lr": jax.tree.map(jnp.zeros_like, f["k_lr"])} for n, f in fs.items()}, params)
+  start = total(fs, params)
   optimizer = optax.adam(learning_rate)
   tokens = batches[0]["inputs"].size
 
   @jax.jit
-  def step(fs, opt_state, batch, target):
-    loss, grads = jax.value_and_grad(lambda f: sse(f, params, batch, target) / tokens)(fs)
+  def step(fs, opt_state, params, batch, target):
+    grads = jax.grad(lambda f: sse(f, params, batch, target) / tokens)(fs)
     updates, opt_state = optimizer.update(grads, opt_state, fs)
     return optax.apply_updates(fs, updates), opt_state
 
   opt_state = optimizer.init(fs)
+  start_fs = fs
   for i in range(steps):
-    fs, opt_state = step(fs, opt_state, batches[i % len(batches)], targets[i % len(targets)])
-  calibrated = total(fs, params, sse_jit)
-  if calibrated > start:  # Adam overshot on these batches: the starting factors are the better start
-    return params, LowRankCalibration(layers, start / baseline, start / baseline)
-  return with_factors(params, fs), LowRankCalibration(layers, start / baseline, calibrated / baseline)
+    fs, opt_state = step(fs, opt_state, params, batches[i % len(batches)], targets[i % len(targets)])
+  calibrated = total(fs, params)
+  kept = calibrated >= start  # Adam did not improve on these batches: the start is the better one
+  relative = (lambda e: e / baseline) if baseline > 0 else (lambda e: float("nan"))
+  return (with_factors(params, start_fs if kept else fs),
+          LowRankCalibration(layers, relative(start), relative(min(start, calibrated)), kept))

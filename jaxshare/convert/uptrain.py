@@ -204,7 +204,7 @@ def init_low_rank(src: dict, src_schedule: Schedule, dst: dict, dst_schedule: Sc
     if start == "calibrated":
       raise ConfigError(f"train.init_lisa=calibrated needs calibration batches, which only `python -m "
                         f"jaxshare.convert uptrain` reads (layer {plan.index} starts from the source here): convert "
-                        "with it, or use train.init_lisa=ds or fit")
+                        "with it and set train.init_from to the converted run, or use train.init_lisa=ds or fit")
     attn = {**layer["attn"], "k_lr": jax.tree.map(jnp.zeros_like, layer["attn"]["k_lr"])}
     if plan.index in fittable:
       own, prev = (P.layer_params(src, src_schedule, i)["attn"] for i in (plan.index, plan.score_source))
@@ -324,8 +324,11 @@ def uptrain_run(src_run, out_run, overrides, *, calibration_batches: int = 8, wc
                                                        f"train.init_from={src_run}"]))
   start = "fit" if cfg.train.init_lisa == "calibrated" else cfg.train.init_lisa  # calibrated starts from fit
   setup = setup_run(apply_overrides(cfg, [f"train.init_lisa={start}"]))
-  lisa_calibrated = cfg.train.init_lisa == "calibrated" and bool(fittable_lisa_layers(
-    src_params, src_setup.schedule, setup.schedule))
+  fitted = fittable_lisa_layers(src_params, src_setup.schedule, setup.schedule) if start == "fit" else []
+  lisa_calibrated = cfg.train.init_lisa == "calibrated" and any(p.has_low_rank for p in setup.schedule.layers)
+  if lisa_calibrated and not fitted:
+    raise ConfigError("train.init_lisa=calibrated: no LISA layer of the target has its own W_q and W_k, and its "
+                      "score source's, in the source model to start from; use train.init_lisa=ds")
   if lisa_calibrated and not calibration_batches:
     raise ConfigError("train.init_lisa=calibrated needs calibration batches: --calibration-batches must be >= 1")
   params = init_state(setup, from_params=(src_params, src_setup.schedule))["params"]
@@ -342,9 +345,10 @@ def uptrain_run(src_run, out_run, overrides, *, calibration_batches: int = 8, wc
     lines += format_fits(fits, losses, wc_fit)
   if lisa_calibrated:
     params, fit = calibrate_low_rank((src_setup.graphdef, src_params), (setup.graphdef, params), setup.schedule,
-                                     batches, steps=lisa_steps)
-    lines.append(f"layers {list(fit.layers)} attn/q_lr, k_lr: calibrated on {len(batches)} batches ({lisa_steps} "
-                 f"Adam steps from the fit): squared logit error vs the source's own, relative to plain reuse "
-                 f"(DS = 1): fit {fit.start:.4f} -> calibrated {fit.calibrated:.4f}")
+                                     batches, fitted, window=cfg.model.sliding_window, steps=lisa_steps)
+    outcome = "no better: the fit kept" if fit.kept_start else "calibrated"
+    lines.append(f"layers {list(fit.layers)} attn/q_lr, k_lr: {lisa_steps} Adam steps from the fit on "
+                 f"{len(batches)} calibration batches: squared logit error vs the source's own, relative to plain "
+                 f"reuse (DS = 1): fit {fit.start:.4f} -> {outcome} {fit.calibrated:.4f}")
   write_run(out_run, cfg, params, meta={"uptrained_from": str(src_run), "source_step": step})
   return [f"{src_setup.schedule.describe()} -> {setup.schedule.describe()}", *lines, f"written to {out_run}"]
