@@ -35,7 +35,7 @@ train: install
 
 ## Run the whole test suite (slow real-corpus runs included).
 test: install-dev $(LIBTPU)/.installed
-	$(PY) -m pytest -n 2 -q $(ARGS)
+	$(PY) -m pytest -n 2 -q --durations=25 $(ARGS)
 
 clean:
 	rm -rf runs .pytest_cache
