@@ -73,25 +73,28 @@ def run(*cmd: str) -> str:
   return subprocess.run(cmd, check=True, cwd=REPO, capture_output=True, text=True).stdout
 
 
-def evaluate(run_dir: Path, sample_tokens: int = 0, step: int | None = None) -> dict:
-  """eval.py's JSON report of a run's latest checkpoint, kept in run_dir/eval.json for re-runs (reused only if it
-  is of ``step``, when given: a run trained under another --steps is evaluated again)."""
+def cached_report(run_dir: Path, step: int | None = None) -> dict | None:
+  """The eval.py report kept in run_dir/eval.json by :func:`evaluate`, if it is of ``step`` (when given: a run
+  trained under another --steps is evaluated again); None otherwise."""
   cached = run_dir / "eval.json"
-  if cached.exists() and not sample_tokens:
-    report = json.loads(cached.read_text())
-    if step is None or report["step"] == step:
-      return report
-  report = json.loads(run(sys.executable, "eval.py", str(run_dir), "--json", "--sample-tokens", str(sample_tokens),
-                          "--prompt", PROMPT))
-  cached.write_text(json.dumps(report))
+  report = json.loads(cached.read_text()) if cached.exists() else None
+  return report if report is not None and (step is None or report["step"] == step) else None
+
+
+def evaluate(run_dir: Path, sample_tokens: int = 0, step: int | None = None) -> dict:
+  """eval.py's JSON report of a run's latest checkpoint, kept in run_dir/eval.json for re-runs."""
+  report = None if sample_tokens else cached_report(run_dir, step)
+  if report is None:
+    report = json.loads(run(sys.executable, "eval.py", str(run_dir), "--json", "--sample-tokens",
+                            str(sample_tokens), "--prompt", PROMPT))
+    (run_dir / "eval.json").write_text(json.dumps(report))
   return report
 
 
 def run_variant(experiment: str, run_dir: Path, overrides: list[str], steps: int, sample_tokens: int = 0) -> dict:
   """Train (or resume; a finished run returns at once) one run of ``steps`` steps, then evaluate it: eval.py's
   JSON report."""
-  cached = run_dir / "eval.json"
-  if sample_tokens or not cached.exists() or json.loads(cached.read_text())["step"] != steps:
+  if sample_tokens or cached_report(run_dir, steps) is None:
     run(sys.executable, "train.py", "--config", experiment, "--no-eval", *overrides, f"train.steps={steps}",
         f"train.run_dir={run_dir}")
   return evaluate(run_dir, sample_tokens, steps)

@@ -324,8 +324,8 @@ def uptrain_run(src_run, out_run, overrides, *, calibration_batches: int = 8, wc
                                                        f"train.init_from={src_run}"]))
   start = "fit" if cfg.train.init_lisa == "calibrated" else cfg.train.init_lisa  # calibrated starts from fit
   setup = setup_run(apply_overrides(cfg, [f"train.init_lisa={start}"]))
-  fitted = fittable_lisa_layers(src_params, src_setup.schedule, setup.schedule) if start == "fit" else []
   lisa_calibrated = cfg.train.init_lisa == "calibrated" and any(p.has_low_rank for p in setup.schedule.layers)
+  fitted = fittable_lisa_layers(src_params, src_setup.schedule, setup.schedule) if lisa_calibrated else []
   if lisa_calibrated and not fitted:
     raise ConfigError("train.init_lisa=calibrated: no LISA layer of the target has its own W_q and W_k, and its "
                       "score source's, in the source model to start from; use train.init_lisa=ds")
