@@ -13,7 +13,7 @@ finished checkpoint is kept).
 Exit codes: 0 finished (or stopped at train.steps); 130 interrupted by SIGINT/SIGTERM, checkpoint saved (or aborted
 by a third signal); 2 bad input (config, schedule, data, checkpoint); 3 training diverged (train.nan_policy=stop).
 
-Ahead-of-time fit check (no TPU, no training; jaxshare/fit.py): compile the real train step for a TPU topology or
+Ahead-of-time fit check (no TPU, no training; jaxshare/aot/fit.py): compile the real train step for a TPU topology or
 accelerator type on this host and report HBM per chip, FLOPs and whether it fits; exit code 0 fits, 3 does not (what
 to change on stderr), 2 bad flags or config:
   python train.py --config configs/experiments/llama_1b_pod.yaml --compile-only --topology v5e-256 [--max-batch]
@@ -113,13 +113,13 @@ def _joined_others() -> bool:
 def _compile_only(args) -> int:
   """The fit check: the host compiles (JAX_PLATFORMS=cpu, set before JAX is imported) and jax.distributed is never
   started: there is no TPU and no cluster."""
-  from jaxshare import topology
+  from jaxshare.aot import topology
   from jaxshare.config import ConfigError, load_config
 
   try:
     topology.use_host_compiler()
     cfg = load_config(args.config, args.overrides)
-    from jaxshare import fit
+    from jaxshare.aot import fit
 
     return fit.main(cfg, args.topology, args.num_slices, args.max_batch)
   except ConfigError as e:

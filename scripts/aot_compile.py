@@ -17,19 +17,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import sys
 import time
 
-from pathlib import Path
+from jaxshare.aot.topology import topology_mesh, use_host_compiler
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the host compiles; libtpu is only asked to describe topologies
-os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # no TPU to guard: let parallel compiles share libtpu
-LIBTPU = Path(__file__).resolve().parent.parent / ".libtpu"  # where `make test` installs libtpu (see the Makefile)
-if LIBTPU.is_dir():
-  sys.path.insert(0, str(LIBTPU))
+use_host_compiler()  # before JAX is imported: the host compiles, libtpu only describes the topologies
 
-from jaxshare import aot  # noqa: E402
+from jaxshare.aot.compile import compile_kernels_tpu, compile_train_step, lower_kernels_cuda  # noqa: E402
 from jaxshare.config import ConfigError, MeshConfig, load_config  # noqa: E402
 
 TOPOLOGIES = ("v5e:2x2", "v5p:2x2x1", "v6e:2x2")
@@ -60,11 +55,11 @@ def main(argv=None) -> int:
   try:
     for topology in args.topology or TOPOLOGIES:
       start = time.perf_counter()
-      mesh = aot.topology_mesh(topology, MeshConfig(data=2, fsdp=1, tensor=-1))
-      rows = aot.compile_kernels_tpu(mesh)
+      mesh = topology_mesh(topology, MeshConfig(data=2, fsdp=1, tensor=-1))
+      rows = compile_kernels_tpu(mesh)
       for name in (args.schedule or SCHEDULES) if topology in (args.train_on or [topology]) else ():
         cfg = load_config(None, SMALL_MODEL + SCHEDULES[name] + list(args.overrides))
-        rows.append(aot.compile_train_step(cfg, aot.topology_mesh(topology, cfg.mesh)))
+        rows.append(compile_train_step(cfg, topology_mesh(topology, cfg.mesh)))
       results["tpu"][topology] = [dataclasses.asdict(r) for r in rows]
       print(f"{topology} ({mesh.devices.flat[0].device_kind}, mesh {dict(mesh.shape)}): "
             f"{time.perf_counter() - start:.1f} s")
@@ -76,7 +71,7 @@ def main(argv=None) -> int:
     print(f"error: {e}", file=sys.stderr)
     return 2
   if not args.no_cuda:
-    results["cuda"] = [dataclasses.asdict(r) for r in aot.lower_kernels_cuda()]
+    results["cuda"] = [dataclasses.asdict(r) for r in lower_kernels_cuda()]
     print("cuda (lowered, Pallas -> Triton):")
     for r in results["cuda"]:
       print(f"  {r['name']:34s} {r['custom_calls']:3d} Triton calls")

@@ -1,4 +1,4 @@
-"""The ahead-of-time fit check (``train.py --compile-only``, jaxshare/fit.py): accelerator types name topologies, the
+"""The ahead-of-time fit check (``train.py --compile-only``, jaxshare/aot/): accelerator types name topologies, the
 traced FLOP count follows scans and shard_map, and, with libtpu, a small model's train step compiles for a TPU
 topology (and two slices of it) and fits while a too-large batch is refused with advice and exit code 3. The libtpu
 cases run train.py in a child process: libtpu is initialised there, not in the test workers."""
@@ -16,7 +16,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from conftest import REPO
 from jaxshare.config import ConfigError
-from jaxshare.topology import hbm_bytes, topology_name
+from jaxshare.aot.topology import hbm_bytes, topology_name
 
 needs_libtpu = pytest.mark.skipif(
   not (REPO / ".libtpu" / "libtpu").is_dir() and importlib.util.find_spec("libtpu") is None,
@@ -58,7 +58,8 @@ def test_hbm_by_device_kind():
 
 
 def test_matmul_flops_follow_scans_and_shard_map():
-  from jaxshare.fit import _compiler_oom, matmul_flops
+  from jaxshare.aot.compile import compiler_oom
+  from jaxshare.aot.report import matmul_flops
 
   def layers(x, w):  # 3 scanned [8, 16] x [16, 16] matmuls
     return jax.lax.scan(lambda h, wi: (h @ wi, None), x, w)[0]
@@ -71,7 +72,7 @@ def test_matmul_flops_follow_scans_and_shard_map():
   mesh2 = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("x", "y"))  # manual over x only: 2 shards
   partly = jax.shard_map(lambda a, b: a @ b, mesh=mesh2, in_specs=(P("x"), P()), out_specs=P("x"), axis_names={"x"})
   assert matmul_flops(jax.make_jaxpr(partly)(x, w[0]))[0] == 2 * 8 * 16 * 16
-  assert _compiler_oom("... HLO temporaries (21.42G) exceeds available HBM (15.75G).") == (
+  assert compiler_oom("... HLO temporaries (21.42G) exceeds available HBM (15.75G).") == (
     round(21.42 * 2 ** 30), round(15.75 * 2 ** 30))
 
 
@@ -121,7 +122,7 @@ def test_unknown_topology_is_refused_by_name():
 
 def test_num_slices_split_the_data_axis_unless_the_config_says():
   from jaxshare.config import load_config
-  from jaxshare.fit import with_slices
+  from jaxshare.aot.topology import with_slices
 
   cfg = load_config(None, ["mesh.fsdp=-1"])
   assert with_slices(cfg, None) is cfg and with_slices(cfg, 1) is cfg

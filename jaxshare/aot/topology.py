@@ -1,20 +1,26 @@
-"""TPU topologies by name, their chips' HBM, and the host setup for compiling for them without a TPU.
+"""TPU topologies by name, their chips' HBM, their devices and meshes, and the host setup for compiling for them
+without a TPU (``jax.experimental.topologies`` with libtpu importable: it describes a topology without the hardware).
 
-Imports no JAX: :func:`use_host_compiler` must run before JAX is first imported. ``jaxshare.fit`` is the fit check
-that uses these.
+Imports no JAX at module level: :func:`use_host_compiler` must run before JAX is first imported, so the functions that
+need JAX import it themselves.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import re
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from jaxshare.config import ConfigError
+from jaxshare.config import Config, ConfigError, MeshConfig
 
-LIBTPU = Path(__file__).resolve().parent.parent / ".libtpu"  # where `make .libtpu/.installed` puts libtpu (Makefile)
+if TYPE_CHECKING:
+  import jax
+
+LIBTPU = Path(__file__).resolve().parents[2] / ".libtpu"  # where `make .libtpu/.installed` puts libtpu (Makefile)
 
 # HBM per chip in GiB, by substring of jax's device_kind, most specific first ("TPU v5 lite" is v5e, "TPU v5" v5p,
 # "TPU v6 lite" v6e); v4 and v5p chips are one megacore device each. Google Cloud's TPU version pages.
@@ -82,3 +88,48 @@ def hbm_bytes(device_kind: str) -> int | None:
   """HBM capacity of one chip (bytes) for a jax ``device_kind`` such as ``TPU v5 lite``; None when unknown."""
   kind = device_kind.lower()
   return next((gib * 2 ** 30 for key, gib in HBM_GIB if key in kind), None)
+
+
+def topology_devices(topology: str, num_slices: int = 1) -> list:
+  """The devices of ``num_slices`` slices of a TPU topology such as ``v5e:2x2`` or ``v5p:2x2x1``: one per chip (v4
+  and v5p chips are one megacore device, as on the TPU VM), each with its ``slice_index``.
+
+  Raises:
+    ConfigError: libtpu is missing or the topology name is unknown.
+  """
+  from jax.experimental import topologies
+  # v4's default description has a device per TensorCore; JAX on a v4 VM drives each chip as one megacore device
+  megacore = {"chip_config_name": "megacore"} if topology.startswith("v4:") else {}
+  try:
+    return list(topologies.get_topology_desc(topology_name=topology, platform="tpu", num_slices=num_slices,
+                                             **megacore).devices)
+  except Exception as e:  # libtpu missing or unknown name: both surface as generic runtime errors
+    raise ConfigError(f"--topology {topology!r}: cannot describe this TPU topology ({e}); name one like v5e:2x2, "
+                      "v5p:2x2x1 or v6e:2x2, with libtpu importable (make .libtpu/.installed)") from e
+
+
+def topology_mesh(topology: str, mesh_cfg: MeshConfig) -> jax.sharding.Mesh:
+  """A ``(data, fsdp, tensor)`` mesh over the devices of a TPU topology such as ``v5e:2x2`` or ``v5p:2x2x1``
+  (``mesh_cfg.num_slices`` slices of it).
+
+  Raises:
+    ConfigError: libtpu is missing or the topology name is unknown; the mesh does not fill the topology.
+  """
+  from jaxshare import parallel
+
+  return parallel.make_mesh(mesh_cfg, topology_devices(topology, mesh_cfg.num_slices))
+
+
+def with_slices(cfg: Config, num_slices: int | None) -> Config:
+  """``cfg`` for ``num_slices`` TPU slices: the config's own ``mesh.dcn_*`` when None or equal; else, from a
+  one-slice config, data parallel across the slices (``mesh.dcn_data = num_slices``).
+
+  Raises:
+    ConfigError: num_slices < 1, or it contradicts the config's dcn sizes.
+  """
+  if num_slices is None or num_slices == cfg.mesh.num_slices:
+    return cfg
+  if num_slices < 1 or cfg.mesh.num_slices != 1:
+    raise ConfigError(f"--num-slices {num_slices}: must be >= 1 and match mesh.dcn_data x dcn_fsdp x dcn_tensor = "
+                      f"{cfg.mesh.num_slices} (or leave the dcn_* sizes at 1: the slices then split the data axis)")
+  return dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, dcn_data=num_slices))

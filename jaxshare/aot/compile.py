@@ -1,20 +1,22 @@
-"""Ahead-of-time compilation without the hardware: Mosaic kernels and the train step compiled for a named TPU
-topology (``jax.experimental.topologies`` with libtpu importable; it loads without a TPU), and the Pallas kernels
-lowered for CUDA (Triton custom calls) on a CPU host. ``scripts/aot_compile.py`` is the command line.
+"""Compiling without the hardware: the Mosaic kernels and the run's train step compiled for a TPU topology's devices
+(:mod:`jaxshare.aot.topology`), the Pallas kernels lowered for CUDA (Triton custom calls) on a CPU host, and what the
+TPU compiler says when a program does not fit (its usable HBM). ``scripts/aot_compile.py`` is the command line.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import NamedSharding
 
 from jaxshare import parallel
-from jaxshare.config import Config, ConfigError, MeshConfig
+from jaxshare.config import Config
 from jaxshare.kernels import pallas
 
 MOSAIC_CALL = "tpu_custom_call"
@@ -26,6 +28,11 @@ _ACTIVATION_AXES = {2: ("activation_batch", None), 3: ("activation_batch", "acti
 _DECODE_AXES = (_ACTIVATION_AXES[4], *[("activation_batch", "activation_kv_heads", None, None)] * 4,
                 ("activation_batch", None, None))
 DECODE_CACHE = 4096  # slots of the decode program's cache (8 key splits of 512)
+_UNITS = {"": 1, "K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30, "T": 2 ** 40}  # XLA prints binary sizes
+_NUM = r"([\d.]+)([KMGT]?)i?B?"
+# The TPU compiler's refusals: "... HLO temporaries (26.96G) exceeds available HBM (15.75G)" and "Used 17.50G of
+# 15.48G hbm"
+_OOM = (re.compile(rf"\({_NUM}\) exceeds available HBM \({_NUM}\)"), re.compile(rf"Used {_NUM} of {_NUM} hbm"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,34 +48,6 @@ class Compiled:
   custom_calls: int
   memory: dict | None = None
   flops: float | None = None
-
-
-def topology_devices(topology: str, num_slices: int = 1) -> list:
-  """The devices of ``num_slices`` slices of a TPU topology such as ``v5e:2x2`` or ``v5p:2x2x1``: one per chip (v4
-  and v5p chips are one megacore device, as on the TPU VM), each with its ``slice_index``.
-
-  Raises:
-    ConfigError: libtpu is missing or the topology name is unknown.
-  """
-  from jax.experimental import topologies
-  # v4's default description has a device per TensorCore; JAX on a v4 VM drives each chip as one megacore device
-  megacore = {"chip_config_name": "megacore"} if topology.startswith("v4:") else {}
-  try:
-    return list(topologies.get_topology_desc(topology_name=topology, platform="tpu", num_slices=num_slices,
-                                             **megacore).devices)
-  except Exception as e:  # libtpu missing or unknown name: both surface as generic runtime errors
-    raise ConfigError(f"--topology {topology!r}: cannot describe this TPU topology ({e}); name one like v5e:2x2, "
-                      "v5p:2x2x1 or v6e:2x2, with libtpu importable (make .libtpu/.installed)") from e
-
-
-def topology_mesh(topology: str, mesh_cfg: MeshConfig) -> jax.sharding.Mesh:
-  """A ``(data, fsdp, tensor)`` mesh over the devices of a TPU topology such as ``v5e:2x2`` or ``v5p:2x2x1``
-  (``mesh_cfg.num_slices`` slices of it).
-
-  Raises:
-    ConfigError: libtpu is missing or the topology name is unknown; the mesh does not fill the topology.
-  """
-  return parallel.make_mesh(mesh_cfg, topology_devices(topology, mesh_cfg.num_slices))
 
 
 MEMORY_FIELDS = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes", "temp_size_in_bytes",
@@ -193,3 +172,29 @@ def compile_traced(step: TracedStep, name: str) -> Compiled:
 def compile_train_step(cfg: Config, mesh: jax.sharding.Mesh) -> Compiled:
   """The run's real train step (state and batch sharded as in training, state donated) compiled for ``mesh``."""
   return compile_traced(trace_train_step(cfg, mesh), f"train_step[{cfg.schedule.kind}]")
+
+
+def compiler_oom(error: str) -> tuple[int | None, int | None]:
+  """``(needed, usable)`` bytes from the TPU compiler's RESOURCE_EXHAUSTED message (None where it says neither)."""
+  for pattern in _OOM:
+    m = pattern.search(error)
+    if m:
+      return (round(float(m.group(1)) * _UNITS[m.group(2)]), round(float(m.group(3)) * _UNITS[m.group(4)]))
+  return None, None
+
+
+_usable: dict[str, int | None] = {}
+
+
+def usable_hbm(device) -> int | None:
+  """Bytes of HBM the TPU compiler lets one program use on ``device``'s kind (None if it does not say): read from its
+  refusal of a 512 GiB program (well under a second; once per device kind)."""
+  kind = device.device_kind
+  if kind not in _usable:
+    huge = jax.ShapeDtypeStruct((2 ** 39,), np.int8, sharding=jax.sharding.SingleDeviceSharding(device))
+    try:
+      jax.jit(lambda x: x + 1).lower(huge).compile()
+      _usable[kind] = None
+    except jax.errors.JaxRuntimeError as e:
+      _usable[kind] = compiler_oom(str(e))[1]
+  return _usable[kind]

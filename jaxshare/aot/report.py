@@ -1,17 +1,17 @@
-"""Ahead-of-time fit check (``train.py --compile-only``): the run's real train step compiled for a named TPU topology
-on this host (no TPU), its HBM per chip against the chip's capacity, its FLOPs, and the largest global batch that
-fits (``--max-batch``).
+"""The memory and cost report of one ahead-of-time compile (:func:`check`): the run's real train step compiled for a
+named TPU topology on this host (no TPU), its HBM per chip against the chip's capacity, its FLOPs and the bounds they
+set, printed by :func:`format_report`, and when it does not fit, what to change (:func:`advice`).
 
-**HBM per chip** is the TPU compiler's own figure, ``memory_analysis().peak_memory_in_bytes``: the most bytes live
-at once during the step (arguments, outputs and temporaries; the donated state's buffers, which the new state is
-written into, counted once). The compiler refuses a program whose peak exceeds the HBM it may use
-(``RESOURCE_EXHAUSTED``: a no-fit, reported with its figures), so a train step fits when it compiles. That usable
-HBM is asked of the compiler itself (:func:`usable_hbm`: v5e 15.75 GiB of 16, v5p 95.74 of the published 95, v6e
-31.25 of 32, v4 30.75 of 32 with libtpu 0.0.42). The sum ``arguments + outputs - aliased + temporaries`` (MaxText's
-formula: the aliased bytes, ``alias_size_in_bytes``, are the donated state, counted in both arguments and outputs,
-so subtracted once) equals that peak on simple programs (checked: x * 2 with and without donation, a matmul chain)
-but overstates a train step, whose ``temp_size_in_bytes`` exceeds what is live at the peak (a 2-layer step at batch
-320 on v5e:2x2: temporaries 18.2 GiB, peak 14.8 GiB, and the compiler accepted it for 15.75 GiB). The sum is printed
+**HBM per chip** is the TPU compiler's own figure, ``memory_analysis().peak_memory_in_bytes``: the most bytes live at
+once during the step (arguments, outputs and temporaries; the donated state's buffers, which the new state is written
+into, counted once). The compiler refuses a program whose peak exceeds the HBM it may use (``RESOURCE_EXHAUSTED``: a
+no-fit, reported with its figures), so a train step fits when it compiles. That usable HBM is asked of the compiler
+itself (:func:`~jaxshare.aot.compile.usable_hbm`: v5e 15.75 GiB of 16, v5p 95.74 of the published 95, v6e 31.25 of
+32, v4 30.75 of 32 with libtpu 0.0.42). The sum ``arguments + outputs - aliased + temporaries`` (MaxText's formula:
+the aliased bytes, ``alias_size_in_bytes``, are the donated state, counted in both arguments and outputs, so
+subtracted once) equals that peak on simple programs (checked: x * 2 with and without donation, a matmul chain) but
+overstates a train step, whose ``temp_size_in_bytes`` exceeds what is live at the peak (a 2-layer step at batch 320
+on v5e:2x2: temporaries 18.2 GiB, peak 14.8 GiB, and the compiler accepted it for 15.75 GiB). The sum is printed
 beside as an upper bound, and used where jaxlib reports no peak. Generated code (tens of MB) is in neither.
 
 **FLOPs.** XLA's ``cost_analysis()`` of a sharded program is per device (checked: a [4096, 1024] x [1024, 1024]
@@ -27,34 +27,23 @@ attention, recomputation not counted) / executed FLOPs. MFU is model FLOPs / (st
 takes at least executed FLOPs / (chips x peak) (every chip at its dense bf16 peak, the work split evenly: the
 printed step-time bound), so MFU <= model / executed. It is what rematerialisation and XLA attention's masked half
 cost before any communication, memory-bound or idle time; a real step's MFU is lower.
-
-Exit codes of ``train.py --compile-only``: 0 fits (with ``--max-batch``: some batch fits); :data:`EXIT_NO_FIT` (3)
-does not fit, with what to change on stderr; 2 bad flags or config.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import re
-import sys
 import time
-from typing import Callable
 
 import jax
 import numpy as np
 
-from jaxshare import accounting, aot, parallel, topology
+from jaxshare import accounting
+from jaxshare.aot import topology
+from jaxshare.aot.compile import compile_traced, compiler_oom, trace_train_step, usable_hbm
 from jaxshare.config import Config, ConfigError
 
-EXIT_NO_FIT = 3
 GIB = 2 ** 30
-_UNITS = {"": 1, "K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30, "T": 2 ** 40}  # XLA prints binary sizes
-_NUM = r"([\d.]+)([KMGT]?)i?B?"
-_MAX_BATCH_UNITS = 2 ** 16  # --max-batch stops doubling here (a safeguard: the compiler refuses long before)
-# The TPU compiler's refusals: "... HLO temporaries (26.96G) exceeds available HBM (15.75G)" and "Used 17.50G of
-# 15.48G hbm"
-_OOM = (re.compile(rf"\({_NUM}\) exceeds available HBM \({_NUM}\)"), re.compile(rf"Used {_NUM} of {_NUM} hbm"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,25 +139,6 @@ def matmul_flops(jaxpr) -> tuple[float, int]:
   return flops, kernels
 
 
-def with_slices(cfg: Config, num_slices: int | None) -> Config:
-  """``cfg`` for ``num_slices`` TPU slices: the config's own ``mesh.dcn_*`` when None or equal; else, from a
-  one-slice config, data parallel across the slices (``mesh.dcn_data = num_slices``).
-
-  Raises:
-    ConfigError: num_slices < 1, or it contradicts the config's dcn sizes.
-  """
-  if num_slices is None or num_slices == cfg.mesh.num_slices:
-    return cfg
-  if num_slices < 1 or cfg.mesh.num_slices != 1:
-    raise ConfigError(f"--num-slices {num_slices}: must be >= 1 and match mesh.dcn_data x dcn_fsdp x dcn_tensor = "
-                      f"{cfg.mesh.num_slices} (or leave the dcn_* sizes at 1: the slices then split the data axis)")
-  return dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, dcn_data=num_slices))
-
-
-def _with_batch(cfg: Config, batch: int) -> Config:
-  return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, batch_size=batch))
-
-
 def _state_bytes(state) -> int:
   """Bytes of one device's shard of an abstract state (logical shard shapes: before TPU tile padding)."""
   return sum(math.prod(s.sharding.shard_shape(s.shape)) * np.dtype(s.dtype).itemsize
@@ -179,32 +149,6 @@ def _sum_bytes(memory: dict) -> int:
   """arguments + outputs - aliased (donated) + temporaries: see the module doc."""
   return (memory["argument_size_in_bytes"] + memory["output_size_in_bytes"] - memory.get("alias_size_in_bytes", 0)
           + memory["temp_size_in_bytes"])
-
-
-def _compiler_oom(error: str) -> tuple[int | None, int | None]:
-  """``(needed, usable)`` bytes from the TPU compiler's RESOURCE_EXHAUSTED message (None where it says neither)."""
-  for pattern in _OOM:
-    m = pattern.search(error)
-    if m:
-      return (round(float(m.group(1)) * _UNITS[m.group(2)]), round(float(m.group(3)) * _UNITS[m.group(4)]))
-  return None, None
-
-
-_usable: dict[str, int | None] = {}
-
-
-def usable_hbm(device) -> int | None:
-  """Bytes of HBM the TPU compiler lets one program use on ``device``'s kind (None if it does not say): read from its
-  refusal of a 512 GiB program (well under a second; once per device kind)."""
-  kind = device.device_kind
-  if kind not in _usable:
-    huge = jax.ShapeDtypeStruct((2 ** 39,), np.int8, sharding=jax.sharding.SingleDeviceSharding(device))
-    try:
-      jax.jit(lambda x: x + 1).lower(huge).compile()
-      _usable[kind] = None
-    except jax.errors.JaxRuntimeError as e:
-      _usable[kind] = _compiler_oom(str(e))[1]
-  return _usable[kind]
 
 
 def batch_unit(cfg: Config, mesh: jax.sharding.Mesh) -> int:
@@ -220,23 +164,18 @@ def _peak_flops(device_kind: str) -> float | None:
   return None if tflops is None else tflops * 1e12
 
 
-def _target_mesh(cfg: Config, target: str) -> tuple[str, jax.sharding.Mesh]:
-  """``(topology name, the config's mesh over its devices)``."""
-  name = topology.topology_name(target)
-  return name, parallel.make_mesh(cfg.mesh, aot.topology_devices(name, cfg.mesh.num_slices))
-
-
 def check(cfg: Config, target: str, num_slices: int | None = None) -> Fit:
   """Compile ``cfg``'s train step for ``target`` (a topology or an accelerator type, see
-  :func:`jaxshare.topology.topology_name`) and the config's mesh over its devices (``mesh.fsdp=-1`` fills).
+  :func:`jaxshare.aot.topology.topology_name`) and the config's mesh over its devices (``mesh.fsdp=-1`` fills).
 
   Raises:
     ConfigError: unknown topology, libtpu missing, the mesh does not fit the topology, or the batch is not a
       multiple of :func:`batch_unit`.
   """
   start = time.perf_counter()
-  cfg = with_slices(cfg, num_slices)
-  name, mesh = _target_mesh(cfg, target)
+  cfg = topology.with_slices(cfg, num_slices)
+  name = topology.topology_name(target)
+  mesh = topology.topology_mesh(name, cfg.mesh)
   unit = batch_unit(cfg, mesh)
   if cfg.train.batch_size % unit:
     raise ConfigError(f"train.batch_size={cfg.train.batch_size}: must be a multiple of {unit} on this mesh (batch "
@@ -247,7 +186,7 @@ def check(cfg: Config, target: str, num_slices: int | None = None) -> Fit:
   if capacity is None and usable is None:
     raise ConfigError(f"--topology {target!r}: the HBM of device kind {kind!r} is unknown (the compiler would not "
                       f"say; the table knows {', '.join(k for k, _ in topology.HBM_GIB)})")
-  step = aot.trace_train_step(cfg, mesh)
+  step = trace_train_step(cfg, mesh)
   tokens = cfg.train.batch_size * cfg.data.seq_len
   model, schedule, match = cfg.model, step.setup.schedule, accounting.param_match(cfg.schedule)
   model_flops = accounting.train_flops_per_token(model, schedule, cfg.data.seq_len, match) * tokens
@@ -258,12 +197,12 @@ def check(cfg: Config, target: str, num_slices: int | None = None) -> Fit:
                               - accounting.forward_flops_per_token(model, schedule, 0, match))
   memory, error, xla_flops = None, "", None
   try:
-    compiled = aot.compile_traced(step, f"train_step[{cfg.schedule.kind}]")
+    compiled = compile_traced(step, f"train_step[{cfg.schedule.kind}]")
   except jax.errors.JaxRuntimeError as e:
     if "RESOURCE_EXHAUSTED" not in str(e):
       raise
     error = str(e).strip().splitlines()[0]
-    hbm, said = _compiler_oom(str(e))
+    hbm, said = compiler_oom(str(e))
     usable = said or usable
   else:
     memory, xla_flops = compiled.memory, compiled.flops
@@ -273,52 +212,8 @@ def check(cfg: Config, target: str, num_slices: int | None = None) -> Fit:
              executed, kernels, xla_flops, _peak_flops(kind), time.perf_counter() - start)
 
 
-def max_batch(cfg: Config, target: str, num_slices: int | None = None,
-              log: Callable[[Fit], None] = lambda fit: None) -> tuple[Fit | None, list[Fit]]:
-  """The largest global batch (a multiple of :func:`batch_unit`) whose train step fits, by compiling: from
-  ``train.batch_size`` (rounded down to the unit) doubling while it fits, or halving while it does not, then
-  bisecting between the last fit and the first no-fit (which takes fitting to shrink with the batch: the
-  compiler's verdict did, in every series we compiled).
-
-  Returns:
-    ``(largest fitting compile or None when even one unit does not fit, every compile in order)``; ``log`` sees each
-    compile as it finishes.
-  """
-  probes: list[Fit] = []
-
-  def probe(batch: int) -> Fit:
-    fit = check(_with_batch(cfg, batch), target, num_slices)
-    probes.append(fit)
-    log(fit)
-    return fit
-
-  sliced = with_slices(cfg, num_slices)
-  unit = batch_unit(sliced, _target_mesh(sliced, target)[1])
-  batch = max(unit, cfg.train.batch_size // unit * unit)
-  good: Fit | None = None
-  bad: int | None = None
-  fit = probe(batch)
-  if fit.fits:
-    good = fit
-    while bad is None and good.batch < _MAX_BATCH_UNITS * unit:
-      fit = probe(good.batch * 2)
-      good, bad = (fit, None) if fit.fits else (good, fit.batch)
-    if bad is None:
-      return good, probes
-  else:
-    bad = batch
-    while good is None and bad > unit:
-      fit = probe(max(unit, bad // 2 // unit * unit))
-      good, bad = (fit, bad) if fit.fits else (None, fit.batch)
-    if good is None:
-      return None, probes
-  while bad - good.batch > unit:
-    fit = probe(good.batch + (bad - good.batch) // unit // 2 * unit)
-    good, bad = (fit, bad) if fit.fits else (good, fit.batch)
-  return good, probes
-
-
-def _gib(n: int | None) -> str:
+def gib(n: int | None) -> str:
+  """Bytes as GiB, or MiB under a tenth of a GiB; "?" when unknown."""
   if n is None:
     return "?"
   return f"{n / GIB:.2f} GiB" if abs(n) >= GIB / 10 else f"{n / 2 ** 20:.1f} MiB"
@@ -326,16 +221,9 @@ def _gib(n: int | None) -> str:
 
 def _capacity(fit: Fit) -> str:
   if fit.usable is None:
-    return f"{_gib(fit.capacity)} HBM"
+    return f"{gib(fit.capacity)} HBM"
   published = f"; {fit.capacity / GIB:g} GiB HBM" if fit.capacity else ""
-  return f"{_gib(fit.usable)} usable (the compiler's limit{published})"
-
-
-def probe_line(fit: Fit) -> str:
-  """One line per compile: batch, HBM per chip, verdict, time."""
-  verdict = "fits" if fit.fits else "does NOT fit"
-  return (f"  batch {fit.batch:>6} ({fit.batch // (fit.batch_unit or 1)} per unit of {fit.batch_unit}): "
-          f"{_gib(fit.hbm)} per chip of {_gib(fit.limit)}: {verdict}  ({fit.compile_s:.0f} s)")
+  return f"{gib(fit.usable)} usable (the compiler's limit{published})"
 
 
 def format_report(fit: Fit, target: str) -> str:
@@ -349,13 +237,13 @@ def format_report(fit: Fit, target: str) -> str:
   m = fit.memory
   if m is not None:
     what = "compiler's peak" if m.get("peak_memory_in_bytes") else "arguments + outputs - aliased + temporaries"
-    lines.append(f"  HBM per chip: {_gib(fit.hbm)} ({what}) of {_capacity(fit)}: {fit.hbm / fit.limit:.1%}")
-    lines.append(f"    upper bound: arguments {_gib(m['argument_size_in_bytes'])} + outputs "
-                 f"{_gib(m['output_size_in_bytes'])} - aliased (donated state) {_gib(m.get('alias_size_in_bytes', 0))}"
-                 f" + temporaries {_gib(m['temp_size_in_bytes'])} = {_gib(_sum_bytes(m))}")
+    lines.append(f"  HBM per chip: {gib(fit.hbm)} ({what}) of {_capacity(fit)}: {fit.hbm / fit.limit:.1%}")
+    lines.append(f"    upper bound: arguments {gib(m['argument_size_in_bytes'])} + outputs "
+                 f"{gib(m['output_size_in_bytes'])} - aliased (donated state) {gib(m.get('alias_size_in_bytes', 0))}"
+                 f" + temporaries {gib(m['temp_size_in_bytes'])} = {gib(_sum_bytes(m))}")
   else:
-    lines.append(f"  HBM per chip: the compiler needs {_gib(fit.hbm)} of {_capacity(fit)}: {fit.compiler_error}")
-  lines.append(f"  train state per chip: {_gib(fit.state_bytes)} (parameters and optimizer moments, before TPU tile "
+    lines.append(f"  HBM per chip: the compiler needs {gib(fit.hbm)} of {_capacity(fit)}: {fit.compiler_error}")
+  lines.append(f"  train state per chip: {gib(fit.state_bytes)} (parameters and optimizer moments, before TPU tile "
                "padding)")
   per_chip = fit.executed_flops / fit.chips
   kernels = f"; {fit.kernel_calls} Pallas kernel calls, counted as the model's attention" if fit.kernel_calls else ""
@@ -367,7 +255,7 @@ def format_report(fit: Fit, target: str) -> str:
   else:
     lines.append(f"  bound: MFU <= {fit.mfu_bound:.1%} (model / executed FLOPs)")
   if fit.fits:
-    lines.append(f"  fits: yes ({_gib(fit.limit - fit.hbm)} free per chip)")
+    lines.append(f"  fits: yes ({gib(fit.limit - fit.hbm)} free per chip)")
   else:
     lines.append("  fits: NO")
   return "\n".join(lines)
@@ -375,10 +263,10 @@ def format_report(fit: Fit, target: str) -> str:
 
 def advice(fit: Fit, cfg: Config) -> str:
   """Why ``fit`` does not fit and what to change, with numbers."""
-  need = (f"needs {_gib(fit.hbm)} per chip, {_gib(fit.limit)} available" if fit.hbm is not None
+  need = (f"needs {gib(fit.hbm)} per chip, {gib(fit.limit)} available" if fit.hbm is not None
           else "the compiler ran out of HBM")
   if fit.hbm is not None:
-    need += f" (over by {_gib(fit.hbm - fit.limit)})"
+    need += f" (over by {gib(fit.hbm - fit.limit)})"
   t, shards = cfg.train, fit.mesh["data"] * fit.mesh["fsdp"]
   lines = [f"the train step does not fit in HBM on {fit.topology} ({fit.device_kind}): {need}. Change one of:"]
   # Linear estimates: the state and its gradients stay, the rest grows with the sequences per batch shard.
@@ -401,40 +289,13 @@ def advice(fit: Fit, cfg: Config) -> str:
   while per_row and splits(2 * k) and fixed + per_row * fit.batch / k / shards > fit.limit:
     k *= 2
   if splits(k):
-    guess = f", about {_gib(int(fixed + per_row * fit.batch / k / shards))} per chip" if per_row else ""
+    guess = f", about {gib(int(fixed + per_row * fit.batch / k / shards))} per chip" if per_row else ""
     lines.append(f"  - train.grad_accum_steps={k} (now {t.grad_accum_steps}): the same global batch in "
                  f"micro-batches of {fit.batch // k}{guess}")
   if fit.mesh["data"] > 1:
     lines.append(f"  - mesh.fsdp: shard the state over the data axis too (mesh.data=1 mesh.fsdp=-1): its "
-                 f"{_gib(fit.state_bytes)} per chip becomes about {_gib(fit.state_bytes // fit.mesh['data'])}")
+                 f"{gib(fit.state_bytes)} per chip becomes about {gib(fit.state_bytes // fit.mesh['data'])}")
   else:
-    lines.append(f"  - mesh.fsdp: the state ({_gib(fit.state_bytes)} per chip) is already sharded over all "
+    lines.append(f"  - mesh.fsdp: the state ({gib(fit.state_bytes)} per chip) is already sharded over all "
                  f"{fit.mesh['fsdp'] * fit.mesh['tensor']} chips of a slice; only a larger topology shards it further")
   return "\n".join(lines)
-
-
-def main(cfg: Config, target: str, num_slices: int | None = None, find_max_batch: bool = False) -> int:
-  """``train.py --compile-only``: print the fit report (and with ``find_max_batch`` each compile and the largest
-  global batch that fits); the advice on stderr when nothing fits. Returns the exit code (0 or :data:`EXIT_NO_FIT`).
-
-  Raises:
-    ConfigError: see :func:`check`.
-  """
-  if not find_max_batch:
-    fit = check(cfg, target, num_slices)
-    print(format_report(fit, target), flush=True)
-    if fit.fits:
-      return 0
-    print(f"error: {advice(fit, cfg)}", file=sys.stderr)
-    return EXIT_NO_FIT
-  print(f"largest global batch on {target}: compiling (doubling, then bisecting)", flush=True)
-  best, probes = max_batch(cfg, target, num_slices, log=lambda fit: print(probe_line(fit), flush=True))
-  if best is None:
-    print(format_report(probes[-1], target), flush=True)
-    print(f"error: even the smallest batch does not fit; {advice(probes[-1], cfg)}", file=sys.stderr)
-    return EXIT_NO_FIT
-  print(format_report(best, target))
-  print(f"largest global batch that fits: {best.batch} ({best.batch // best.batch_unit} x {best.batch_unit}; "
-        f"{_gib(best.hbm)} per chip of {_gib(best.limit)}; {len(probes)} compiles, "
-        f"{sum(p.compile_s for p in probes):.0f} s)", flush=True)
-  return 0
