@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
 
   from jaxshare.config import ConfigError
   from jaxshare.data import DataError
-  from jaxshare.train.checkpoint import CheckpointError
+  from jaxshare.checkpoint import CheckpointError
 
   try:
     return {"report": _report, "generate": _generate, "ppl": _ppl, "efficiency": _efficiency}[args.command](args)
@@ -94,20 +94,17 @@ def _report(args) -> int:
 
 
 def _generate(args) -> int:
-  from flax import nnx
-
-  from jaxshare.data import make_tokenizer
   from jaxshare.evaluation.generate import Generator
   from jaxshare.evaluation.sampling import Sampling
   from jaxshare.evaluation.text_stream import TextStream
-  from jaxshare.train.state import load_run
+  from jaxshare.runs import load_run
 
   sampling = Sampling(args.temperature, args.top_k, args.top_p)
-  cfg, setup, params, _ = load_run(args.path)
-  tokenizer = make_tokenizer(cfg.data)
+  run = load_run(args.path)
+  tokenizer = run.tokenizer()
   prompt = tokenizer.encode(args.prompt)
   stop = [int(s) for s in args.stop] or [tokenizer.eos_id]
-  generator = Generator(nnx.merge(setup.graphdef, params), cfg.model, setup.schedule)
+  generator = Generator(run.model(), run.cfg.model, run.schedule)
   text = TextStream(tokenizer)
   print(args.prompt, end="", flush=True)
 

@@ -62,8 +62,9 @@ def main(argv: list[str] | None = None) -> int:
   if args.compile_only:
     return _compile_only(args)
   from jaxshare.data import DataError
-  from jaxshare.train.checkpoint import CheckpointError
-  from jaxshare.train.interrupts import INTERRUPTED_EXIT_CODE, interrupt_outside_loop
+  from jaxshare.checkpoint import CheckpointError
+  from jaxshare import exit_codes
+  from jaxshare.train.interrupts import interrupt_outside_loop
   from jaxshare.train.loop import DivergenceError
 
   interrupt_outside_loop()  # SIGTERM outside the training loop, which handles it itself
@@ -77,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = train(cfg)
   except (ConfigError, DataError, CheckpointError, DivergenceError) as e:
     print(f"error: {e}", file=sys.stderr, flush=True)
-    code = 3 if isinstance(e, DivergenceError) else 2
+    code = exit_codes.DIVERGED if isinstance(e, DivergenceError) else exit_codes.BAD_INPUT
     if _joined_others():  # this process may have stopped alone: waiting for the others in JAX's shutdown barrier
       sys.stdout.flush()  # would hang; gone, it is noticed by the coordination service, which stops them
       os._exit(code)
@@ -89,12 +90,12 @@ def main(argv: list[str] | None = None) -> int:
     # write thread short, and tearing those down crashed (SIGSEGV) or printed tracebacks. What a cut write leaves is
     # a temporary directory, which never counts.
     sys.stdout.flush()
-    os._exit(INTERRUPTED_EXIT_CODE)
+    os._exit(exit_codes.INTERRUPTED)
   if not is_primary():  # process 0 of a multi-host run reports for all
-    return INTERRUPTED_EXIT_CODE if summary["interrupted"] else 0
+    return exit_codes.INTERRUPTED if summary["interrupted"] else 0
   print("training summary: " + json.dumps(summary))
   if summary["interrupted"]:
-    return INTERRUPTED_EXIT_CODE
+    return exit_codes.INTERRUPTED
   if multi_process:  # the evaluation runs in one process: evaluating here would leave the others out of its collectives
     print(f"evaluate with: python eval.py {cfg.train.run_dir}")
   elif not args.no_eval and summary["step"] >= cfg.train.steps:

@@ -89,14 +89,6 @@ class ModelConfig:
     return self.head_dim or self.d_model // self.num_heads
 
   @property
-  def rope(self):
-    """The :class:`~jaxshare.model.rope.RopeScaling` of these fields."""
-    from jaxshare.model.rope import RopeScaling
-
-    return RopeScaling(self.rope_scaling, self.rope_scaling_factor, self.rope_low_freq_factor,
-                       self.rope_high_freq_factor, self.rope_original_max_positions)
-
-  @property
   def qkv_biases(self) -> bool:
     """The Q/K/V projections have biases (neox, or llama with ``qkv_bias``)."""
     return self.flavor == "neox" or self.qkv_bias

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import jax  # noqa: E402
 
 from jaxshare.config import load_config  # noqa: E402
-from jaxshare.train.state import abstract_state, setup_run  # noqa: E402
+from jaxshare.train.state import abstract_state, setup_training  # noqa: E402
 from jaxshare.train.step import make_train_step  # noqa: E402
 
 EXPERIMENT = Path(__file__).resolve().parent.parent / "configs/experiments/shakespeare_cla2.yaml"
@@ -57,7 +57,7 @@ PRESETS: dict[str, list[str]] = {
 def compile_seconds(overrides: list[str], num_layers: int) -> tuple[float, float]:
   """(lower seconds, compile seconds) of the train step of the default experiment at ``num_layers``."""
   cfg = load_config(EXPERIMENT, [*overrides, f"model.num_layers={num_layers}", "train.batch_size=8"])
-  setup = setup_run(cfg)
+  setup = setup_training(cfg)
   step = make_train_step(setup.graphdef, setup.tx, setup.lr_schedule, cfg.train.grad_accum_steps)
   jitted = jax.jit(step, in_shardings=(setup.state_shardings, setup.batch_sharding),
                    out_shardings=(setup.state_shardings, None), donate_argnums=0)

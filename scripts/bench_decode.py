@@ -44,7 +44,8 @@ def _config(overrides: list[str]):
 
 def _model(cfg, seed: int = 0):
   from jaxshare.schedule import compile_schedule
-  from jaxshare.train.state import build_model, compute_ties
+  from jaxshare.runs import build_model
+  from jaxshare.init.headwise import compute_ties
 
   schedule = compile_schedule(cfg.model, cfg.schedule)
   return build_model(cfg, schedule, seed, compute_ties(cfg, schedule, seed)), schedule
@@ -105,15 +106,13 @@ def _measure_schedule(name: str, common: dict) -> dict:
 
 
 def _measure_run(run: str, common: dict) -> dict:
-  from flax import nnx
-
   from jaxshare.evaluation.efficiency import measure
-  from jaxshare.train.state import load_run
+  from jaxshare.runs import load_run
 
-  cfg, setup, params, _ = load_run(run)
+  loaded = load_run(run)
   metrics = [json.loads(line) for line in (Path(run) / "metrics.jsonl").read_text().splitlines() if line]
   losses = [m["val_loss"] for m in metrics if "val_loss" in m]
-  row = measure(nnx.merge(setup.graphdef, params), cfg.model, setup.schedule, name=run, **common)
+  row = measure(loaded.model(), loaded.cfg.model, loaded.schedule, name=run, **common)
   return {**row, **({"val_loss": losses[-1]} if losses else {})}
 
 

@@ -28,7 +28,8 @@ import jax
 from jaxshare.config import load_config
 from jaxshare.data import Datasets
 from jaxshare.train.loop import jit_train_step, train
-from jaxshare.train.state import init_state, setup_run, shard_batch
+from jaxshare.train.state import init_state, setup_training
+from jaxshare.parallel import shard_batch
 from jaxshare.train.step import Objective
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,11 +47,11 @@ def loop_seconds_per_step(cfg, steps: int, run_dir: Path) -> float:
 
 def pure_seconds_per_step(cfg, steps: int) -> float:
   """The same jitted step, back to back, on batches already on the device."""
-  setup = setup_run(cfg)
+  setup = setup_training(cfg)
   state = init_state(setup)
   step_fn = jit_train_step(setup, Objective(), None)
   it = Datasets(cfg.data, cfg.train.batch_size).train_iter()
-  batches = [shard_batch(setup, next(it)) for _ in range(4)]
+  batches = [shard_batch(setup.batch_sharding, next(it)) for _ in range(4)]
   with jax.set_mesh(setup.mesh):
     state, metrics = step_fn(state, batches[0], None)
     jax.block_until_ready(metrics)
@@ -63,18 +64,18 @@ def pure_seconds_per_step(cfg, steps: int) -> float:
 
 def host_work_ms(cfg, run_dir: Path) -> dict[str, float]:
   """Milliseconds per step of each piece of the loop's host work, amortised over its cadence."""
-  from jaxshare.train.checkpoint import Checkpointer
+  from jaxshare.checkpoint import Checkpointer
   from jaxshare.train.metrics import MetricsLogger
 
-  setup = setup_run(cfg)
+  setup = setup_training(cfg)
   state = init_state(setup)
   it = Datasets(cfg.data, cfg.train.batch_size).train_iter()
   n = 200
   for _ in range(n):  # the first transfers are slow (allocator and dispatch warm-up); time the steady state
-    jax.block_until_ready(shard_batch(setup, next(it)))
+    jax.block_until_ready(shard_batch(setup.batch_sharding, next(it)))
   start = time.perf_counter()
   for _ in range(n):
-    jax.block_until_ready(shard_batch(setup, next(it)))
+    jax.block_until_ready(shard_batch(setup.batch_sharding, next(it)))
   data = (time.perf_counter() - start) / n
   log = MetricsLogger(run_dir, 10, 0, False)
   record = {"step": 1, "loss": 1.0, "lr": 1e-3, "grad_norm": 1.0, "tokens_per_sec": 1.0, "step_time": 1.0,

@@ -78,16 +78,17 @@ class JaxTrainer:
     from jaxshare import accounting
     from jaxshare.config import load_config
     from jaxshare.train.loop import jit_train_step
-    from jaxshare.train.state import init_state, setup_run, shard_batch
+    from jaxshare.train.state import init_state, setup_training
+    from jaxshare.parallel import shard_batch
     from jaxshare.train.step import Objective
 
     self.jax = jax
     cfg = load_config(ROOT / "configs" / "base.yaml", jax_overrides(shape, schedule) + overrides)
-    self.setup = setup_run(cfg)
+    self.setup = setup_training(cfg)
     self.state = init_state(self.setup)
     self.step_fn = jit_train_step(self.setup, Objective(), None)
     t = shape["seq_len"]
-    self.batches = [shard_batch(self.setup, {
+    self.batches = [shard_batch(self.setup.batch_sharding, {
       "inputs": x, "targets": y, "positions": np.broadcast_to(np.arange(t, dtype=np.int32), x.shape),
       "segment_ids": np.ones_like(x), "loss_mask": np.ones_like(x)}) for x, y in synthetic_batches(shape)]
     self.flops_per_token = accounting.train_flops_per_token(cfg.model, self.setup.schedule, t)

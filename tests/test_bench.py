@@ -14,11 +14,11 @@ torch_peers = pytest.importorskip("torch_peers")
 @pytest.mark.parametrize("name", sorted(bench_train.SHAPES))
 def test_contestants_have_equal_parameter_counts(name):
   from jaxshare.config import load_config
-  from jaxshare.train.state import setup_run
+  from jaxshare.train.state import setup_training
 
   shape = bench_train.SHAPES[name]
   cfg = load_config(bench_train.ROOT / "configs" / "base.yaml", bench_train.jax_overrides(shape, "dense"))
-  ours = setup_run(cfg).num_params
+  ours = setup_training(cfg).num_params
   for peer in shape["peers"]:
     assert torch_peers.num_params(torch_peers.build(peer, shape)) == ours, peer
   if shape["flavor"] == "llama":

@@ -10,10 +10,10 @@ import pytest
 from flax import nnx
 
 from conftest import tiny_config
-from jaxshare.convert.calibrate import calibrate_compensation, solve_compensation
+from jaxshare.init.compensation import calibrate_compensation, solve_compensation
 from jaxshare.data import Datasets
 from jaxshare.model import params as P
-from jaxshare.train.state import init_state, setup_run
+from jaxshare.train.state import init_state, setup_training
 
 UNIATTN = ("schedule.kind=uniattn", "schedule.uniattn.start=0", "schedule.uniattn.block_size=4")
 
@@ -33,10 +33,10 @@ def test_solve_is_theorem_3_1(n):
 
 
 def _models(*extra):
-  src_setup = setup_run(tiny_config())
+  src_setup = setup_training(tiny_config())
   src = init_state(src_setup, seed=3)["params"]
   cfg = tiny_config(*UNIATTN, *extra)
-  setup = setup_run(cfg)
+  setup = setup_training(cfg)
   dst = init_state(setup, from_params=(src, src_setup.schedule))["params"]
   batches = list(itertools.islice(Datasets(cfg.data, 4, process_index=0, process_count=1).train_iter(), 3))
   return src_setup, src, setup, dst, batches

@@ -15,10 +15,10 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from conftest import REPO, STRAIGHT, TINY, read_metrics, tiny_config
 from jaxshare import parallel
 from jaxshare.config import MeshConfig
-from jaxshare.train import integrity
-from jaxshare.train.checkpoint import CheckpointError, Checkpointer, save_params
+from jaxshare import integrity
+from jaxshare.checkpoint import CheckpointError, Checkpointer, save_params
 from jaxshare.train.loop import train
-from jaxshare.train.state import load_run
+from jaxshare.runs import load_run
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "int32", "uint8", "bool"])
@@ -140,7 +140,7 @@ def test_loading_a_corrupt_checkpoint_names_it(straight_run, tmp_path):
   with pytest.raises(CheckpointError, match=r"checkpoints/20 is corrupt: 1 of \d+ arrays differ from the checksums "
                      r"saved with them \(\['params'\]\['embedding'\]\)"):
     load_run(tmp_path / "run")  # what eval.py, the analysis and the converters load through
-  assert load_run(tmp_path / "run" / "checkpoints" / "10")[3] == 10
+  assert load_run(tmp_path / "run" / "checkpoints" / "10").step == 10
 
 
 def test_parameters_only_checkpoints_are_verified(tmp_path):

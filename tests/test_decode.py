@@ -11,7 +11,8 @@ from flax import nnx
 from conftest import tiny_config
 from jaxshare import accounting
 from jaxshare.model.cache import init_cache
-from jaxshare.model.params import copy_shared_weights, layer_location
+from jaxshare.init.shared import copy_shared_weights
+from jaxshare.model.params import layer_location
 from jaxshare.schedule import compile_schedule
 from test_model import DEPTH_PRESETS, randomized, tokens
 from test_model_pallas import CASES

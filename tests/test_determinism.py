@@ -13,7 +13,9 @@ from jaxshare import parallel
 from jaxshare.config import MeshConfig
 from jaxshare.data import Datasets
 from jaxshare.train.loop import jit_train_step, train
-from jaxshare.train.state import init_state, load_run, local_batch_rows, setup_run, shard_batch
+from jaxshare.train.state import init_state, setup_training
+from jaxshare.runs import load_run
+from jaxshare.parallel import local_batch_rows, shard_batch
 from jaxshare.train.step import Objective
 
 _TIMING = ("tokens_per_sec", "step_time", "mfu")  # wall-clock figures, the only fields allowed to differ
@@ -24,8 +26,10 @@ def test_same_config_and_seed_give_bit_identical_runs(straight_run, tmp_path):
   train(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, run_dir=str(tmp_path))))
   strip = lambda records: [{k: v for k, v in r.items() if k not in _TIMING} for r in records]  # noqa: E731
   assert strip(read_metrics(tmp_path)) == strip(read_metrics(straight_dir))  # loss, val_loss, grad_norm, lr
-  _, _, a, _ = load_run(tmp_path)
-  _, _, b, _ = load_run(straight_dir)
+  run = load_run(tmp_path)
+  a = run.params
+  run = load_run(straight_dir)
+  b = run.params
   for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
@@ -34,12 +38,12 @@ SCHEDULES = {**SCHEDULE_FAMILIES, "sa": ["schedule.kind=sa", "schedule.sa.start=
 
 
 def _train_steps(cfg, batches):
-  setup = setup_run(cfg, parallel.make_mesh(MeshConfig(), jax.devices()[:1]))
+  setup = setup_training(cfg, parallel.make_mesh(MeshConfig(), jax.devices()[:1]))
   state, step = init_state(setup), jit_train_step(setup, Objective(), None)
   losses = []
   with jax.set_mesh(setup.mesh):
     for b in batches:
-      state, metrics = step(state, shard_batch(setup, b), None)
+      state, metrics = step(state, shard_batch(setup.batch_sharding, b), None)
       losses.append(float(metrics["loss"]))
   return losses, jax.device_get(state["params"])
 
@@ -73,11 +77,11 @@ def test_data_order_does_not_depend_on_process_count():
 @pytest.mark.parametrize("mesh_cfg", [MeshConfig(), MeshConfig(data=2), MeshConfig(fsdp=8),
                                       MeshConfig(data=2, fsdp=2, tensor=2)], ids=str)
 def test_every_device_count_feeds_the_same_global_batch(mesh_cfg, batches):
-  setup = setup_run(tiny_config(), parallel.make_mesh(mesh_cfg, jax.devices()[:mesh_cfg.data * mesh_cfg.fsdp
+  setup = setup_training(tiny_config(), parallel.make_mesh(mesh_cfg, jax.devices()[:mesh_cfg.data * mesh_cfg.fsdp
                                                                             * mesh_cfg.tensor]))
   assert local_batch_rows(setup.batch_sharding, 8) == slice(0, 8)  # one process reads every row, whatever the mesh
   for key, value in batches[0].items():
-    np.testing.assert_array_equal(np.asarray(jax.device_get(shard_batch(setup, batches[0])[key])), value)
+    np.testing.assert_array_equal(np.asarray(jax.device_get(shard_batch(setup.batch_sharding, batches[0])[key])), value)
 
 
 def test_a_copied_run_directory_resumes_identically(straight_run, tmp_path):

@@ -89,9 +89,9 @@ def convert_cli(*argv: str) -> str:
 def params_of(path) -> dict[str, np.ndarray]:
   from flax import traverse_util
 
-  from jaxshare.train.state import load_run
+  from jaxshare.runs import load_run
 
-  return {"/".join(map(str, k)): np.asarray(v) for k, v in traverse_util.flatten_dict(load_run(path)[2]).items()}
+  return {"/".join(map(str, k)): np.asarray(v) for k, v in traverse_util.flatten_dict(load_run(path).params).items()}
 
 
 @pytest.fixture(scope="module")
@@ -116,11 +116,12 @@ def check_eval_and_generate(run: Path) -> None:
   """``eval.py`` reports a finite loss and the accounting's KV bytes; greedy generation with the decode cache gives
   the tokens of full forward passes."""
   from jaxshare import accounting
-  from jaxshare.train.state import load_run
+  from jaxshare.runs import load_run
 
   report = json.loads(eval_cli(str(run), "--json", "--max-batches", "1", "--sample-tokens", "4"))
   assert np.isfinite(report["val_loss"]), report
-  cfg, setup, _, _ = load_run(run)
+  setup = load_run(run)
+  cfg = setup.cfg
   assert report["kv_bytes_per_token"] == accounting.kv_cache_bytes_per_token(
     cfg.model, setup.schedule, np.dtype(cfg.model.dtype).itemsize)
   cached = eval_cli("generate", str(run), "--prompt", PROMPT, "--max-new-tokens", "12", "--stop", "-1")

@@ -10,7 +10,10 @@ from conftest import tiny_config
 from jaxshare import accounting
 from jaxshare.config import LisaConfig, ModelConfig, SAConfig, ScheduleConfig, UniAttnConfig
 from jaxshare.schedule import compile_schedule
-from jaxshare.train.state import build_model, compute_ties
+from jaxshare.runs import build_model
+
+# L=4, D=64, H=4, d=16, F=128, V=256; context 10 keys; LISA rank 4, aligner width 32.
+from jaxshare.init.headwise import compute_ties
 
 # L=4, D=64, H=4, d=16, F=128, V=256; context 10 keys; LISA rank 4, aligner width 32.
 M = ModelConfig(num_layers=4, d_model=64, num_heads=4, mlp_dim=128, vocab_size=256)

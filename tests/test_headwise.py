@@ -1,5 +1,7 @@
 """Head-wise sharing: DirectShare selection, the tied model == the dense model with tied weights, training."""
 
+import json
+
 import jax
 import numpy as np
 import pytest
@@ -8,9 +10,11 @@ from flax import nnx
 from conftest import tiny_config
 from jaxshare import accounting, parallel
 from jaxshare.config import MeshConfig
-from jaxshare.headwise import dense_kernels, direct_share, tie_weights
+from jaxshare.convert.mapping import UnsupportedModelError
+from jaxshare.init.headwise import dense_counterpart, dense_kernels, direct_share, tie_weights
+from jaxshare.init.source import initial_params
 from jaxshare.model.params import layer_params, replace_layer
-from jaxshare.train.state import dense_counterpart, initial_params, setup_run
+from jaxshare.train.state import setup_training
 from test_model import tokens
 
 
@@ -53,13 +57,13 @@ def test_selection_errors():
 
 def test_tied_model_equals_dense_model_with_tied_weights():
   cfg = tiny_config("schedule.kind=headwise", "schedule.headwise.ratio=0.3")
-  setup = setup_run(cfg, parallel.make_mesh(MeshConfig(), jax.devices()[:1]))
+  setup = setup_training(cfg, parallel.make_mesh(MeshConfig(), jax.devices()[:1]))
   assert setup.schedule.tied_heads == round(0.3 * 16 * 4 / 3) == 6
-  params = jax.jit(lambda: initial_params(setup, 0))()
+  params = jax.jit(lambda: initial_params(cfg, setup.schedule, setup.ties, 0))()
   assert sum(x.size for x in jax.tree.leaves(params)) == accounting.param_count(cfg.model, setup.schedule).total
   dense_cfg, dense_schedule = dense_counterpart(cfg)
-  dense_setup = setup_run(dense_cfg, setup.mesh)
-  dense = jax.device_get(jax.jit(lambda: initial_params(dense_setup, 0))())
+  dense_setup = setup_training(dense_cfg, setup.mesh)
+  dense = jax.device_get(jax.jit(lambda: initial_params(dense_cfg, dense_schedule, None, 0))())
   # overwrite every tied head of the dense model with its representative's weights
   table = tie_weights(dense_kernels(dense, dense_schedule, 4), setup.ties)
   dense = jax.tree.map(jax.numpy.asarray, dense)
@@ -76,7 +80,8 @@ def test_tied_model_equals_dense_model_with_tied_weights():
   dense_out = nnx.merge(dense_setup.graphdef, dense)(x)
   np.testing.assert_allclose(np.asarray(tied_out), np.asarray(dense_out), atol=1e-5, rtol=1e-5)
   # and the tied model is a real change from the untied dense init
-  untied = nnx.merge(dense_setup.graphdef, jax.device_get(jax.jit(lambda: initial_params(dense_setup, 0))()))(x)
+  untied = nnx.merge(dense_setup.graphdef,
+                     jax.device_get(jax.jit(lambda: initial_params(dense_cfg, dense_schedule, None, 0))()))(x)
   assert not np.allclose(np.asarray(untied), np.asarray(dense_out))
 
 
@@ -86,5 +91,92 @@ def test_headwise_trains_and_resumes_grads_into_the_table(tmp_path):
   cfg = tiny_config("schedule.kind=headwise", "schedule.headwise.ratio=0.3", "train.steps=6",
                     "train.eval_every=6", f"train.run_dir={tmp_path}")
   summary = train(cfg)
-  assert summary["num_params"] == accounting.param_count(cfg.model, setup_run(cfg).schedule).total
+  assert summary["num_params"] == accounting.param_count(cfg.model, setup_training(cfg).schedule).total
   assert np.isfinite(summary["val_loss"])
+
+
+def test_ties_round_trip_as_json_and_malformed_ones_are_refused():
+  from jaxshare.model.ties import HeadTies
+
+  ties = direct_share(random_weights(), 5, "separately")
+  assert HeadTies.from_json(ties.to_json(), "here") == ties
+  text = json.loads(ties.to_json())
+  with pytest.raises(ValueError, match="format_version 99"):
+    HeadTies.from_json(json.dumps({**text, "format_version": 99}), "here")
+  with pytest.raises(ValueError, match="malformed"):
+    HeadTies.from_json(json.dumps({**text, "rows": {"q": []}}), "here")
+  text["index"]["v"][3][0] = 99
+  with pytest.raises(ValueError, match=r"index of \['v'\] points past"):
+    HeadTies.from_json(json.dumps(text), "here")
+
+
+HEADWISE = ["schedule.kind=headwise", "schedule.headwise.ratio=0.3"]
+SHORT = ["train.steps=2", "train.warmup_steps=1", "train.checkpoint_every=2", "train.eval_every=0", "train.log_every=1"]
+
+
+def test_stored_ties_are_what_a_run_loads_and_an_old_run_migrates_once(tmp_path):
+  """The ties are chosen when the run starts and read back ever after: a run whose stored ties differ from what its
+  config would choose loads the stored ones; a run without them (written before they were stored) is refused in one
+  line until `convert ties` stores them, and then loads exactly as before."""
+  from jaxshare.checkpoint import CheckpointError
+  from jaxshare.convert.__main__ import main
+  from jaxshare.init.headwise import compute_ties
+  from jaxshare.runs import TIES_FILE, load_run
+  from jaxshare.schedule import compile_schedule
+  from jaxshare.train.loop import train
+
+  cfg = tiny_config(*HEADWISE, *SHORT, f"train.run_dir={tmp_path / 'hw'}")
+  train(cfg)
+  run = load_run(tmp_path / "hw")
+  assert run.ties == compute_ties(cfg, compile_schedule(cfg.model, cfg.schedule), cfg.train.seed)
+  stored = (tmp_path / "hw" / TIES_FILE).read_text()
+
+  other = direct_share(random_weights(L=4, D=32, H=4, d=8, seed=5), run.schedule.tied_heads)
+  assert other != run.ties
+  (tmp_path / "hw" / TIES_FILE).write_text(other.to_json())
+  assert load_run(tmp_path / "hw").ties == other  # never chosen again at load
+
+  (tmp_path / "hw" / TIES_FILE).unlink()
+  with pytest.raises(CheckpointError, match=r"has no head_ties.json .*python -m jaxshare.convert ties"):
+    load_run(tmp_path / "hw")
+  assert main(["ties", str(tmp_path / "hw")]) == 0
+  assert (tmp_path / "hw" / TIES_FILE).read_text() == stored
+  again = load_run(tmp_path / "hw")
+  assert again.ties == run.ties
+  jax.tree.map(np.testing.assert_array_equal, again.params, run.params)
+  assert main(["ties", str(tmp_path / "hw")]) == 2  # already stored: nothing to do
+
+
+def test_uptrained_headwise_run_evaluates_generates_and_exports_without_its_source(tmp_path):
+  import shutil
+
+  from jaxshare.convert.hf_export import export_run
+  from jaxshare.convert.hf_import import load_hf_model
+  from jaxshare.convert.uptrain import uptrain_run
+  from jaxshare.evaluation.evaluate import evaluate_run
+  from jaxshare.evaluation.generate import Generator
+  from jaxshare.init.headwise import compute_ties
+  from jaxshare.runs import load_run
+  from jaxshare.train.loop import train
+
+  src = tmp_path / "dense"
+  train(tiny_config(*SHORT, f"train.run_dir={src}"))
+  uptrain_run(src, tmp_path / "hw", HEADWISE)
+  run = load_run(tmp_path / "hw")
+  assert run.ties == compute_ties(run.cfg, run.schedule, run.cfg.train.seed)  # chosen on the source, once
+  shutil.rmtree(src)
+
+  again = load_run(tmp_path / "hw")
+  assert again.ties == run.ties
+  assert np.isfinite(evaluate_run(tmp_path / "hw", max_batches=1, sample_tokens=0)["val_loss"])
+  tokens = Generator(again.model(), again.cfg.model, again.schedule).generate([[1, 2, 3]], 4)[0]
+  assert len(tokens) == 4
+  export_run(tmp_path / "hw", tmp_path / "native")
+  imported = load_hf_model(tmp_path / "native")
+  assert imported.ties == run.ties
+  jax.tree.map(np.testing.assert_array_equal, imported.params, jax.device_get(run.params))
+  config = json.loads((tmp_path / "native" / "config.json").read_text())
+  del config["jaxshare_head_ties"]  # an export written before ties were stored with it
+  (tmp_path / "native" / "config.json").write_text(json.dumps(config))
+  with pytest.raises(UnsupportedModelError, match="no 'jaxshare_head_ties'.*export the run again"):
+    load_hf_model(tmp_path / "native")

@@ -10,7 +10,7 @@ from flax import nnx
 
 from jaxshare.convert.hf_export import export_params, export_run, hf_incompatibility
 from jaxshare.convert.hf_import import load_hf_model
-from jaxshare.train.state import init_state, setup_run
+from jaxshare.train.state import init_state, setup_training
 
 from conftest import tiny_config
 from test_hf_import import _save, _tokens
@@ -21,7 +21,7 @@ transformers = pytest.importorskip("transformers")
 
 def _random_params(cfg, seed=0):
   """A fresh model with every leaf perturbed (norm scales and biases too), so that swapped tensors show."""
-  setup = setup_run(cfg)
+  setup = setup_training(cfg)
   params = init_state(setup)["params"]
   leaves, tree = jax.tree.flatten(params)
   keys = jax.random.split(jax.random.key(seed), len(leaves))
@@ -61,14 +61,16 @@ def test_import_export_reproduces_the_checkpoint_bit_for_bit(tmp_path, case):
   from safetensors.numpy import load_file
 
   _save(tmp_path / "hf", case)
-  cfg, setup, params = load_hf_model(tmp_path / "hf")
+  setup = load_hf_model(tmp_path / "hf")
+  cfg, params = setup.cfg, setup.params
   export_params(cfg, setup.schedule, params, tmp_path / "out")
   original = load_file(tmp_path / "hf" / "model.safetensors")
   exported = load_file(tmp_path / "out" / "model.safetensors")
   assert sorted(exported) == sorted(original)
   for name in original:
     np.testing.assert_array_equal(exported[name], original[name], err_msg=name)
-  _, _, again = load_hf_model(tmp_path / "out")
+  model = load_hf_model(tmp_path / "out")
+  again = model.params
   jax.tree.map(np.testing.assert_array_equal, again, params)
 
 
@@ -81,14 +83,15 @@ def test_import_export_reproduces_the_checkpoint_bit_for_bit(tmp_path, case):
   (("model.flavor=neox", "model.sliding_window=8"), "only Mistral has a sliding window"),
 ])
 def test_other_schedules_round_trip_exactly_in_the_native_layout(tmp_path, corpus, overrides, why):
-  from jaxshare.convert.run_dir import write_run
+  from jaxshare.runs import write_run
 
   cfg = tiny_config(*overrides)
   setup, params = _random_params(cfg)
   write_run(tmp_path / "run", cfg, params)
   arch, reason = export_run(tmp_path / "run", tmp_path / "out")
   assert arch == "JaxshareForCausalLM" and why in reason
-  cfg2, setup2, params2 = load_hf_model(tmp_path / "out")
+  setup2 = load_hf_model(tmp_path / "out")
+  cfg2, params2 = setup2.cfg, setup2.params
   assert setup2.schedule.describe() == setup.schedule.describe() and cfg2.model == cfg.model
   jax.tree.map(np.testing.assert_array_equal, params2, params)
   tokens = _tokens(corpus, 32)
@@ -98,7 +101,7 @@ def test_other_schedules_round_trip_exactly_in_the_native_layout(tmp_path, corpu
 
 def test_cli_export_and_refusal_to_overwrite(tmp_path, capsys):
   from jaxshare.convert.__main__ import main
-  from jaxshare.convert.run_dir import write_run
+  from jaxshare.runs import write_run
 
   cfg = tiny_config("schedule.kind=cla", "schedule.factor=2")
   setup, params = _random_params(cfg)
@@ -126,7 +129,8 @@ def test_sharded_export_loads_and_reimports_exactly(tmp_path, corpus, overrides)
   assert len(files) > 2 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
   assert sorted(p.name for p in tmp_path.glob("*.safetensors")) == files
   assert not (tmp_path / "model.safetensors").exists()
-  _, _, again = load_hf_model(tmp_path)
+  model = load_hf_model(tmp_path)
+  again = model.params
   jax.tree.map(np.testing.assert_array_equal, again, params)
   if overrides[0].startswith("model.flavor"):
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, local_files_only=True).eval()

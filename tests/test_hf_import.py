@@ -68,7 +68,8 @@ def test_imported_logits_match_pytorch(tmp_path, corpus, case):
   tokens = _tokens(corpus)
   with torch.no_grad():
     want = model(torch.from_numpy(tokens).long()).logits.numpy()
-  cfg, setup, params = load_hf_model(tmp_path)
+  setup = load_hf_model(tmp_path)
+  cfg, params = setup.cfg, setup.params
   jax_model = nnx.merge(setup.graphdef, params)
   got = np.asarray(jax_model(tokens))
   np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
@@ -86,7 +87,8 @@ def test_bf16_checkpoint_imports_exactly_widened(tmp_path, corpus):
   tokens = _tokens(corpus)
   with torch.no_grad():
     want = model(torch.from_numpy(tokens).long()).logits.numpy()
-  _, setup, params = load_hf_model(tmp_path)
+  setup = load_hf_model(tmp_path)
+  params = setup.params
   np.testing.assert_allclose(np.asarray(nnx.merge(setup.graphdef, params)(tokens)), want, atol=1e-4, rtol=0)
 
 
@@ -131,13 +133,14 @@ def test_cli_import_writes_a_run_that_eval_and_uptraining_read(tmp_path, corpus)
   from jaxshare.data import Datasets
   from jaxshare.evaluation.evaluate import evaluate_run
   from jaxshare.train.loop import train
-  from jaxshare.train.state import load_run
+  from jaxshare.runs import load_run
 
   hf, run = tmp_path / "hf", tmp_path / "run"
   model = _save(hf, "neox_partial_rotary")
   assert main(["import", str(hf), str(run), "data.seq_len=32"]) == 0
-  _, _, want = load_hf_model(hf)  # anonymous memory here, disk-backed in the CLI: the same values
-  cfg, _, params, step = load_run(run)
+  want = load_hf_model(hf).params  # anonymous memory here, disk-backed in the CLI: the same values
+  loaded = load_run(run)
+  cfg, params, step = loaded.cfg, loaded.params, loaded.step
   assert step == 0 and cfg.model.flavor == "neox" and cfg.model.rotary_pct == 0.25
   jax.tree.map(np.testing.assert_array_equal, params, want)
   assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "run"]  # the disk-backed scratch arrays are gone
@@ -172,12 +175,12 @@ def test_a_converted_run_trains_in_its_own_directory(tmp_path):
   """write_run stores parameters only; training in that directory starts a fresh optimizer from them at step 0,
   exactly as train.init_from=<that run> does in a new directory."""
   from conftest import tiny_config
-  from jaxshare.convert.run_dir import write_run
+  from jaxshare.runs import write_run
   from jaxshare.train.loop import train
-  from jaxshare.train.state import init_state, setup_run
+  from jaxshare.train.state import init_state, setup_training
 
   cfg = tiny_config("train.steps=3", "train.eval_every=3", "train.checkpoint_every=3")
-  setup = setup_run(cfg)
+  setup = setup_training(cfg)
   write_run(tmp_path / "in_place", cfg, jax.tree.map(np.asarray, init_state(setup, seed=5)["params"]))
   in_place = train(tiny_config("train.steps=3", "train.eval_every=3", "train.checkpoint_every=3",
                                f"train.run_dir={tmp_path / 'in_place'}"))
@@ -191,16 +194,18 @@ def test_directshare_ties_the_heads_of_an_imported_model(tmp_path, capsys):
   """DirectShare on an imported HF model: ties selected on the imported weights, every tied head's W_q/W_k/W_v the
   imported weights of its representative (a stored row holds its own head's imported weights)."""
   from jaxshare.convert.__main__ import main
-  from jaxshare.headwise import MATRICES
-  from jaxshare.train.state import load_run
+  from jaxshare.model.ties import MATRICES
+  from jaxshare.runs import load_run
 
   hf, run, tied = tmp_path / "hf", tmp_path / "run", tmp_path / "tied"
   _save(hf, "llama_head_dim")  # MHA (head-wise sharing ties bias-free projections)
   assert main(["import", str(hf), str(run), "data.seq_len=32"]) == 0
   assert main(["uptrain", str(run), str(tied), "schedule.kind=headwise", "schedule.headwise.ratio=0.3"]) == 0
   assert "DirectShare" in capsys.readouterr().out
-  _, src_setup, src, _ = load_run(run)
-  _, setup, params, _ = load_run(tied)
+  src_setup = load_run(run)
+  src = src_setup.params
+  setup = load_run(tied)
+  params = setup.params
   assert setup.ties is not None and setup.schedule.tied_heads == round(0.3 * 4 * 3 * 4 / 3)
   for m in MATRICES:
     table = np.asarray(params["head_table"][m])

@@ -4,11 +4,10 @@ calibrated start brings the logits the converted layers use closer to the source
 weight fit, by the error it reports, changing nothing but the factors; it is refused where no data is read."""
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxshare.convert.lisa_start import fit_low_rank
+from jaxshare.init.lisa import fit_low_rank
 
 
 def _weights(D, H, G, d, seed):
@@ -67,16 +66,16 @@ def test_uptraining_starts_lisa_layers_as_asked(start):
   """train.init_lisa through the uptraining path (what `convert uptrain` and train.init_from run): ``fit`` sets every
   converted layer's factors to the fit of the source's own W_q, W_k and its score source's; ``ds`` zeroes k_lr."""
   from conftest import tiny_config
-  from jaxshare.convert.uptrain import init_report
+  from jaxshare.init.report import init_report
   from jaxshare.model.params import layer_params
-  from jaxshare.train.state import init_state, setup_run
+  from jaxshare.train.state import init_state, setup_training
   from test_model import randomized
 
   src_cfg = tiny_config("schedule.kind=gqa", "schedule.kv_heads=2")
   src_schedule, _, src_params = randomized(src_cfg)
   cfg = tiny_config("schedule.kind=gqa+lisa_plus", "schedule.kv_heads=2", "schedule.lisa.layers=[2,3]",
                     "schedule.lisa.rank=4", f"train.init_lisa={start}")
-  setup = setup_run(cfg)
+  setup = setup_training(cfg)
   params = init_state(setup, from_params=(src_params, src_schedule))["params"]
   for n in (2, 3):
     got = layer_params(params, setup.schedule, n)["attn"]
@@ -98,21 +97,21 @@ def test_uptraining_starts_lisa_layers_as_asked(start):
 
 def _lisa_conversion(start):
   from conftest import tiny_config
-  from jaxshare.train.state import init_state, setup_run
+  from jaxshare.train.state import init_state, setup_training
   from test_model import randomized
 
   src_cfg = tiny_config("schedule.kind=gqa", "schedule.kv_heads=2")
   src = randomized(src_cfg)
   cfg = tiny_config("schedule.kind=gqa+lisa_plus", "schedule.kv_heads=2", "schedule.lisa.layers=[2,3]",
                     "schedule.lisa.rank=4", f"train.init_lisa={start}")
-  setup = setup_run(cfg)
+  setup = setup_training(cfg)
   return src_cfg, src, cfg, setup, lambda: init_state(setup, from_params=(src[2], src[0]))["params"]
 
 
 def test_calibrated_factors_bring_the_logits_closer_than_reuse_and_the_fit(batches):
   from flax import nnx
 
-  from jaxshare.convert.lisa_start import calibrate_low_rank
+  from jaxshare.init.lisa import calibrate_low_rank
   from jaxshare.model.params import flat_leaves, layer_params, replace_layer
 
   _, (src_schedule, src_graphdef, src_params), _, setup, init = _lisa_conversion("fit")
@@ -152,7 +151,7 @@ def test_calibrated_start_needs_calibration_batches(tmp_path):
   """train.init_from cannot read data for it: refused with a message naming the field and the way out; convert
   uptrain with --calibration-batches 0 likewise."""
   from jaxshare.config import ConfigError
-  from jaxshare.convert.run_dir import write_run
+  from jaxshare.runs import write_run
   from jaxshare.convert.uptrain import uptrain_run
 
   src_cfg, src, _, _, init = _lisa_conversion("calibrated")

@@ -10,7 +10,8 @@ import reference_numpy
 from conftest import tiny_config
 from jaxshare.model.params import layer_params
 from jaxshare.schedule import compile_schedule
-from jaxshare.train.state import build_model, compute_ties
+from jaxshare.runs import build_model
+from jaxshare.init.headwise import compute_ties
 
 
 def randomized(cfg, seed=0):

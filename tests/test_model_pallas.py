@@ -13,7 +13,8 @@ from jaxshare import parallel
 from jaxshare.config import MeshConfig
 from jaxshare.kernels import dispatch, flash, reference, xla
 from jaxshare.schedule import compile_schedule
-from jaxshare.train.state import build_model, compute_ties
+from jaxshare.runs import build_model
+from jaxshare.init.headwise import compute_ties
 from test_model import DEPTH_PRESETS, randomized, tokens
 
 COMPOSED = {

@@ -18,7 +18,8 @@ from conftest import REPO, SCHEDULE_FAMILIES, TINY, tiny_config
 from jaxshare import parallel
 from jaxshare.config import ConfigError, MeshConfig
 from jaxshare.train.loop import jit_train_step, train
-from jaxshare.train.state import init_state, setup_run, shard_batch
+from jaxshare.train.state import init_state, setup_training
+from jaxshare.parallel import shard_batch
 from jaxshare.train.step import Objective
 
 SCHEDULES = SCHEDULE_FAMILIES
@@ -27,13 +28,13 @@ MESHES = {"dp8": MeshConfig(data=8), "fsdp8": MeshConfig(fsdp=8), "fsdp4_tensor2
 
 
 def three_step_losses(cfg, mesh, batches):
-  setup = setup_run(cfg, mesh)
+  setup = setup_training(cfg, mesh)
   state = init_state(setup)
   step = jit_train_step(setup, Objective(), None)
   losses = []
   with jax.set_mesh(setup.mesh):
     for b in batches:
-      state, m = step(state, shard_batch(setup, b), None)
+      state, m = step(state, shard_batch(setup.batch_sharding, b), None)
       losses.append(float(m["loss"]))
   return losses, setup
 
@@ -186,11 +187,11 @@ from conftest import tiny_config
 from jaxshare import parallel
 from jaxshare.config import MeshConfig
 from jaxshare.train.loop import jit_train_step
-from jaxshare.train.state import abstract_state, setup_run
+from jaxshare.train.state import abstract_state, setup_training
 from jaxshare.train.step import Objective
 for mesh_cfg in (MeshConfig(fsdp=8), MeshConfig(data=2, fsdp=4), MeshConfig(fsdp=4, tensor=2)):
   for tie in ("false", "true"):
-    setup = setup_run(tiny_config("schedule.kind=cla", f"model.tie_embeddings={tie}"), parallel.make_mesh(mesh_cfg))
+    setup = setup_training(tiny_config("schedule.kind=cla", f"model.tie_embeddings={tie}"), parallel.make_mesh(mesh_cfg))
     batch = {k: jax.ShapeDtypeStruct((8, 32), jnp.int32, sharding=setup.batch_sharding)
              for k in ("inputs", "targets", "positions", "segment_ids", "loss_mask")}
     with jax.set_mesh(setup.mesh):

@@ -11,9 +11,10 @@ from flax import nnx
 
 from jaxshare import accounting
 from jaxshare.config import apply_overrides, load_config, to_yaml
-from jaxshare.headwise import direct_share
+from jaxshare.init.headwise import direct_share
 from jaxshare.schedule import compile_schedule
-from jaxshare.train.state import build_model, with_match_reference
+from jaxshare.runs import build_model
+from jaxshare.init.source import with_match_reference
 
 MODEL = ["model.num_layers=4", "model.d_model=64", "model.num_heads=4", "model.mlp_dim=128"]
 FLAVORS = {"swiglu": ["model.flavor=llama"], "gelu": ["model.flavor=neox", "model.rotary_pct=0.5"]}

@@ -8,7 +8,7 @@ field (its help text and the schedule module's docstrings), independently of the
 * a combination the oracle calls invalid is rejected with a :class:`ConfigError` (a ``ScheduleError`` is one) whose
   message names an offending field by its dotted name (``schedule.kv_heads``); nothing else is ever raised;
 * a combination the oracle calls valid is accepted, compiles to the per-layer K/V sources, K/V head counts, score
-  reuse and tied-head count the oracle predicts, and builds: ``setup_run`` on a one-device mesh and an abstract
+  reuse and tied-head count the oracle predicts, and builds: ``setup_training`` on a one-device mesh and an abstract
   forward pass with its loss (``jax.eval_shape`` on a ``[batch, seq]`` int32 input) give ``[batch, seq, vocab]``
   float32 logits and a scalar loss;
 * any value at all, in any field (or under a malformed key), is either accepted and builds or rejected with a
@@ -37,8 +37,8 @@ from conftest import TINY
 from jaxshare.config import Config, ConfigError, MeshConfig, load_config
 from jaxshare.parallel import make_mesh
 from jaxshare.schedule import compile_schedule
-from jaxshare.train.state import setup_run
-from jaxshare.train.step import masked_cross_entropy
+from jaxshare.train.state import setup_training
+from jaxshare.model.loss import masked_cross_entropy
 
 BATCH = 2
 NAN, INF = float("nan"), float("inf")
@@ -378,8 +378,8 @@ def mesh():
 
 
 def build(cfg: Config, mesh) -> None:
-  """setup_run on the one-device mesh, then an abstract forward pass and loss of the model."""
-  setup = setup_run(cfg, mesh)
+  """setup_training on the one-device mesh, then an abstract forward pass and loss of the model."""
+  setup = setup_training(cfg, mesh)
   tokens = jax.ShapeDtypeStruct((BATCH, cfg.data.seq_len), jnp.int32)
   batch = {k: tokens for k in ("inputs", "targets", "positions", "segment_ids", "loss_mask")}
 

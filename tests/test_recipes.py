@@ -9,13 +9,16 @@ import pytest
 
 from conftest import tiny_config
 from jaxshare.config import ConfigError
-from jaxshare.headwise import direct_share
+from jaxshare.init.headwise import direct_share
 from jaxshare.model.params import layer_params
 from jaxshare.schedule import compile_schedule
-from jaxshare.train.checkpoint import Checkpointer
+from jaxshare.checkpoint import Checkpointer
 from jaxshare.train.loop import train
 from jaxshare.train.optimizer import learning_rate_schedule
-from jaxshare.train.state import compute_ties, initial_params, load_run, setup_run, trainable_for
+from jaxshare.init.headwise import compute_ties
+from jaxshare.init.source import initial_params
+from jaxshare.runs import load_run
+from jaxshare.train.state import setup_training, trainable_for
 from jaxshare.train.step import distillation_loss, postshare_penalty
 
 
@@ -24,7 +27,7 @@ def metrics(run_dir):
 
 
 def params_at(run_dir, step):
-  return jax.device_get(load_run(run_dir / "checkpoints" / str(step))[2])
+  return jax.device_get(load_run(run_dir / "checkpoints" / str(step)).params)
 
 
 def changed_modules(before, after):
@@ -73,7 +76,7 @@ def test_lisa_uptraining_with_distillation_trains_only_new_modules(teacher, tmp_
   summary = train(cfg)
   records = metrics(tmp_path)
   assert all(r["kd_loss"] > 0 for r in records)
-  setup = setup_run(cfg, trainable=trainable_for(cfg, 0))
+  setup = setup_training(cfg, trainable=trainable_for(cfg, 0))
   new_module_size = sum(x.size for k, x in jax.tree_util.tree_leaves_with_path(params_at(tmp_path, 2))
                         if any(n in jax.tree_util.keystr(k) for n in ("q_lr", "k_lr", "align")))
   assert summary["trainable_params"] == records[0]["trainable_params"] == new_module_size == setup.num_trainable
@@ -90,8 +93,8 @@ def test_lisa_uptraining_with_distillation_trains_only_new_modules(teacher, tmp_
 
 def test_postshare_penalty_pulls_matched_heads_together(tmp_path):
   cfg = tiny_config()
-  setup = setup_run(cfg)
-  params = jax.device_get(jax.jit(lambda: initial_params(setup, 0))())
+  setup = setup_training(cfg)
+  params = jax.device_get(jax.jit(lambda: initial_params(setup.cfg, setup.schedule, setup.ties, 0))())
   weights = {m: np.stack([layer_params(params, setup.schedule, l)["attn"][f"{m}_proj"]["kernel"] for l in range(4)])
              for m in "qkv"}
   pairs = direct_share(weights, 6, "qk").pairs  # 6 = the heads alpha = 0.3 ties in this model
@@ -136,7 +139,7 @@ def test_lisa_keep_qk_keeps_the_teachers_projections_frozen(teacher, tmp_path):
                     "train.checkpoint_every=2",
                     f"train.run_dir={tmp_path}")
   summary = train(cfg)  # train.trainable=all: everything trains except the kept W_q/W_k
-  setup = setup_run(cfg)
+  setup = setup_training(cfg)
   student, dense = params_at(tmp_path, 2), params_at(teacher, 10)
   dense_schedule = compile_schedule(tiny_config().model, tiny_config().schedule)
   for layer in (1, 2):
@@ -151,8 +154,8 @@ def test_lisa_keep_qk_keeps_the_teachers_projections_frozen(teacher, tmp_path):
 
 def test_uniattn_compensation_has_no_weight_decay():
   cfg = tiny_config("schedule.kind=uniattn", "schedule.uniattn.start=0", "schedule.uniattn.block_size=2")
-  setup = setup_run(cfg)
-  params = jax.jit(lambda: initial_params(setup, 0))()
+  setup = setup_training(cfg)
+  params = jax.jit(lambda: initial_params(setup.cfg, setup.schedule, setup.ties, 0))()
   params = jax.tree.map(lambda p: p + 1.0, params)  # W_c starts at zero: give it something to decay
   zero_grads = jax.tree.map(jnp.zeros_like, params)
   _, opt_state = setup.tx.update(zero_grads, setup.tx.init(params), params)  # step 0's lr is 0 (warm-up)

@@ -23,7 +23,7 @@ from jaxshare.convert.hf_import import load_hf_model
 from jaxshare.evaluation.evaluate import evaluate_run
 from jaxshare.evaluation.generate import Generator
 from jaxshare.train.loop import train
-from jaxshare.train.state import load_run
+from jaxshare.runs import load_run
 from test_properties import oracle, overrides, schedule_specs
 
 EXAMPLES = int(os.environ.get("JAXSHARE_SCHEDULE_EXAMPLES", "4"))
@@ -54,7 +54,9 @@ def test_any_valid_schedule_trains_evaluates_generates_and_round_trips(tmp_path_
   report = evaluate_run(run, max_batches=1, sample_tokens=0)
   assert np.isfinite(report["val_loss"])
 
-  cfg, setup, params, _ = load_run(run)
+  setup = load_run(run)
+
+  cfg, params = setup.cfg, setup.params
   generator = Generator(nnx.merge(setup.graphdef, params), cfg.model, setup.schedule)
   prompts = [[5, 6, 7], [9, 10, 11, 12, 13]]  # rows of different lengths: left padding
   cached = generator.generate(prompts, 4, stop_tokens=[-1])
@@ -63,7 +65,8 @@ def test_any_valid_schedule_trains_evaluates_generates_and_round_trips(tmp_path_
 
   out = run.parent / "exported"
   export_run(run, out)
-  _, _, imported = load_hf_model(out)
+  model = load_hf_model(out)
+  imported = model.params
   want, got = flat(jax.device_get(params)), flat(imported)
   assert sorted(got) == sorted(want)
   for name, value in want.items():

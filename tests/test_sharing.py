@@ -14,8 +14,8 @@ from flax import nnx
 import reference_numpy
 from conftest import tiny_config
 from jaxshare import accounting
-from jaxshare.model.params import copy_shared_weights
-from jaxshare.train.state import build_model
+from jaxshare.init.shared import copy_shared_weights
+from jaxshare.runs import build_model
 from test_model import randomized, tokens
 
 SCORE_SCHEDULES = {

@@ -11,14 +11,15 @@ import pytest
 from conftest import read_metrics, tiny_config
 from jaxshare import parallel
 from jaxshare.config import ConfigError, MeshConfig
-from jaxshare.train.checkpoint import CheckpointError
+from jaxshare.checkpoint import CheckpointError
 from jaxshare.train.loop import train
-from jaxshare.train.state import init_state, setup_run, shard_batch
+from jaxshare.train.state import init_state, setup_training
+from jaxshare.parallel import shard_batch
 from jaxshare.train.step import make_train_step
 
 
 def run_steps(cfg, mesh, batches):
-  setup = setup_run(cfg, mesh)
+  setup = setup_training(cfg, mesh)
   state = init_state(setup)
   step = jax.jit(make_train_step(setup.graphdef, setup.tx, setup.lr_schedule, cfg.train.grad_accum_steps),
                  in_shardings=(setup.state_shardings, setup.batch_sharding),
@@ -26,7 +27,7 @@ def run_steps(cfg, mesh, batches):
   losses = []
   with jax.set_mesh(setup.mesh):
     for b in batches:
-      state, m = step(state, shard_batch(setup, b))
+      state, m = step(state, shard_batch(setup.batch_sharding, b))
       losses.append(float(m["loss"]))
   return losses, jax.device_get(state["params"]), setup
 

@@ -6,9 +6,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxshare.convert.uptrain import combine_layers, init_report, pool_heads
+from jaxshare.init.kv import combine_layers, pool_heads
+
+from jaxshare.init.report import init_report
 from jaxshare.model import params as P
-from jaxshare.train.state import init_kv_pool, init_state, setup_run
+from jaxshare.init.source import init_kv_pool
+from jaxshare.train.state import init_state, setup_training
 
 from conftest import tiny_config
 
@@ -31,7 +34,7 @@ def test_running_pairwise_mean_weights_the_last_layer_half():
 
 def _dense_source():
   cfg = tiny_config()
-  setup = setup_run(cfg)
+  setup = setup_training(cfg)
   return setup, init_state(setup, seed=3)["params"]
 
 
@@ -46,7 +49,7 @@ def _dense_source():
 def test_producers_kv_are_pooled_from_their_readers(overrides, groups):
   src_setup, src = _dense_source()
   cfg = tiny_config(*overrides)
-  setup = setup_run(cfg)
+  setup = setup_training(cfg)
   dst = init_state(setup, from_params=(src, src_setup.schedule))["params"]
   pool = init_kv_pool(cfg)
   for producer, readers in groups.items():
@@ -79,7 +82,7 @@ def test_trivial_conversion_keeps_the_logits(corpus):
 def test_report_names_every_rule_and_the_new_tensors():
   src_setup, src = _dense_source()
   cfg = tiny_config("schedule.kind=mlkv", "schedule.kv_layers=2", "schedule.kv_heads=2")
-  setup = setup_run(cfg)
+  setup = setup_training(cfg)
   dst = init_state(setup, from_params=(src, src_setup.schedule))["params"]
   lines = init_report(src, src_setup.schedule, dst, setup.schedule, "running")
   assert lines[1:] == ["layer 0 k_proj/v_proj: running pairwise mean over layers [0, 1], 4 -> 2 heads (mean of groups)",
@@ -87,7 +90,7 @@ def test_report_names_every_rule_and_the_new_tensors():
   assert lines[0] == f"{_per_layer_leaves(dst, setup.schedule) - 4} tensors copied (same layer, name and shape)"
 
   cfg = tiny_config("schedule.kind=gqa+uniattn", "schedule.kv_heads=2")
-  setup = setup_run(cfg)
+  setup = setup_training(cfg)
   dst = init_state(setup, from_params=(src, src_setup.schedule))["params"]
   lines = init_report(src, src_setup.schedule, dst, setup.schedule, "mean")
   assert "layer 3 k_proj/v_proj: from layer 3, 4 -> 2 heads (mean of groups)" in lines
@@ -106,8 +109,7 @@ def _per_layer_leaves(params, schedule):
 
 def test_cli_uptrain_writes_the_converted_run_and_reports_it(tmp_path, capsys):
   from jaxshare.convert.__main__ import main
-  from jaxshare.convert.run_dir import write_run
-  from jaxshare.train.state import load_run
+  from jaxshare.runs import load_run, write_run
 
   src_setup, src = _dense_source()
   write_run(tmp_path / "dense", src_setup.cfg, src)
@@ -115,9 +117,11 @@ def test_cli_uptrain_writes_the_converted_run_and_reports_it(tmp_path, capsys):
   assert main(["uptrain", str(tmp_path / "dense"), str(tmp_path / "mlkv"), *overrides]) == 0
   out = capsys.readouterr().out
   assert "layer 0 k_proj/v_proj: running pairwise mean over layers [0, 1, 2, 3], 4 -> 1 heads" in out
-  cfg, setup, params, step = load_run(tmp_path / "mlkv")
+  run = load_run(tmp_path / "mlkv")
+  cfg, params, step = run.cfg, run.params, run.step
   assert step == 0 and cfg.schedule.kind == "mlkv" and cfg.train.init_from == str(tmp_path / "dense")
-  want = init_state(setup, from_params=(src, src_setup.schedule))["params"]
+  # what train.py would start from with train.init_from=dense
+  want = init_state(setup_training(cfg), from_params=(src, src_setup.schedule))["params"]
   jax.tree.map(np.testing.assert_array_equal, params, want)
   assert main(["uptrain", str(tmp_path / "dense"), str(tmp_path / "bad"), "schedule.kind=nope"]) == 2
   assert "schedule.kind='nope' is invalid" in capsys.readouterr().err
@@ -128,7 +132,7 @@ def test_mlkv_parameter_matching_widens_every_mlp_from_the_source(rule):
   src_setup, src = _dense_source()
   cfg = tiny_config("schedule.kind=mlkv", "schedule.kv_layers=2", "schedule.kv_heads=2",
                     "schedule.match_params=true", f"train.init_mlp_widen={rule}")
-  setup = setup_run(cfg)
+  setup = setup_training(cfg)
   fresh = init_state(setup, seed=11)["params"]
   dst = init_state(setup, seed=11, from_params=(src, src_setup.schedule))["params"]
   for layer in range(4):
@@ -153,9 +157,9 @@ def test_mlkv_parameter_matching_widens_every_mlp_from_the_source(rule):
 def test_zero_widening_keeps_the_function(corpus, flavor):
   """A dense model into the same model with wider MLPs: the zero rule leaves the logits unchanged."""
   cfg = tiny_config(f"model.flavor={flavor}")
-  src_setup = setup_run(cfg)
+  src_setup = setup_training(cfg)
   src = init_state(src_setup, seed=3)["params"]
-  setup = setup_run(tiny_config(f"model.flavor={flavor}", "model.mlp_dim=96"))
+  setup = setup_training(tiny_config(f"model.flavor={flavor}", "model.mlp_dim=96"))
   dst = init_state(setup, from_params=(src, src_setup.schedule))["params"]
   tokens = np.frombuffer(corpus.read_bytes()[:32], np.uint8).astype(np.int32)[None]
   np.testing.assert_allclose(np.asarray(nnx.merge(setup.graphdef, dst)(tokens)),
@@ -167,9 +171,9 @@ def test_converted_lisa_starts_as_ds(corpus, kind):
   """k_lr = 0 makes A_delta vanish: the converted LISA model computes what DS (pure logits reuse) computes."""
   src_setup, src = _dense_source()
   layers = "schedule.lisa.layers=[1,2,3]"
-  ds_setup = setup_run(tiny_config("schedule.kind=ds", layers))
+  ds_setup = setup_training(tiny_config("schedule.kind=ds", layers))
   ds = init_state(ds_setup, from_params=(src, src_setup.schedule))["params"]
-  setup = setup_run(tiny_config(f"schedule.kind={kind}", layers))
+  setup = setup_training(tiny_config(f"schedule.kind={kind}", layers))
   dst = init_state(setup, from_params=(src, src_setup.schedule))["params"]
   tokens = np.frombuffer(corpus.read_bytes()[:32], np.uint8).astype(np.int32)[None]
   np.testing.assert_allclose(np.asarray(nnx.merge(setup.graphdef, dst)(tokens)),
@@ -185,8 +189,7 @@ def test_converted_lisa_starts_as_ds(corpus, kind):
 
 def test_cli_uptrain_into_uniattn_fits_wc_on_calibration_batches(tmp_path, capsys):
   from jaxshare.convert.__main__ import main
-  from jaxshare.convert.run_dir import write_run
-  from jaxshare.train.state import load_run
+  from jaxshare.runs import load_run, write_run
 
   src_setup, src = _dense_source()
   write_run(tmp_path / "dense", src_setup.cfg, src)
@@ -196,7 +199,8 @@ def test_cli_uptrain_into_uniattn_fits_wc_on_calibration_batches(tmp_path, capsy
   out = capsys.readouterr().out
   assert "W_c by least squares on calibration batches (UniAttn Thm 3.1 / Alg. 1, bottom-up, fit=tokens)" in out
   assert "layer 3 compensation: error" in out and "NEW" not in out
-  _, setup, params, _ = load_run(tmp_path / "uni")
+  setup = load_run(tmp_path / "uni")
+  params = setup.params
   w = np.asarray(P.layer_params(params, setup.schedule, 3)["compensation"]["kernel"])
   assert np.abs(w).max() > 0
   with pytest.raises(SystemExit):
@@ -204,5 +208,6 @@ def test_cli_uptrain_into_uniattn_fits_wc_on_calibration_batches(tmp_path, capsy
   assert "--calibration-batches=-1 is invalid: must be >= 0" in capsys.readouterr().err
   assert main(["uptrain", str(tmp_path / "dense"), str(tmp_path / "uni0"), *overrides,
                "--calibration-batches", "0"]) == 0
-  _, setup, params, _ = load_run(tmp_path / "uni0")
+  setup = load_run(tmp_path / "uni0")
+  params = setup.params
   assert not np.asarray(P.layer_params(params, setup.schedule, 3)["compensation"]["kernel"]).any()

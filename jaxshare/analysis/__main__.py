@@ -30,11 +30,11 @@ from flax import nnx
 
 from jaxshare.analysis import plots, similarity
 from jaxshare.config import ConfigError
-from jaxshare.data import DataError, make_tokenizer
+from jaxshare.data import DataError
 from jaxshare.model.params import layer_params
 from jaxshare.schedule import Schedule
-from jaxshare.train.checkpoint import CheckpointError
-from jaxshare.train.state import RunSetup, load_run
+from jaxshare.checkpoint import CheckpointError
+from jaxshare.runs import Run, load_run
 
 
 class AnalysisError(Exception):
@@ -71,13 +71,14 @@ def sample_windows(ids: Sequence[int], num: int, length: int, seed: int) -> np.n
   return np.stack([ids[s:s + length] for s in starts])
 
 
-def attention_probs(setup: RunSetup, params: dict, tokens: np.ndarray) -> np.ndarray:
-  """``[L, B, H, T, T]`` float32 causal attention probabilities of every layer for ``tokens [B, T]``."""
+def attention_probs(run: Run, tokens: np.ndarray) -> np.ndarray:
+  """``[L, B, H, T, T]`` float32 causal attention probabilities of every layer of ``run``'s model for
+  ``tokens [B, T]``."""
   @jax.jit
   def captured_logits(params, tokens):
-    return nnx.merge(setup.graphdef, params)(tokens, capture_attention=True)[1]
+    return nnx.merge(run.graphdef, params)(tokens, capture_attention=True)[1]
 
-  return similarity.causal_softmax(np.asarray(captured_logits(params, tokens)), setup.cfg.model.sliding_window)
+  return similarity.causal_softmax(np.asarray(captured_logits(run.params, tokens)), run.cfg.model.sliding_window)
 
 
 def query_key_kernels(params: dict, schedule: Schedule) -> tuple[np.ndarray, np.ndarray] | None:
@@ -127,12 +128,13 @@ def analyze(args: argparse.Namespace) -> list[str]:
     AnalysisError / ConfigError / DataError / CheckpointError: bad text file, run path, config or checkpoint.
   """
   text = read_text(args.text)
-  cfg, setup, params, step = load_run(args.run)
+  run = load_run(args.run)
+  cfg = run.cfg
   if cfg.model.num_layers < 2:
     raise AnalysisError(f"{args.run!r} has model.num_layers={cfg.model.num_layers}: cross-layer analysis needs >= 2")
   length = args.seq_len or cfg.data.seq_len
-  tokens = sample_windows(make_tokenizer(cfg.data).encode(text), args.samples, length, args.seed)
-  probs = attention_probs(setup, params, tokens)
+  tokens = sample_windows(run.tokenizer().encode(text), args.samples, length, args.seed)
+  probs = attention_probs(run, tokens)
 
   out: Path = args.out
   out.mkdir(parents=True, exist_ok=True)
@@ -150,14 +152,14 @@ def analyze(args: argparse.Namespace) -> list[str]:
   plots.heatmap(cos, out / "cosine.png", title="cosine of head-averaged attention", label="cosine similarity")
   plots.head_matching_plot(matching, out / "head_matching.png")
 
-  lines = [f"analysis of {args.run} at step {step}: {args.samples} windows of {length} tokens (seed {args.seed})",
-           f"  schedule          {setup.schedule.describe()}",
+  lines = [f"analysis of {args.run} at step {run.step}: {args.samples} windows of {length} tokens (seed {args.seed})",
+           f"  schedule          {run.schedule.describe()}",
            f"  adjacent JS       {fmt(np.diagonal(js, 1))} (layers 1..L-1 vs the one before, nats)",
            f"  adjacent cosine   {fmt(adjacent)} (Sim(i), per-head maps)",
            f"  head matching     direct {fmt(matching['direct'])}",
            f"                    random {fmt(matching['random'])}",
            f"                    best   {fmt(matching['best'])}"]
-  lines += weight_similarity(params, setup.schedule, out)
+  lines += weight_similarity(run.params, run.schedule, out)
   if args.suggest:
     lines += suggestion_lines(adjacent, args.threshold, args.max_block)
   lines.append(f"  files in          {out}")

@@ -136,7 +136,7 @@ def lower_kernels_cuda(**shapes) -> list[Compiled]:
 
 @dataclasses.dataclass(frozen=True)
 class TracedStep:
-  """The run's train step traced for a mesh (nothing compiled). ``setup``: the run's ``RunSetup``; ``state``: the
+  """The run's train step traced for a mesh (nothing compiled). ``setup``: the run's ``TrainSetup``; ``state``: the
   abstract train state (ShapeDtypeStructs with shardings); ``traced``: a ``jax.stages.Traced`` (``.jaxpr``,
   ``.lower()``)."""
 
@@ -149,10 +149,10 @@ def trace_train_step(cfg: Config, mesh: jax.sharding.Mesh) -> TracedStep:
   """The run's real train step (state and batch sharded as in training, state donated) traced for ``mesh`` with a
   global batch of ``train.batch_size`` x ``data.seq_len`` tokens."""
   from jaxshare.train.loop import jit_train_step
-  from jaxshare.train.state import abstract_state, setup_run
+  from jaxshare.train.state import abstract_state, setup_training
   from jaxshare.train.step import Objective
 
-  setup = setup_run(cfg, mesh=mesh)
+  setup = setup_training(cfg, mesh=mesh)
   state = abstract_state(setup)
   shape = (cfg.train.batch_size, cfg.data.seq_len)
   batch = {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=setup.batch_sharding)

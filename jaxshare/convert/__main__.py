@@ -11,6 +11,9 @@
       train.init_kv_pool, MLPs widened per train.init_mlp_widen, UniAttn's W_c fitted by least squares on
       calibration batches, shared tensors copied, the rest freshly initialised; prints which rule built each tensor.
       Then train it: python train.py <same overrides> train.init_from=OUT_RUN train.run_dir=NEW_DIR
+  python -m jaxshare.convert ties RUN_DIR
+      a head-wise run written before jaxshare stored its ties with the run: choose them once more, as they were
+      chosen when it started (on its train.init_from source, or on the dense model of its seed), and store them
 
 Weights are read through safetensors only; nothing is unpickled and nothing is downloaded.
 """
@@ -55,7 +58,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                   help="UniAttn W_c fit: tokens (least squares over every calibration token) or mean (the paper's "
                   "v=1: sample means per position; when seq_len is not much larger than d_model it fits the mean "
                   "error exactly with a W_c that fails on single tokens) (default: %(default)s)")
-  args = parse_anywhere(parser, argv, {"import": imp, "export": exp, "uptrain": up})
+  ties = sub.add_parser("ties", help="store an old head-wise run's ties in its run directory (once)")
+  ties.add_argument("run_dir", help="head-wise run directory without head_ties.json")
+  args = parse_anywhere(parser, argv, {"import": imp, "export": exp, "uptrain": up, "ties": ties})
   if args.command == "uptrain" and args.calibration_batches < 0:
     up.error(f"--calibration-batches={args.calibration_batches} is invalid: must be >= 0")
   if args.command == "uptrain" and args.lisa_steps < 0:
@@ -74,9 +79,10 @@ def main(argv: list[str] | None = None) -> int:
   from jaxshare.convert.hf_export import export_run
   from jaxshare.convert.hf_import import load_hf_model
   from jaxshare.convert.mapping import UnsupportedModelError
-  from jaxshare.convert.run_dir import write_run
+  from jaxshare.checkpoint import CheckpointError
+  from jaxshare.convert.migrate import store_ties
   from jaxshare.convert.uptrain import uptrain_run
-  from jaxshare.train.checkpoint import CheckpointError
+  from jaxshare.runs import write_run
 
   try:
     if args.command == "import":
@@ -84,16 +90,18 @@ def main(argv: list[str] | None = None) -> int:
       out = Path(args.run_dir).absolute()
       out.parent.mkdir(parents=True, exist_ok=True)
       with tempfile.TemporaryDirectory(prefix=".import-", dir=out.parent) as scratch:  # disk-backed parameters
-        cfg, setup, params = load_hf_model(ckpt, args.overrides, progress=True, scratch_dir=scratch)
-        run = write_run(out, cfg, params, tokenizer_files=ckpt.tokenizer_files(),
+        model = load_hf_model(ckpt, args.overrides, progress=True, scratch_dir=scratch)
+        run = write_run(out, model.cfg, model.params, ties=model.ties, tokenizer_files=ckpt.tokenizer_files(),
                         meta={"imported_from": str(args.hf_dir), "architecture": ckpt.architecture})
-        del params
-      print(f"imported {ckpt.architecture} ({setup.num_params:,} parameters, {setup.schedule.describe()}) "
-            f"into {run}")
+        what = f"{model.num_params:,} parameters, {model.schedule.describe()}"
+        del model
+      print(f"imported {ckpt.architecture} ({what}) into {run}")
     elif args.command == "uptrain":
       for line in uptrain_run(args.src_run, args.out_run, args.overrides, calibration_batches=args.calibration_batches,
                               wc_fit=args.wc_fit, lisa_steps=args.lisa_steps):
         print(line)
+    elif args.command == "ties":
+      print(store_ties(args.run_dir))
     else:
       arch, why_native = export_run(args.run_dir, args.hf_dir, progress=True,
                                     max_shard_bytes=int(args.max_shard_gb * 1e9))

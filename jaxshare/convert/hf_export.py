@@ -23,6 +23,8 @@ from jaxshare.convert.hf_import import dims
 from jaxshare.convert.llama import LLAMA
 from jaxshare.convert.mapping import params_to_hf
 from jaxshare.convert.neox import NEOX
+from jaxshare.model.ties import HeadTies
+from jaxshare.runs import load_run
 from jaxshare.schedule import Schedule
 
 DEFAULT_SHARD_BYTES = 5 * 10 ** 9  # save_pretrained's long-standing max_shard_size="5GB"
@@ -53,11 +55,12 @@ def hf_incompatibility(cfg: Config, schedule: Schedule) -> str | None:
 
 
 def export_params(cfg: Config, schedule: Schedule, params: dict, out_dir: str | Path, *,
-                  tokenizer_dir: str | Path | None = None, progress: bool = False,
+                  ties: HeadTies | None = None, tokenizer_dir: str | Path | None = None, progress: bool = False,
                   max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> str:
   """Write ``params`` as an HF directory; returns the ``architectures[0]`` written.
 
   Args:
+    ties: head-wise sharing's ties (written into a native directory's ``config.json``).
     progress: a bar over the layers.
     max_shard_bytes: weights above this size are split into ``model-0000i-of-0000n.safetensors`` shards plus
       ``model.safetensors.index.json`` (as ``save_pretrained`` does); one layer's tensors are converted and held
@@ -77,7 +80,7 @@ def export_params(cfg: Config, schedule: Schedule, params: dict, out_dir: str | 
     if tokenizer_dir is None:  # the byte tokenizer: EOS (and padding) is byte 0
       config.update(bos_token_id=None, eos_token_id=0, pad_token_id=0)
   else:
-    groups, config = ({name: leaf} for name, leaf in native.flatten(params).items()), native.config_json(cfg)
+    groups, config = ({name: leaf} for name, leaf in native.flatten(params).items()), native.config_json(cfg, ties)
   write_shards(groups, out, max_shard_bytes)
   (out / "config.json").write_text(json.dumps(config, indent=2))
   if tokenizer_dir is not None:
@@ -123,10 +126,9 @@ def export_run(run: str | Path, out_dir: str | Path, *, progress: bool = False,
   Raises:
     ConfigError / CheckpointError: unreadable run. FileExistsError: ``out_dir`` not empty.
   """
-  from jaxshare.train.state import load_run
-
-  cfg, setup, params, _ = load_run(run)
+  loaded = load_run(run)
+  cfg = loaded.cfg
   tokenizer = None if cfg.data.tokenizer == "byte" else cfg.data.tokenizer
-  arch = export_params(cfg, setup.schedule, params, out_dir, tokenizer_dir=tokenizer, progress=progress,
-                       max_shard_bytes=max_shard_bytes)
-  return arch, hf_incompatibility(cfg, setup.schedule)
+  arch = export_params(cfg, loaded.schedule, loaded.params, out_dir, ties=loaded.ties, tokenizer_dir=tokenizer,
+                       progress=progress, max_shard_bytes=max_shard_bytes)
+  return arch, hf_incompatibility(cfg, loaded.schedule)

@@ -15,6 +15,8 @@ from jaxshare.convert.hf_checkpoint import HFCheckpoint
 from jaxshare.convert.llama import LLAMA
 from jaxshare.convert.mapping import Architecture, Dims, UnsupportedModelError, hf_to_params
 from jaxshare.convert.neox import NEOX
+from jaxshare.runs import Run, abstract_params
+from jaxshare.schedule import compile_schedule
 
 ARCHITECTURES: tuple[Architecture, ...] = (LLAMA, NEOX)
 
@@ -42,10 +44,10 @@ def dims(cfg: Config) -> Dims:
 
 
 def load_hf_model(directory: str | Path | HFCheckpoint, overrides: Sequence[str] = (), *, progress: bool = False,
-                  scratch_dir: str | Path | None = None) -> tuple[Config, object, dict]:
-  """Read an HF directory into ``(config, run setup, parameters)``; parameters are a pure dict of NumPy arrays in
-  the config's ``param_dtype`` (float32 unless overridden), every leaf converted from a named HF tensor, one tensor
-  at a time.
+                  scratch_dir: str | Path | None = None) -> Run:
+  """Read an HF directory into a :class:`~jaxshare.runs.Run` (no directory, step 0, host arrays): parameters a pure
+  dict of NumPy arrays in the config's ``param_dtype`` (float32 unless overridden), every leaf converted from a
+  named HF tensor, one tensor at a time; a native directory's head-wise ties as it carries them.
 
   Args:
     directory: a local HF model directory, or one already opened (see :class:`HFCheckpoint`).
@@ -59,26 +61,25 @@ def load_hf_model(directory: str | Path | HFCheckpoint, overrides: Sequence[str]
     HFCheckpointError: unreadable directory, missing or mis-shaped tensors.
     UnsupportedModelError: an architecture, config value or tensor jaxshare cannot represent exactly.
   """
-  from jaxshare.train.state import setup_run
-
   ckpt = directory if isinstance(directory, HFCheckpoint) else HFCheckpoint(directory)
   if ckpt.architecture == native.ARCHITECTURE:  # a jaxshare model with a sharing schedule, exported by us
     cfg = apply_overrides(native.read_config(ckpt.config), overrides)
-    setup = setup_run(cfg)
-    return cfg, setup, native.fill(_template(setup, scratch_dir), ckpt.read, ckpt.names())
+    schedule = compile_schedule(cfg.model, cfg.schedule)
+    ties = native.read_ties(ckpt.config, schedule)
+    graphdef, abstract = abstract_params(cfg, schedule, ties)
+    params = native.fill(_template(abstract, scratch_dir), ckpt.read, ckpt.names())
+    return Run(None, cfg, schedule, ties, graphdef, params, 0, None)
   arch = architecture_for(ckpt)
   cfg = load_config(None, arch.config_overrides(ckpt.config) + list(overrides))
-  setup = setup_run(cfg)
-  params = hf_to_params(arch, cfg, dims(cfg), setup.schedule, _template(setup, scratch_dir), ckpt.read, ckpt.names(),
+  schedule = compile_schedule(cfg.model, cfg.schedule)
+  graphdef, abstract = abstract_params(cfg, schedule)
+  params = hf_to_params(arch, cfg, dims(cfg), schedule, _template(abstract, scratch_dir), ckpt.read, ckpt.names(),
                         progress=progress)
-  return cfg, setup, params
+  return Run(None, cfg, schedule, None, graphdef, params, 0, None)
 
 
-def _template(setup, scratch_dir: str | Path | None = None) -> dict:
-  """Zero parameter arrays of the model (lazily allocated pages, or ``.npy`` memory maps in ``scratch_dir``)."""
-  from jaxshare.train.state import abstract_state
-
-  abstract = abstract_state(setup)["params"]
+def _template(abstract: dict, scratch_dir: str | Path | None = None) -> dict:
+  """Zero arrays shaped as ``abstract`` (lazily allocated pages, or ``.npy`` memory maps in ``scratch_dir``)."""
   if scratch_dir is None:
     return jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), abstract)
   index = itertools.count()

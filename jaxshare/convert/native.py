@@ -1,6 +1,7 @@
 """The HF-style directory of a model that no HF class can hold (any sharing schedule beyond dense/GQA): every
 parameter under its jaxshare path in ``model.safetensors``, and ``config.json`` carrying the whole jaxshare config
-(schedule included) under ``jaxshare_config``. It re-imports bit-exactly; transformers does not load it."""
+(schedule included) under ``jaxshare_config`` and, for head-wise sharing, the run's ties under ``jaxshare_head_ties``.
+It re-imports bit-exactly; transformers does not load it."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import numpy as np
 from jaxshare.config import Config, config_from_yaml_text, to_yaml
 from jaxshare.convert.mapping import UnsupportedModelError
 from jaxshare.model import params as P
+from jaxshare.model.ties import HeadTies
+from jaxshare.schedule import Schedule
 
 ARCHITECTURE = "JaxshareForCausalLM"
 
@@ -18,8 +21,10 @@ def flatten(params: dict) -> dict[str, np.ndarray]:
   return {name: np.asarray(v) for name, v in P.flat_leaves(params).items()}
 
 
-def config_json(cfg: Config) -> dict:
-  return {"architectures": [ARCHITECTURE], "model_type": "jaxshare", "jaxshare_config": to_yaml(cfg)}
+def config_json(cfg: Config, ties: HeadTies | None = None) -> dict:
+  """``config.json`` of a native directory: the config, and the head-wise ties when the schedule ties heads."""
+  return {"architectures": [ARCHITECTURE], "model_type": "jaxshare", "jaxshare_config": to_yaml(cfg),
+          **({"jaxshare_head_ties": ties.to_json()} if ties is not None else {})}
 
 
 def read_config(config: dict) -> Config:
@@ -32,6 +37,25 @@ def read_config(config: dict) -> Config:
   if not isinstance(text, str):
     raise UnsupportedModelError(f"config.json says {ARCHITECTURE} but has no 'jaxshare_config' text")
   return config_from_yaml_text(text)
+
+
+def read_ties(config: dict, schedule: Schedule) -> HeadTies | None:
+  """The head-wise ties a native directory carries (None when ``schedule`` ties no heads).
+
+  Raises:
+    UnsupportedModelError: the schedule ties heads and ``jaxshare_head_ties`` is missing (an export written before
+      ties were stored with it) or malformed.
+  """
+  if not schedule.tied_heads:
+    return None
+  text = config.get("jaxshare_head_ties")
+  if not isinstance(text, str):
+    raise UnsupportedModelError(f"config.json ties {schedule.tied_heads} heads but has no 'jaxshare_head_ties' (an "
+                                "export written before jaxshare stored head-wise ties): export the run again")
+  try:
+    return HeadTies.from_json(text, "'jaxshare_head_ties' of config.json")
+  except ValueError as e:
+    raise UnsupportedModelError(str(e)) from None
 
 
 def fill(template: dict, read, names: list[str]) -> dict:

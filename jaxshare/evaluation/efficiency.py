@@ -15,6 +15,7 @@ from flax import nnx
 from jaxshare import accounting
 from jaxshare.config import ModelConfig
 from jaxshare.evaluation.generate import decode_steps, prefill
+from jaxshare.runs import load_run
 from jaxshare.evaluation.sampling import Sampling
 from jaxshare.model.cache import init_cache
 from jaxshare.schedule import Schedule
@@ -121,10 +122,8 @@ def measure(model: nnx.Module, cfg: ModelConfig, schedule: Schedule, *, name: st
 
 def measure_run(path: str, **kwargs) -> dict[str, Any]:
   """:func:`measure` for a run directory or checkpoint (its parameters, compute dtype and schedule)."""
-  from jaxshare.train.state import load_run
-
-  cfg, setup, params, _ = load_run(path)
-  return measure(nnx.merge(setup.graphdef, params), cfg.model, setup.schedule, name=str(path), **kwargs)
+  run = load_run(path)
+  return measure(run.model(), run.cfg.model, run.schedule, name=str(path), **kwargs)
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:

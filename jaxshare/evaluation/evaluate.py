@@ -11,14 +11,12 @@ from typing import Any
 import grain
 import jax
 import numpy as np
-from flax import nnx
 
 from jaxshare import accounting
-from jaxshare.data import Datasets, TokenStream, WindowSource, load_documents, make_tokenizer
+from jaxshare.data import Datasets, TokenStream, WindowSource, load_documents
 from jaxshare.evaluation.generate import Generator
-from jaxshare.train.loop import evaluate_loss, loss_sums
-from jaxshare.train.state import load_run, locate
-from jaxshare.train.step import make_eval_step
+from jaxshare.evaluation.val_loss import evaluate_loss, loss_sums, make_eval_step
+from jaxshare.runs import load_run
 
 
 def evaluate_run(path: str | Path, *, max_batches: int = 0, prompt: str = "ROMEO:\n",
@@ -32,23 +30,23 @@ def evaluate_run(path: str | Path, *, max_batches: int = 0, prompt: str = "ROMEO
   Raises:
     ConfigError: bad path or saved config. CheckpointError: no, corrupt or mismatched checkpoint.
   """
-  cfg, setup, params, step = load_run(path)
-  run_dir, _ = locate(path)
+  run = load_run(path)
+  cfg = run.cfg
   data = Datasets(cfg.data, cfg.train.batch_size, process_index=0, process_count=1)
-  eval_fn = jax.jit(make_eval_step(setup.graphdef))
-  with jax.set_mesh(setup.mesh):
-    loss = evaluate_loss(eval_fn, setup, params, data, max_batches)
+  eval_fn = jax.jit(make_eval_step(run.graphdef))
+  with jax.set_mesh(run.mesh):
+    loss = evaluate_loss(eval_fn, run.batch_sharding, run.params, data, max_batches)
   sample_ids = []
   if sample_tokens:
-    generator = Generator(nnx.merge(setup.graphdef, params), cfg.model, setup.schedule)
+    generator = Generator(run.model(), cfg.model, run.schedule)
     sample_ids = generator.generate([data.tokenizer.encode(prompt)], sample_tokens)[0]
   kv_dtype_bytes = 2 if cfg.model.dtype == "bfloat16" else 4
   return {
-    "run_dir": str(run_dir), "step": step, "schedule": setup.schedule.describe(),
+    "run_dir": str(run.directory), "step": run.step, "schedule": run.schedule.describe(),
     "val_loss": loss, "perplexity": math.exp(loss), "bits_per_byte": loss / math.log(2) / data.bytes_per_token,
-    "num_params": setup.num_params,
-    "kv_bytes_per_token": accounting.kv_cache_bytes_per_token(cfg.model, setup.schedule, kv_dtype_bytes),
-    "kv_bytes_per_token_bf16": accounting.kv_cache_bytes_per_token(cfg.model, setup.schedule, 2),
+    "num_params": run.num_params,
+    "kv_bytes_per_token": accounting.kv_cache_bytes_per_token(cfg.model, run.schedule, kv_dtype_bytes),
+    "kv_bytes_per_token_bf16": accounting.kv_cache_bytes_per_token(cfg.model, run.schedule, 2),
     "prompt": prompt, "sample": data.tokenizer.decode(sample_ids),
   }
 
@@ -82,11 +80,12 @@ def perplexity(path: str | Path, *, text: str | None = None, tfds_name: str | No
   """
   if (text is None) == (tfds_name is None):
     raise ValueError("perplexity needs exactly one of text (a file) and tfds_name")
-  cfg, setup, params, _ = load_run(path)
+  run = load_run(path)
+  cfg = run.cfg
   source = dict(source="text", path=str(Path(text).resolve()), document_separator="") if text is not None else dict(
     source="tfds", tfds_name=tfds_name, tfds_split=tfds_split, tfds_data_dir=tfds_data_dir, text_field=text_field)
   data_cfg = dataclasses.replace(cfg.data, **source)
-  tokenizer = make_tokenizer(cfg.data)
+  tokenizer = run.tokenizer()
   stream = TokenStream.from_documents(load_documents(data_cfg), tokenizer)
   windows = WindowSource(stream, slice(0, len(stream.tokens)), cfg.data.seq_len, "scored text")
   batch = min(cfg.train.batch_size, len(windows))
@@ -94,8 +93,8 @@ def perplexity(path: str | Path, *, text: str | None = None, tfds_name: str | No
   n = len(ds) if not max_batches else min(max_batches, len(ds))
   # the last batch may be short: pad it with fully masked rows (one compiled shape)
   batches = [{k: _pad_rows(v, batch) for k, v in ds[i].items()} for i in range(n)]
-  with jax.set_mesh(setup.mesh):
-    total, count = loss_sums(jax.jit(make_eval_step(setup.graphdef)), setup, params, batches)
+  with jax.set_mesh(run.mesh):
+    total, count = loss_sums(jax.jit(make_eval_step(run.graphdef)), run.batch_sharding, run.params, batches)
   scored = np.concatenate([b["targets"][b["loss_mask"] == 1] for b in batches]).tolist()
   loss = total / max(count, 1.0)
   num_bytes = len(tokenizer.decode(scored).encode("utf-8"))

@@ -23,10 +23,9 @@ from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
-from jaxshare.data import make_tokenizer
 from jaxshare.evaluation.generate import Generator
 from jaxshare.evaluation.sampling import Sampling
-from jaxshare.train.state import load_run
+from jaxshare.runs import load_run
 
 WIDTH_BUCKET = 32  # scored rows are right-padded to a multiple of this: fewer shapes to compile
 
@@ -45,13 +44,14 @@ class JaxshareLM(LM):
   def __init__(self, run: str, batch_size: int | str = 8, max_length: int | str = 0, nf: bool | str = False,
                **_unused):
     super().__init__()
-    cfg, setup, params, _ = load_run(run)
-    self.tokenizer = make_tokenizer(cfg.data)
+    loaded = load_run(run)
+    cfg = loaded.cfg
+    self.tokenizer = loaded.tokenizer()
     self.batch_size = int(batch_size) if str(batch_size).isdigit() else 8  # "auto" is not measured here
     self.max_length = int(max_length) or cfg.data.seq_len
     self.nf = str(nf).lower() in ("1", "true")
-    self.params, graphdef = params, setup.graphdef
-    self.generator = Generator(nnx.merge(graphdef, params), cfg.model, setup.schedule, pad_id=self.tokenizer.eos_id)
+    self.params, graphdef = loaded.params, loaded.graphdef
+    self.generator = Generator(loaded.model(), cfg.model, loaded.schedule, pad_id=self.tokenizer.eos_id)
 
     @jax.jit
     def token_logprobs(params, inputs, targets):

@@ -24,7 +24,7 @@ from jaxshare.model import cache as kv_cache
 from jaxshare.model import scores
 from jaxshare.model.cache import StepContext
 from jaxshare.model.layers import DenseGeneral
-from jaxshare.model.rope import apply_rope
+from jaxshare.model.rope import RopeScaling, apply_rope
 from jaxshare.model.scores import AlignerChain, ScoreFeatures, ScoreState, ScoreTensors
 from jaxshare.schedule import LayerRole
 
@@ -77,7 +77,7 @@ class Attention(nnx.Module):
     qkv_bias, out_bias = cfg.qkv_biases, cfg.flavor == "neox"
     std, out_std = cfg.init_std, cfg.init_std / math.sqrt(2 * cfg.num_layers)
     self.role, self.head_dim, self.dtype = role, d, dtype
-    self.theta, self.rotary_dim, self.rope_scaling = cfg.rope_theta, int(d * cfg.rotary_pct), cfg.rope
+    self.theta, self.rotary_dim, self.rope_scaling = cfg.rope_theta, int(d * cfg.rotary_pct), RopeScaling.of(cfg)
     self.recompute = score_sharing == "recompute"
     self.window = cfg.sliding_window
     ops = get_attention(attention_impl)

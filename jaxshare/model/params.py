@@ -61,33 +61,3 @@ def replace_layer(params: dict, schedule: Schedule, layer: int, new: dict) -> di
   segments = dict(params["segments"])
   segments[s_idx] = {**seg, "blocks": {**seg["blocks"], "runs": runs}}
   return {**params, "segments": segments}
-
-
-def copy_shared_weights(src: dict, src_schedule: Schedule, dst: dict, dst_schedule: Schedule) -> dict:
-  """Uptraining initialisation: ``dst`` with every parameter it shares with ``src`` (same layer, same name and
-  shape) copied over; parameters only ``dst`` has (LISA's low-rank Q/K and aligner, UniAttn's W_c, ...) keep their
-  values. Works on traced arrays.
-
-  Raises:
-    ValueError: the two models have different depths.
-  """
-  if len(src_schedule.layers) != len(dst_schedule.layers):
-    raise ValueError(f"cannot copy a {len(src_schedule.layers)}-layer model into a {len(dst_schedule.layers)}-layer one")
-  out = dict(dst)
-  for key in ("embedding", "final_norm", "lm_head"):
-    if key in src and key in dst and jax.tree.structure(src[key]) == jax.tree.structure(dst[key]):
-      out[key] = src[key]
-  for layer in range(len(dst_schedule.layers)):
-    s_layer = layer_params(src, src_schedule, layer)
-    d_layer = layer_params(out, dst_schedule, layer)
-    merged = _merge_matching(s_layer, d_layer)
-    out = replace_layer(out, dst_schedule, layer, merged)
-  return out
-
-
-def _merge_matching(src: Any, dst: Any) -> Any:
-  if isinstance(dst, dict):
-    return {k: _merge_matching(src.get(k) if isinstance(src, dict) else None, v) for k, v in dst.items()}
-  if src is not None and getattr(src, "shape", None) == dst.shape:
-    return src
-  return dst

@@ -28,6 +28,12 @@ class RopeScaling:
   high_freq_factor: float = 4.0
   original_max_positions: int = 8192
 
+  @classmethod
+  def of(cls, cfg) -> RopeScaling:
+    """The scaling ``cfg``'s ``rope_scaling*`` fields describe (``cfg``: a :class:`~jaxshare.config.ModelConfig`)."""
+    return cls(cfg.rope_scaling, cfg.rope_scaling_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor,
+               cfg.rope_original_max_positions)
+
 
 def inv_frequencies(rotary_dim: int, theta: float, scaling: RopeScaling = RopeScaling()) -> np.ndarray:
   """``[rotary_dim // 2]`` float32 inverse frequencies ``theta^(-2i/rotary_dim)``, rescaled by ``scaling`` exactly

@@ -11,7 +11,7 @@ from jaxshare.config import ModelConfig
 from jaxshare.model import cache as kv_cache
 from jaxshare.model.block import MHAActivations, Superblock
 from jaxshare.model.cache import DecodeCache, StepContext
-from jaxshare.headwise import MATRICES, HeadTies
+from jaxshare.model.ties import MATRICES, HeadTies
 from jaxshare.model.layers import DenseGeneral, make_norm, param
 from jaxshare.schedule import Schedule, Segment
 
@@ -77,7 +77,7 @@ class StackedSegment(nnx.Module):
 
 class HeadTable(nnx.Module):
   """Head-wise sharing's stored heads: ``q``, ``k``, ``v`` kernels ``[rows, D, d]``, and which row each layer's head
-  uses (static ``[L][H]`` index tables from :func:`jaxshare.headwise.direct_share`)."""
+  uses (static ``[L][H]`` index tables from :func:`jaxshare.init.headwise.direct_share`)."""
 
   def __init__(self, cfg: ModelConfig, ties: HeadTies, rngs: nnx.Rngs):
     D, d = cfg.d_model, cfg.resolved_head_dim

@@ -18,7 +18,7 @@ from jaxshare.config import REPO_ROOT
 from jaxshare.sweep.devices import DeviceGroup
 from jaxshare.sweep.results import Results, result_row, write_atomic
 from jaxshare.sweep.spec import Run, Sweep, rel
-from jaxshare.train.interrupts import INTERRUPTED_EXIT_CODE
+from jaxshare import exit_codes
 
 _PRINT = threading.Lock()
 
@@ -94,7 +94,7 @@ def execute(sweep: Sweep, run: Run, steps: int, group: DeviceGroup, evaluate_onl
 
   if not evaluate_only:
     code, _ = _call(group, train_args(sweep, run), log)
-    if code == INTERRUPTED_EXIT_CODE:  # Ctrl-C or preemption: the run saved a checkpoint and resumes next time
+    if code == exit_codes.INTERRUPTED:  # Ctrl-C or preemption: the run saved a checkpoint and resumes next time
       return result_row(run, "interrupted", error=f"stopped by a signal at step {latest_step(run.run_dir)} with a "
                         "checkpoint; run the sweep again to resume it")
     if code != 0:

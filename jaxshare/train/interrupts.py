@@ -8,10 +8,6 @@ import os
 import signal
 import sys
 
-# train.py's exit code for a run that stopped on a signal after saving its checkpoint (128 + SIGINT, the shell's own
-# code for Ctrl-C), whichever signal it was.
-INTERRUPTED_EXIT_CODE = 130
-
 _outside_loop: list[str] = []  # signals raised as KeyboardInterrupt outside the loop, for Interrupts to raise again
 
 

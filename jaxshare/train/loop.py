@@ -5,22 +5,26 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from typing import Any, Iterable
+from typing import Any
 
 import jax
 import numpy as np
 
-from jaxshare import accounting, distributed, parallel
-from jaxshare.config import Config, ConfigError, config_from_yaml_text, to_yaml
-from jaxshare.convert.uptrain import init_report
+from jaxshare import accounting, distributed, parallel, runs
+from jaxshare.checkpoint import PARAMS_ONLY, Checkpointer, absolute
+from jaxshare.config import Config, ConfigError
 from jaxshare.data import Datasets
-from jaxshare.train.checkpoint import PARAMS_ONLY, Checkpointer, absolute
+from jaxshare.evaluation.val_loss import evaluate_loss, make_eval_step
+from jaxshare.init.headwise import compute_ties
+from jaxshare.init.report import init_report
+from jaxshare.init.source import init_kv_pool, with_match_reference
+from jaxshare.schedule import compile_schedule
 from jaxshare.train.interrupts import Interrupts
 from jaxshare.train.metrics import MetricsLogger, resolve_peak
 from jaxshare.train.recipes import Stage1Monitor, build_objective
-from jaxshare.train.state import (RunSetup, abstract_state, init_kv_pool, init_state, load_run, local_batch_rows,
-                                  setup_run, shard_batch, state_from_params, trainable_for, with_match_reference)
-from jaxshare.train.step import Objective, make_eval_step, make_train_step
+from jaxshare.train.state import (TrainSetup, abstract_state, init_state, setup_training, state_from_params,
+                                  trainable_for)
+from jaxshare.train.step import Objective, make_train_step
 
 # Fields a resumed run must share with the run that wrote its checkpoints (the rest, e.g. train.steps, may change):
 # the model, and what it trains on (another corpus, split or order would turn trained-on windows into validation
@@ -77,34 +81,11 @@ def _writes_finished_on_error(ckpt: Checkpointer):
     raise
 
 
-def loss_sums(eval_fn, setup: RunSetup, params, batches: Iterable[dict]) -> tuple[float, float]:
-  """``(summed loss in nats, scored tokens)`` of ``eval_fn`` over batches (host arrays, sharded by ``setup``)."""
-  total, count = 0.0, 0.0
-  for batch in batches:
-    s, c = eval_fn(params, shard_batch(setup, batch))
-    total, count = total + float(s), count + float(c)
-  return total, count
-
-
-def evaluate_loss(eval_fn, setup: RunSetup, params, data: Datasets, max_batches: int) -> float:
-  """Mean validation loss in nats per token over up to ``max_batches`` global batches (0: all)."""
-  total, count = loss_sums(eval_fn, setup, params, data.val_batches(max_batches))
-  return total / max(count, 1.0)
-
-
-def jit_train_step(setup: RunSetup, objective: Objective, teacher_shardings):
+def jit_train_step(setup: TrainSetup, objective: Objective, teacher_shardings):
   """The run's train step jitted as training runs it: state and batch sharded by ``setup``, the state donated."""
   fn = make_train_step(setup.graphdef, setup.tx, setup.lr_schedule, setup.cfg.train.grad_accum_steps, objective)
   return jax.jit(fn, in_shardings=(setup.state_shardings, setup.batch_sharding, teacher_shardings),
                  out_shardings=(setup.state_shardings, None), donate_argnums=0)
-
-
-def _load_source(cfg: Config, mesh) -> tuple[RunSetup | None, dict | None]:
-  """The ``train.init_from`` run (uptraining source and distillation teacher), its parameters on ``mesh``."""
-  if not cfg.train.init_from:
-    return None, None
-  _, src_setup, src_params, _ = load_run(cfg.train.init_from, mesh)
-  return src_setup, src_params
 
 
 def train(cfg: Config, *, mesh=None, stop_after: int | None = None) -> dict[str, Any]:
@@ -140,20 +121,23 @@ def train(cfg: Config, *, mesh=None, stop_after: int | None = None) -> dict[str,
   # Nothing is created in the run directory until the config, data and checkpoint have all been accepted.
   ckpt = Checkpointer(run_dir / "checkpoints", tcfg.keep_checkpoints) if (run_dir / "checkpoints").exists() else None
   if ckpt is not None and ckpt.latest_step() is not None and (run_dir / "config.yaml").exists():
-    check_resume_compatible(config_from_yaml_text((run_dir / "config.yaml").read_text(), str(run_dir / "config.yaml")),
-                            cfg)
-  source, source_params = _load_source(cfg, mesh)
+    check_resume_compatible(runs.read_config(run_dir), cfg)
+  resuming = ckpt is not None and ckpt.latest_step() is not None
+  source = runs.load_run(tcfg.init_from, mesh) if tcfg.init_from else None  # uptraining source, distillation teacher
+  # head-wise ties are chosen once, when the run starts, and read back from the run directory ever after
+  schedule = compile_schedule(cfg.model, cfg.schedule)
+  ties = runs.read_ties(run_dir, cfg, schedule) if resuming else compute_ties(cfg, schedule, tcfg.seed, mesh)
 
   def stage_of(meta: dict) -> int:
     return meta.get("stage", 0) or (1 if two_stage else 0)
 
-  def prepare(meta: dict) -> tuple[RunSetup, Any]:
+  def prepare(meta: dict) -> tuple[TrainSetup, Any]:
     """The run's setup at the recipe stage ``meta`` records, and a data iterator at the start of the data."""
-    setup = setup_run(cfg, mesh, trainable_for(cfg, stage_of(meta)), start_step=meta.get("stage_start", 0))
-    data.rows = local_batch_rows(setup.batch_sharding, tcfg.batch_size)  # what this process's devices hold
+    setup = setup_training(cfg, mesh, trainable_for(cfg, stage_of(meta)), ties, start_step=meta.get("stage_start", 0))
+    data.rows = parallel.local_batch_rows(setup.batch_sharding, tcfg.batch_size)  # what this process's devices hold
     return setup, data.train_iter()
 
-  def resume(step: int) -> tuple[dict, RunSetup, Any, Any]:
+  def resume(step: int) -> tuple[dict, TrainSetup, Any, Any]:
     meta = ckpt.read_meta(step)
     setup, data_iter = prepare(meta)
     if meta.get(PARAMS_ONLY):  # a converted model (convert/run_dir.py): a fresh optimizer
@@ -168,19 +152,20 @@ def train(cfg: Config, *, mesh=None, stop_after: int | None = None) -> dict[str,
   else:
     latest, meta, fallbacks = None, {}, []
     setup, data_iter = prepare(meta)
-    state = (init_state(setup, from_params=(source_params, source.schedule)) if source is not None else
+    state = (init_state(setup, from_params=(source.params, source.schedule)) if source is not None else
              init_state(setup))
   stage = stage_of(meta)
   stage_start = meta.get("stage_start", 0)  # the step the current stage's learning-rate schedule started at
   run_dir.mkdir(parents=True, exist_ok=True)
   ckpt = ckpt or Checkpointer(run_dir / "checkpoints", tcfg.keep_checkpoints)
-  if distributed.is_primary():  # written then renamed: a kill mid-write never leaves a torn config.yaml
-    (run_dir / ".config.yaml.tmp").write_text(to_yaml(cfg))
-    (run_dir / ".config.yaml.tmp").replace(run_dir / "config.yaml")
+  if distributed.is_primary():
+    runs.write_config(run_dir, cfg)
+    if ties is not None:
+      runs.write_ties(run_dir, ties)
   start = int(jax.device_get(state["step"]))
-  teacher_params = source_params if tcfg.kd_beta > 0 else None
-  teacher_shardings = parallel.param_shardings(source.abstract_params, mesh) if teacher_params is not None else None
-  objective = build_objective(cfg, setup, source, source_params)
+  teacher_params = source.params if tcfg.kd_beta > 0 else None
+  teacher_shardings = jax.tree.map(lambda x: x.sharding, teacher_params) if teacher_params is not None else None
+  objective = build_objective(cfg, setup, source)
   step_fn = jit_train_step(setup, objective, teacher_shardings)
   eval_fn = jax.jit(make_eval_step(setup.graphdef), in_shardings=(setup.param_shardings, setup.batch_sharding))
 
@@ -204,7 +189,7 @@ def train(cfg: Config, *, mesh=None, stop_after: int | None = None) -> dict[str,
                f"initialised from {tcfg.init_from}" if source is not None else "fresh start")
             + (f" | recipe {tcfg.recipe}, stage {stage}" if two_stage else ""))
   if source is not None and latest is None and setup.ties is None:
-    for line in init_report(source_params, source.schedule, state["params"], setup.schedule, init_kv_pool(cfg),
+    for line in init_report(source.params, source.schedule, state["params"], setup.schedule, init_kv_pool(cfg),
                             cfg.train.init_mlp_widen):
       log.print(f"init | {line}")
   log.print(f"MFU against {peak.label}; {flops_per_token / 1e6:.2f} MFLOP per trained token (model FLOPs)"
@@ -253,7 +238,7 @@ def train(cfg: Config, *, mesh=None, stop_after: int | None = None) -> dict[str,
 
   with jax.set_mesh(setup.mesh), Interrupts() as interrupts, _writes_finished_on_error(ckpt):
     while step < end and not interrupts.should_stop(step):
-      batch = shard_batch(setup, next(data_iter))
+      batch = parallel.shard_batch(setup.batch_sharding, next(data_iter))
       state, metrics = step_fn(state, batch, teacher_params)
       step += 1
       pending.append(metrics)
@@ -262,7 +247,7 @@ def train(cfg: Config, *, mesh=None, stop_after: int | None = None) -> dict[str,
         # UniAttn stage 2: everything trains, with a fresh optimizer state and a learning-rate schedule (warm-up,
         # cosine) over the remaining steps
         stage, stage_start = 2, step
-        setup = setup_run(cfg, mesh, trainable_for(cfg, stage), ties=setup.ties, start_step=stage_start)
+        setup = setup_training(cfg, mesh, trainable_for(cfg, stage), ties, start_step=stage_start)
         params = state["params"]
         opt_state = jax.jit(setup.tx.init, out_shardings=setup.state_shardings["opt_state"])(params)
         state = {"params": params, "opt_state": opt_state, "step": state["step"]}
@@ -294,7 +279,7 @@ def train(cfg: Config, *, mesh=None, stop_after: int | None = None) -> dict[str,
           record["skipped_steps"] = skipped
         pending, screened, t_last = [], 0, time.perf_counter()
         if is_eval:
-          record["val_loss"] = evaluate_loss(eval_fn, setup, state["params"], data, tcfg.eval_batches)
+          record["val_loss"] = evaluate_loss(eval_fn, setup.batch_sharding, state["params"], data, tcfg.eval_batches)
           summary["val_loss"] = record["val_loss"]
           t_last = time.perf_counter()  # keep validation out of the next interval's throughput
         log.write(record)

@@ -3,14 +3,14 @@ two-stage schedule."""
 
 from __future__ import annotations
 
-
-
 from jaxshare import distributed
+from jaxshare.checkpoint import absolute
 from jaxshare.config import Config, ConfigError
-from jaxshare.headwise import POSTSHARE_PAIRS_FILE, dense_kernels, direct_share, load_pairs, save_pairs
+from jaxshare.init.headwise import POSTSHARE_PAIRS_FILE, dense_kernels, direct_share, load_pairs, save_pairs
+from jaxshare.init.source import initial_params
+from jaxshare.runs import Run
 from jaxshare.schedule import tied_head_count
-from jaxshare.train.checkpoint import absolute
-from jaxshare.train.state import RunSetup, initial_params
+from jaxshare.train.state import TrainSetup
 from jaxshare.train.step import Objective
 
 
@@ -40,12 +40,12 @@ class Stage1Monitor:
     return self.since_best >= self.patience or self.steps >= self.max_steps
 
 
-def build_objective(cfg: Config, setup: RunSetup, teacher: RunSetup | None, teacher_params: dict | None) -> Objective:
-  """The auxiliary losses of ``cfg``.
+def build_objective(cfg: Config, setup: TrainSetup, teacher: Run | None) -> Objective:
+  """The auxiliary losses of ``cfg`` (``teacher``: the ``train.init_from`` run, when set).
 
   PostShare's pairs are selected once, on the pretrained weights (``init_from``) or, from scratch, on the initial
   ones, and written to ``<run_dir>/postshare_pairs.json``: a resumed run penalises the same pairs, and a head-wise run
-  initialised from this one ties exactly them (:func:`jaxshare.train.state.compute_ties`).
+  initialised from this one ties exactly them (:func:`jaxshare.init.headwise.compute_ties`).
 
   Raises:
     ConfigError: distillation without LISA layers, PostShare on a model that is not an untied dense MHA model.
@@ -65,8 +65,8 @@ def build_objective(cfg: Config, setup: RunSetup, teacher: RunSetup | None, teac
     if path.exists():  # resuming: the pairs chosen when the run started
       pairs = {m: tuple(tuple(p) for p in ps) for m, ps in load_pairs(path)["pairs"].items()}
     else:
-      source = (teacher_params, teacher.schedule) if teacher is not None else (initial_params(setup, t.seed),
-                                                                               setup.schedule)
+      source = (teacher.params, teacher.schedule) if teacher is not None else (
+        initial_params(cfg, setup.schedule, setup.ties, t.seed), setup.schedule)
       weights = dense_kernels(distributed.to_host(source[0]), source[1], cfg.model.num_layers)
       ties = direct_share(weights, tied_head_count(cfg.model, t.postshare_ratio), cfg.schedule.headwise.match)
       if distributed.is_primary():

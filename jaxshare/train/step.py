@@ -1,4 +1,4 @@
-"""Losses, the jitted train step (with gradient accumulation) and the eval step."""
+"""The train step (with gradient accumulation) and its auxiliary losses: LISA distillation, PostShare's penalty."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jaxshare.headwise import MATRICES
+from jaxshare.model.ties import MATRICES
 from jaxshare.kernels.reference import attention_mask
+from jaxshare.model.loss import masked_cross_entropy
 from jaxshare.model.params import layer_params
 from jaxshare.schedule import Schedule
 
@@ -141,29 +142,3 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, lr
     return {**kept, "step": state["step"] + 1}, metrics
 
   return step
-
-
-def token_losses(graphdef: nnx.GraphDef, params: dict, batch: Batch) -> tuple[jax.Array, jax.Array]:
-  """Summed next-token cross-entropy (nats) over unmasked targets, and the number of those targets.
-
-  Args:
-    batch: ``inputs``, ``targets``, ``positions``, ``segment_ids``, ``loss_mask``; each ``[B, T]`` int32.
-
-  Returns:
-    ``(sum_loss float32 scalar, count float32 scalar)``.
-  """
-  return masked_cross_entropy(nnx.merge(graphdef, params)(batch["inputs"], batch["positions"], batch["segment_ids"]),
-                              batch)
-
-
-def masked_cross_entropy(logits: jax.Array, batch: Batch) -> tuple[jax.Array, jax.Array]:
-  """``(summed next-token cross-entropy in nats over targets with loss_mask 1, their count)`` for ``[B, T, V]``
-  float32 logits; float32 scalars."""
-  ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
-  mask = batch["loss_mask"].astype(jnp.float32)
-  return jnp.sum(ce * mask), jnp.sum(mask)
-
-
-def make_eval_step(graphdef: nnx.GraphDef) -> Callable[[dict, Batch], tuple[jax.Array, jax.Array]]:
-  """``(params, batch) -> (sum_loss, count)`` for validation."""
-  return lambda params, batch: token_losses(graphdef, params, batch)

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from etils import epath
 
-from jaxshare.train import integrity
+from jaxshare import integrity
 
 T = TypeVar("T")
 CHECKSUMS = "checksums"  # meta key: integrity.checksums of the saved arrays
@@ -106,7 +106,7 @@ def save_params(directory: str | os.PathLike, step: int, params: Any, meta: dict
 class Checkpointer:
   """``CheckpointManager`` over ``<run_dir>/checkpoints`` with items ``state``, ``data`` and ``meta``.
 
-  Every save records checksums of the state's arrays in ``meta`` (:mod:`jaxshare.train.integrity`) and every restore
+  Every save records checksums of the state's arrays in ``meta`` (:mod:`jaxshare.integrity`) and every restore
   checks them. Only finished checkpoints are listed (orbax writes into a temporary directory and renames it when
   done); temporary directories an interrupted write left behind are deleted on opening (``cleaned`` names them).
   """

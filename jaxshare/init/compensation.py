@@ -30,8 +30,8 @@ import numpy as np
 from flax import nnx
 
 from jaxshare.model import params as P
+from jaxshare.model.loss import masked_cross_entropy
 from jaxshare.schedule import Schedule
-from jaxshare.train.step import masked_cross_entropy
 
 WC_FITS = ("mean", "tokens")
 

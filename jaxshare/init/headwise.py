@@ -11,34 +11,21 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import jax.numpy as jnp
 import numpy as np
 from etils import epath
+from flax import nnx
+from jax.sharding import Mesh
 
-from jaxshare.config import ConfigError
+from jaxshare import distributed, runs
+from jaxshare.config import Config, ConfigError, HeadwiseConfig
+from jaxshare.init.shared import copy_shared_weights
+from jaxshare.model.params import layer_params
+from jaxshare.model.ties import MATRICES, HeadTies
+from jaxshare.schedule import Schedule, compile_schedule
 
-MATRICES = ("q", "k", "v")
 POSTSHARE_PAIRS_FILE = "postshare_pairs.json"  # in a PostShare run directory: the pairs its penalty pulled together
 _MATCH_FEATURES = {"qk": ("q", "k"), "q": ("q",), "k": ("k",), "v": ("v",), "qkv": ("q", "k", "v")}
-
-
-@dataclasses.dataclass(frozen=True)
-class HeadTies:
-  """Which stored head each layer's heads use, per projection matrix.
-
-  Attributes:
-    rows: per matrix (``q``, ``k``, ``v``), the ``(layer, head)`` whose weights each stored row holds (ascending).
-    index: per matrix, ``[L][H]`` row of the stored head that layer l's head h uses.
-    pairs: the N selected ``(head, matched earlier head)`` pairs as flat indices ``layer * H + head``, per matrix
-      (PostShare's penalty pairs).
-  """
-
-  rows: dict[str, tuple[tuple[int, int], ...]]
-  index: dict[str, tuple[tuple[int, ...], ...]]
-  pairs: dict[str, tuple[tuple[int, int], ...]]
-
-  @property
-  def num_rows(self) -> int:
-    return len(self.rows["q"])
 
 
 def _unit_rows(feat: np.ndarray) -> np.ndarray:
@@ -194,8 +181,6 @@ def tie_weights(weights: dict[str, np.ndarray], ties: HeadTies) -> dict[str, np.
 
 def dense_kernels(params: dict, schedule, num_layers: int) -> dict[str, np.ndarray]:
   """Every layer's own ``{"q", "k", "v"}`` kernels ``[L, D, H, d]`` from a dense model's parameters."""
-  from jaxshare.model.params import layer_params  # the model package imports this module
-
   per_layer = [layer_params(params, schedule, layer)["attn"] for layer in range(num_layers)]
   return {m: np.stack([np.asarray(p[f"{m}_proj"]["kernel"]) for p in per_layer]) for m in MATRICES}
 
@@ -203,16 +188,65 @@ def dense_kernels(params: dict, schedule, num_layers: int) -> dict[str, np.ndarr
 def tied_params_from_dense(dense_params: dict, template: dict, ties: HeadTies, schedule) -> dict:
   """DirectShare conversion: the head-wise model's parameters from a dense model's (same other shapes).
 
-  Every parameter the two models share is copied (:func:`~jaxshare.model.params.copy_shared_weights`); the head
+  Every parameter the two models share is copied (:func:`~jaxshare.init.shared.copy_shared_weights`); the head
   table takes each representative head's W_q, W_k, W_v. Works on traced arrays (the row choice is static).
   """
-  import jax.numpy as jnp
-
-  from jaxshare.model.params import copy_shared_weights, layer_params
-
   L = len(ties.index["q"])
   per_layer = [layer_params(dense_params, schedule, layer)["attn"] for layer in range(L)]
   table = {m: jnp.stack([per_layer[l][f"{m}_proj"]["kernel"][:, h, :] for l, h in ties.rows[m]]).astype(
     template["head_table"][m].dtype) for m in MATRICES}
   # both models are all-dense-layer stacks of one segment, so they share the superblock grouping
   return {**copy_shared_weights(dense_params, schedule, template, schedule), "head_table": table}
+
+
+def dense_counterpart(cfg: Config) -> tuple[Config, Schedule]:
+  """The same model with a plain dense schedule (what head-wise sharing is selected on and converted from)."""
+  dense = dataclasses.replace(cfg, schedule=dataclasses.replace(cfg.schedule, kind="dense", headwise=HeadwiseConfig()))
+  return dense, compile_schedule(dense.model, dense.schedule)
+
+
+def compute_ties(cfg: Config, schedule: Schedule, seed: int, mesh: Mesh | None = None) -> HeadTies | None:
+  """Choose DirectShare's head ties (None without head-wise sharing) on the dense model the run starts from:
+  ``train.init_from`` when set (uptraining), else the dense model initialised from ``seed``. A head-wise
+  ``init_from`` run passes on its own ties; a PostShare run as ``init_from`` gives exactly the pairs its penalty
+  pulled together (each component's representative chosen on its trained weights). Called once per run, when it is
+  created: the run then stores its ties (:func:`jaxshare.runs.write_ties`).
+
+  Raises:
+    ConfigError: ``train.init_from`` is not a dense MHA run, or is a head-wise or PostShare run whose ties disagree
+      with ``schedule.headwise`` (another count or match function).
+  """
+  if not schedule.tied_heads:
+    return None
+  if not cfg.train.init_from:
+    dense_cfg, dense_schedule = dense_counterpart(cfg)
+    params = nnx.to_pure_dict(nnx.state(runs.build_model(dense_cfg, dense_schedule, seed), nnx.Param))
+    return direct_share(dense_kernels(params, dense_schedule, cfg.model.num_layers), schedule.tied_heads,
+                        cfg.schedule.headwise.match)
+  src = runs.load_run(cfg.train.init_from, mesh)
+  if src.ties is not None:  # already head-wise (e.g. `convert uptrain`'s output): training goes on with its ties
+    if (src.schedule.tied_heads, src.cfg.schedule.headwise.match) != (schedule.tied_heads,
+                                                                     cfg.schedule.headwise.match):
+      raise ConfigError(f"train.init_from={cfg.train.init_from!r} ties {src.schedule.tied_heads} heads matched "
+                        f"by {src.cfg.schedule.headwise.match!r}; schedule.headwise (ratio "
+                        f"{cfg.schedule.headwise.ratio}, match {cfg.schedule.headwise.match!r}) would tie "
+                        f"{schedule.tied_heads} by {cfg.schedule.headwise.match!r}: set schedule.headwise.ratio="
+                        f"{src.cfg.schedule.headwise.ratio} and match={src.cfg.schedule.headwise.match!r}")
+    return src.ties
+  if src.schedule.kind != "dense":
+    raise ConfigError(f"train.init_from={cfg.train.init_from!r} has schedule {src.schedule.kind!r}: "
+                      "head-wise sharing is selected on a dense MHA model (or continued from a head-wise one)")
+  weights = dense_kernels(distributed.to_host(src.params), src.schedule, cfg.model.num_layers)
+  pairs_file = src.directory / POSTSHARE_PAIRS_FILE
+  if not pairs_file.exists():
+    return direct_share(weights, schedule.tied_heads, cfg.schedule.headwise.match)
+  post = load_pairs(pairs_file)
+  if len(post["pairs"]["q"]) != schedule.tied_heads:
+    raise ConfigError(f"train.init_from={cfg.train.init_from!r} is a PostShare run that penalised "
+                      f"{len(post['pairs']['q'])} head pairs (train.postshare_ratio={post['ratio']}); "
+                      f"schedule.headwise.ratio={cfg.schedule.headwise.ratio} would tie {schedule.tied_heads}: set "
+                      f"schedule.headwise.ratio={post['ratio']} to tie exactly the penalised pairs")
+  if post["match"] != cfg.schedule.headwise.match:
+    raise ConfigError(f"schedule.headwise.match={cfg.schedule.headwise.match!r} is invalid with train.init_from="
+                      f"{cfg.train.init_from!r}: its PostShare pairs were matched with {post['match']!r}")
+  return ties_from_pairs(weights, post["pairs"], post["match"])

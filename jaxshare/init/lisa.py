@@ -1,5 +1,15 @@
-"""LISA's conversion start fitted to the source: low-rank factors whose delta makes a converted layer's logits
-approximate its own.
+"""LISA's conversion starts (``train.init_lisa``): the new low-rank factors of a model converted into LISA.
+
+The ``ds`` start (:func:`init_low_rank`): the low-rank ``k_lr`` starts at zero, so ``A_delta = Q_lr K_lr^T = 0``
+and, with the aligners' identity-on-``A_{n-1}`` initialisation (:func:`jaxshare.model.attention.sum_aligner`), every
+LISA layer starts as DS, the exact reuse of the previous layer's logits that the papers evaluate untrained (LISA's
+DS rows; UniAttn's unification without W_c). This start is jaxshare's choice: LISA prescribes no initialisation for
+a conversion, and its analysis shows plain reuse is what does not work untrained. A random ``A_delta`` would add
+noise carrying nothing about the source; an SVD of the layer's own ``W_q W_k^T`` approximates its logits, not the difference to the reused ones, and is not
+position-independent under RoPE. As in LoRA's zero-initialised factor, ``q_lr`` stays random so that ``k_lr``
+receives gradients from the first step (``dL/dK_lr = Q_lr^T dL/dA_delta``).
+
+The ``fit`` start: low-rank factors whose delta makes a converted layer's logits approximate its own.
 
 A LISA layer n computes ``A_n = A_s + A_delta`` (LISA Eq. 3, with the aligner at its initial sum), where ``A_s`` are
 the logits of its score source s (the previous layer) and ``A_delta = (x W_q^LR)(x W_k^LR)^T / sqrt(r)``. In the
@@ -30,6 +40,8 @@ import numpy as np
 import optax
 from flax import nnx
 
+from jaxshare.config import LISA_STARTS, ConfigError
+from jaxshare.init.shared import same_shapes
 from jaxshare.kernels import reference
 from jaxshare.model import params as P
 from jaxshare.schedule import Schedule
@@ -170,3 +182,45 @@ def calibrate_low_rank(src: tuple[nnx.GraphDef, dict], dst: tuple[nnx.GraphDef, 
   relative = (lambda e: e / baseline) if baseline > 0 else (lambda e: float("nan"))
   return (with_factors(params, start_fs if kept else fs),
           LowRankCalibration(layers, relative(start), relative(min(start, calibrated)), kept))
+
+
+def fittable_lisa_layers(src: dict, src_schedule: Schedule, dst_schedule: Schedule) -> list[int]:
+  """LISA layers of ``dst_schedule`` whose layer and score source both have their own W_q and W_k in the source
+  (what ``train.init_lisa=fit`` needs; shapes only)."""
+  def own_qk(layer):
+    attn = jax.eval_shape(lambda: P.layer_params(src, src_schedule, layer))["attn"]
+    return "q_proj" in attn and "k_proj" in attn
+  return [p.index for p in dst_schedule.layers if p.has_low_rank and own_qk(p.index) and own_qk(p.score_source)]
+
+
+def init_low_rank(src: dict, src_schedule: Schedule, dst: dict, dst_schedule: Schedule, start: str = "ds") -> dict:
+  """``dst``'s LISA layers started from the source, for those the source has no low-rank K for (a LISA source's
+  trained ``q_lr``/``k_lr`` stay as copied). ``ds``: ``k_lr`` zeroed (``A_delta = 0``: the layer starts as DS; see
+  the module docstring). ``fit``: ``q_lr``, ``k_lr`` from :func:`fit_low_rank` on the
+  source's W_q, W_k of the layer and its score source (layers without them start as ``ds``). Traceable.
+
+  Raises:
+    ValueError: ``start`` is invalid.
+  """
+  if start not in LISA_STARTS:
+    raise ValueError(f"train.init_lisa={start!r} is invalid: must be one of {', '.join(LISA_STARTS)}")
+  fittable = fittable_lisa_layers(src, src_schedule, dst_schedule) if start == "fit" else []
+  out = dst
+  for plan in dst_schedule.layers:
+    layer = P.layer_params(out, dst_schedule, plan.index)
+    if "k_lr" not in layer["attn"] or same_shapes(P.layer_params(src, src_schedule, plan.index)["attn"].get("k_lr"),
+                                                   layer["attn"]["k_lr"]):
+      continue
+    if start == "calibrated":
+      raise ConfigError(f"train.init_lisa=calibrated needs calibration batches, which only `python -m "
+                        f"jaxshare.convert uptrain` reads (layer {plan.index} starts from the source here): convert "
+                        "with it and set train.init_from to the converted run, or use train.init_lisa=ds or fit")
+    attn = {**layer["attn"], "k_lr": jax.tree.map(jnp.zeros_like, layer["attn"]["k_lr"])}
+    if plan.index in fittable:
+      own, prev = (P.layer_params(src, src_schedule, i)["attn"] for i in (plan.index, plan.score_source))
+      q_lr, k_lr = fit_low_rank(own["q_proj"]["kernel"], own["k_proj"]["kernel"], prev["q_proj"]["kernel"],
+                                prev["k_proj"]["kernel"], attn["q_lr"]["kernel"].shape[-1], plan.num_kv_heads)
+      attn["q_lr"] = {**attn["q_lr"], "kernel": q_lr.astype(attn["q_lr"]["kernel"].dtype)}
+      attn["k_lr"] = {**attn["k_lr"], "kernel": k_lr.astype(attn["k_lr"]["kernel"].dtype)}
+    out = P.replace_layer(out, dst_schedule, plan.index, {**layer, "attn": attn})
+  return out

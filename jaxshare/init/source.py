@@ -1,0 +1,77 @@
+"""A model's starting parameters: fresh from a seed, or converted from a source model's by the rules of
+:mod:`jaxshare.init` (the uptraining conversion ``train.py train.init_from=...`` and ``python -m jaxshare.convert
+uptrain`` share)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from flax import nnx
+
+from jaxshare import accounting, runs
+from jaxshare.config import Config
+from jaxshare.init.headwise import dense_counterpart, tied_params_from_dense
+from jaxshare.init.kv import convert_kv
+from jaxshare.init.lisa import init_low_rank
+from jaxshare.init.mlp import widen_mlp
+from jaxshare.init.shared import copy_shared_weights
+from jaxshare.model.ties import HeadTies
+from jaxshare.schedule import Schedule, compile_schedule
+
+
+def init_kv_pool(cfg: Config) -> str:
+  """``train.init_kv_pool`` resolved (``auto``: the producer's own K/V for CLA, the group mean otherwise)."""
+  if cfg.train.init_kv_pool != "auto":
+    return cfg.train.init_kv_pool
+  return "producer" if "cla" in cfg.schedule.kind.split("+") else "mean"
+
+
+def with_match_reference(cfg: Config) -> Config:
+  """``cfg`` with ``schedule.match_reference_params`` set to its uptraining source's total parameter count, when it
+  matches parameters exactly (``schedule.match_params``) from ``train.init_from`` and the reference is not yet set:
+  an uptrained model is matched to the model it came from (a GQA source has fewer K/V parameters than the dense MHA
+  model of its config). The count is the source's exact one (:func:`~jaxshare.accounting.param_count`, read from its
+  config alone) and stays in the run's config, so the run rebuilds without its source. ``cfg`` is not changed.
+
+  Raises:
+    ConfigError: the source is not a run directory, or its config is unreadable.
+  """
+  s = cfg.schedule
+  if not (s.match_params and s.match_formula == "exact" and not s.match_reference_params and cfg.train.init_from):
+    return cfg
+  src = runs.read_config(runs.locate(cfg.train.init_from)[0])
+  src_schedule = compile_schedule(src.model, src.schedule)
+  total = accounting.param_count(src.model, src_schedule, accounting.param_match(src.schedule)).total
+  return dataclasses.replace(cfg, schedule=dataclasses.replace(s, match_reference_params=total))
+
+
+def initial_params(cfg: Config, schedule: Schedule, ties: HeadTies | None, seed: int) -> dict:
+  """Fresh parameters (pure dict) of the model of ``cfg``, drawn from ``seed``; a head-wise model starts as
+  DirectShare applied to the dense model of the same seed. Traceable (run it under ``jax.jit`` to place it)."""
+  params = nnx.to_pure_dict(nnx.state(runs.build_model(cfg, schedule, seed, ties), nnx.Param))
+  if ties is None:
+    return params
+  dense_cfg, dense_schedule = dense_counterpart(cfg)
+  dense = nnx.to_pure_dict(nnx.state(runs.build_model(dense_cfg, dense_schedule, seed), nnx.Param))
+  return tied_params_from_dense(dense, params, ties, dense_schedule)
+
+
+def params_from_source(cfg: Config, schedule: Schedule, ties: HeadTies | None, params: dict, src: dict,
+                       src_schedule: Schedule) -> dict:
+  """``params`` (fresh, of the model of ``cfg``) started from a source model's ``src``: every shared tensor copied
+  (:mod:`~jaxshare.init.shared`), K/V pooled (:mod:`~jaxshare.init.kv`, ``train.init_kv_pool``), MLPs resized
+  (:mod:`~jaxshare.init.mlp`, ``train.init_mlp_widen``), LISA's factors started (:mod:`~jaxshare.init.lisa`,
+  ``train.init_lisa``); a head-wise target takes a head-wise source's weights and head table as they are, or
+  DirectShare's conversion of a dense source (:mod:`~jaxshare.init.headwise`). Traceable.
+
+  Raises:
+    ValueError / ConfigError: the models differ in depth, or a rule's setting is invalid for them.
+  """
+  if ties is None:
+    params = copy_shared_weights(src, src_schedule, params, schedule)
+    params = convert_kv(src, src_schedule, params, schedule, kv_pool=init_kv_pool(cfg))
+    params = widen_mlp(src, src_schedule, params, schedule, rule=cfg.train.init_mlp_widen)
+    return init_low_rank(src, src_schedule, params, schedule, cfg.train.init_lisa)
+  if "head_table" in src:  # a head-wise source with these ties: its weights as they are
+    return {**copy_shared_weights(src, src_schedule, params, schedule), "head_table": src["head_table"]}
+  return tied_params_from_dense(src, params, ties, src_schedule)

@@ -1,0 +1,66 @@
+"""Head-wise sharing's ties: which stored head each layer's heads use (Head-wise Shareable Attention, Alg. 1-2).
+
+The ties are data of a run: chosen once (:mod:`jaxshare.init.headwise`, at conversion or when training starts),
+saved beside its checkpoints and in native exports as JSON (:meth:`HeadTies.to_json`), and read back whenever the
+run's model is built, never chosen again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+MATRICES = ("q", "k", "v")
+FORMAT_VERSION = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadTies:
+  """Which stored head each layer's heads use, per projection matrix.
+
+  Attributes:
+    rows: per matrix (``q``, ``k``, ``v``), the ``(layer, head)`` whose weights each stored row holds (ascending).
+    index: per matrix, ``[L][H]`` row of the stored head that layer l's head h uses.
+    pairs: the N selected ``(head, matched earlier head)`` pairs as flat indices ``layer * H + head``, per matrix
+      (PostShare's penalty pairs).
+  """
+
+  rows: dict[str, tuple[tuple[int, int], ...]]
+  index: dict[str, tuple[tuple[int, ...], ...]]
+  pairs: dict[str, tuple[tuple[int, int], ...]]
+
+  @property
+  def num_rows(self) -> int:
+    return len(self.rows["q"])
+
+  def to_json(self) -> str:
+    """The ties as JSON text (with a format version), what :meth:`from_json` reads."""
+    return json.dumps({"format_version": FORMAT_VERSION,
+                       **{field: {m: [list(t) for t in getattr(self, field)[m]] for m in MATRICES}
+                          for field in ("rows", "index", "pairs")}})
+
+  @classmethod
+  def from_json(cls, text: str, source: str) -> HeadTies:
+    """Ties from :meth:`to_json`'s text; ``source`` names where it came from in errors.
+
+    Raises:
+      ValueError: not JSON, another format version, or not the structure ``to_json`` writes (each matrix's index
+        pointing at its rows).
+    """
+    try:
+      data = json.loads(text)
+    except json.JSONDecodeError as e:
+      raise ValueError(f"head-wise ties {source} are not JSON: {e}") from e
+    if not isinstance(data, dict) or data.get("format_version") != FORMAT_VERSION:
+      raise ValueError(f"head-wise ties {source} have format_version "
+                       f"{data.get('format_version') if isinstance(data, dict) else None!r}; this jaxshare reads "
+                       f"{FORMAT_VERSION}")
+    try:
+      ties = cls(*({m: tuple(tuple(int(a) for a in t) for t in data[field][m]) for m in MATRICES}
+                   for field in ("rows", "index", "pairs")))
+      bad = [m for m in MATRICES if any(not 0 <= r < len(ties.rows[m]) for layer in ties.index[m] for r in layer)]
+    except (KeyError, TypeError, ValueError) as e:
+      raise ValueError(f"head-wise ties {source} are malformed: {e!r}") from e
+    if bad:
+      raise ValueError(f"head-wise ties {source} are malformed: the index of {bad} points past its stored rows")
+    return ties

@@ -1,0 +1,242 @@
+"""A run directory, read and written in one place.
+
+Layout::
+
+  <run>/config.yaml          the validated config (written atomically)
+  <run>/head_ties.json       head-wise sharing's ties, when the schedule ties heads (chosen once, never re-chosen)
+  <run>/checkpoints/<step>/  orbax checkpoints (:mod:`jaxshare.checkpoint`)
+  <run>/tokenizer/           the tokenizer files of a converted model (``data.tokenizer`` points here)
+  <run>/metrics.jsonl ...    training's logs (:mod:`jaxshare.train.metrics`)
+
+Reading a run needs no optimizer: :func:`load_run` builds the model abstractly and restores only its parameters,
+so evaluation, conversion, analysis and sweeps never import the training package.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+from collections.abc import Sequence
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from etils import epath
+from flax import nnx
+from jax.sharding import Mesh
+
+from jaxshare import accounting, parallel
+from jaxshare.checkpoint import CheckpointError, Checkpointer, absolute, save_params
+from jaxshare.config import Config, ConfigError, MeshConfig, config_from_yaml_text, to_yaml
+from jaxshare.data import Tokenizer, make_tokenizer
+from jaxshare.model import Transformer
+from jaxshare.model.ties import HeadTies
+from jaxshare.schedule import Schedule, compile_schedule
+
+CONFIG_FILE = "config.yaml"
+TIES_FILE = "head_ties.json"
+TOKENIZER_DIR = "tokenizer"
+
+
+def locate(path: str | os.PathLike) -> tuple[epath.Path, int | None]:
+  """``(run_dir, step)`` for a run directory (step None: the latest) or a checkpoint step directory.
+
+  Raises:
+    ConfigError: the path holds neither.
+  """
+  p = absolute(path)
+  if (p / CONFIG_FILE).is_file():
+    return p, None
+  if p.name.isdigit() and (p.parent.parent / CONFIG_FILE).is_file():
+    return p.parent.parent, int(p.name)
+  raise ConfigError(f"{str(p)!r} is neither a run directory (with {CONFIG_FILE}) nor a checkpoint step directory "
+                    "(<run_dir>/checkpoints/<step>)")
+
+
+def read_config(run_dir: str | os.PathLike) -> Config:
+  """The validated config of run directory ``run_dir``.
+
+  Raises:
+    ConfigError: missing, unreadable or invalid ``config.yaml``.
+  """
+  path = absolute(run_dir) / CONFIG_FILE
+  try:
+    text = path.read_text()
+  except OSError as e:
+    raise ConfigError(f"cannot read {str(path)!r}: {e}") from e
+  return config_from_yaml_text(text, str(path))
+
+
+def write_config(run_dir: str | os.PathLike, cfg: Config) -> None:
+  """Write ``config.yaml``, through a temporary file renamed over it: a kill mid-write never leaves a torn one."""
+  run_dir = absolute(run_dir)
+  (run_dir / f".{CONFIG_FILE}.tmp").write_text(to_yaml(cfg))
+  (run_dir / f".{CONFIG_FILE}.tmp").replace(run_dir / CONFIG_FILE)
+
+
+def write_ties(run_dir: str | os.PathLike, ties: HeadTies) -> None:
+  """Save head-wise sharing's ties beside the run's checkpoints (atomically, as :func:`write_config`)."""
+  run_dir = absolute(run_dir)
+  (run_dir / f".{TIES_FILE}.tmp").write_text(ties.to_json())
+  (run_dir / f".{TIES_FILE}.tmp").replace(run_dir / TIES_FILE)
+
+
+def read_ties(run_dir: str | os.PathLike, cfg: Config, schedule: Schedule) -> HeadTies | None:
+  """The head-wise ties of the run of ``cfg`` and its compiled ``schedule`` (None when it ties no heads).
+
+  Raises:
+    CheckpointError: the schedule ties heads and the file is missing (a run written before ties were stored with
+      it: the message gives the command that re-creates them), malformed, or ties another number of heads.
+  """
+  if not schedule.tied_heads:
+    return None
+  path = absolute(run_dir) / TIES_FILE
+  if not path.exists():
+    raise CheckpointError(f"run {str(absolute(run_dir))!r} ties {schedule.tied_heads} heads but has no {TIES_FILE} "
+                          "(written before jaxshare stored head-wise ties with the run): re-create them once with "
+                          f"`python -m jaxshare.convert ties {absolute(run_dir)}`")
+  try:
+    ties = HeadTies.from_json(path.read_text(), repr(str(path)))
+  except ValueError as e:
+    raise CheckpointError(str(e)) from None
+  L, H = len(schedule.layers), cfg.model.num_heads
+  shape = (len(ties.index["q"]), len(ties.index["q"][0]) if ties.index["q"] else 0)
+  if shape != (L, H) or L * H - ties.num_rows != schedule.tied_heads:
+    raise CheckpointError(f"{str(path)!r} ties {L * H - ties.num_rows} heads over {shape[0]}x{shape[1]} (layers x "
+                          f"heads); the run's schedule ties {schedule.tied_heads} over {L}x{H}")
+  return ties
+
+
+def build_model(cfg: Config, schedule: Schedule, seed: int, ties: HeadTies | None = None) -> Transformer:
+  """The NNX model of ``cfg`` with parameters drawn from ``seed`` (``ties``: head-wise sharing's head map)."""
+  return Transformer(cfg.model, schedule, mlp_dim=accounting.mlp_dim(cfg.model, schedule,
+                                                                    accounting.param_match(cfg.schedule)),
+                     attention_impl=cfg.attention.impl, score_sharing=cfg.attention.score_sharing, ties=ties,
+                     rngs=nnx.Rngs(seed))
+
+
+def abstract_params(cfg: Config, schedule: Schedule, ties: HeadTies | None = None, mesh: Mesh | None = None
+                    ) -> tuple[nnx.GraphDef, dict]:
+  """``(graphdef, parameters)`` of the model traced abstractly (nothing allocated): parameters as a pure dict of
+  ``jax.ShapeDtypeStruct``, placed on ``mesh`` by the logical axis rules when one is given."""
+  graphdef, state = nnx.split(nnx.eval_shape(lambda: build_model(cfg, schedule, 0, ties)), nnx.Param)
+  shapes = nnx.to_pure_dict(state)
+  if mesh is None:
+    return graphdef, shapes
+  return graphdef, jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes,
+                                parallel.param_shardings(state, mesh))
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+  """A run's model at one checkpoint.
+
+  Attributes:
+    directory: the run directory (None for a model read from elsewhere, e.g. an HF directory).
+    cfg: its config (``mesh`` as loaded).
+    schedule: the compiled sharing schedule.
+    ties: head-wise sharing's ties (None without).
+    graphdef / params: the model (``nnx.merge(graphdef, params)``); params a pure dict of arrays.
+    step: the checkpoint's step (0 for a converted model).
+    mesh: where the parameters are placed (None: host arrays).
+  """
+
+  directory: epath.Path | None
+  cfg: Config
+  schedule: Schedule
+  ties: HeadTies | None
+  graphdef: nnx.GraphDef
+  params: dict
+  step: int
+  mesh: Mesh | None
+
+  @property
+  def num_params(self) -> int:
+    return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(self.params))
+
+  @property
+  def batch_sharding(self):
+    """How a ``[B, T]`` batch is placed for this model (:func:`~jaxshare.parallel.batch_sharding`)."""
+    return parallel.batch_sharding(self.mesh)
+
+  def tokenizer(self) -> Tokenizer:
+    """The run's tokenizer (``data.tokenizer``: bytes, or the HF tokenizer files a converted run carries)."""
+    return make_tokenizer(self.cfg.data)
+
+  def model(self) -> Transformer:
+    """The NNX module with these parameters."""
+    return nnx.merge(self.graphdef, self.params)
+
+
+def load_run(path: str | os.PathLike, mesh: Mesh | None = None) -> Run:
+  """Load a run directory (latest checkpoint) or checkpoint step directory: its parameters only.
+
+  Args:
+    mesh: where the parameters land, sharded by the logical rules. Default: one device in a single-process run
+      (evaluation, conversion); every device, fully sharded over ``fsdp``, in a multi-process one (a device of one
+      process is not addressable from the others).
+
+  Raises:
+    ConfigError: bad path or saved config. CheckpointError: no, corrupt or mismatched checkpoint, non-finite
+      parameters, or missing head-wise ties (:func:`read_ties`).
+  """
+  run_dir, step = locate(path)
+  cfg = read_config(run_dir)
+  if mesh is None:
+    cfg = dataclasses.replace(cfg, mesh=MeshConfig() if jax.process_count() == 1 else MeshConfig(fsdp=-1))
+    mesh = parallel.make_mesh(cfg.mesh, jax.devices()[:1] if jax.process_count() == 1 else None)
+  schedule = compile_schedule(cfg.model, cfg.schedule)
+  ties = read_ties(run_dir, cfg, schedule)
+  ckpt = Checkpointer(run_dir / "checkpoints", cfg.train.keep_checkpoints)
+  step = ckpt.latest_step() if step is None else step
+  if step is None:
+    raise CheckpointError(f"run directory {str(run_dir)!r} has no checkpoint yet")
+  graphdef, target = abstract_params(cfg, schedule, ties, mesh)
+  params = ckpt.restore_params(step, target)
+  ckpt.close()
+  if not bool(jax.jit(lambda p: jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(p)])))(params)):
+    raise CheckpointError(f"checkpoint {run_dir / 'checkpoints' / str(step)} holds non-finite parameters (NaN or inf): "
+                          "its run diverged before it was saved; use an earlier checkpoint "
+                          f"({run_dir / 'checkpoints'}/<step>)")
+  return Run(run_dir, cfg, schedule, ties, graphdef, params, int(step), mesh)
+
+
+def write_run(run_dir: str | os.PathLike, cfg: Config, params: dict, *, ties: HeadTies | None = None,
+              tokenizer_files: Sequence[Path] = (), meta: dict | None = None) -> Path:
+  """Save ``params`` (pure dict, NumPy or JAX arrays) as run directory ``run_dir`` at step 0 (a parameters-only
+  checkpoint: ``train.init_from`` and :func:`load_run` read just the parameters, and a run resumed in this
+  directory starts a fresh optimizer), with the head-wise ``ties`` when the schedule ties heads.
+
+  The tokenizer files are copied to ``<run_dir>/tokenizer`` and the written config's ``data.tokenizer`` points
+  there; without any the run keeps the byte tokenizer, which needs ``model.vocab_size >= 256``. ``cfg`` itself is
+  not changed.
+
+  Raises:
+    ConfigError: no tokenizer files and a vocabulary smaller than the byte tokenizer's, or ties given exactly when
+      the schedule ties no heads.
+    FileExistsError: ``run_dir`` exists and is not empty (nothing is overwritten).
+  """
+  run_dir = Path(run_dir).absolute()
+  if run_dir.exists() and any(run_dir.iterdir()):
+    raise FileExistsError(f"run directory {str(run_dir)!r} exists and is not empty; choose a new one")
+  if not tokenizer_files and cfg.data.tokenizer == "byte" and cfg.model.vocab_size < 256:
+    raise ConfigError(f"the model has no tokenizer files and model.vocab_size={cfg.model.vocab_size} is smaller than "
+                      "the byte tokenizer's 256")
+  tied = compile_schedule(cfg.model, cfg.schedule).tied_heads
+  if bool(tied) != (ties is not None):
+    raise ConfigError(f"the schedule ties {tied} heads: write_run needs head-wise ties exactly when it ties any")
+  run_dir.mkdir(parents=True, exist_ok=True)
+  data = cfg.data
+  if tokenizer_files:
+    (run_dir / TOKENIZER_DIR).mkdir()
+    for f in tokenizer_files:
+      shutil.copy2(f, run_dir / TOKENIZER_DIR / f.name)
+    data = dataclasses.replace(data, tokenizer=str(run_dir / TOKENIZER_DIR))
+  write_config(run_dir, dataclasses.replace(cfg, data=data, train=dataclasses.replace(cfg.train,
+                                                                                      run_dir=str(run_dir))))
+  if ties is not None:
+    write_ties(run_dir, ties)
+  save_params(run_dir / "checkpoints", 0, params, {"step": 0, "stage": 0, **(meta or {})})
+  return run_dir
