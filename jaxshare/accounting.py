@@ -14,11 +14,11 @@ from jaxshare.schedule import Schedule, compile_schedule
 
 def _has_bias(model: ModelConfig) -> bool:
   """Q/K/V projection biases."""
-  return model.qkv_biases
+  return model.features.qkv_biases
 
 
 def _mlp_matrices(model: ModelConfig) -> int:
-  return 3 if model.flavor == "llama" else 2  # SwiGLU: gate, up, down; GELU: up, down
+  return 3 if model.features.activation == "swiglu" else 2  # SwiGLU: gate, up, down; GELU: up, down
 
 
 def kv_cache_bytes_per_token(model: ModelConfig, schedule: Schedule, bytes_per_element: int = 2) -> int:
@@ -75,7 +75,7 @@ def _as_match(match: ParamMatch | bool | None) -> ParamMatch | None:
 
 def params_per_mlp_neuron(model: ModelConfig) -> int:
   """Parameters one hidden unit adds to every layer's MLP: its input and output weights (and input bias, GELU)."""
-  return model.num_layers * (_mlp_matrices(model) * model.d_model + (1 if model.flavor == "neox" else 0))
+  return model.num_layers * (_mlp_matrices(model) * model.d_model + (1 if model.features.dense_biases else 0))
 
 
 def mlp_dim(model: ModelConfig, schedule: Schedule, match: ParamMatch | bool | None = None) -> int:
@@ -156,7 +156,7 @@ def param_count(model: ModelConfig, schedule: Schedule, match: ParamMatch | bool
   ``ParamMatch("pythia_mlkv")``) and head-wise Table 3 exactly.
   """
   D, H, d = model.d_model, model.num_heads, model.resolved_head_dim
-  bias, out_bias = _has_bias(model), model.flavor == "neox"
+  bias, out_bias = _has_bias(model), model.features.dense_biases
   F = mlp_dim(model, schedule, match)
   attn = sharing = 0
   for p in schedule.layers:
@@ -170,7 +170,7 @@ def param_count(model: ModelConfig, schedule: Schedule, match: ParamMatch | bool
     sharing += sharing_params(model, schedule, p)
   attn -= schedule.tied_heads * 3 * (D * d + (d if bias else 0))
   per_mlp = _mlp_matrices(model) * D * F + ((F + D) if out_bias else 0)
-  norm_size = 2 * D if model.flavor == "neox" else D  # LayerNorm has a bias
+  norm_size = 2 * D if model.features.norm == "layernorm" else D  # LayerNorm has a bias
   return ParamCount(
     embedding=model.vocab_size * D,
     attention=attn,

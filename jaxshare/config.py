@@ -8,7 +8,8 @@ Resolution order (later wins), as in MaxText:
 4. ``key=value`` overrides from the command line (``train.steps=500 schedule.kind=mlkv``).
 
 Unknown keys, wrongly typed values and invalid combinations raise :class:`ConfigError` before anything is
-compiled. Every field carries its documentation in ``metadata["help"]``; ``python train.py --help-config``
+compiled. A config is a value: the dataclasses are frozen once loaded and validated, and a change (an override,
+``dataclasses.replace``) makes a new config. Every field carries its documentation in ``metadata["help"]``; ``python train.py --help-config``
 prints them all.
 """
 
@@ -45,13 +46,41 @@ def _f(default: Any, help: str, choices: tuple[Any, ...] | None = None):
   return dataclasses.field(default=default, metadata=meta)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
+class Features:
+  """What a flavour's blocks are made of. The model, the accounting and the schedule checks read these, never the
+  flavour's name, so a new Hugging Face family is a row of :data:`FLAVORS` (plus its mapping table in
+  :mod:`jaxshare.convert`).
+
+  Attributes:
+    norm: ``rmsnorm`` (scale only) or ``layernorm`` (scale and bias).
+    activation: ``swiglu`` (gate, up and down projections) or ``gelu`` (up and down).
+    qkv_biases: biases on the Q/K/V projections.
+    dense_biases: biases on the attention output projection and the MLP's projections.
+    parallel_residual: ``y = x + attn(norm1 x) + mlp(norm2 x)`` instead of the sequential residual.
+  """
+
+  norm: str
+  activation: str
+  qkv_biases: bool
+  dense_biases: bool
+  parallel_residual: bool
+
+
+FLAVORS = {
+  "llama": Features(norm="rmsnorm", activation="swiglu", qkv_biases=False, dense_biases=False,
+                    parallel_residual=False),
+  "neox": Features(norm="layernorm", activation="gelu", qkv_biases=True, dense_biases=True, parallel_residual=True),
+}
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
   """Decoder-only transformer dimensions and flavour."""
 
   flavor: str = _f("llama", "Block style. llama: RMSNorm, RoPE, SwiGLU MLP, no biases, sequential residual. "
                    "neox: LayerNorm, partial RoPE, GELU MLP, biases, parallel residual (GPT-NeoX/Pythia).",
-                   ("llama", "neox"))
+                   tuple(FLAVORS))
   vocab_size: int = _f(256, "Vocabulary size (256 for the byte tokenizer; >= the HF tokenizer's size).")
   num_layers: int = _f(4, "Number of transformer layers L.")
   d_model: int = _f(128, "Residual stream width D.")
@@ -79,7 +108,7 @@ class ModelConfig:
   init_std: float = _f(0.02, "Standard deviation of the normal weight initialiser.")
   dtype: str = _f("float32", "Compute dtype of activations and matmuls.", ("float32", "bfloat16"))
   param_dtype: str = _f("float32", "Storage dtype of parameters and optimizer state.", ("float32", "bfloat16"))
-  scan_layers: bool = _f(True, "Scan each segment of identical superblocks and each run of identical layers inside "
+  scan_layers: bool = _f(True, "Scan each stack of identical superblocks and each run of identical layers inside "
                          "a superblock (K/V consumers, probability reusers, LISA chains): compile time independent of "
                          "depth. false unrolls the same math.")
   remat: str = _f("none", "Rematerialise each superblock in the backward pass: none | full.", ("none", "full"))
@@ -89,16 +118,14 @@ class ModelConfig:
     return self.head_dim or self.d_model // self.num_heads
 
   @property
-  def qkv_biases(self) -> bool:
-    """The Q/K/V projections have biases (neox, or llama with ``qkv_bias``)."""
-    return self.flavor == "neox" or self.qkv_bias
-
-  @property
-  def parallel_residual(self) -> bool:
-    return self.residual == "parallel" or (self.residual == "auto" and self.flavor == "neox")
+  def features(self) -> Features:
+    """The flavour's :class:`Features` with this config's own choices applied (``qkv_bias``, ``residual``)."""
+    base = FLAVORS[self.flavor]
+    parallel = base.parallel_residual if self.residual == "auto" else self.residual == "parallel"
+    return dataclasses.replace(base, qkv_biases=base.qkv_biases or self.qkv_bias, parallel_residual=parallel)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class SAConfig:
   """Shared Attention (Beyond KV Caching, Alg. 1): reuse of post-softmax probabilities over a layer span."""
 
@@ -111,7 +138,7 @@ class SAConfig:
                       ("paper", "reference_code"))
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class UniAttnConfig:
   """UniAttn (Softmax Unification, Eq. 3-5): superblocks whose bottom layer's probabilities the others reuse."""
 
@@ -124,9 +151,12 @@ class UniAttnConfig:
 
 INTEGRATORS = ("ffn", "linear", "add", "none")
 LISA_STARTS = ("ds", "fit", "calibrated")  # train.init_lisa
+KV_POOLS = ("mean", "running", "producer")  # train.init_kv_pool (besides auto)
+MLP_WIDENS = ("zero", "duplicate")  # train.init_mlp_widen
+WC_FITS = ("mean", "tokens")  # convert uptrain --wc-fit
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class LisaGroupConfig:
   """One group of LISA layers with its own integrator."""
 
@@ -134,7 +164,7 @@ class LisaGroupConfig:
   integrator: str = _f("ffn", "The group's integrator: ffn, linear, add or none.", INTEGRATORS)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class LisaConfig:
   """LISA (Cross-layer Attention Sharing, Eq. 3-4): reuse of the previous layer's pre-softmax logits + a delta."""
 
@@ -156,7 +186,7 @@ class LisaConfig:
                      "for NF decoding, which prefills with the original attention (LISA Sec. 4).")
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class HeadwiseConfig:
   """Head-wise weight tying (DirectShare / PostShare, Head-wise Shareable Attention Alg. 1-2)."""
 
@@ -172,7 +202,7 @@ SCORE_PRESETS = ("sa", "uniattn", "lisa", "lisa_plus", "ds")
 HEAD_PRESETS = ("headwise",)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class ScheduleConfig:
   """Where each layer's K/V, attention scores and head weights come from (the sharing schedule)."""
 
@@ -207,7 +237,7 @@ class ScheduleConfig:
   headwise: HeadwiseConfig = dataclasses.field(default_factory=HeadwiseConfig)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class AttentionConfig:
   """Attention implementation switch and score-sharing memory mode."""
 
@@ -229,7 +259,7 @@ class AttentionConfig:
                           ("recompute", "materialize"))
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class DataConfig:
   """Input pipeline (grain): source, tokenizer, packing, splits."""
 
@@ -252,7 +282,7 @@ class DataConfig:
                         "tokenize in memory each run.")
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class MeshConfig:
   """Device mesh: sizes inside a slice (data x fsdp x tensor = its devices, one may be -1) times dcn_* sizes across slices."""
 
@@ -272,7 +302,7 @@ class MeshConfig:
     return self.dcn_data * self.dcn_fsdp * self.dcn_tensor
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class DistributedConfig:
   """Multi-host runs (jax.distributed.initialize): one process per TPU VM worker or GPU, all running one command."""
 
@@ -289,7 +319,7 @@ class DistributedConfig:
   timeout_s: int = _f(300, "Seconds to wait for every process to join the coordinator.")
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class TrainConfig:
   """Optimisation, logging, validation and checkpoint cadence."""
 
@@ -336,11 +366,11 @@ class TrainConfig:
                          "that read them (heads always mean-pooled into the target's groups, GQA Sec. 2.1). mean: "
                          "uniform mean over the layers (MLKV); running: pythia-mlkv's running pairwise mean; "
                          "producer: the producer layer's own (CLA); auto: producer for cla, mean otherwise.",
-                         ("auto", "mean", "running", "producer"))
+                         ("auto", *KV_POOLS))
   init_mlp_widen: str = _f("zero", "Uptraining with schedule.match_params: how a widened MLP's new hidden units start. "
                            "zero: fresh input weights, zero output rows (the source's function is kept); duplicate: "
                            "copies of the first units, as pythia-mlkv's conversion (the function changes).",
-                           ("zero", "duplicate"))
+                           MLP_WIDENS)
   trainable: str = _f("all", "Parameters the optimizer updates: all, or sharing (only the modules the sharing "
                       "methods add: LISA's low-rank Q/K and aligner, UniAttn's W_c); the rest are frozen with "
                       "optax masks.", ("all", "sharing"))
@@ -362,7 +392,7 @@ class TrainConfig:
   stage1_patience: int = _f(20, "uniattn_two_stage: stop stage 1 after this many steps without a new EMA minimum.")
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Config:
   """The whole experiment."""
 
@@ -428,7 +458,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tu
   Raises:
     ConfigError: unreadable file, unknown key, wrongly typed value or invalid combination.
   """
-  merged = OmegaConf.structured(Config)
+  merged = _structured(Config)
   try:
     for node in _expand(Path(path)) if path is not None else []:
       merged = OmegaConf.merge(merged, node)
@@ -438,8 +468,23 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tu
 
 
 def apply_overrides(cfg: Config, overrides: list[str] | tuple[str, ...]) -> Config:
-  """A copy of ``cfg`` with dotted overrides applied, validated. Raises ConfigError as :func:`load_config`."""
-  return _with_overrides(OmegaConf.structured(cfg), overrides)
+  """A new config: ``cfg`` with dotted overrides applied, validated (``cfg`` is a value: unchanged). Raises
+  ConfigError as :func:`load_config`."""
+  return _with_overrides(_structured(cfg), overrides)
+
+
+def _structured(cfg: Config | type[Config]):
+  """An editable OmegaConf tree of ``cfg`` (the frozen dataclasses make OmegaConf's trees read-only)."""
+  node = OmegaConf.structured(cfg)
+
+  def writable(n) -> None:  # each group's node carries its own read-only flag
+    OmegaConf.set_readonly(n, False)
+    for key in n:
+      if OmegaConf.is_dict(n._get_node(key)):
+        writable(n._get_node(key))
+
+  writable(node)
+  return node
 
 
 def _with_overrides(merged, overrides) -> Config:
@@ -501,7 +546,7 @@ def config_from_yaml_text(text: str, where: str = "config.yaml") -> Config:
     node = OmegaConf.create(text)
     if not OmegaConf.is_dict(node):
       raise ConfigError(f"{where} is not a YAML mapping of config groups")
-    cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), node))
+    cfg = OmegaConf.to_object(OmegaConf.merge(_structured(Config), node))
   except OmegaConfBaseException as e:
     raise ConfigError(f"{where}: {_friendly(e)}") from None
   except yaml.YAMLError as e:

@@ -1,4 +1,4 @@
-"""Sharing schedules: presets -> per-layer plans -> superblocks -> runs and segments.
+"""Sharing schedules: presets -> per-layer plans -> superblocks -> runs and stacks.
 
 A *schedule* says, for every layer, where its K/V come from. A **producer** layer projects its own K/V
 (``num_kv_heads`` heads, GQA/MQA inside the layer); a **consumer** layer has no K/V parameters and attends with
@@ -11,8 +11,8 @@ Inside a superblock every layer gets a :class:`LayerRole` (what it does, with re
 superblock), and consecutive layers with equal roles form a **run**, scanned over stacked parameters: the K/V
 consumers of one producer (MLKV, CLA with factor > 2), the probability reusers of one source (SA, UniAttn) and LISA
 chains (each layer reads the previous one's logits through a fixed-shape carry). Consecutive superblocks with the
-same runs form a **segment**, run as one ``nnx.scan``. Compile time therefore grows with the number of distinct
-runs and segments, not with depth.
+same runs form a **stack**, run as one ``nnx.scan``. Compile time therefore grows with the number of distinct
+runs and stacks, not with depth.
 """
 
 from __future__ import annotations
@@ -128,7 +128,7 @@ class LayerRole:
 
 
 @dataclasses.dataclass(frozen=True)
-class Run:
+class RunPlan:
   """``length`` consecutive layers of one superblock with the same role, from position ``start``."""
 
   start: int
@@ -137,22 +137,22 @@ class Run:
 
 
 @dataclasses.dataclass(frozen=True)
-class Superblock:
+class SuperblockPlan:
   """Contiguous layers ``start .. start+len(layers)-1`` closed under K/V and score references."""
 
   start: int
   layers: tuple[LayerPlan, ...]
-  runs: tuple[Run, ...]
+  runs: tuple[RunPlan, ...]
 
 
 @dataclasses.dataclass(frozen=True)
-class Segment:
+class StackPlan:
   """``count`` consecutive superblocks of one structure (equal runs), stacked and scanned together."""
 
   start: int
   count: int
   superblock_size: int
-  runs: tuple[Run, ...]
+  runs: tuple[RunPlan, ...]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,15 +162,15 @@ class Schedule:
   Attributes:
     kind: the preset expression, e.g. ``"mlkv+uniattn"``.
     layers: one plan per layer.
-    superblocks / segments: the execution grouping (see module docstring).
+    superblocks / stacks: the execution grouping (see module docstring).
     tied_heads: head-wise sharing: number N of heads whose W_q, W_k, W_v are tied to an earlier layer's head.
     lisa_rank / lisa_hidden: LISA's per-head low rank r and aligner hidden width (resolved; 0 without LISA).
   """
 
   kind: str
   layers: tuple[LayerPlan, ...]
-  superblocks: tuple[Superblock, ...]
-  segments: tuple[Segment, ...]
+  superblocks: tuple[SuperblockPlan, ...]
+  stacks: tuple[StackPlan, ...]
   tied_heads: int = 0
   lisa_rank: int = 0
   lisa_hidden: int = 0
@@ -182,7 +182,7 @@ class Schedule:
   def describe(self) -> str:
     """One line, e.g. ``cla: 2/4 layers produce K/V (G=[4]) | 2x[P C0]``; ``*n`` marks a scanned run of n layers."""
     segs = " + ".join(f"{s.count}x[{' '.join(r.role.tag() + (f'*{r.length}' if r.length > 1 else '') for r in s.runs)}]"
-                      for s in self.segments)
+                      for s in self.stacks)
     heads = sorted({p.num_kv_heads for p in self.layers})
     reuse = sum(1 for p in self.layers if p.score_reuse)
     extra = (f", {reuse} reuse scores" if reuse else "") + (f", {self.tied_heads} tied heads" if self.tied_heads else "")
@@ -471,7 +471,7 @@ def layer_roles(plans: Sequence[LayerPlan], start: int, settings: RoleSettings =
   return tuple(roles)
 
 
-def layer_runs(roles: Sequence[LayerRole]) -> tuple[Run, ...]:
+def layer_runs(roles: Sequence[LayerRole]) -> tuple[RunPlan, ...]:
   """Maximal runs of consecutive layers with equal roles.
 
   A layer stays alone when a later layer reads its K/V or probabilities by position (a scan hands on only its
@@ -481,36 +481,36 @@ def layer_runs(roles: Sequence[LayerRole]) -> tuple[Run, ...]:
   referenced = {r.kv_from for r in roles} | {r.score_from for r in roles}
   alone = [i in referenced or (i + 1 < len(roles) and roles[i + 1].score_reuse == "logits"
                                and role.score_reuse != "logits") for i, role in enumerate(roles)]
-  runs: list[Run] = []
+  runs: list[RunPlan] = []
   for i, role in enumerate(roles):
     last = runs[-1] if runs else None
     if last is not None and last.role == role and not alone[i] and not alone[last.start + last.length - 1]:
       runs[-1] = dataclasses.replace(last, length=last.length + 1)
     else:
-      runs.append(Run(i, 1, role))
+      runs.append(RunPlan(i, 1, role))
   return tuple(runs)
 
 
 def group(plans: Sequence[LayerPlan], settings: RoleSettings = RoleSettings()
-          ) -> tuple[tuple[Superblock, ...], tuple[Segment, ...]]:
+          ) -> tuple[tuple[SuperblockPlan, ...], tuple[StackPlan, ...]]:
   """Partition plans into minimal reference-closed superblocks (each split into runs), then group runs of equal
-  superblocks into segments."""
+  superblocks into stacks (the scanned units)."""
   n = len(plans)
   min_src_from = [0] * (n + 1)
   min_src_from[n] = n
   for i in range(n - 1, -1, -1):
     min_src_from[i] = min(plans[i].kv_source, plans[i].score_source, min_src_from[i + 1])
   cuts = [i for i in range(n) if min_src_from[i] == i] + [n]
-  blocks = tuple(Superblock(a, tuple(plans[a:b]), layer_runs(layer_roles(plans[a:b], a, settings)))
+  blocks = tuple(SuperblockPlan(a, tuple(plans[a:b]), layer_runs(layer_roles(plans[a:b], a, settings)))
                  for a, b in zip(cuts, cuts[1:]))
-  segments: list[Segment] = []
+  stacks: list[StackPlan] = []
   for blk in blocks:
-    if segments and segments[-1].runs == blk.runs and segments[-1].superblock_size == len(blk.layers):
-      last = segments[-1]
-      segments[-1] = dataclasses.replace(last, count=last.count + 1)
+    if stacks and stacks[-1].runs == blk.runs and stacks[-1].superblock_size == len(blk.layers):
+      last = stacks[-1]
+      stacks[-1] = dataclasses.replace(last, count=last.count + 1)
     else:
-      segments.append(Segment(blk.start, 1, len(blk.layers), blk.runs))
-  return blocks, tuple(segments)
+      stacks.append(StackPlan(blk.start, 1, len(blk.layers), blk.runs))
+  return blocks, tuple(stacks)
 
 
 # The presets that read each knob of ScheduleConfig: a knob set away from its default under presets that all ignore it
@@ -568,7 +568,7 @@ def compile_schedule(model: ModelConfig, sched: ScheduleConfig) -> Schedule:
       raise ScheduleError(f"schedule.kind={sched.kind!r} is invalid: head-wise sharing is defined for MHA layers "
                           "that compute their own scores (every layer dense); combine it with no GQA/MQA/CLA/MLKV "
                           "or score-sharing preset")
-    if model.flavor != "llama":
+    if model.features.dense_biases:
       raise ScheduleError(f"schedule.kind={sched.kind!r} is invalid for model.flavor={model.flavor!r}: head-wise "
                           "sharing ties bias-free projections; use model.flavor=llama")
     if model.qkv_bias:
@@ -581,6 +581,6 @@ def compile_schedule(model: ModelConfig, sched: ScheduleConfig) -> Schedule:
   lisa = score_preset in ("lisa", "lisa_plus", "ds")
   rank = sched.lisa.rank if lisa else 0
   hidden = (sched.lisa.hidden or 8 * model.num_heads) if lisa else 0
-  blocks, segments = group(plans, RoleSettings(lisa_rank=rank, lisa_hidden=hidden, lisa_rope=sched.lisa.rope,
+  blocks, stacks = group(plans, RoleSettings(lisa_rank=rank, lisa_hidden=hidden, lisa_rope=sched.lisa.rope,
                                                wc_normed=sched.uniattn.wc_input == "normed", tied_qkv=tied > 0))
-  return Schedule(sched.kind, tuple(plans), blocks, segments, tied, lisa_rank=rank, lisa_hidden=hidden)
+  return Schedule(sched.kind, tuple(plans), blocks, stacks, tied, lisa_rank=rank, lisa_hidden=hidden)

@@ -17,6 +17,7 @@ Two measurements of the default experiment (real data from ../shared/data, its l
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import tempfile
@@ -37,8 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def loop_seconds_per_step(cfg, steps: int, run_dir: Path) -> float:
   """Seconds per step of ``train()`` after its first logging interval (compilation), validation excluded."""
-  cfg.train.run_dir, cfg.train.steps = str(run_dir), steps
-  train(cfg)
+  train(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, run_dir=str(run_dir), steps=steps)))
   records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
   later = records[1:]
   n = later[-1]["step"] - records[0]["step"]

@@ -1,8 +1,11 @@
+import copy
 import re
 
+import numpy as np
 import pytest
 
-from jaxshare.config import ConfigError, describe_fields, load_config, to_yaml, config_from_yaml_text
+from jaxshare.config import (ConfigError, apply_overrides, config_from_yaml_text, describe_fields, load_config,
+                             to_yaml)
 
 
 def test_defaults_and_overrides_compose(tmp_path):
@@ -125,3 +128,22 @@ def test_configuration_reference_documents_every_field():
 def test_a_broken_run_config_is_named(text, needle):
   with pytest.raises(ConfigError, match=re.escape(needle)):
     config_from_yaml_text(text, "run/config.yaml")
+
+
+def test_configs_are_values(tmp_path):
+  """A loaded config is frozen; overrides and write_run make new configs and leave the one given unchanged."""
+  import dataclasses
+
+  from jaxshare.runs import read_config, write_run
+
+  cfg = load_config(None, ["model.num_layers=2", "train.steps=5", "train.warmup_steps=1"])
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    cfg.train.steps = 6
+  before = copy.deepcopy(cfg)
+  changed = apply_overrides(cfg, ["train.steps=7"])
+  assert changed.train.steps == 7 and cfg == before
+  (tmp_path / "tok.json").write_text("{}")
+  write_run(tmp_path / "run", cfg, {"w": np.zeros(2, np.float32)}, tokenizer_files=[tmp_path / "tok.json"])
+  written = read_config(tmp_path / "run")
+  assert written.data.tokenizer == str(tmp_path / "run" / "tokenizer") and written.train.run_dir == str(tmp_path / "run")
+  assert cfg == before

@@ -53,9 +53,9 @@ def test_superblocks_and_segments():
   s = compile_schedule(ModelConfig(num_layers=12, num_heads=4, d_model=32),
                        sched(kind="mlkv", kv_layers=5, placement="reference_code"))
   assert [len(b.layers) for b in s.superblocks] == [2, 2, 3, 2, 3]
-  assert [(g.start, g.count, g.superblock_size) for g in s.segments] == [(0, 2, 2), (4, 1, 3), (7, 1, 2), (9, 1, 3)]
+  assert [(g.start, g.count, g.superblock_size) for g in s.stacks] == [(0, 2, 2), (4, 1, 3), (7, 1, 2), (9, 1, 3)]
   cla = compile_schedule(M, sched(kind="cla", factor=2))
-  assert len(cla.segments) == 1 and cla.segments[0].count == 3
+  assert len(cla.stacks) == 1 and cla.stacks[0].count == 3
   # A producer between a consumer and its source ends up inside the same superblock.
   s = compile_schedule(M, sched(kind="explicit", sources="0_1_0_3_4_4"))
   assert [len(b.layers) for b in s.superblocks] == [3, 1, 2]
@@ -92,7 +92,7 @@ def test_invalid_schedules_raise_clear_errors(kw, needle):
 
 def runs(s):
   """Per segment: count and the superblock's runs as (role tag, length)."""
-  return [(seg.count, [(r.role.tag(), r.length) for r in seg.runs]) for seg in s.segments]
+  return [(seg.count, [(r.role.tag(), r.length) for r in seg.runs]) for seg in s.stacks]
 
 
 def test_identical_layers_inside_a_superblock_form_one_run():

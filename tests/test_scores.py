@@ -61,7 +61,7 @@ def test_reused_probabilities_are_the_producers_softmax_in_bf16(name):
   cfg, producer, _, _ = producer_and_reuser(name, "recompute")
   x, pos, seg = inputs(cfg)
   mask = reference.attention_mask(seg, seg, True)
-  _, _, state, _ = producer(x, pos, seg)
+  state = producer(x, pos, seg).handed
   assert isinstance(state, ScoreFeatures) and state.q.dtype == jnp.bfloat16
   reused = np.asarray(scores.probs(state, mask))  # what every probability reuser applies to its V
   np.testing.assert_allclose(reused.sum(-1), 1.0, atol=2e-5)
@@ -70,7 +70,7 @@ def test_reused_probabilities_are_the_producers_softmax_in_bf16(name):
   np.testing.assert_allclose(reused, expected, atol=2e-5)
   # the materialising producer hands on the same probabilities
   _, producer_m, _, _ = producer_and_reuser(name, "materialize")
-  _, _, state_m, _ = producer_m(x, pos, seg)
+  state_m = producer_m(x, pos, seg).handed
   assert isinstance(state_m, ScoreTensors)
   np.testing.assert_allclose(np.asarray(state_m.probs), reused, atol=2e-5)
 
@@ -81,12 +81,13 @@ def test_lisa_chain_logits_are_the_materialised_sum_in_bf16(name):
   for mode in ("recompute", "materialize"):
     cfg, producer, layer, role = producer_and_reuser(name, mode)
     x, pos, seg = inputs(cfg)
-    _, _, state, _ = producer(x, pos, seg)
+    state = producer(x, pos, seg).handed
     chain = scores.chain_entry(state, integrator=role.integrator, num_kv_heads=role.num_kv_heads, slots=1,
                                rank=role.lisa_rank, recompute=mode == "recompute")
     slot = chain.q.shape[-1] - role.lisa_rank if isinstance(chain, ScoreFeatures) else 0
     h = x  # the layer's normalised input; any bf16 input shows the arithmetic
-    y, _, chain_out, _ = layer(h, pos, seg, None, chain, slot)
+    att = layer(h, pos, seg, None, chain, slot)
+    y, chain_out = att.y, att.handed
     out[mode] = (np.asarray(scores.logits(chain_out)), np.asarray(y, np.float32), state, layer, h)
   logits_r, y_r, state, layer, h = out["recompute"]
   expected = float64_logits(state.q, state.k, state.scale)

@@ -45,9 +45,9 @@ def hf_incompatibility(cfg: Config, schedule: Schedule) -> str | None:
   if len(heads) > 1:
     return f"layers have different K/V head counts {sorted(heads)}"
   m = cfg.model
-  if m.flavor == "llama" and m.parallel_residual:
+  if m.flavor == "llama" and m.features.parallel_residual:
     return "Llama has no parallel residual"
-  if m.sliding_window and (m.flavor == "neox" or m.qkv_bias):
+  if m.sliding_window and m.features.qkv_biases:
     return "only Mistral has a sliding window in every layer, and it has neither biases nor GPT-NeoX blocks"
   if m.flavor == "neox" and (heads != {m.num_heads} or m.resolved_head_dim * m.num_heads != m.d_model):
     return "GPT-NeoX has neither GQA nor a head width other than hidden_size / num_heads"

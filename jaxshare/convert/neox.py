@@ -46,7 +46,7 @@ def hf_config(cfg) -> dict:
           "num_attention_heads": m.num_heads, "hidden_act": "gelu", "layer_norm_eps": m.norm_eps,
           "rotary_pct": m.rotary_pct, "rotary_emb_base": m.rope_theta,
           "rope_parameters": {**C.rope_parameters(m), "partial_rotary_factor": m.rotary_pct},
-          "use_parallel_residual": m.parallel_residual, "attention_bias": True, "tie_word_embeddings": m.tie_embeddings,
+          "use_parallel_residual": m.features.parallel_residual, "attention_bias": True, "tie_word_embeddings": m.tie_embeddings,
           "max_position_embeddings": max(cfg.data.seq_len, 2048), "torch_dtype": m.param_dtype}
 
 

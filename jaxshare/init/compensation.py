@@ -29,11 +29,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxshare.config import WC_FITS
 from jaxshare.model import params as P
 from jaxshare.model.loss import masked_cross_entropy
 from jaxshare.schedule import Schedule
 
-WC_FITS = ("mean", "tokens")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,7 +142,7 @@ def calibrate_compensation(src: tuple[nnx.GraphDef, dict], dst: tuple[nnx.GraphD
 def _reads_normed(schedule: Schedule, layer: int) -> bool:
   """Whether the layer's W_c reads Norm(x) (``schedule.uniattn.wc_input=normed``) rather than the residual x."""
   s_idx, _, r_idx, _ = P.layer_location(schedule, layer)
-  return schedule.segments[s_idx].runs[r_idx].role.wc_normed
+  return schedule.stacks[s_idx].runs[r_idx].role.wc_normed
 
 
 def _set_wc(params: dict, schedule: Schedule, kernels: dict[int, np.ndarray | None]) -> dict:

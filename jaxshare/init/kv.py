@@ -17,10 +17,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxshare.config import KV_POOLS
 from jaxshare.model import params as P
 from jaxshare.schedule import Schedule
 
-KV_POOLS = ("mean", "running", "producer")
 _KV = ("k_proj", "v_proj")
 
 

@@ -12,10 +12,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxshare.config import MLP_WIDENS
 from jaxshare.model import params as P
 from jaxshare.schedule import Schedule
 
-MLP_WIDENS = ("zero", "duplicate")
 
 
 def widen_mlp(src: dict, src_schedule: Schedule, dst: dict, dst_schedule: Schedule, *, rule: str = "zero") -> dict:

@@ -8,6 +8,7 @@ reads are :mod:`jaxshare.model.scores` states.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -31,6 +32,42 @@ from jaxshare.schedule import LayerRole
 KV = tuple[jax.Array | None, jax.Array]
 # A decoding producer's K and V as (cache, new rows) blocks, heads-major (K None for score reusers).
 DecodeKV = tuple[decode_ops.Blocks | None, decode_ops.Blocks]
+
+
+
+@dataclasses.dataclass(frozen=True)
+class Attended:
+  """What an attention layer hands back in a forward pass.
+
+  Attributes:
+    y: ``[B, T, D]`` the attention output.
+    kv: the layer's ``(K, V)`` (the producer's, for a consumer), for the K/V consumers of its superblock.
+    handed: the score state later layers reuse (None when none does).
+    used: the score state whose logits the layer used (None for a probability reuser: it uses its source's).
+  """
+
+  y: jax.Array
+  kv: KV
+  handed: ScoreState | None
+  used: ScoreState | None
+
+
+@dataclasses.dataclass(frozen=True)
+class Decoded:
+  """What a decode step of a layer, or of a run of layers, hands back.
+
+  Attributes:
+    y: ``[B, n, D]``: the attention output (:meth:`Attention.decode`) or the residual stream (a layer, a run).
+    rows: the new cache rows, ``{name: [B, G, n, e]}`` (a run: ``{name: [length, B, G, n, e]}``).
+    kv: the layer's K/V blocks for the consumers of its superblock (None from a run of several layers).
+    handed: the score rows ``[B, H, n, S + n]`` float32 handed to later reusers (None when none reads them).
+  """
+
+  y: jax.Array
+  rows: dict
+  kv: DecodeKV | None
+  handed: jax.Array | None
+
 
 _BTH = ("activation_batch", "activation_length", "activation_heads", None)
 _BTG = ("activation_batch", "activation_length", "activation_kv_heads", None)
@@ -74,7 +111,7 @@ class Attention(nnx.Module):
   def __init__(self, cfg: ModelConfig, role: LayerRole, *, attention_impl: str, score_sharing: str, rngs: nnx.Rngs):
     D, H, d, g = cfg.d_model, cfg.num_heads, cfg.resolved_head_dim, role.num_kv_heads
     dtype, pdtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
-    qkv_bias, out_bias = cfg.qkv_biases, cfg.flavor == "neox"
+    qkv_bias, out_bias = cfg.features.qkv_biases, cfg.features.dense_biases
     std, out_std = cfg.init_std, cfg.init_std / math.sqrt(2 * cfg.num_layers)
     self.role, self.head_dim, self.dtype = role, d, dtype
     self.theta, self.rotary_dim, self.rope_scaling = cfg.rope_theta, int(d * cfg.rotary_pct), RopeScaling.of(cfg)
@@ -144,7 +181,7 @@ class Attention(nnx.Module):
 
   def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array, kv_in: KV | None = None,
                score_in: ScoreState | None = None, slot: jax.Array | int = 0, head_kernels: dict | None = None
-               ) -> tuple[jax.Array, KV, ScoreState | None, ScoreState]:
+               ) -> Attended:
     """Attend.
 
     Args:
@@ -159,9 +196,7 @@ class Attention(nnx.Module):
       head_kernels: head-wise sharing: this layer's gathered ``{"q", "k", "v"}`` kernels ``[D, H, d]``.
 
     Returns:
-      ``(output [B, T, D], (K, V) of the layer, state handed on, state whose logits the layer used)``; the handed-on
-      state is None when no later layer reads it, the used state None for probability reusers (they use their
-      source's).
+      The output, the layer's (K, V), the state handed on and the state whose logits it used (:class:`Attended`).
     """
     role = self.role
     k, v = self._kv(x, positions, kv_in, head_kernels)
@@ -175,11 +210,11 @@ class Attention(nnx.Module):
                          scale=score_in.scale).astype(self.dtype)
       else:
         out = reference.apply_probs(score_in.probs, v, self.dtype)
-      return self.o_proj(out), (k, v), None, None
+      return Attended(self.o_proj(out), (k, v), None, None)
     if isinstance(score_in, AlignerChain):  # full LISA: logits recomputed from the chain's features per query chunk
       state = scores.append_aligner(score_in, slot, *self._low_rank(x, positions), self._aligner_weights())
       out = scores.chain_attention(state, v, segment_ids, self.window)
-      return self.o_proj(out.astype(self.dtype)), (k, v), state, state
+      return Attended(self.o_proj(out.astype(self.dtype)), (k, v), state, state)
     if isinstance(score_in, ScoreFeatures):  # LISA_plus / DS chain: one attention over the chain's features
       if role.integrator not in ("add", "none"):
         raise ValueError(f"the {role.integrator} aligner mixes materialised logits; see scores.chain_entry")
@@ -197,11 +232,10 @@ class Attention(nnx.Module):
       probs, _ = reference.masked_softmax(a, reference.attention_mask(segment_ids, segment_ids, True, self.window))
       out = reference.apply_probs(probs, v, self.dtype)
       state = ScoreTensors(logits=a)
-    return self.o_proj(out.astype(self.dtype)), (k, v), state, state
+    return Attended(self.o_proj(out.astype(self.dtype)), (k, v), state, state)
 
   def decode(self, x: jax.Array, ctx: StepContext, cache: kv_cache.Buffers, kv_in: DecodeKV | None,
-             score_in: jax.Array | None, head_kernels: dict | None = None, nf: bool = False
-             ) -> tuple[jax.Array, kv_cache.Buffers, DecodeKV, jax.Array | None]:
+             score_in: jax.Array | None, head_kernels: dict | None = None, nf: bool = False) -> Decoded:
     """Attend with ``n`` new tokens over the cache and their own rows (prefill: the prompt; decode: one token).
 
     The cache is only read: the new rows are a second key block (:mod:`jaxshare.kernels.decode`) and are returned
@@ -221,7 +255,7 @@ class Attention(nnx.Module):
         tokens alone (the cache must be empty), and still returns its ``k_lr`` rows for decoding.
 
     Returns:
-      ``(output [B, n, D], new rows {name: [B, G, n, e]}, this layer's K/V blocks, rows handed on)``.
+      The output ``[B, n, D]``, the new rows, this layer's K/V blocks and the rows handed on (:class:`Decoded`).
 
     Raises:
       ValueError: ``nf`` on a LISA layer that did not keep W_q/W_k (``schedule.lisa.keep_qk``).
@@ -244,7 +278,7 @@ class Attention(nnx.Module):
       q = self._rope(self._project("q", x, head_kernels), ctx.positions)
       if not role.feeds:
         out = self.attend_decode(q, k, v, ctx.mask, scale=self.head_dim ** -0.5, dtype=self.dtype)
-        return self.o_proj(out), rows, (k, v), None
+        return Decoded(self.o_proj(out), rows, (k, v), None)
       logits = decode_ops.scores(q, k, self.head_dim ** -0.5)
       probs, _ = reference.masked_softmax(logits, ctx.mask)
       handed = {"probs": probs, "logits": logits}.get(role.feeds)
@@ -260,7 +294,7 @@ class Attention(nnx.Module):
           logits = scores.integrate(role.integrator, logits, delta, self._aligner_weights())
       probs, _ = reference.masked_softmax(logits, ctx.mask)
       handed = logits
-    return self.o_proj(decode_ops.apply_probs(probs, v, self.dtype)), rows, (k, v), handed
+    return Decoded(self.o_proj(decode_ops.apply_probs(probs, v, self.dtype)), rows, (k, v), handed)
 
   def _nf_logits(self, x: jax.Array, positions: jax.Array, keys: int) -> jax.Array:
     """NF prefill: the original attention's logits over the new tokens, ``[B, H, n, keys]`` with the (empty)
@@ -272,7 +306,7 @@ class Attention(nnx.Module):
     logits = reference.scores(q, k, self.head_dim ** -0.5)
     return jnp.pad(logits, ((0, 0), (0, 0), (0, 0), (keys - logits.shape[-1], 0)))
 
-  def _own_scores(self, x, positions, segment_ids, k, v, head_kernels):
+  def _own_scores(self, x, positions, segment_ids, k, v, head_kernels) -> Attended:
     if k is None:
       raise ValueError("this layer computes its own scores but its K/V producer has no K")
     role, scale = self.role, self.head_dim ** -0.5
@@ -282,10 +316,10 @@ class Attention(nnx.Module):
       probs, _ = reference.masked_softmax(a, reference.attention_mask(segment_ids, segment_ids, True, self.window))
       out = reference.apply_probs(probs, v, self.dtype)
       state = ScoreTensors(logits=a) if role.feeds == "logits" else ScoreTensors(probs=probs)
-      return self.o_proj(out), (k, v), state, ScoreTensors(logits=a)
+      return Attended(self.o_proj(out), (k, v), state, ScoreTensors(logits=a))
     if role.feeds:
       out, lse = self.attend(q, k, v, segment_ids, segment_ids, causal=True, scale=scale, return_lse=True)
       state = ScoreFeatures(q, k, lse, scale)
-      return self.o_proj(out), (k, v), state, state
+      return Attended(self.o_proj(out), (k, v), state, state)
     out = self.attend(q, k, v, segment_ids, segment_ids, causal=True, scale=scale)
-    return self.o_proj(out), (k, v), None, ScoreFeatures(q, k, None, scale)
+    return Attended(self.o_proj(out), (k, v), None, ScoreFeatures(q, k, None, scale))

@@ -3,6 +3,7 @@ score references)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import NamedTuple
 
@@ -14,11 +15,12 @@ from jaxshare import parallel
 from jaxshare.config import ModelConfig
 from jaxshare.model import cache as kv_cache
 from jaxshare.model import scores
-from jaxshare.model.attention import KV, Attention, DecodeKV
+from jaxshare.model.attention import KV, Attended, Attention, Decoded, DecodeKV
 from jaxshare.model.cache import StepContext
 from jaxshare.model.layers import MLP, DenseGeneral, make_norm
+from jaxshare.model.scan import scan_or_unroll
 from jaxshare.model.scores import AlignerChain, ScoreFeatures, ScoreState
-from jaxshare.schedule import LayerRole, Run
+from jaxshare.schedule import LayerRole, RunPlan
 
 _RESIDUAL = ("activation_batch", "activation_length", "activation_embed")
 
@@ -30,6 +32,23 @@ class MHAActivations(NamedTuple):
   input: jax.Array
   normed: jax.Array
   output: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class RunOut:
+  """What a run of layers hands back in a forward pass.
+
+  Attributes:
+    y: ``[B, T, D]`` the residual stream.
+    kv: the run's (K, V), for the consumers of its superblock; only from a run of one layer.
+    handed: the score state later layers reuse (a LISA chain's carried state, or a one-layer run's own).
+    captured: per layer, what the forward pass captures (see :meth:`LayerRun.__call__`).
+  """
+
+  y: jax.Array
+  kv: KV | None
+  handed: ScoreState | None
+  captured: list
 
 
 class DecoderLayer(nnx.Module):
@@ -44,35 +63,34 @@ class DecoderLayer(nnx.Module):
   def __init__(self, cfg: ModelConfig, role: LayerRole, *, mlp_dim: int, attention_impl: str, score_sharing: str,
                rngs: nnx.Rngs):
     pdtype = jnp.dtype(cfg.param_dtype)
-    self.parallel_residual, self.wc_normed = cfg.parallel_residual, role.wc_normed
-    self.norm1 = make_norm(cfg.flavor, cfg.d_model, cfg.norm_eps, pdtype)
+    features = cfg.features
+    self.parallel_residual, self.wc_normed = features.parallel_residual, role.wc_normed
+    self.norm1 = make_norm(features.norm, cfg.d_model, cfg.norm_eps, pdtype)
     self.attn = Attention(cfg, role, attention_impl=attention_impl, score_sharing=score_sharing, rngs=rngs)
     self.compensation = DenseGeneral(
       "btd,de->bte", (cfg.d_model, cfg.d_model), ("embed", None), std=None, bias_shape=None,
       dtype=jnp.dtype(cfg.dtype), param_dtype=pdtype, rngs=rngs) if role.compensation else None
-    self.norm2 = make_norm(cfg.flavor, cfg.d_model, cfg.norm_eps, pdtype)
-    self.mlp = MLP(cfg.flavor, cfg.d_model, mlp_dim, std=cfg.init_std,
+    self.norm2 = make_norm(features.norm, cfg.d_model, cfg.norm_eps, pdtype)
+    self.mlp = MLP(features.activation, cfg.d_model, mlp_dim, bias=features.dense_biases, std=cfg.init_std,
                    out_std=cfg.init_std / math.sqrt(2 * cfg.num_layers), dtype=jnp.dtype(cfg.dtype),
                    param_dtype=pdtype, rngs=rngs)
 
   def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array, kv_in: KV | None,
                score_in: ScoreState | None, slot: jax.Array | int = 0, head_kernels: dict | None = None
-               ) -> tuple[jax.Array, KV, ScoreState | None, ScoreState | None, MHAActivations]:
-    """``x [B,T,D] -> ([B,T,D], (K, V), state handed on, state used, MHA activations)``; see
-    :meth:`Attention.__call__`."""
+               ) -> tuple[Attended, MHAActivations]:
+    """``x [B,T,D]``: the layer's output as :class:`~jaxshare.model.attention.Attended` (``y`` the residual
+    stream ``[B,T,D]``) and its attention block in residual-stream terms; see :meth:`Attention.__call__`."""
     h = self.norm1(x)
-    a, kv, state, used = self.attn(h, positions, segment_ids, kv_in, score_in, slot, head_kernels)
-    a = self._compensate(x, h, a)
-    return self._residual(x, a), kv, state, used, MHAActivations(x, h, x + a)
+    att = self.attn(h, positions, segment_ids, kv_in, score_in, slot, head_kernels)
+    a = self._compensate(x, h, att.y)
+    return dataclasses.replace(att, y=self._residual(x, a)), MHAActivations(x, h, x + a)
 
   def decode(self, x: jax.Array, ctx: StepContext, cache: kv_cache.Buffers, kv_in: DecodeKV | None,
-             score_in: jax.Array | None, head_kernels: dict | None = None, nf: bool = False
-             ) -> tuple[jax.Array, kv_cache.Buffers, DecodeKV, jax.Array | None]:
-    """``x [B,n,D] -> ([B,n,D], new cache rows, K/V blocks, score rows handed on)``; see
-    :meth:`Attention.decode`."""
+             score_in: jax.Array | None, head_kernels: dict | None = None, nf: bool = False) -> Decoded:
+    """``x [B,n,D]``: the layer's step (``y`` the residual stream); see :meth:`Attention.decode`."""
     h = self.norm1(x)
-    a, rows, kv, handed = self.attn.decode(h, ctx, cache, kv_in, score_in, head_kernels, nf)
-    return self._residual(x, self._compensate(x, h, a)), rows, kv, handed
+    step = self.attn.decode(h, ctx, cache, kv_in, score_in, head_kernels, nf)
+    return dataclasses.replace(step, y=self._residual(x, self._compensate(x, h, step.y)))
 
   def _compensate(self, x: jax.Array, h: jax.Array, a: jax.Array) -> jax.Array:
     if self.compensation is None:
@@ -95,7 +113,7 @@ class LayerRun(nnx.Module):
   chain's score state is carried from layer to layer in a fixed shape (see :func:`scores.chain_entry`).
   """
 
-  def __init__(self, cfg: ModelConfig, run: Run, *, mlp_dim: int, attention_impl: str, score_sharing: str,
+  def __init__(self, cfg: ModelConfig, run: RunPlan, *, mlp_dim: int, attention_impl: str, score_sharing: str,
                rngs: nnx.Rngs):
     self.length, self.role, self.scan = run.length, run.role, cfg.scan_layers
     self.recompute = score_sharing == "recompute"
@@ -109,8 +127,7 @@ class LayerRun(nnx.Module):
     self.layers = make(rngs)
 
   def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array, kv_in: KV | None,
-               score_in: ScoreState | None, head_kernels: dict | None, capture: str | None
-               ) -> tuple[jax.Array, KV | None, ScoreState | None, list]:
+               score_in: ScoreState | None, head_kernels: dict | None, capture: str | None) -> RunOut:
     """Apply the run.
 
     Args:
@@ -121,8 +138,8 @@ class LayerRun(nnx.Module):
         :class:`MHAActivations`.
 
     Returns:
-      ``(x, (K, V), handed-on state, captured per layer)``; K/V and a non-chain state only for a run of one layer
-      (longer runs hold no layer that another layer reads by position).
+      :class:`RunOut`; K/V and a non-chain state only for a run of one layer (longer runs hold no layer that
+      another layer reads by position).
     """
     role = self.role
     chain = role.score_reuse == "logits"
@@ -138,70 +155,58 @@ class LayerRun(nnx.Module):
 
     def body(layer: DecoderLayer, carry, i, kernels):
       x, state = carry
-      slot = base + i * width
-      y, kv, out_state, used, mha = layer(x, positions, segment_ids, kv_in, state if chain else score_in, slot,
-                                          kernels)
-      item = mha if capture == "mha" else scores.logits(used) if capture and used is not None else None
-      return (y, out_state if chain else None), (kv, out_state, item)
+      out, mha = layer(x, positions, segment_ids, kv_in, state if chain else score_in, base + i * width, kernels)
+      item = mha if capture == "mha" else scores.logits(out.used) if capture and out.used is not None else None
+      return (out.y, out.handed if chain else None), (out.kv, out.handed, item)
 
-    if self.length == 1 or not self.scan:
-      graphdef, params = nnx.split(self.layers)
-      carry, captured = (x, score_in if chain else None), []
-      for i in range(self.length):
-        layer = nnx.merge(graphdef, jax.tree.map(lambda a: a[i], params))
-        kernels = None if head_kernels is None else {m: w[i] for m, w in head_kernels.items()}
-        carry, (kv, state, logits) = body(layer, carry, i, kernels)
-        captured.append(logits)
-      x = carry[0]
-      if self.length > 1:
-        kv, state = None, carry[1]
-      return x, kv, state, captured if self._captures(capture) else []
+    carry = (x, score_in if chain else None)
+    if self.length == 1:  # the only layer: what it hands on (its K/V, its scores) may be read by position
+      (x, _), (kv, state, item) = body(self._layer(0), carry, 0, self._first(head_kernels))
+      return RunOut(x, kv, state, [item] if self._captures(capture) else [])
 
-    def step(layer, carry, i, kernels):
-      carry, (_, _, logits) = body(layer, carry, i, kernels)
+    def step(layer, carry, per_layer):
+      carry, (_, _, logits) = body(layer, carry, *per_layer)
       return carry, logits
 
-    scan = nnx.scan(step, in_axes=(0, nnx.Carry, 0, 0), out_axes=(nnx.Carry, 0))
-    (x, state), logits = scan(self.layers, (x, score_in if chain else None), jnp.arange(self.length), head_kernels)
+    (x, state), logits = scan_or_unroll(step, self.layers, carry, (jnp.arange(self.length), head_kernels),
+                                        count=self.length, scan=self.scan)
     captured = [jax.tree.map(lambda a: a[i], logits) for i in range(self.length)] if self._captures(capture) else []
-    return x, None, state, captured
+    return RunOut(x, None, state, captured)
 
   def decode(self, x: jax.Array, ctx: StepContext, buffers: kv_cache.Buffers, kv_in: DecodeKV | None,
-             score_in: jax.Array | None, head_kernels: dict | None, nf: bool = False
-             ) -> tuple[jax.Array, kv_cache.Buffers, DecodeKV | None, jax.Array | None]:
+             score_in: jax.Array | None, head_kernels: dict | None, nf: bool = False) -> Decoded:
     """One decode step of the run (scanned like :meth:`__call__`): layer i reads ``{name: b[i]}`` of the run's
-    cache ``buffers`` ``{name: [length, B, G, S, e]}`` (one superblock's).
-
-    Returns:
-      ``(x, new rows {name: [length, B, G, n, e]}, K/V blocks of a one-layer run, score rows handed on)``; a LISA
-      chain carries its logits rows from layer to layer.
+    cache ``buffers`` ``{name: [length, B, G, S, e]}`` (one superblock's) and adds rows ``{name: [length, B, G, n,
+    e]}``; K/V blocks only from a one-layer run; a LISA chain carries its logits rows from layer to layer.
     """
     chain = self.role.score_reuse == "logits"
 
     def body(layer: DecoderLayer, carry, cache, kernels):
       x, rows_in = carry
-      y, new, kv, handed = layer.decode(x, ctx, cache, kv_in, rows_in if chain else score_in, kernels, nf)
-      return (y, handed if chain else None), (new, kv, handed)
+      step = layer.decode(x, ctx, cache, kv_in, rows_in if chain else score_in, kernels, nf)
+      return (step.y, step.handed if chain else None), (step.rows, step.kv, step.handed)
 
     carry = (x, score_in if chain else None)
-    if self.length == 1 or not self.scan:
-      graphdef, params = nnx.split(self.layers)
-      rows = []
-      for i in range(self.length):
-        at = lambda tree: jax.tree.map(lambda a: a[i], tree)  # noqa: E731
-        carry, (new, kv, handed) = body(nnx.merge(graphdef, at(params)), carry, at(buffers), at(head_kernels))
-        rows.append(new)
-      x, chained = carry
-      rows = jax.tree.map(lambda *r: jnp.stack(r), *rows)
-      return (x, rows, kv, handed) if self.length == 1 else (x, rows, None, chained)
+    if self.length == 1:
+      (x, _), (new, kv, handed) = body(self._layer(0), carry, self._first(buffers), self._first(head_kernels))
+      return Decoded(x, jax.tree.map(lambda r: r[None], new), kv, handed)
 
-    def step(layer, carry, cache, kernels):
-      carry, (new, _, _) = body(layer, carry, cache, kernels)
+    def step(layer, carry, per_layer):
+      carry, (new, _, _) = body(layer, carry, *per_layer)
       return carry, new
 
-    scan = nnx.scan(step, in_axes=(0, nnx.Carry, 0, 0), out_axes=(nnx.Carry, 0))
-    (x, chained), rows = scan(self.layers, carry, buffers, head_kernels)
-    return x, rows, None, chained
+    (x, chained), rows = scan_or_unroll(step, self.layers, carry, (buffers, head_kernels), count=self.length,
+                                        scan=self.scan)
+    return Decoded(x, rows, None, chained)
+
+  def _layer(self, i: int) -> DecoderLayer:
+    """Layer ``i`` of the run, its parameters sliced from the stack."""
+    graphdef, params = nnx.split(self.layers)
+    return nnx.merge(graphdef, jax.tree.map(lambda a: a[i], params))
+
+  @staticmethod
+  def _first(tree):
+    return jax.tree.map(lambda a: a[0], tree)
 
   def _captures(self, capture: str | None) -> bool:
     """Whether this run returns its own captures (a probability reuser has no logits of its own)."""
@@ -210,13 +215,13 @@ class LayerRun(nnx.Module):
 
 class Superblock(nnx.Module):
   """Consecutive layers closed under K/V and score references, as runs of identical layers; the unit that is
-  stacked and scanned over a segment.
+  stacked and scanned over a stack.
 
   Args:
     runs: the superblock's runs (:func:`jaxshare.schedule.layer_runs`).
   """
 
-  def __init__(self, cfg: ModelConfig, runs: tuple[Run, ...], *, mlp_dim: int, attention_impl: str,
+  def __init__(self, cfg: ModelConfig, runs: tuple[RunPlan, ...], *, mlp_dim: int, attention_impl: str,
                score_sharing: str, rngs: nnx.Rngs):
     self.plan = tuple(runs)
     self.runs = nnx.List([LayerRun(cfg, run, mlp_dim=mlp_dim, attention_impl=attention_impl,
@@ -239,10 +244,11 @@ class Superblock(nnx.Module):
       score_in = {"probs": states.get(role.score_from), "logits": previous}.get(role.score_reuse)
       kernels = None if head_kernels is None else {
         m: w[run.start:run.start + run.length] for m, w in head_kernels.items()}
-      x, kvs[run.start], states[run.start], caps = module(x, positions, segment_ids, kv_in, score_in, kernels, capture)
-      previous = states[run.start]
+      out = module(x, positions, segment_ids, kv_in, score_in, kernels, capture)
+      x, kvs[run.start], states[run.start] = out.y, out.kv, out.handed
+      previous = out.handed
       if capture:
-        captured.extend(caps if module._captures(capture) else [captured[role.score_from]] * run.length)
+        captured.extend(out.captured if module._captures(capture) else [captured[role.score_from]] * run.length)
     return x, tuple(captured)
 
   def decode(self, x: jax.Array, ctx: StepContext, buffers: list[kv_cache.Buffers], head_kernels: dict | None = None,
@@ -259,7 +265,8 @@ class Superblock(nnx.Module):
       score_in = {"probs": handed.get(role.score_from), "logits": previous}.get(role.score_reuse)
       kernels = None if head_kernels is None else {
         m: w[run.start:run.start + run.length] for m, w in head_kernels.items()}
-      x, rows, kvs[run.start], handed[run.start] = module.decode(x, ctx, buf, kv_in, score_in, kernels, nf)
-      previous = handed[run.start]
-      out.append(rows)
+      step = module.decode(x, ctx, buf, kv_in, score_in, kernels, nf)
+      x, kvs[run.start], handed[run.start] = step.y, step.kv, step.handed
+      previous = step.handed
+      out.append(step.rows)
     return x, out

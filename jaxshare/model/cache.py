@@ -1,4 +1,4 @@
-"""The decode KV cache: slots only for what later tokens read, laid out like the model's segments and runs.
+"""The decode KV cache: slots only for what later tokens read, laid out like the model's stacks and runs.
 
 A layer stores (names as in the buffers):
 
@@ -55,7 +55,7 @@ class DecodeCache:
   """The KV cache of a batch of sequences.
 
   Attributes:
-    buffers: per segment, per run of its superblock, ``{name: [count, length, B, G, S, e]}`` in the cache dtype
+    buffers: per stack, per run of its superblock, ``{name: [count, length, B, G, S, e]}`` in the cache dtype
       (see the module docstring for the names).
     index: int32 scalar, the next slot to write (slots written so far, left padding included).
     start: ``[B]`` int32, the first slot of each row's tokens (its left padding ends there).
@@ -94,7 +94,7 @@ def init_cache(cfg: ModelConfig, schedule: Schedule, batch: int, max_len: int, d
   dtype = jnp.dtype(dtype or cfg.dtype)
   d = cfg.resolved_head_dim
   shapes = [[{name: (seg.count, run.length, batch, run.role.num_kv_heads, max_len, width)
-              for name, width in role_entries(run.role, d).items()} for run in seg.runs] for seg in schedule.segments]
+              for name, width in role_entries(run.role, d).items()} for run in seg.runs] for seg in schedule.stacks]
 
   @jax.jit
   def zeros():
@@ -143,7 +143,7 @@ def write(cache: DecodeCache, rows: list[list[Buffers]], n: int, after: jax.Arra
 
   ``after``: a result of the step's last layer (its output). The write must follow every read of the cache, but a
   layer's rows do not depend on its own read, so XLA may order the write first and then copies the buffer to keep
-  the read valid; it does for a segment of one superblock, whose buffer the layer reads without a slice. Making
+  the read valid; it does for a stack of one superblock, whose buffer the layer reads without a slice. Making
   the slot index depend on ``after`` orders every write after every read. (An optimization barrier does not
   survive XLA's CPU pipeline.)
   """

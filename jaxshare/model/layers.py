@@ -75,24 +75,25 @@ class LayerNorm(nnx.Module):
     return (y * self.scale[...].astype(jnp.float32) + self.bias[...].astype(jnp.float32)).astype(x.dtype)
 
 
-def make_norm(flavor: str, dim: int, eps: float, param_dtype) -> nnx.Module:
-  return RMSNorm(dim, eps, param_dtype) if flavor == "llama" else LayerNorm(dim, eps, param_dtype)
+def make_norm(norm: str, dim: int, eps: float, param_dtype) -> nnx.Module:
+  """``norm``: :attr:`~jaxshare.config.Features.norm` (``rmsnorm`` or ``layernorm``)."""
+  return RMSNorm(dim, eps, param_dtype) if norm == "rmsnorm" else LayerNorm(dim, eps, param_dtype)
 
 
 class MLP(nnx.Module):
-  """SwiGLU (llama: ``down(silu(gate x) * up x)``) or GELU (neox: ``down(gelu(up x + b) ) + b``) MLP.
+  """SwiGLU (``down(silu(gate x) * up x)``) or GELU (``down(gelu(up x + b)) + b``) MLP, by ``activation``
+  (:attr:`~jaxshare.config.Features.activation`); ``bias``: biases on the up and down projections.
 
   Shapes: ``x [B,T,D] -> [B,T,D]``; hidden width F. Runs as one op with a hand-written backward pass
   (:mod:`jaxshare.kernels.mlp`); the parameters are the ``gate``/``up``/``down`` projections' kernels and biases.
   """
 
-  def __init__(self, flavor: str, d_model: int, hidden: int, *, std: float, out_std: float, dtype, param_dtype,
-               rngs: nnx.Rngs):
-    self.flavor, self.dtype = flavor, dtype
-    bias = flavor == "neox"
+  def __init__(self, activation: str, d_model: int, hidden: int, *, bias: bool, std: float, out_std: float, dtype,
+               param_dtype, rngs: nnx.Rngs):
+    self.dtype = dtype
     kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     self.gate = (DenseGeneral("btd,df->btf", (d_model, hidden), ("embed", "mlp"), std=std, bias_shape=None, **kw)
-                 if flavor == "llama" else None)
+                 if activation == "swiglu" else None)
     self.up = DenseGeneral("btd,df->btf", (d_model, hidden), ("embed", "mlp"), std=std,
                            bias_shape=(hidden,) if bias else None, bias_axes=("mlp",), **kw)
     self.down = DenseGeneral("btf,fd->btd", (hidden, d_model), ("mlp", "embed"), std=out_std,

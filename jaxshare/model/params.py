@@ -19,16 +19,16 @@ def flat_leaves(tree: dict, prefix: str = "") -> dict[str, Any]:
 
 
 def layer_location(schedule: Schedule, layer: int) -> tuple[int, int, int, int]:
-  """``(segment, superblock within the segment, run within the superblock, position within the run)`` of a layer.
+  """``(stack, superblock within the stack, run within the superblock, position within the run)`` of a layer.
 
   Raises:
     IndexError: no such layer.
   """
-  for s_idx, seg in enumerate(schedule.segments):
-    if seg.start <= layer < seg.start + seg.count * seg.superblock_size:
-      c, j = divmod(layer - seg.start, seg.superblock_size)
-      r_idx = next(r for r, run in enumerate(seg.runs) if run.start <= j < run.start + run.length)
-      return s_idx, c, r_idx, j - seg.runs[r_idx].start
+  for s_idx, stack in enumerate(schedule.stacks):
+    if stack.start <= layer < stack.start + stack.count * stack.superblock_size:
+      c, j = divmod(layer - stack.start, stack.superblock_size)
+      r_idx = next(r for r, run in enumerate(stack.runs) if run.start <= j < run.start + run.length)
+      return s_idx, c, r_idx, j - stack.runs[r_idx].start
   raise IndexError(f"layer {layer} is not in the schedule ({len(schedule.layers)} layers)")
 
 
@@ -45,7 +45,7 @@ def layer_slot(params: dict, schedule: Schedule, layer: int) -> tuple[dict, tupl
 
 def layer_params(params: dict, schedule: Schedule, layer: int) -> dict[str, Any]:
   """The unstacked parameters of one layer (``attn``, ``mlp``, ``norm1``, ...), leaves indexed out of the stack
-  (parameters are stacked ``[superblocks of the segment, layers of the run, ...]``)."""
+  (parameters are stacked ``[superblocks of the stack, layers of the run, ...]``)."""
   s_idx, c, r_idx, i = layer_location(schedule, layer)
   return jax.tree.map(lambda a: a[c, i], _run_params(params, s_idx, r_idx))
 

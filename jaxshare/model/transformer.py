@@ -1,4 +1,4 @@
-"""The decoder-only language model: embeddings, scanned segments of superblocks, final norm, LM head."""
+"""The decoder-only language model: embeddings, scanned stacks of superblocks, final norm, LM head."""
 
 from __future__ import annotations
 
@@ -11,22 +11,23 @@ from jaxshare.config import ModelConfig
 from jaxshare.model import cache as kv_cache
 from jaxshare.model.block import MHAActivations, Superblock
 from jaxshare.model.cache import DecodeCache, StepContext
-from jaxshare.model.ties import MATRICES, HeadTies
 from jaxshare.model.layers import DenseGeneral, make_norm, param
-from jaxshare.schedule import Schedule, Segment
+from jaxshare.model.scan import scan_or_unroll
+from jaxshare.model.ties import MATRICES, HeadTies
+from jaxshare.schedule import Schedule, StackPlan
 
 
-class StackedSegment(nnx.Module):
+class Stack(nnx.Module):
   """``count`` structurally identical superblocks with parameters stacked on a leading ``layers`` axis."""
 
-  def __init__(self, cfg: ModelConfig, segment: Segment, *, mlp_dim: int, attention_impl: str, score_sharing: str,
+  def __init__(self, cfg: ModelConfig, plan: StackPlan, *, mlp_dim: int, attention_impl: str, score_sharing: str,
                rngs: nnx.Rngs):
-    self.count, self.scan, self.remat = segment.count, cfg.scan_layers, cfg.remat == "full"
+    self.count, self.scan, self.remat = plan.count, cfg.scan_layers, cfg.remat == "full"
 
-    @nnx.split_rngs(splits=segment.count)
+    @nnx.split_rngs(splits=plan.count)
     @nnx.vmap(in_axes=(0,), out_axes=0)
     def make(rngs: nnx.Rngs) -> Superblock:
-      return Superblock(cfg, segment.runs, mlp_dim=mlp_dim, attention_impl=attention_impl,
+      return Superblock(cfg, plan.runs, mlp_dim=mlp_dim, attention_impl=attention_impl,
                         score_sharing=score_sharing, rngs=rngs)
 
     self.blocks = make(rngs)
@@ -37,42 +38,22 @@ class StackedSegment(nnx.Module):
 
     ``head_kernels``: head-wise sharing's gathered kernels, ``[count, superblock size, D, H, d]`` each.
     """
-    def apply(block: Superblock, x: jax.Array, positions: jax.Array, segment_ids: jax.Array, kernels):
+    def apply(block: Superblock, x: jax.Array, kernels):
       return block(x, positions, segment_ids, capture, kernels)
 
-    if self.remat:
-      apply = nnx.remat(apply)
-    if self.scan:
-      body = nnx.scan(apply, in_axes=(0, nnx.Carry, None, None, 0), out_axes=(nnx.Carry, 0))
-      x, ys = body(self.blocks, x, positions, segment_ids, head_kernels)
-      return x, [jax.tree.map(lambda a: a[c], y) for c in range(self.count) for y in ys]
-    graphdef, state = nnx.split(self.blocks)
-    captured: list[jax.Array] = []
-    for i in range(self.count):
-      kernels = None if head_kernels is None else jax.tree.map(lambda a: a[i], head_kernels)
-      x, ys = apply(nnx.merge(graphdef, jax.tree.map(lambda a: a[i], state)), x, positions, segment_ids, kernels)
-      captured.extend(ys)
-    return x, captured
-
+    x, ys = scan_or_unroll(nnx.remat(apply) if self.remat else apply, self.blocks, x, head_kernels,
+                           count=self.count, scan=self.scan)
+    return x, [jax.tree.map(lambda a: a[c], y) for c in range(self.count) for y in ys]
 
   def decode(self, x: jax.Array, ctx: StepContext, buffers: list[kv_cache.Buffers], head_kernels: dict | None = None,
              nf: bool = False) -> tuple[jax.Array, list[kv_cache.Buffers]]:
-    """One decode step through the segment's superblocks (scanned like :meth:`__call__`; superblock c reads its
+    """One decode step through the stack's superblocks (scanned like :meth:`__call__`; superblock c reads its
     slice of each run's cache ``{name: [count, length, B, G, S, e]}``). Returns ``x`` and the new rows
     ``{name: [count, length, B, G, n, e]}``."""
-    def apply(block: Superblock, x, buffers, kernels):
-      return block.decode(x, ctx, buffers, kernels, nf)
+    def apply(block: Superblock, x, per_block):
+      return block.decode(x, ctx, *per_block, nf)
 
-    if self.scan:
-      body = nnx.scan(apply, in_axes=(0, nnx.Carry, 0, 0), out_axes=(nnx.Carry, 0))
-      return body(self.blocks, x, buffers, head_kernels)
-    graphdef, state = nnx.split(self.blocks)
-    rows = []
-    for c in range(self.count):
-      at = lambda tree: jax.tree.map(lambda a: a[c], tree)  # noqa: E731
-      x, new = apply(nnx.merge(graphdef, at(state)), x, at(buffers), at(head_kernels))
-      rows.append(new)
-    return x, jax.tree.map(lambda *r: jnp.stack(r), *rows)
+    return scan_or_unroll(apply, self.blocks, x, (buffers, head_kernels), count=self.count, scan=self.scan)
 
 
 class HeadTable(nnx.Module):
@@ -100,7 +81,7 @@ class Transformer(nnx.Module):
 
   Args:
     cfg: model dimensions and flavour.
-    schedule: compiled schedule: every layer's role, grouped into superblocks, runs and segments.
+    schedule: compiled schedule: every layer's role, grouped into superblocks, runs and stacks.
     mlp_dim: MLP width (``accounting.mlp_dim``: the config's, or widened to match parameters).
     attention_impl: ``attention.impl``.
     score_sharing: ``attention.score_sharing`` (see :class:`~jaxshare.model.attention.Attention`).
@@ -122,12 +103,13 @@ class Transformer(nnx.Module):
     if (ties is None) != (schedule.tied_heads == 0):
       raise ValueError(f"schedule ties {schedule.tied_heads} heads; pass ties exactly when it ties any")
     self.head_table = HeadTable(cfg, ties, rngs) if ties is not None else None
+    # the stacks; "segments" is their key in the parameter tree, which checkpoints and native exports store
     self.segments = nnx.List([
-      StackedSegment(cfg, seg, mlp_dim=mlp_dim or cfg.mlp_dim, attention_impl=attention_impl,
-                     score_sharing=score_sharing, rngs=rngs)
-      for seg in schedule.segments])
-    self.segment_spans = tuple((seg.start, seg.count, seg.superblock_size) for seg in schedule.segments)
-    self.final_norm = make_norm(cfg.flavor, cfg.d_model, cfg.norm_eps, pdtype)
+      Stack(cfg, plan, mlp_dim=mlp_dim or cfg.mlp_dim, attention_impl=attention_impl, score_sharing=score_sharing,
+            rngs=rngs)
+      for plan in schedule.stacks])
+    self.stack_plans = schedule.stacks
+    self.final_norm = make_norm(cfg.features.norm, cfg.d_model, cfg.norm_eps, pdtype)
     self.lm_head = None if cfg.tie_embeddings else DenseGeneral(
       "btd,dv->btv", (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), std=cfg.init_std, bias_shape=None,
       dtype=self.dtype, param_dtype=pdtype, rngs=rngs)
@@ -163,8 +145,8 @@ class Transformer(nnx.Module):
       segment_ids = jnp.ones((b, t), jnp.int32)
     x = self._embed(tokens)
     captured: list[jax.Array] = []
-    for seg, kernels in zip(self.segments, self._segment_kernels()):
-      x, ys = seg(x, positions, segment_ids, capture, kernels)
+    for stack, kernels in zip(self.segments, self._stack_kernels()):
+      x, ys = stack(x, positions, segment_ids, capture, kernels)
       captured.extend(ys)
     logits = self._logits(x)
     if capture is None:
@@ -186,8 +168,8 @@ class Transformer(nnx.Module):
     ctx = kv_cache.step_context(cache, tokens.shape[1], self.window)
     x = self._embed(tokens)
     rows = []
-    for seg, bufs, kernels in zip(self.segments, cache.buffers, self._segment_kernels()):
-      x, new = seg.decode(x, ctx, bufs, kernels, nf)
+    for stack, bufs, kernels in zip(self.segments, cache.buffers, self._stack_kernels()):
+      x, new = stack.decode(x, ctx, bufs, kernels, nf)
       rows.append(new)
     return self._logits(x), kv_cache.write(cache, rows, tokens.shape[1], after=x)
 
@@ -199,13 +181,13 @@ class Transformer(nnx.Module):
     x = jnp.take(table, tokens, axis=0).astype(self.dtype)
     return parallel.constrain(x, ("activation_batch", "activation_length", "activation_embed"))
 
-  def _segment_kernels(self) -> list[dict | None]:
-    """Head-wise sharing's gathered kernels per segment, ``[count, superblock size, D, H, d]`` (None without)."""
+  def _stack_kernels(self) -> list[dict | None]:
+    """Head-wise sharing's gathered kernels per stack, ``[count, superblock size, D, H, d]`` (None without)."""
     if self.head_table is None:
       return [None] * len(self.segments)
     kernels = self.head_table.kernels()
-    return [{m: w[start:start + count * size].reshape(count, size, *w.shape[1:]) for m, w in kernels.items()}
-            for start, count, size in self.segment_spans]
+    return [{m: w[p.start:p.start + p.count * p.superblock_size].reshape(p.count, p.superblock_size, *w.shape[1:])
+             for m, w in kernels.items()} for p in self.stack_plans]
 
   def _logits(self, x: jax.Array) -> jax.Array:
     x = self.final_norm(x)

@@ -41,7 +41,7 @@ from jaxshare.sweep.devices import DeviceGroup, device_groups
 from jaxshare.sweep.launch import LAUNCHERS, check_launcher_args, launch, launcher_command
 from jaxshare.sweep.results import Results, markdown_table, plot, result_row, summarize
 from jaxshare.sweep.runner import cached_eval, command, eval_args, execute, latest_step, say, train_all, train_args
-from jaxshare.sweep.spec import Run, Sweep, SweepError, check_config, load_sweep, rel
+from jaxshare.sweep.spec import Sweep, SweepError, Trial, check_config, load_sweep, rel
 
 
 def _parser(prog: str | None) -> argparse.ArgumentParser:
@@ -69,7 +69,7 @@ def _parser(prog: str | None) -> argparse.ArgumentParser:
   return parser
 
 
-def _check(sweep: Sweep, runs: list[Run]) -> int:
+def _check(sweep: Sweep, runs: list[Trial]) -> int:
   bad = 0
   for run in {r.variant: r for r in runs}.values():  # a seed changes no shape
     try:
@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
 
   results = Results(sweep)
   done: list[dict] = []  # rows of this invocation
-  pending: list[tuple[Run, int | None, str]] = []  # run, target steps, config error
+  pending: list[tuple[Trial, int | None, str]] = []  # run, target steps, config error
   for run in runs:
     try:
       cfg, _ = check_config(sweep, run)

@@ -9,7 +9,7 @@ import subprocess
 
 from jaxshare.config import REPO_ROOT
 from jaxshare.sweep.runner import say
-from jaxshare.sweep.spec import Run, Sweep, SweepError, rel
+from jaxshare.sweep.spec import Sweep, SweepError, Trial, rel
 
 LAUNCHERS = {"slurm": "scripts/launch_slurm.sh", "tpu": "scripts/launch_tpu_pod.sh"}
 
@@ -23,14 +23,14 @@ RESERVED_LAUNCHER_FLAGS = {
 }
 
 
-def job_name(sweep: Sweep, run: Run) -> str:
+def job_name(sweep: Sweep, run: Trial) -> str:
   """The launcher's --run-name: ``<sweep>-<variant>-s<seed>`` in the characters the launchers take (letters,
   digits, '.', '_', '-'); it names the Slurm job, and on TPU the run's directory in the bucket."""
   name = f"{sweep.path.stem}-{run.variant}" + ("" if run.seed is None else f"-s{run.seed}")
   return re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("._-")
 
 
-def launcher_command(kind: str, sweep: Sweep, run: Run, launcher_args: list[str]) -> list[str]:
+def launcher_command(kind: str, sweep: Sweep, run: Trial, launcher_args: list[str]) -> list[str]:
   """The launcher invocation that trains ``run`` remotely (scripts/launch_slurm.sh, scripts/launch_tpu_pod.sh).
 
   slurm: the run directory stays at the sweep's layout on the cluster's shared filesystem: overrides after ``--``
@@ -64,7 +64,7 @@ def _bucket(launcher_args: list[str]) -> str | None:
   return None
 
 
-def launch(kind: str, sweep_file: str, sweep: Sweep, runs: list[Run], launcher_args: list[str]) -> int:
+def launch(kind: str, sweep_file: str, sweep: Sweep, runs: list[Trial], launcher_args: list[str]) -> int:
   """Submit ``runs`` one launcher call each; returns the number of calls that failed."""
   failed = 0
   for run in runs:

@@ -11,7 +11,7 @@ import os
 import threading
 from pathlib import Path
 
-from jaxshare.sweep.spec import Run, Sweep, rel
+from jaxshare.sweep.spec import Sweep, Trial, rel
 
 FIELDS = ("variant", "seed", "status", "val_loss", "bits_per_byte", "perplexity", "kv_bytes_per_token_bf16",
           "kv_bytes_per_token", "num_params", "step", "schedule", "run_dir", "error")
@@ -24,7 +24,7 @@ def write_atomic(path: Path, text: str) -> None:
   os.replace(tmp, path)
 
 
-def result_row(run: Run, status: str, report: dict | None = None, error: str = "") -> dict:
+def result_row(run: Trial, status: str, report: dict | None = None, error: str = "") -> dict:
   """The table's row of ``run``: its status and error, and the FIELDS of its evaluation ``report``."""
   row = {"variant": run.variant, "seed": run.seed_key, "status": status, "run_dir": rel(run.run_dir), "error": error}
   for key in FIELDS:

@@ -17,7 +17,7 @@ from pathlib import Path
 from jaxshare.config import REPO_ROOT
 from jaxshare.sweep.devices import DeviceGroup
 from jaxshare.sweep.results import Results, result_row, write_atomic
-from jaxshare.sweep.spec import Run, Sweep, rel
+from jaxshare.sweep.spec import Sweep, Trial, rel
 from jaxshare import exit_codes
 
 _PRINT = threading.Lock()
@@ -60,11 +60,11 @@ def command(group: DeviceGroup, args: list[str]) -> str:
   return " ".join(env + [shlex.join([*group.prefix, *args])])
 
 
-def train_args(sweep: Sweep, run: Run) -> list[str]:
+def train_args(sweep: Sweep, run: Trial) -> list[str]:
   return [sys.executable, "train.py", "--config", sweep.experiment, "--no-eval", *run.train_overrides()]
 
 
-def eval_args(run: Run) -> list[str]:
+def eval_args(run: Trial) -> list[str]:
   return [sys.executable, "eval.py", str(run.run_dir), "--json", "--sample-tokens", "0"]
 
 
@@ -82,7 +82,7 @@ def _call(group: DeviceGroup, args: list[str], log: Path, capture: bool = False)
   return proc.returncode, proc.stdout or ""
 
 
-def execute(sweep: Sweep, run: Run, steps: int, group: DeviceGroup, evaluate_only: bool = False) -> dict:
+def execute(sweep: Sweep, run: Trial, steps: int, group: DeviceGroup, evaluate_only: bool = False) -> dict:
   """Train (or resume) and evaluate one run; a result row with status ok or failed (never raises for the run's
   own errors: their output is in <run_dir>/sweep.log)."""
   run.run_dir.mkdir(parents=True, exist_ok=True)
@@ -111,7 +111,7 @@ def execute(sweep: Sweep, run: Run, steps: int, group: DeviceGroup, evaluate_onl
   return result_row(run, "ok", report)
 
 
-def train_all(sweep: Sweep, todo: list[tuple[Run, int]], groups: list[DeviceGroup], results: Results,
+def train_all(sweep: Sweep, todo: list[tuple[Trial, int]], groups: list[DeviceGroup], results: Results,
               done: list[dict]) -> int:
   """Train and evaluate ``todo``, as many at once as there are device groups; rows are merged into the table as
   each run ends. Returns the number of failed runs."""
@@ -120,7 +120,7 @@ def train_all(sweep: Sweep, todo: list[tuple[Run, int]], groups: list[DeviceGrou
     free.put(g)
   total, failures = len(todo), 0
 
-  def work(i: int, run: Run, steps: int) -> dict:
+  def work(i: int, run: Trial, steps: int) -> dict:
     group = free.get()
     try:
       where = f" on {group.label}" if group.label else ""

@@ -31,8 +31,8 @@ def rel(path: Path) -> str:
 
 
 @dataclasses.dataclass(frozen=True)
-class Run:
-  """One train.py + eval.py invocation: a variant at a seed."""
+class Trial:
+  """A trial of the sweep: one train.py + eval.py invocation, a variant at a seed (its own run directory)."""
 
   variant: str
   seed: int | None  # None: the sweep has no seeds, the experiment's own train.seed
@@ -65,7 +65,7 @@ class Sweep:
   variants: dict[str, list[str]]
   series: dict[str, str]
 
-  def runs(self, only: list[str] | None = None) -> list[Run]:
+  def runs(self, only: list[str] | None = None) -> list[Trial]:
     """Every run (variants in file order, seeds inner), or those of the variants named in ``only``.
 
     Raises:
@@ -83,7 +83,7 @@ class Sweep:
       for seed in self.seeds or [None]:
         seed_ov = [] if seed is None else [f"train.seed={seed}"]
         run_dir = self.run_root / name if seed is None else self.run_root / name / f"seed{seed}"
-        runs.append(Run(name, seed, tuple(self.base + overrides + seed_ov), run_dir, self.series.get(name, "")))
+        runs.append(Trial(name, seed, tuple(self.base + overrides + seed_ov), run_dir, self.series.get(name, "")))
     return runs
 
 
@@ -199,7 +199,7 @@ def load_sweep(path: str | Path) -> Sweep:
                seeds, variants, series)
 
 
-def check_config(sweep: Sweep, run: Run) -> tuple[Any, Any]:
+def check_config(sweep: Sweep, run: Trial) -> tuple[Any, Any]:
   """The run's validated config and compiled schedule, without JAX (what train.py checks before compiling).
 
   Raises:

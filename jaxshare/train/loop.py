@@ -107,199 +107,280 @@ def train(cfg: Config, *, mesh=None, stop_after: int | None = None) -> dict[str,
     KeyboardInterrupt: a third SIGINT/SIGTERM (the last finished checkpoint is kept).
   """
   cfg = with_match_reference(cfg)
-  run_dir = absolute(cfg.train.run_dir)
   mesh = mesh or parallel.make_mesh(cfg.mesh)
-  tcfg = cfg.train
-  two_stage = tcfg.recipe == "uniattn_two_stage"
-  if two_stage and "uniattn" not in cfg.schedule.kind:
+  # Nothing is created in the run directory until the config, data and checkpoint have all been accepted.
+  data = _open_data(cfg)
+  ckpt = _existing_checkpoints(cfg)
+  trainer = _Trainer(cfg, mesh, data)
+  trainer.start(ckpt)
+  trainer.write_run_files()
+  trainer.compile()
+  trainer.announce()
+  trainer.run(cfg.train.steps if stop_after is None else min(cfg.train.steps, stop_after))
+  return trainer.summary
+
+
+def _open_data(cfg: Config) -> Datasets:
+  """The run's datasets, once the recipe and the vocabulary are known to fit the model.
+
+  Raises:
+    ConfigError: a two-stage recipe without UniAttn, or a tokenizer larger than the vocabulary. DataError: unreadable
+      data.
+  """
+  if cfg.train.recipe == "uniattn_two_stage" and "uniattn" not in cfg.schedule.kind:
     raise ConfigError(f"train.recipe=uniattn_two_stage needs a uniattn schedule, got schedule.kind="
                       f"{cfg.schedule.kind!r}")
-  data = Datasets(cfg.data, tcfg.batch_size)
+  data = Datasets(cfg.data, cfg.train.batch_size)
   if data.tokenizer.vocab_size > cfg.model.vocab_size:
     raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's vocabulary "
                       f"({data.tokenizer.vocab_size}); set model.vocab_size >= {data.tokenizer.vocab_size}")
-  # Nothing is created in the run directory until the config, data and checkpoint have all been accepted.
-  ckpt = Checkpointer(run_dir / "checkpoints", tcfg.keep_checkpoints) if (run_dir / "checkpoints").exists() else None
-  if ckpt is not None and ckpt.latest_step() is not None and (run_dir / "config.yaml").exists():
+  return data
+
+
+def _existing_checkpoints(cfg: Config) -> Checkpointer | None:
+  """The run directory's checkpoints, when it has some, once it is known to hold this experiment.
+
+  Raises:
+    ConfigError: the saved config differs in a field a resumed run may not change (:func:`check_resume_compatible`).
+  """
+  run_dir = absolute(cfg.train.run_dir)
+  if not (run_dir / "checkpoints").exists():
+    return None
+  ckpt = Checkpointer(run_dir / "checkpoints", cfg.train.keep_checkpoints)
+  if ckpt.latest_step() is not None and (run_dir / runs.CONFIG_FILE).exists():
     check_resume_compatible(runs.read_config(run_dir), cfg)
-  resuming = ckpt is not None and ckpt.latest_step() is not None
-  source = runs.load_run(tcfg.init_from, mesh) if tcfg.init_from else None  # uptraining source, distillation teacher
-  # head-wise ties are chosen once, when the run starts, and read back from the run directory ever after
-  schedule = compile_schedule(cfg.model, cfg.schedule)
-  ties = runs.read_ties(run_dir, cfg, schedule) if resuming else compute_ties(cfg, schedule, tcfg.seed, mesh)
+  return ckpt
 
-  def stage_of(meta: dict) -> int:
-    return meta.get("stage", 0) or (1 if two_stage else 0)
 
-  def prepare(meta: dict) -> tuple[TrainSetup, Any]:
-    """The run's setup at the recipe stage ``meta`` records, and a data iterator at the start of the data."""
-    setup = setup_training(cfg, mesh, trainable_for(cfg, stage_of(meta)), ties, start_step=meta.get("stage_start", 0))
-    data.rows = parallel.local_batch_rows(setup.batch_sharding, tcfg.batch_size)  # what this process's devices hold
-    return setup, data.train_iter()
+class _Trainer:
+  """One training run's phases, in the order :func:`train` calls them: :meth:`start` (resume the newest valid
+  checkpoint, or initialise), :meth:`write_run_files`, :meth:`compile` (the objective and the jitted steps),
+  :meth:`announce` (what runs, logged), :meth:`run` (steps, logging, validation, checkpoints, UniAttn's stage
+  switch, non-finite steps); :attr:`summary` is the result."""
 
-  def resume(step: int) -> tuple[dict, TrainSetup, Any, Any]:
-    meta = ckpt.read_meta(step)
-    setup, data_iter = prepare(meta)
-    if meta.get(PARAMS_ONLY):  # a converted model (convert/run_dir.py): a fresh optimizer
-      state = state_from_params(setup, ckpt.restore_params(step, abstract_state(setup)["params"], meta), step)
+  def __init__(self, cfg: Config, mesh, data: Datasets):
+    self.cfg, self.tcfg, self.mesh, self.data = cfg, cfg.train, mesh, data
+    self.run_dir = absolute(cfg.train.run_dir)
+    self.two_stage = cfg.train.recipe == "uniattn_two_stage"
+    # the train.init_from run: uptraining source and distillation teacher
+    self.source = runs.load_run(cfg.train.init_from, mesh) if cfg.train.init_from else None
+    self.teacher_params = self.source.params if cfg.train.kd_beta > 0 else None
+    self.pending: list[dict] = []  # metrics of the steps since the last log line
+    self.screened = 0  # how many of pending were already checked for non-finite steps
+
+  # -- start --------------------------------------------------------------------------------------------------
+
+  def start(self, ckpt: Checkpointer | None) -> None:
+    """Resume from the newest checkpoint that restores and verifies, or initialise (from ``train.init_from`` when
+    set). Head-wise ties are chosen here once, when the run starts, and read back from the run directory ever
+    after."""
+    cfg = self.cfg
+    schedule = compile_schedule(cfg.model, cfg.schedule)
+    resuming = ckpt is not None and ckpt.latest_step() is not None
+    self.ties = (runs.read_ties(self.run_dir, cfg, schedule) if resuming else
+                 compute_ties(cfg, schedule, self.tcfg.seed, self.mesh))
+    self.ckpt = ckpt
+    resumed = ckpt.restore_newest_valid(self._resume_from) if ckpt is not None else None
+    if resumed is not None:
+      self.latest, (self.meta, self.setup, self.data_iter, self.state), self.fallbacks = resumed
     else:
-      state, _ = ckpt.restore(step, abstract_state(setup), data_iter)
+      self.latest, self.meta, self.fallbacks = None, {}, []
+      self.setup, self.data_iter = self._prepare(self.meta)
+      self.state = init_state(self.setup, from_params=None if self.source is None else (self.source.params,
+                                                                                         self.source.schedule))
+    self.stage = self._stage_of(self.meta)
+    self.stage_start = self.meta.get("stage_start", 0)  # the step the current stage's learning-rate schedule began
+    self.skipped = self.meta.get("skipped_steps", 0)
+    self.monitor = Stage1Monitor(self.tcfg.stage1_ema, self.tcfg.stage1_patience, self.tcfg.stage1_max_steps)
+    if "stage1" in self.meta:  # resume early stopping exactly where it was
+      self.monitor.load(self.meta["stage1"])
+    self.step = int(jax.device_get(self.state["step"]))
+
+  def _stage_of(self, meta: dict) -> int:
+    return meta.get("stage", 0) or (1 if self.two_stage else 0)
+
+  def _prepare(self, meta: dict) -> tuple[TrainSetup, Any]:
+    """The run's setup at the recipe stage ``meta`` records, and a data iterator at the start of the data."""
+    setup = setup_training(self.cfg, self.mesh, trainable_for(self.cfg, self._stage_of(meta)), self.ties,
+                           start_step=meta.get("stage_start", 0))
+    self.data.rows = parallel.local_batch_rows(setup.batch_sharding, self.tcfg.batch_size)  # this process's rows
+    return setup, self.data.train_iter()
+
+  def _resume_from(self, step: int) -> tuple[dict, TrainSetup, Any, Any]:
+    meta = self.ckpt.read_meta(step)
+    setup, data_iter = self._prepare(meta)
+    if meta.get(PARAMS_ONLY):  # a converted model (runs.write_run): a fresh optimizer
+      params = self.ckpt.restore_params(step, abstract_state(setup)["params"], meta)
+      state = state_from_params(setup, params, step)
+    else:
+      state, _ = self.ckpt.restore(step, abstract_state(setup), data_iter)
     return meta, setup, data_iter, state
 
-  resumed = ckpt.restore_newest_valid(resume) if ckpt is not None else None
-  if resumed is not None:
-    latest, (meta, setup, data_iter, state), fallbacks = resumed
-  else:
-    latest, meta, fallbacks = None, {}, []
-    setup, data_iter = prepare(meta)
-    state = (init_state(setup, from_params=(source.params, source.schedule)) if source is not None else
-             init_state(setup))
-  stage = stage_of(meta)
-  stage_start = meta.get("stage_start", 0)  # the step the current stage's learning-rate schedule started at
-  run_dir.mkdir(parents=True, exist_ok=True)
-  ckpt = ckpt or Checkpointer(run_dir / "checkpoints", tcfg.keep_checkpoints)
-  if distributed.is_primary():
-    runs.write_config(run_dir, cfg)
-    if ties is not None:
-      runs.write_ties(run_dir, ties)
-  start = int(jax.device_get(state["step"]))
-  teacher_params = source.params if tcfg.kd_beta > 0 else None
-  teacher_shardings = jax.tree.map(lambda x: x.sharding, teacher_params) if teacher_params is not None else None
-  objective = build_objective(cfg, setup, source)
-  step_fn = jit_train_step(setup, objective, teacher_shardings)
-  eval_fn = jax.jit(make_eval_step(setup.graphdef), in_shardings=(setup.param_shardings, setup.batch_sharding))
+  # -- the run directory, the compiled steps, the announcement --------------------------------------------------
 
-  n_dev = setup.mesh.size
-  flops_per_token = accounting.train_flops_per_token(cfg.model, setup.schedule, cfg.data.seq_len,
-                                                     accounting.param_match(cfg.schedule))
-  peak = resolve_peak(tcfg.peak_tflops, n_dev, cfg.model.dtype)
-  kv_bytes = accounting.kv_cache_bytes_per_token(cfg.model, setup.schedule,
-                                                 2 if cfg.model.dtype == "bfloat16" else 4)
-  log = MetricsLogger(run_dir, tcfg.steps, start, tcfg.progress_bar)
-  log.print(f"jaxshare | {setup.schedule.describe()}")
-  if ckpt.cleaned:
-    log.print(f"removed {len(ckpt.cleaned)} unfinished checkpoint write(s) an interrupted run left: "
-              + ", ".join(ckpt.cleaned))
-  for report in fallbacks:
-    log.print(f"warning: {report} Resuming from checkpoint {latest}, the newest one that restored and verified.")
-  log.print(f"params {setup.num_params:,} ({setup.num_trainable:,} trainable) | KV cache {kv_bytes:,} B/token | "
-            f"mesh {dict(setup.mesh.shape)} ({n_dev} {jax.devices()[0].platform}) | train "
-            f"{len(data.train_source):,} seqs, val {len(data.val_source):,} seqs of {cfg.data.seq_len} | "
-            + (f"resumed at step {start}" if latest is not None else
-               f"initialised from {tcfg.init_from}" if source is not None else "fresh start")
-            + (f" | recipe {tcfg.recipe}, stage {stage}" if two_stage else ""))
-  if source is not None and latest is None and setup.ties is None:
-    for line in init_report(source.params, source.schedule, state["params"], setup.schedule, init_kv_pool(cfg),
-                            cfg.train.init_mlp_widen):
-      log.print(f"init | {line}")
-  log.print(f"MFU against {peak.label}; {flops_per_token / 1e6:.2f} MFLOP per trained token (model FLOPs)"
-            if peak is not None else "MFU not shown: unknown accelerator peak (set train.peak_tflops)")
+  def write_run_files(self) -> None:
+    """Create the run directory with its config (and head-wise ties) next to the checkpoints."""
+    self.run_dir.mkdir(parents=True, exist_ok=True)
+    self.ckpt = self.ckpt or Checkpointer(self.run_dir / "checkpoints", self.tcfg.keep_checkpoints)
+    if distributed.is_primary():
+      runs.write_config(self.run_dir, self.cfg)
+      if self.ties is not None:
+        runs.write_ties(self.run_dir, self.ties)
 
-  summary: dict[str, Any] = {"run_dir": cfg.train.run_dir, "num_params": setup.num_params,
-                             "trainable_params": setup.num_trainable, "kv_bytes_per_token": kv_bytes, "step": start,
-                             "mfu_peak": None if peak is None else peak.label}
-  monitor = Stage1Monitor(tcfg.stage1_ema, tcfg.stage1_patience, tcfg.stage1_max_steps)
-  if "stage1" in meta:  # resume early stopping exactly where it was
-    monitor.load(meta["stage1"])
-  pending: list[dict] = []
-  screened = 0  # how many of pending were already checked for non-finite steps
-  skipped = meta.get("skipped_steps", 0)
-  t_last, step = time.perf_counter(), start
-  end = tcfg.steps if stop_after is None else min(tcfg.steps, stop_after)
+  def compile(self) -> None:
+    """The auxiliary objective (PostShare writes its pairs into the run directory) and the jitted steps."""
+    self.objective = build_objective(self.cfg, self.setup, self.source)
+    self.teacher_shardings = (jax.tree.map(lambda x: x.sharding, self.teacher_params)
+                              if self.teacher_params is not None else None)
+    self.step_fn = jit_train_step(self.setup, self.objective, self.teacher_shardings)
+    self.eval_fn = jax.jit(make_eval_step(self.setup.graphdef),
+                           in_shardings=(self.setup.param_shardings, self.setup.batch_sharding))
 
-  def screen(flags) -> None:
+  def announce(self) -> None:
+    """Open the metrics log and say what runs: schedule, sizes, mesh, data, how it starts, the MFU reference."""
+    cfg, tcfg, setup = self.cfg, self.tcfg, self.setup
+    n_dev = setup.mesh.size
+    self.flops_per_token = accounting.train_flops_per_token(cfg.model, setup.schedule, cfg.data.seq_len,
+                                                            accounting.param_match(cfg.schedule))
+    self.peak = resolve_peak(tcfg.peak_tflops, n_dev, cfg.model.dtype)
+    kv_bytes = accounting.kv_cache_bytes_per_token(cfg.model, setup.schedule,
+                                                   2 if cfg.model.dtype == "bfloat16" else 4)
+    self.log = log = MetricsLogger(self.run_dir, tcfg.steps, self.step, tcfg.progress_bar)
+    log.print(f"jaxshare | {setup.schedule.describe()}")
+    if self.ckpt.cleaned:
+      log.print(f"removed {len(self.ckpt.cleaned)} unfinished checkpoint write(s) an interrupted run left: "
+                + ", ".join(self.ckpt.cleaned))
+    for report in self.fallbacks:
+      log.print(f"warning: {report} Resuming from checkpoint {self.latest}, the newest one that restored and "
+                "verified.")
+    log.print(f"params {setup.num_params:,} ({setup.num_trainable:,} trainable) | KV cache {kv_bytes:,} B/token | "
+              f"mesh {dict(setup.mesh.shape)} ({n_dev} {jax.devices()[0].platform}) | train "
+              f"{len(self.data.train_source):,} seqs, val {len(self.data.val_source):,} seqs of {cfg.data.seq_len} | "
+              + (f"resumed at step {self.step}" if self.latest is not None else
+                 f"initialised from {tcfg.init_from}" if self.source is not None else "fresh start")
+              + (f" | recipe {tcfg.recipe}, stage {self.stage}" if self.two_stage else ""))
+    if self.source is not None and self.latest is None and setup.ties is None:
+      for line in init_report(self.source.params, self.source.schedule, self.state["params"], setup.schedule,
+                              init_kv_pool(cfg), cfg.train.init_mlp_widen):
+        log.print(f"init | {line}")
+    log.print(f"MFU against {self.peak.label}; {self.flops_per_token / 1e6:.2f} MFLOP per trained token (model "
+              "FLOPs)" if self.peak is not None else "MFU not shown: unknown accelerator peak (set train.peak_tflops)")
+    self.summary: dict[str, Any] = {"run_dir": cfg.train.run_dir, "num_params": setup.num_params,
+                                    "trainable_params": setup.num_trainable, "kv_bytes_per_token": kv_bytes,
+                                    "step": self.step, "mfu_peak": None if self.peak is None else self.peak.label}
+
+  # -- the loop -----------------------------------------------------------------------------------------------
+
+  def run(self, end: int) -> None:
+    """Step until ``end`` (or a stop request), logging, validating and checkpointing on the configured cadence; a
+    stopped run saves where it stopped."""
+    tcfg = self.tcfg
+    self.t_last = time.perf_counter()
+    with jax.set_mesh(self.setup.mesh), Interrupts() as interrupts, _writes_finished_on_error(self.ckpt):
+      while self.step < end and not interrupts.should_stop(self.step):
+        batch = parallel.shard_batch(self.setup.batch_sharding, next(self.data_iter))
+        self.state, metrics = self.step_fn(self.state, batch, self.teacher_params)
+        self.step += 1
+        self.pending.append(metrics)
+        self.log.advance(1)
+        if self.stage == 1 and bool(metrics["finite"]) and self.monitor.update(float(metrics["loss"])):
+          self._begin_stage2()
+        is_last = self.step == tcfg.steps
+        is_eval = bool(tcfg.eval_every and self.step % tcfg.eval_every == 0) or is_last
+        if self.step % tcfg.log_every == 0 or is_eval or self.step == end:
+          self._log_interval(is_eval)
+        if self.step % tcfg.checkpoint_every == 0 or is_last:
+          self._save()
+      if self.step < tcfg.steps and self.step % tcfg.checkpoint_every:
+        self._save()
+      self.ckpt.wait()  # still under the handlers: a second signal cannot cut the write short
+      if self.step < tcfg.steps:
+        how = f"interrupted by {interrupts.received[0]}" if interrupts.received else "stopped"
+        self.log.print(f"{how} at step {self.step}; checkpoint {self.step} saved, re-run the same command to resume")
+    self.ckpt.close()
+    self.log.close()
+    self.summary.update(step=self.step, stage=self.stage, skipped_steps=self.skipped,
+                        interrupted=interrupts.received[0] if interrupts.received else None)
+
+  def _begin_stage2(self) -> None:
+    """UniAttn stage 2: everything trains, with a fresh optimizer state and a learning-rate schedule (warm-up,
+    cosine) over the remaining steps."""
+    self.stage, self.stage_start = 2, self.step
+    self.setup = setup_training(self.cfg, self.mesh, trainable_for(self.cfg, 2), self.ties, start_step=self.step)
+    params = self.state["params"]
+    opt_state = jax.jit(self.setup.tx.init, out_shardings=self.setup.state_shardings["opt_state"])(params)
+    self.state = {"params": params, "opt_state": opt_state, "step": self.state["step"]}
+    self.step_fn = jit_train_step(self.setup, self.objective, self.teacher_shardings)
+    self.summary["trainable_params"] = self.setup.num_trainable
+    self.log.print(f"stage 1 ended at step {self.step} (loss EMA {self.monitor.ema:.4f}); stage 2 trains "
+                   f"{self.setup.num_trainable:,} parameters")
+
+  def _screen(self, flags) -> None:
     """Check the steps of pending[screened:] (their ``finite`` flags): stop the run at the first non-finite one, or
-    count and report it (train.nan_policy)."""
-    nonlocal screened, skipped
-    first = step - len(pending) + 1 + screened
-    for i, ok in enumerate(flags[screened:]):
+    count and report it (train.nan_policy).
+
+    Raises:
+      DivergenceError: a non-finite step under ``train.nan_policy=stop``.
+    """
+    first = self.step - len(self.pending) + 1 + self.screened
+    for i, ok in enumerate(flags[self.screened:]):
       if bool(ok):
         continue
-      bad = jax.device_get(pending[screened + i])
+      bad = jax.device_get(self.pending[self.screened + i])
       what = f"loss {float(bad['loss'])}, gradient norm {float(bad['grad_norm'])}"
-      if tcfg.nan_policy == "skip":
-        skipped += 1
-        log.print(f"step {first + i}: {what}: skipped, the state is unchanged ({skipped} skipped so far)")
+      if self.tcfg.nan_policy == "skip":
+        self.skipped += 1
+        self.log.print(f"step {first + i}: {what}: skipped, the state is unchanged ({self.skipped} skipped so far)")
         continue
-      ckpt.wait()
-      last = ckpt.latest_step()
+      self.ckpt.wait()
+      last = self.ckpt.latest_step()
       raise DivergenceError(
         f"training diverged at step {first + i}: {what}. The state was not updated and nothing after it was saved; "
-        + (f"the last good checkpoint is step {last} in {run_dir / 'checkpoints'}" if last is not None else
+        + (f"the last good checkpoint is step {last} in {self.run_dir / 'checkpoints'}" if last is not None else
            "no checkpoint had been written yet")
         + ". Lower train.lr or raise train.warmup_steps and resume, or set train.nan_policy=skip to skip such steps.")
-    screened = len(pending)
+    self.screened = len(self.pending)
 
-  def save(step: int) -> None:
-    if len(pending) > screened:  # never checkpoint past a step that was not checked
-      screen(jax.device_get([m["finite"] for m in pending]))
-    ckpt.save(step, state, data_iter, {"step": step, "stage": stage, "stage_start": stage_start,
-                                       "stage1": monitor.state(), "skipped_steps": skipped})
+  def _save(self) -> None:
+    if len(self.pending) > self.screened:  # never checkpoint past a step that was not checked
+      self._screen(jax.device_get([m["finite"] for m in self.pending]))
+    self.ckpt.save(self.step, self.state, self.data_iter,
+                   {"step": self.step, "stage": self.stage, "stage_start": self.stage_start,
+                    "stage1": self.monitor.state(), "skipped_steps": self.skipped})
 
-  with jax.set_mesh(setup.mesh), Interrupts() as interrupts, _writes_finished_on_error(ckpt):
-    while step < end and not interrupts.should_stop(step):
-      batch = parallel.shard_batch(setup.batch_sharding, next(data_iter))
-      state, metrics = step_fn(state, batch, teacher_params)
-      step += 1
-      pending.append(metrics)
-      log.advance(1)
-      if stage == 1 and bool(metrics["finite"]) and monitor.update(float(metrics["loss"])):
-        # UniAttn stage 2: everything trains, with a fresh optimizer state and a learning-rate schedule (warm-up,
-        # cosine) over the remaining steps
-        stage, stage_start = 2, step
-        setup = setup_training(cfg, mesh, trainable_for(cfg, stage), ties, start_step=stage_start)
-        params = state["params"]
-        opt_state = jax.jit(setup.tx.init, out_shardings=setup.state_shardings["opt_state"])(params)
-        state = {"params": params, "opt_state": opt_state, "step": state["step"]}
-        step_fn = jit_train_step(setup, objective, teacher_shardings)
-        summary["trainable_params"] = setup.num_trainable
-        log.print(f"stage 1 ended at step {step} (loss EMA {monitor.ema:.4f}); stage 2 trains "
-                  f"{setup.num_trainable:,} parameters")
-      is_last = step == tcfg.steps
-      is_eval = bool(tcfg.eval_every and step % tcfg.eval_every == 0) or is_last
-      if step % tcfg.log_every == 0 or is_eval or step == end:
-        host = jax.device_get(pending)
-        screen([m["finite"] for m in host])
-        dt = time.perf_counter() - t_last
-        tokens = float(sum(m["tokens"] for m in host))
-        tps = tokens / dt
-        good = [m for m in host if m["finite"]] or host
-        record = {"step": step, "loss": float(np.mean([m["loss"] for m in good])),
-                  "lr": float(host[-1]["lr"]), "grad_norm": float(host[-1]["grad_norm"]),
-                  "tokens_per_sec": tps, "step_time": dt / len(host),
-                  "trainable_params": setup.num_trainable}
-        if peak is not None:
-          record["mfu"] = flops_per_token * tps / peak.flops_per_sec
-        for key in ("kd_loss", "postshare_loss"):
-          if key in host[-1]:
-            record[key] = float(np.mean([m[key] for m in host]))
-        if two_stage:
-          record["stage"] = stage
-        if skipped:
-          record["skipped_steps"] = skipped
-        pending, screened, t_last = [], 0, time.perf_counter()
-        if is_eval:
-          record["val_loss"] = evaluate_loss(eval_fn, setup.batch_sharding, state["params"], data, tcfg.eval_batches)
-          summary["val_loss"] = record["val_loss"]
-          t_last = time.perf_counter()  # keep validation out of the next interval's throughput
-        log.write(record)
-        log.advance(0, record["loss"])
-        mfu = "" if peak is None else f" | MFU {100 * record['mfu']:.1f}%" + (f" ({peak.tag})" if peak.tag else "")
-        log.print(f"step {step:>6}/{tcfg.steps} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
-                  f"{tps:,.0f} tok/s | {record['step_time'] * 1e3:.0f} ms/step{mfu}"
-                  + "".join(f" | {k} {record[k]:.4f}" for k in ("kd_loss", "postshare_loss", "val_loss")
-                            if k in record))
-        summary.update(loss=record["loss"], tokens_per_sec=tps, mfu=record.get("mfu"))
-      if step % tcfg.checkpoint_every == 0 or is_last:
-        save(step)
-    if step < tcfg.steps and step % tcfg.checkpoint_every:
-      save(step)
-    ckpt.wait()  # still under the handlers: a second signal cannot cut the write short
-    if step < tcfg.steps:
-      how = f"interrupted by {interrupts.received[0]}" if interrupts.received else "stopped"
-      log.print(f"{how} at step {step}; checkpoint {step} saved, re-run the same command to resume")
-  ckpt.close()
-  log.close()
-  summary.update(step=step, stage=stage, skipped_steps=skipped,
-                 interrupted=interrupts.received[0] if interrupts.received else None)
-  return summary
+  def _log_interval(self, is_eval: bool) -> None:
+    """Write the metrics of the steps since the last log line (and the validation loss when ``is_eval``)."""
+    host = jax.device_get(self.pending)
+    self._screen([m["finite"] for m in host])
+    dt = time.perf_counter() - self.t_last
+    tokens = float(sum(m["tokens"] for m in host))
+    tps = tokens / dt
+    good = [m for m in host if m["finite"]] or host
+    record = {"step": self.step, "loss": float(np.mean([m["loss"] for m in good])),
+              "lr": float(host[-1]["lr"]), "grad_norm": float(host[-1]["grad_norm"]),
+              "tokens_per_sec": tps, "step_time": dt / len(host),
+              "trainable_params": self.setup.num_trainable}
+    if self.peak is not None:
+      record["mfu"] = self.flops_per_token * tps / self.peak.flops_per_sec
+    for key in ("kd_loss", "postshare_loss"):
+      if key in host[-1]:
+        record[key] = float(np.mean([m[key] for m in host]))
+    if self.two_stage:
+      record["stage"] = self.stage
+    if self.skipped:
+      record["skipped_steps"] = self.skipped
+    self.pending, self.screened, self.t_last = [], 0, time.perf_counter()
+    if is_eval:
+      record["val_loss"] = evaluate_loss(self.eval_fn, self.setup.batch_sharding, self.state["params"], self.data,
+                                         self.tcfg.eval_batches)
+      self.summary["val_loss"] = record["val_loss"]
+      self.t_last = time.perf_counter()  # keep validation out of the next interval's throughput
+    self.log.write(record)
+    self.log.advance(0, record["loss"])
+    peak = self.peak
+    mfu = "" if peak is None else f" | MFU {100 * record['mfu']:.1f}%" + (f" ({peak.tag})" if peak.tag else "")
+    self.log.print(f"step {self.step:>6}/{self.tcfg.steps} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
+                   f"{tps:,.0f} tok/s | {record['step_time'] * 1e3:.0f} ms/step{mfu}"
+                   + "".join(f" | {k} {record[k]:.4f}" for k in ("kd_loss", "postshare_loss", "val_loss")
+                             if k in record))
+    self.summary.update(loss=record["loss"], tokens_per_sec=tps, mfu=record.get("mfu"))
