@@ -161,7 +161,7 @@ def test_parameters_only_checkpoints_are_verified(tmp_path):
 
 _ABANDONED_READS = """
 import asyncio, gc, logging, sys
-from jaxshare.train import checkpoint
+from jaxshare import checkpoint
 logging.basicConfig()
 checkpoint._mute_library_noise()
 src = "async def read():\\n  raise ValueError('OUT_OF_RANGE: spec dump')\\n"

@@ -33,10 +33,11 @@ def _resume_to_the_end(run_dir, reference, expect_resumed_at: int | None = None)
 
 @pytest.mark.slow
 def test_sigkill_anywhere_never_changes_the_curve(reference, tmp_path):
-  """12 SIGKILLs: at a random step, the moment a checkpoint write starts, or a random time into start-up (loading,
-  restoring, compiling); every restart resumes from the last finished checkpoint and the curve is unchanged."""
+  """6 SIGKILLs, two of each kind: at a random step, the moment a checkpoint write starts, or a random time into
+  start-up (loading, restoring, compiling); every restart resumes from the last finished checkpoint and the curve is
+  unchanged."""
   rng = random.Random(0)
-  modes = ["write", "step", "startup"] * 4
+  modes = ["write", "step", "startup"] * 2
   rng.shuffle(modes)
   during_write, cleaned = 0, 0
   previous_left_tmp = False
@@ -62,10 +63,10 @@ def test_sigkill_anywhere_never_changes_the_curve(reference, tmp_path):
     previous_left_tmp = any(TMP_MARKER in p.name for p in (tmp_path / "checkpoints").iterdir()) if (
       tmp_path / "checkpoints").exists() else False
   out = _resume_to_the_end(tmp_path, reference)
-  print(f"\n12 SIGKILLs ({modes.count('step')} at a step, {modes.count('write')} at a write's start, "
+  print(f"\n{len(modes)} SIGKILLs ({modes.count('step')} at a step, {modes.count('write')} at a write's start, "
         f"{modes.count('startup')} in start-up), {during_write} with a write in flight; every restart resumed; "
         f"the 60 logged losses equal the uninterrupted run's bit for bit")
-  assert during_write >= 4  # the "write" kills really landed during writes
+  assert during_write >= 2  # the "write" kills really landed during writes
   assert not any(TMP_MARKER in p.name for p in (tmp_path / "checkpoints").iterdir())
   assert "Traceback" not in out
 
