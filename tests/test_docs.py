@@ -26,6 +26,7 @@ COMMAND_TESTS = {
   "jaxshare.convert import": [("tests/test_entry_points.py", 'convert_cli("import"')],
   "jaxshare.convert export": [("tests/test_entry_points.py", 'convert_cli("export"')],
   "jaxshare.convert uptrain": [("tests/test_entry_points.py", 'convert_cli("uptrain"')],
+  "jaxshare.convert ties": [("tests/test_headwise.py", 'main(["ties"')],
   "jaxshare.analysis": [("tests/test_analysis.py", "jaxshare.analysis.__main__")],
   "jaxshare.evaluation.lm_eval_harness": [("tests/test_lm_eval.py", "jaxshare.evaluation.lm_eval_harness")],
   "jaxshare.sweep": [("tests/test_sweep.py", '"jaxshare.sweep"')],

@@ -16,7 +16,7 @@ from conftest import tiny_config
 from jaxshare import accounting
 from jaxshare.init.shared import copy_shared_weights
 from jaxshare.runs import build_model
-from test_model import randomized, tokens
+from test_model import forward, loss_and_grads, randomized, tokens
 
 SCORE_SCHEDULES = {
   "sa_reference_code": ["schedule.kind=sa", "schedule.sa.start=2", "schedule.sa.end=3"],
@@ -53,7 +53,7 @@ def test_matches_numpy_reference(name):
   schedule, graphdef, params = randomized(cfg)
   assert any(p.score_reuse for p in schedule.layers)
   x = tokens()
-  ours = np.asarray(nnx.merge(graphdef, params)(x))
+  ours = np.asarray(forward(graphdef, params, x))
   ref = reference_numpy.forward(cfg.model, schedule, jax.device_get(params), x, lisa_rope=cfg.schedule.lisa.rope,
                                 wc_normed=cfg.schedule.uniattn.wc_input == "normed")
   np.testing.assert_allclose(ours, ref, atol=3e-4, rtol=3e-4)
@@ -65,16 +65,10 @@ def test_scanned_equals_unrolled_and_accounting_matches(name):
   schedule, graphdef, params = randomized(cfg)
   _, graphdef_u, _ = randomized(tiny_config(*SCORE_SCHEDULES[name], "model.scan_layers=false"))
   x = tokens()
-  np.testing.assert_allclose(np.asarray(nnx.merge(graphdef, params)(x)),
-                             np.asarray(nnx.merge(graphdef_u, params)(x)), atol=1e-5, rtol=1e-5)
+  np.testing.assert_allclose(np.asarray(forward(graphdef, params, x)), np.asarray(forward(graphdef_u, params, x)),
+                             atol=1e-5, rtol=1e-5)
   live = sum(leaf.size for leaf in jax.tree.leaves(params))
   assert live == accounting.param_count(cfg.model, schedule).total
-
-
-def _loss_and_grads(graphdef, params, x):
-  def loss(p):
-    return jnp.mean(nnx.merge(graphdef, p)(x) ** 2)
-  return jax.value_and_grad(loss)(params)
 
 
 @pytest.mark.parametrize("name", RECOMPUTABLE)
@@ -83,8 +77,8 @@ def test_recompute_equals_materialized_values_and_grads(name):
   _, graphdef, params = randomized(cfg)
   _, graphdef_m, _ = randomized(tiny_config(*SCORE_SCHEDULES[name], "attention.score_sharing=materialize"))
   x = tokens()
-  la, ga = _loss_and_grads(graphdef, params, x)
-  lb, gb = _loss_and_grads(graphdef_m, params, x)
+  la, ga = loss_and_grads(graphdef, params, x)
+  lb, gb = loss_and_grads(graphdef_m, params, x)
   np.testing.assert_allclose(float(la), float(lb), rtol=1e-5)
   for u, v in zip(jax.tree.leaves(ga), jax.tree.leaves(gb)):
     np.testing.assert_allclose(np.asarray(u), np.asarray(v), atol=1e-6, rtol=2e-4)
@@ -147,9 +141,9 @@ def test_lisa_plus_with_zero_delta_equals_ds_equals_sa():
   ds_p, lp_p = copy_shared_weights(sa_p, sa_s, ds_p, ds_s), copy_shared_weights(sa_p, sa_s, lp_p, lp_s)
   lp_p = jax.tree_util.tree_map_with_path(
     lambda k, v: jnp.zeros_like(v) if "q_lr" in jax.tree_util.keystr(k) else v, lp_p)
-  a = np.asarray(nnx.merge(sa_gd, sa_p)(x))
-  np.testing.assert_allclose(np.asarray(nnx.merge(ds_gd, ds_p)(x)), a, atol=1e-5, rtol=1e-5)
-  np.testing.assert_allclose(np.asarray(nnx.merge(lp_gd, lp_p)(x)), a, atol=1e-5, rtol=1e-5)
+  a = np.asarray(forward(sa_gd, sa_p, x))
+  np.testing.assert_allclose(np.asarray(forward(ds_gd, ds_p, x)), a, atol=1e-5, rtol=1e-5)
+  np.testing.assert_allclose(np.asarray(forward(lp_gd, lp_p, x)), a, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("variant", [
@@ -207,9 +201,9 @@ def test_lisa_aligners_start_as_lisa_plus(integrator):
   plus_schedule, plus_graphdef, plus_params = randomized(plus_cfg, seed=7)
   plus_params = copy_shared_weights(params, schedule, plus_params, plus_schedule)
   x = tokens()
-  out = np.asarray(nnx.merge(graphdef, params)(x))
-  np.testing.assert_allclose(out, np.asarray(nnx.merge(plus_graphdef, plus_params)(x)), atol=1e-5, rtol=1e-5)
+  out = np.asarray(forward(graphdef, params, x))
+  np.testing.assert_allclose(out, np.asarray(forward(plus_graphdef, plus_params, x)), atol=1e-5, rtol=1e-5)
   _, _, other = randomized(cfg, seed=11)  # with another (here: random) aligner the outputs differ
   params = jax.tree_util.tree_map_with_path(lambda k, v, o: o if "align" in jax.tree_util.keystr(k) else v,
                                             params, other)
-  assert not np.allclose(out, np.asarray(nnx.merge(graphdef, params)(x)), atol=1e-3)
+  assert not np.allclose(out, np.asarray(forward(graphdef, params, x)), atol=1e-3)

@@ -1,1 +1,2 @@
-"""Training: optimizer recipes, the jitted train/eval steps, checkpoints, metrics and the loop."""
+"""Training: the optimizer and recipes, the train step, the train state and its shardings, metrics and the loop
+(run directories: :mod:`jaxshare.runs`; checkpoints: :mod:`jaxshare.checkpoint`)."""
