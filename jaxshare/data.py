@@ -300,7 +300,7 @@ class Datasets:
 
   Every global batch of ``batch_size`` sequences is the same whatever the number of processes; each process reads
   only its :attr:`rows` of it (default: block ``process_index`` of ``process_count`` equal blocks; the training loop
-  sets the rows its devices hold, :func:`jaxshare.train.state.local_batch_rows`).
+  sets the rows its devices hold, :func:`jaxshare.parallel.local_batch_rows`).
   """
 
   def __init__(self, cfg: DataConfig, batch_size: int, *, tokenizer: Tokenizer | None = None,

@@ -92,20 +92,17 @@ def read_ties(run_dir: str | os.PathLike, cfg: Config, schedule: Schedule) -> He
   """
   if not schedule.tied_heads:
     return None
-  path = absolute(run_dir) / TIES_FILE
+  run_dir = absolute(run_dir)
+  path = run_dir / TIES_FILE
+  recreate = f"`python -m jaxshare.convert ties {run_dir}`"
   if not path.exists():
-    raise CheckpointError(f"run {str(absolute(run_dir))!r} ties {schedule.tied_heads} heads but has no {TIES_FILE} "
-                          "(written before jaxshare stored head-wise ties with the run): re-create them once with "
-                          f"`python -m jaxshare.convert ties {absolute(run_dir)}`")
+    raise CheckpointError(f"run {str(run_dir)!r} ties {schedule.tied_heads} heads but has no {TIES_FILE} (written "
+                          f"before jaxshare stored head-wise ties with the run): re-create them once with {recreate}")
   try:
     ties = HeadTies.from_json(path.read_text(), repr(str(path)))
+    ties.check(len(schedule.layers), cfg.model.num_heads, schedule.tied_heads, repr(str(path)))
   except ValueError as e:
-    raise CheckpointError(str(e)) from None
-  L, H = len(schedule.layers), cfg.model.num_heads
-  shape = (len(ties.index["q"]), len(ties.index["q"][0]) if ties.index["q"] else 0)
-  if shape != (L, H) or L * H - ties.num_rows != schedule.tied_heads:
-    raise CheckpointError(f"{str(path)!r} ties {L * H - ties.num_rows} heads over {shape[0]}x{shape[1]} (layers x "
-                          f"heads); the run's schedule ties {schedule.tied_heads} over {L}x{H}")
+    raise CheckpointError(f"{e}: delete it and re-create it with {recreate}") from None
   return ties
 
 
@@ -188,11 +185,11 @@ def load_run(path: str | os.PathLike, mesh: Mesh | None = None) -> Run:
     cfg = dataclasses.replace(cfg, mesh=MeshConfig() if jax.process_count() == 1 else MeshConfig(fsdp=-1))
     mesh = parallel.make_mesh(cfg.mesh, jax.devices()[:1] if jax.process_count() == 1 else None)
   schedule = compile_schedule(cfg.model, cfg.schedule)
-  ties = read_ties(run_dir, cfg, schedule)
   ckpt = Checkpointer(run_dir / "checkpoints", cfg.train.keep_checkpoints)
   step = ckpt.latest_step() if step is None else step
   if step is None:
     raise CheckpointError(f"run directory {str(run_dir)!r} has no checkpoint yet")
+  ties = read_ties(run_dir, cfg, schedule)
   graphdef, target = abstract_params(cfg, schedule, ties, mesh)
   params = ckpt.restore_params(step, target)
   ckpt.close()
@@ -214,8 +211,8 @@ def write_run(run_dir: str | os.PathLike, cfg: Config, params: dict, *, ties: He
   not changed.
 
   Raises:
-    ConfigError: no tokenizer files and a vocabulary smaller than the byte tokenizer's, or ties given exactly when
-      the schedule ties no heads.
+    ConfigError: no tokenizer files and a vocabulary smaller than the byte tokenizer's, or ties given when the
+      schedule ties no heads or missing when it ties some.
     FileExistsError: ``run_dir`` exists and is not empty (nothing is overwritten).
   """
   run_dir = Path(run_dir).absolute()

@@ -136,6 +136,9 @@ def test_stored_ties_are_what_a_run_loads_and_an_old_run_migrates_once(tmp_path)
   (tmp_path / "hw" / TIES_FILE).write_text(other.to_json())
   assert load_run(tmp_path / "hw").ties == other  # never chosen again at load
 
+  (tmp_path / "hw" / TIES_FILE).write_text(stored.replace('"rows"', '"rowz"'))
+  with pytest.raises(CheckpointError, match=r"malformed.*delete it and re-create it with `python -m jaxshare.convert"):
+    load_run(tmp_path / "hw")
   (tmp_path / "hw" / TIES_FILE).unlink()
   with pytest.raises(CheckpointError, match=r"has no head_ties.json .*python -m jaxshare.convert ties"):
     load_run(tmp_path / "hw")
@@ -150,7 +153,7 @@ def test_stored_ties_are_what_a_run_loads_and_an_old_run_migrates_once(tmp_path)
 def test_uptrained_headwise_run_evaluates_generates_and_exports_without_its_source(tmp_path):
   import shutil
 
-  from jaxshare.convert.hf_export import export_run
+  from jaxshare.convert.hf_export import export_params, export_run
   from jaxshare.convert.hf_import import load_hf_model
   from jaxshare.convert.uptrain import uptrain_run
   from jaxshare.evaluation.evaluate import evaluate_run
@@ -175,6 +178,10 @@ def test_uptrained_headwise_run_evaluates_generates_and_exports_without_its_sour
   imported = load_hf_model(tmp_path / "native")
   assert imported.ties == run.ties
   jax.tree.map(np.testing.assert_array_equal, imported.params, jax.device_get(run.params))
+  with pytest.raises(UnsupportedModelError, match="the model ties 3 .*import without overriding schedule.headwise"):
+    load_hf_model(tmp_path / "native", ["schedule.headwise.ratio=0.15"])
+  with pytest.raises(ValueError, match="needs head-wise ties exactly when it ties any"):
+    export_params(run.cfg, run.schedule, run.params, tmp_path / "no_ties")
   config = json.loads((tmp_path / "native" / "config.json").read_text())
   del config["jaxshare_head_ties"]  # an export written before ties were stored with it
   (tmp_path / "native" / "config.json").write_text(json.dumps(config))

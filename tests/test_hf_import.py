@@ -114,6 +114,13 @@ def test_unsupported_config_is_refused_by_name(tmp_path, case, field, value, mat
     load_hf_model(tmp_path)
 
 
+def test_an_import_into_head_wise_sharing_is_refused_with_what_to_do(tmp_path):
+  """Head-wise ties are chosen on a dense model's weights when a run is created; an import cannot choose them."""
+  _save(tmp_path, "llama_head_dim")  # multi-head attention: what head-wise sharing ties
+  with pytest.raises(UnsupportedModelError, match="ties heads, which an import cannot choose: import the dense"):
+    load_hf_model(tmp_path, ["schedule.kind=headwise", "schedule.headwise.ratio=0.3"])
+
+
 def test_unknown_tensor_is_refused(tmp_path):
   from safetensors.numpy import load_file, save_file
 

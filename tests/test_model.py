@@ -132,7 +132,7 @@ def test_remat_and_bf16():
   np.testing.assert_allclose(np.asarray(half), np.asarray(full), atol=0.1, rtol=0.05)
 
 
-# Presets whose knobs do not depend on depth; 12 and 48 layers give the same segments and runs, only longer.
+# Presets whose knobs do not depend on depth; 12 and 48 layers give the same stacks and runs, only longer.
 DEPTH_PRESETS = {
   "dense": [], "gqa": ["schedule.kind=gqa", "schedule.kv_heads=2"], "cla2": ["schedule.kind=cla"],
   "cla4": ["schedule.kind=cla", "schedule.factor=4"],

@@ -49,7 +49,7 @@ def test_mlkv_reference_code_placement_is_the_authors_expression():
   assert mlkv_owners(30, 22, "reference_code")[11] == 14
 
 
-def test_superblocks_and_segments():
+def test_superblocks_and_stacks():
   s = compile_schedule(ModelConfig(num_layers=12, num_heads=4, d_model=32),
                        sched(kind="mlkv", kv_layers=5, placement="reference_code"))
   assert [len(b.layers) for b in s.superblocks] == [2, 2, 3, 2, 3]

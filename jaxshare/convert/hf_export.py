@@ -67,8 +67,12 @@ def export_params(cfg: Config, schedule: Schedule, params: dict, out_dir: str | 
       at a time, so the export needs the parameters plus about one shard of memory.
 
   Raises:
-    FileExistsError: ``out_dir`` exists and is not empty.
+    FileExistsError: ``out_dir`` exists and is not empty. ValueError: ``ties`` given when the schedule ties no heads
+      or missing when it ties some (the directory could not be imported again).
   """
+  if bool(schedule.tied_heads) != (ties is not None):
+    raise ValueError(f"the schedule ties {schedule.tied_heads} heads: export_params needs head-wise ties exactly when "
+                     "it ties any")
   out = Path(out_dir)
   if out.exists() and any(out.iterdir()):
     raise FileExistsError(f"output directory {str(out)!r} exists and is not empty; choose a new one")

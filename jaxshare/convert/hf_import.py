@@ -65,13 +65,17 @@ def load_hf_model(directory: str | Path | HFCheckpoint, overrides: Sequence[str]
   if ckpt.architecture == native.ARCHITECTURE:  # a jaxshare model with a sharing schedule, exported by us
     cfg = apply_overrides(native.read_config(ckpt.config), overrides)
     schedule = compile_schedule(cfg.model, cfg.schedule)
-    ties = native.read_ties(ckpt.config, schedule)
+    ties = native.read_ties(ckpt.config, cfg, schedule)
     graphdef, abstract = abstract_params(cfg, schedule, ties)
     params = native.fill(_template(abstract, scratch_dir), ckpt.read, ckpt.names())
     return Run(None, cfg, schedule, ties, graphdef, params, 0, None)
   arch = architecture_for(ckpt)
   cfg = load_config(None, arch.config_overrides(ckpt.config) + list(overrides))
   schedule = compile_schedule(cfg.model, cfg.schedule)
+  if schedule.tied_heads:
+    raise UnsupportedModelError(f"schedule.kind={cfg.schedule.kind!r} ties heads, which an import cannot choose: "
+                                "import the dense model, then `python -m jaxshare.convert uptrain RUN OUT "
+                                "schedule.kind=headwise ...`")
   graphdef, abstract = abstract_params(cfg, schedule)
   params = hf_to_params(arch, cfg, dims(cfg), schedule, _template(abstract, scratch_dir), ckpt.read, ckpt.names(),
                         progress=progress)

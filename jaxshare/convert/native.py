@@ -39,12 +39,13 @@ def read_config(config: dict) -> Config:
   return config_from_yaml_text(text)
 
 
-def read_ties(config: dict, schedule: Schedule) -> HeadTies | None:
-  """The head-wise ties a native directory carries (None when ``schedule`` ties no heads).
+def read_ties(config: dict, cfg: Config, schedule: Schedule) -> HeadTies | None:
+  """The head-wise ties a native directory carries (None when ``schedule``, compiled from ``cfg``, ties no heads).
 
   Raises:
     UnsupportedModelError: the schedule ties heads and ``jaxshare_head_ties`` is missing (an export written before
-      ties were stored with it) or malformed.
+      ties were stored with it), malformed, or ties another number of heads (e.g. after a ``schedule.headwise``
+      override).
   """
   if not schedule.tied_heads:
     return None
@@ -53,9 +54,11 @@ def read_ties(config: dict, schedule: Schedule) -> HeadTies | None:
     raise UnsupportedModelError(f"config.json ties {schedule.tied_heads} heads but has no 'jaxshare_head_ties' (an "
                                 "export written before jaxshare stored head-wise ties): export the run again")
   try:
-    return HeadTies.from_json(text, "'jaxshare_head_ties' of config.json")
+    ties = HeadTies.from_json(text, "'jaxshare_head_ties' of config.json")
+    ties.check(len(schedule.layers), cfg.model.num_heads, schedule.tied_heads, "'jaxshare_head_ties' of config.json")
   except ValueError as e:
-    raise UnsupportedModelError(str(e)) from None
+    raise UnsupportedModelError(f"{e}: import without overriding schedule.headwise") from None
+  return ties
 
 
 def fill(template: dict, read, names: list[str]) -> dict:

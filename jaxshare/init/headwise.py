@@ -195,7 +195,7 @@ def tied_params_from_dense(dense_params: dict, template: dict, ties: HeadTies, s
   per_layer = [layer_params(dense_params, schedule, layer)["attn"] for layer in range(L)]
   table = {m: jnp.stack([per_layer[l][f"{m}_proj"]["kernel"][:, h, :] for l, h in ties.rows[m]]).astype(
     template["head_table"][m].dtype) for m in MATRICES}
-  # both models are all-dense-layer stacks of one segment, so they share the superblock grouping
+  # both models are all-dense-layer stacks of one superblock structure, so they share the grouping
   return {**copy_shared_weights(dense_params, schedule, template, schedule), "head_table": table}
 
 
@@ -205,12 +205,14 @@ def dense_counterpart(cfg: Config) -> tuple[Config, Schedule]:
   return dense, compile_schedule(dense.model, dense.schedule)
 
 
-def compute_ties(cfg: Config, schedule: Schedule, seed: int, mesh: Mesh | None = None) -> HeadTies | None:
+def compute_ties(cfg: Config, schedule: Schedule, seed: int, mesh: Mesh | None = None,
+                 source: runs.Run | None = None) -> HeadTies | None:
   """Choose DirectShare's head ties (None without head-wise sharing) on the dense model the run starts from:
   ``train.init_from`` when set (uptraining), else the dense model initialised from ``seed``. A head-wise
   ``init_from`` run passes on its own ties; a PostShare run as ``init_from`` gives exactly the pairs its penalty
   pulled together (each component's representative chosen on its trained weights). Called once per run, when it is
-  created: the run then stores its ties (:func:`jaxshare.runs.write_ties`).
+  created: the run then stores its ties (:func:`jaxshare.runs.write_ties`). ``source``: the ``train.init_from`` run
+  when already loaded (else it is loaded here, onto ``mesh``).
 
   Raises:
     ConfigError: ``train.init_from`` is not a dense MHA run, or is a head-wise or PostShare run whose ties disagree
@@ -223,7 +225,7 @@ def compute_ties(cfg: Config, schedule: Schedule, seed: int, mesh: Mesh | None =
     params = nnx.to_pure_dict(nnx.state(runs.build_model(dense_cfg, dense_schedule, seed), nnx.Param))
     return direct_share(dense_kernels(params, dense_schedule, cfg.model.num_layers), schedule.tied_heads,
                         cfg.schedule.headwise.match)
-  src = runs.load_run(cfg.train.init_from, mesh)
+  src = source if source is not None else runs.load_run(cfg.train.init_from, mesh)
   if src.ties is not None:  # already head-wise (e.g. `convert uptrain`'s output): training goes on with its ties
     if (src.schedule.tied_heads, src.cfg.schedule.headwise.match) != (schedule.tied_heads,
                                                                      cfg.schedule.headwise.match):

@@ -33,6 +33,21 @@ class HeadTies:
   def num_rows(self) -> int:
     return len(self.rows["q"])
 
+  def check(self, num_layers: int, num_heads: int, tied_heads: int, source: str) -> None:
+    """Raise ValueError (naming ``source``) unless these ties fit a model of ``num_layers`` x ``num_heads`` heads
+    that ties ``tied_heads`` of them: every matrix indexes each layer's heads into its own stored rows, and each
+    stored row is a head of that model."""
+    for m in MATRICES:
+      shape = (len(self.index[m]), {len(layer) for layer in self.index[m]})
+      tied = num_layers * num_heads - len(self.rows[m])
+      if shape != (num_layers, {num_heads}) or tied != tied_heads:
+        raise ValueError(f"head-wise ties {source} tie {tied} {m} heads over {shape[0]} layers of "
+                         f"{sorted(shape[1])} heads; the model ties {tied_heads} over {num_layers} layers of "
+                         f"{num_heads} heads")
+      if any(not (0 <= layer < num_layers and 0 <= head < num_heads) for layer, head in self.rows[m]):
+        raise ValueError(f"head-wise ties {source}: a stored {m} row names a head outside the model's "
+                         f"{num_layers}x{num_heads}")
+
   def to_json(self) -> str:
     """The ties as JSON text (with a format version), what :meth:`from_json` reads."""
     return json.dumps({"format_version": FORMAT_VERSION,

@@ -178,7 +178,8 @@ class _Trainer:
     schedule = compile_schedule(cfg.model, cfg.schedule)
     resuming = ckpt is not None and ckpt.latest_step() is not None
     self.ties = (runs.read_ties(self.run_dir, cfg, schedule) if resuming else
-                 compute_ties(cfg, schedule, self.tcfg.seed, self.mesh))
+                 compute_ties(cfg, schedule, self.tcfg.seed, self.mesh, source=self.source))
+    self.ties_are_new = not resuming
     self.ckpt = ckpt
     resumed = ckpt.restore_newest_valid(self._resume_from) if ckpt is not None else None
     if resumed is not None:
@@ -224,7 +225,7 @@ class _Trainer:
     self.ckpt = self.ckpt or Checkpointer(self.run_dir / "checkpoints", self.tcfg.keep_checkpoints)
     if distributed.is_primary():
       runs.write_config(self.run_dir, self.cfg)
-      if self.ties is not None:
+      if self.ties is not None and self.ties_are_new:
         runs.write_ties(self.run_dir, self.ties)
 
   def compile(self) -> None:

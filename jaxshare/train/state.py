@@ -59,12 +59,13 @@ class TrainSetup:
 
 
 def setup_training(cfg: Config, mesh: Mesh | None = None, trainable: tuple[str, ...] | None = None,
-              ties: HeadTies | None = None, start_step: int = 0) -> TrainSetup:
+                   ties: HeadTies | None = None, start_step: int = 0) -> TrainSetup:
   """Compile the schedule, trace the model abstractly and derive every sharding (nothing is allocated).
 
   Args:
     trainable: module names the optimizer updates (None: all); see :func:`trainable_for`.
-    ties: head-wise sharing's ties when already known (default: :func:`compute_ties`).
+    ties: head-wise sharing's ties (a run's stored ones; default: chosen afresh by
+      :func:`~jaxshare.init.headwise.compute_ties`).
     start_step: where this optimizer's learning-rate schedule starts (a recipe stage's first step).
 
   Raises:
@@ -86,8 +87,8 @@ def setup_training(cfg: Config, mesh: Mesh | None = None, trainable: tuple[str, 
                                     is_leaf=lambda x: isinstance(x, empty))
   lr = learning_rate_schedule(cfg.train, start_step)
   return TrainSetup(cfg, schedule, mesh, graphdef, abstract_params, p_shard, tx, lambda step: lr(step - start_step),
-                  {"params": p_shard, "opt_state": opt_shard, "step": replicated},
-                  parallel.batch_sharding(mesh), ties, trainable, frozen)
+                    {"params": p_shard, "opt_state": opt_shard, "step": replicated}, parallel.batch_sharding(mesh),
+                    ties, trainable, frozen)
 
 
 def _fresh_state(setup: TrainSetup, seed: int, from_params: tuple[dict, Schedule] | None = None) -> TrainState:

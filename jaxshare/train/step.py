@@ -13,11 +13,10 @@ from flax import nnx
 
 from jaxshare.model.ties import MATRICES
 from jaxshare.kernels.reference import attention_mask
-from jaxshare.model.loss import masked_cross_entropy
+from jaxshare.model.loss import Batch, masked_cross_entropy
 from jaxshare.model.params import layer_params
 from jaxshare.schedule import Schedule
 
-Batch = dict[str, jax.Array]
 TrainState = dict[str, Any]  # {"params": pure dict, "opt_state": optax state, "step": int32 scalar}
 
 
