@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from conftest import REPO
+from conftest import OPTIMIZED_ENV, REPO
 
 pytestmark = pytest.mark.skipif(
   not (REPO / ".libtpu" / "libtpu").is_dir() and importlib.util.find_spec("libtpu") is None,
@@ -28,7 +28,7 @@ def test_kernels_and_train_steps_compile_for_tpu_and_lower_for_cuda(tmp_path):
   topologies = ["v5e:2x2", "v5p:2x2x1", "v6e:2x2"]
   cmd = [sys.executable, "scripts/aot_compile.py", *(f"--topology={t}" for t in topologies),
          "--train-on=v5e:2x2", *(f"--schedule={s}" for s in MIN_TRAIN_CALLS), f"--json={out}"]
-  proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
+  proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900, env=OPTIMIZED_ENV)
   assert proc.returncode == 0, proc.stderr[-3000:]
   results = json.loads(out.read_text())
   for topology in topologies:

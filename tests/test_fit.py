@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, PartitionSpec as P
 
-from conftest import REPO
+from conftest import OPTIMIZED_ENV, REPO
 from jaxshare.config import ConfigError
 from jaxshare.aot.topology import hbm_bytes, topology_name
 
@@ -28,7 +28,7 @@ SMALL = ["model.num_layers=2", "model.d_model=128", "model.num_heads=4", "model.
 
 def compile_only(*args: str) -> subprocess.CompletedProcess:
   return subprocess.run([sys.executable, "train.py", "--compile-only", *args], cwd=REPO, capture_output=True,
-                        text=True, timeout=600)
+                        text=True, timeout=600, env=OPTIMIZED_ENV)
 
 
 def gib(text: str) -> float:
