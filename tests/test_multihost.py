@@ -3,7 +3,6 @@ on one mesh resumes on another, and two processes joined by ``jax.distributed`` 
 train and resume exactly like one process."""
 
 import json
-import os
 import signal
 import socket
 import subprocess
@@ -14,7 +13,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import REPO, SCHEDULE_FAMILIES, TINY, tiny_config
+from conftest import REPO, SCHEDULE_FAMILIES, TINY, cpu_env, tiny_config
 from jaxshare import parallel
 from jaxshare.config import ConfigError, MeshConfig
 from jaxshare.train.loop import jit_train_step, train
@@ -118,7 +117,7 @@ def _free_port() -> int:
 
 def _start_two_processes(run_dir, *overrides) -> list[subprocess.Popen]:
   """``train.py`` as two processes of 4 CPU devices each, joined through a coordinator on localhost."""
-  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+  env = cpu_env(4)
   port = _free_port()
   return [subprocess.Popen(
     [sys.executable, "-u", "train.py", "--no-eval", *RESUMABLE, f"train.run_dir={run_dir}", "mesh.fsdp=4",
@@ -182,8 +181,9 @@ def test_sigterm_to_one_process_stops_both_at_the_same_step_with_a_checkpoint(tm
 def test_a_checkpoint_one_process_cannot_read_stops_the_run_with_what_to_do(tmp_path):
   """With fsdp across the two processes each reads only the shards it wrote (ocdbt.process_<i>). A read that fails in
   one process fails inside orbax's collective restore, where the processes cannot agree to skip it: the run stops,
-  the failing process at once (exit 2, saying which directory to move), the other through JAX's coordination service
-  (heartbeat timeout, 100 s) instead of waiting forever; moved aside, the run resumes from the previous one."""
+  the failing process at once (exit 2, saying which directory to move), the other when its collective loses the peer
+  (or, at the latest, JAX's heartbeat timeout) instead of waiting forever; moved aside, the run resumes from the
+  previous one."""
   run_dir = tmp_path / "run"
   _two_processes(run_dir, "train.steps=6", "mesh.fsdp=8", "mesh.dcn_data=1")
   for f in (run_dir / "checkpoints" / "6" / "state" / "ocdbt.process_1" / "d").iterdir():
@@ -223,7 +223,7 @@ print("compiled")
 def test_fsdp_train_step_never_replicates_a_tensor_to_reshard_it():
   """XLA's SPMD partitioner warns when it can only reshard by replicating a whole tensor on every device (the embedding
   lookup's cotangent did, from the batch-sharded activations to the fsdp-sharded table: B x T x D per device)."""
-  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+  env = cpu_env(8)
   proc = subprocess.run([sys.executable, "-c", _COMPILE_ON_MESHES], cwd=REPO, env=env, capture_output=True, text=True,
                         timeout=300)
   assert proc.returncode == 0 and "compiled" in proc.stdout, proc.stderr[-3000:]
