@@ -44,12 +44,13 @@ _noise_muted = False
 
 
 def _mute_library_noise() -> None:
-  """After a failed read, for the rest of the process, keep its library noise off the console: orbax's reads run as
-  asyncio tasks and gathers whose failures TensorStore reports again, with multi-kilobyte specs, through the
+  """Before any read, for the rest of the process, keep a failed read's library noise off the console: orbax's reads
+  run as asyncio tasks and gathers whose failures TensorStore reports again, with multi-kilobyte specs, through the
   ``asyncio`` logger ("Task exception was never retrieved", "_GatheringFuture exception was never retrieved") and as
-  "Exception ignored" messages whenever the abandoned coroutines are collected (during the call, or at exit); the
-  CheckpointError raised to the caller already says what failed. Only reports raised from orbax's frames (or, for
-  "Exception ignored", asyncio's) are dropped; anything else still shows."""
+  "Exception ignored" messages whenever the abandoned coroutines are collected: during the call (sometimes before its
+  exception reaches the caller, so muting only once it has is too late) or at exit. The CheckpointError raised to the
+  caller already says what failed. Only reports raised from orbax's frames (or, for "Exception ignored", asyncio's)
+  are dropped, and a read that succeeds leaves none; anything else still shows."""
   global _noise_muted
   if _noise_muted:
     return
@@ -140,6 +141,7 @@ class Checkpointer:
     items = {"state": ocp.args.StandardRestore(abstract_state), "meta": ocp.args.JsonRestore()}
     if data_iter is not None:
       items["data"] = grain.checkpoint.CheckpointRestore(data_iter)
+    _mute_library_noise()
     try:
       restored = self.manager.restore(step, args=ocp.args.Composite(**items))
     except Exception as e:  # orbax/tensorstore raise many types for bad files
@@ -162,6 +164,7 @@ class Checkpointer:
     args = ocp.args.PyTreeRestore(target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
                                   partial_restore=True)
     meta = self.read_meta(step) if meta is None else meta
+    _mute_library_noise()
     try:  # a standalone reader: the manager's "state" item stays bound to StandardSave/Restore
       with ocp.PyTreeCheckpointer() as reader:
         params = reader.restore(self.directory / str(step) / "state", args=args)["params"]
@@ -181,7 +184,6 @@ class Checkpointer:
         "files were changed after it was written.")
 
   def _unreadable(self, step: int, e: Exception) -> CheckpointError:
-    _mute_library_noise()
     message = (f"checkpoint {self.directory / str(step)} could not be read: it is corrupt (files missing or "
                f"truncated) or was written by a run with a different model/schedule ({_root_cause(e)}).")
     if jax.process_count() == 1:
@@ -196,10 +198,10 @@ class Checkpointer:
     Raises:
       CheckpointError: missing or unreadable.
     """
+    _mute_library_noise()
     try:
       return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
     except Exception as e:
-      _mute_library_noise()
       raise CheckpointError(f"checkpoint {self.directory / str(step)} has no readable metadata ({_root_cause(e)}).",
                             ) from None
 
