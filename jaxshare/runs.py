@@ -193,11 +193,17 @@ def load_run(path: str | os.PathLike, mesh: Mesh | None = None) -> Run:
   graphdef, target = abstract_params(cfg, schedule, ties, mesh)
   params = ckpt.restore_params(step, target)
   ckpt.close()
-  if not bool(jax.jit(lambda p: jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(p)])))(params)):
+  if not bool(_all_finite(params)):
     raise CheckpointError(f"checkpoint {run_dir / 'checkpoints' / str(step)} holds non-finite parameters (NaN or inf): "
                           "its run diverged before it was saved; use an earlier checkpoint "
                           f"({run_dir / 'checkpoints'}/<step>)")
   return Run(run_dir, cfg, schedule, ties, graphdef, params, int(step), mesh)
+
+
+@jax.jit
+def _all_finite(params) -> jax.Array:
+  """Whether every parameter is finite (one compile per parameter structure, however many runs are loaded)."""
+  return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(params)]))
 
 
 def write_run(run_dir: str | os.PathLike, cfg: Config, params: dict, *, ties: HeadTies | None = None,

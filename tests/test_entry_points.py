@@ -1,8 +1,8 @@
 """Every schedule kind through every entry point, as a user runs them: ``train.py`` (a few steps) → ``eval.py`` →
 ``eval.py generate`` (cached greedy == uncached greedy) → the lm-eval adapter on a tiny local task → ``convert
 export`` → ``convert import`` (bit-exact parameters) → resumption (the same losses as the uninterrupted run). Runs
-made by ``convert uptrain`` from a trained dense run go through the same matrix, their last step being uptraining
-(``train.init_from``).
+made by ``convert uptrain`` from a trained dense run go through ``eval.py`` and the round trip, their last step being
+uptraining (``train.init_from``).
 
 The CLIs' ``main(argv)`` run in this process (their argument parsing, error handling and output included); only
 the interpreter start-up is skipped. Each feature's own tests cover it on the schedules it was written for; this
@@ -112,18 +112,21 @@ def dense_source(tmp_path_factory) -> Path:
   return run
 
 
-def check_eval_and_generate(run: Path) -> None:
-  """``eval.py`` reports a finite loss and the accounting's KV bytes; greedy generation with the decode cache gives
-  the tokens of full forward passes."""
+def check_eval(run: Path) -> None:
+  """``eval.py`` reports a finite loss, the accounting's KV bytes and a greedy sample."""
   from jaxshare import accounting
   from jaxshare.runs import load_run
 
   report = json.loads(eval_cli(str(run), "--json", "--max-batches", "1", "--sample-tokens", "4"))
-  assert np.isfinite(report["val_loss"]), report
+  assert np.isfinite(report["val_loss"]) and report["sample"], report
   setup = load_run(run)
   cfg = setup.cfg
   assert report["kv_bytes_per_token"] == accounting.kv_cache_bytes_per_token(
     cfg.model, setup.schedule, np.dtype(cfg.model.dtype).itemsize)
+
+
+def check_generate(run: Path) -> None:
+  """Greedy generation with the decode cache gives the tokens of full forward passes."""
   cached = eval_cli("generate", str(run), "--prompt", PROMPT, "--max-new-tokens", "12", "--stop", "-1")
   uncached = eval_cli("generate", str(run), "--prompt", PROMPT, "--max-new-tokens", "12", "--stop", "-1",
                       "--no-cache")
@@ -138,10 +141,11 @@ def check_lm_eval(run: Path, task: Path) -> None:
 
   from jaxshare.evaluation.lm_eval_harness import JaxshareLM
 
-  results = simple_evaluate(model="jaxshare", model_args=f"run={run},batch_size=4", tasks=["matrix_next_line"],
+  # the adapter instance itself (its registration and model_args parsing: tests/test_lm_eval.py)
+  lm = JaxshareLM(run=str(run), batch_size=4)
+  results = simple_evaluate(model=lm, tasks=["matrix_next_line"],
                             task_manager=TaskManager(include_path=str(task), include_defaults=False))
   acc = results["results"]["matrix_next_line"]["acc,none"]
-  lm = JaxshareLM(run=str(run), batch_size=4)
 
   class Request:
     def __init__(self, *args):
@@ -171,7 +175,8 @@ def test_trained_run_through_every_entry_point(kind, tmp_path, lm_eval_task):
   straight = {r["step"]: r["loss"] for r in read_metrics(run)}
   assert sorted(straight) == [1, 2, 3, 4] and all(np.isfinite(list(straight.values())))
 
-  check_eval_and_generate(run)
+  check_eval(run)
+  check_generate(run)
   check_lm_eval(run, lm_eval_task)
   check_round_trip(run, tmp_path)
 
@@ -193,8 +198,9 @@ def test_uptrained_run_through_every_entry_point(kind, tmp_path, dense_source, l
   converted = tmp_path / "converted"
   convert_cli("uptrain", str(dense_source), str(converted), *KINDS[kind], "--calibration-batches", "1")
 
-  check_eval_and_generate(converted)
-  check_lm_eval(converted, lm_eval_task)
+  # Generation and lm-eval scoring read a converted run through the same load_run and model as a trained run of
+  # its kind, which the trained matrix generates from and scores: here the conversion's own output is checked.
+  check_eval(converted)
   check_round_trip(converted, tmp_path)
 
   uptrained = tmp_path / "uptrained"
