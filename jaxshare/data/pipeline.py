@@ -1,14 +1,4 @@
-"""Input pipeline: documents -> tokens -> fixed-length packed windows -> shuffled grain batches.
-
-Documents come from a local text file (optionally split at a separator), a JSONL file, or a TFDS dataset read
-with ``tfds.data_source`` (ArrayRecord, no TensorFlow). Every document is tokenised and followed by EOS; the
-token stream is split into train (first ``1 - val_fraction``) and validation (the rest), then cut into windows of
-``seq_len + 1`` tokens. Each window carries ``segment_ids`` and per-document ``positions`` so documents packed into
-one sequence never attend to each other, and ``loss_mask`` drops the target that crosses a document boundary.
-
-The training order is a deterministic grain shuffle, reshuffled each epoch; the iterator state is saved in
-checkpoints so a resumed run sees exactly the batches it would have seen.
-"""
+"""Token streams, the token cache, packed windows and the per-process grain batches of training and validation."""
 
 from __future__ import annotations
 
@@ -19,151 +9,16 @@ import os
 import tempfile
 import warnings
 from pathlib import Path
-from typing import Iterator, Protocol
+from typing import Iterator
 
 import grain
 import jax
 import numpy as np
 
-from jaxshare.config import TOKEN_CACHE_ENV, DataConfig, resolve_data_dir
-
-
-class DataError(ValueError):
-  """Missing, empty, binary, unreadable or malformed input data; the message says what was expected."""
-
-
-class Tokenizer(Protocol):
-  vocab_size: int
-  eos_id: int
-
-  def encode(self, text: str) -> list[int]: ...
-
-  def decode(self, ids: list[int]) -> str: ...
-
-
-class ByteTokenizer:
-  """UTF-8 bytes as tokens: ids 0..255, EOS = 0 (NUL never occurs in text, which is checked on load)."""
-
-  vocab_size = 256
-  eos_id = 0
-
-  def encode(self, text: str) -> list[int]:
-    return list(text.encode("utf-8"))
-
-  def decode(self, ids: list[int]) -> str:
-    return bytes(int(i) for i in ids if 0 < int(i) < 256).decode("utf-8", errors="replace")
-
-
-class HFTokenizer:
-  """A local Hugging Face tokenizer directory (``tokenizer.json`` etc.); never downloads."""
-
-  def __init__(self, path: str):
-    if not Path(path).is_dir():
-      raise DataError(f"data.tokenizer={path!r} is neither 'byte' nor an existing tokenizer directory")
-    try:
-      from transformers import AutoTokenizer  # heavy import, only when asked for
-    except ImportError as e:
-      raise DataError(f"data.tokenizer={path!r} is a Hugging Face tokenizer directory, which needs transformers: "
-                      "pip install 'jaxshare[hf]'") from e
-
-    try:
-      self._tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    except Exception as e:  # transformers raises OSError/ValueError variants
-      raise DataError(f"data.tokenizer={path!r} could not be loaded as a Hugging Face tokenizer: {e}") from e
-    self.vocab_size = len(self._tok)
-    eos = self._tok.eos_token_id
-    self.eos_id = int(eos) if eos is not None else 0
-
-  def encode(self, text: str) -> list[int]:
-    return self._tok.encode(text, add_special_tokens=False)
-
-  def decode(self, ids: list[int]) -> str:
-    return self._tok.decode([int(i) for i in ids])
-
-
-def make_tokenizer(cfg: DataConfig) -> Tokenizer:
-  return ByteTokenizer() if cfg.tokenizer == "byte" else HFTokenizer(cfg.tokenizer)
-
-
-def resolve_path(cfg: DataConfig) -> Path:
-  p = Path(cfg.path).expanduser()
-  return p if p.is_absolute() else resolve_data_dir(cfg) / p
-
-
-def _read_text(path: Path, what: str) -> str:
-  if not path.exists():
-    raise DataError(f"data.path: {what} {str(path)!r} does not exist (expected a UTF-8 text file; set data.path, "
-                    "data.data_dir or $JAXSHARE_DATA_DIR)")
-  if not path.is_file():
-    raise DataError(f"data.path: {what} {str(path)!r} is not a regular file")
-  try:
-    raw = path.read_bytes()
-  except OSError as e:
-    raise DataError(f"data.path: {what} {str(path)!r} is unreadable: {e.strerror}") from e
-  if not raw.strip():
-    raise DataError(f"data.path: {what} {str(path)!r} is empty (expected UTF-8 text)")
-  if b"\x00" in raw[:1 << 20]:
-    raise DataError(f"data.path: {what} {str(path)!r} looks binary (contains NUL bytes); expected UTF-8 text")
-  try:
-    return raw.decode("utf-8")
-  except UnicodeDecodeError as e:
-    raise DataError(f"data.path: {what} {str(path)!r} is not valid UTF-8 text (byte {e.start}): expected a "
-                    "UTF-8 text file") from e
-
-
-def _jsonl_documents(path: Path, field: str) -> list[str]:
-  docs = []
-  for n, line in enumerate(_read_text(path, "JSONL file").splitlines(), start=1):
-    if not line.strip():
-      continue
-    try:
-      rec = json.loads(line)
-    except json.JSONDecodeError as e:
-      raise DataError(f"data.path: {str(path)!r} line {n} is not valid JSON ({e.msg}); expected one JSON object "
-                      "per line") from e
-    if not isinstance(rec, dict) or not isinstance(rec.get(field), str):
-      raise DataError(f"data.path: {str(path)!r} line {n} has no string field {field!r} (data.text_field)")
-    docs.append(rec[field])
-  return docs
-
-
-def _tfds_documents(cfg: DataConfig) -> list[str]:
-  import tensorflow_datasets as tfds  # heavy import, only when asked for
-
-  try:
-    source = tfds.data_source(cfg.tfds_name, split=cfg.tfds_split, data_dir=cfg.tfds_data_dir or None,
-                              download=False)
-  except Exception as e:  # tfds raises many types for a missing dataset
-    raise DataError(f"data.tfds_name={cfg.tfds_name!r} split {cfg.tfds_split!r} could not be opened from "
-                    f"data.tfds_data_dir={cfg.tfds_data_dir!r}: {e}") from e
-  docs = []
-  for i in range(len(source)):
-    rec = source[i]
-    if cfg.text_field not in rec:
-      raise DataError(f"data.text_field={cfg.text_field!r} is not a feature of {cfg.tfds_name} "
-                      f"(features: {sorted(rec)})")
-    val = rec[cfg.text_field]
-    docs.append(val.decode("utf-8") if isinstance(val, bytes) else str(val))
-  return docs
-
-
-def load_documents(cfg: DataConfig) -> list[str]:
-  """The corpus as a list of documents.
-
-  Raises:
-    DataError: the source is missing, empty, binary, unreadable or malformed.
-  """
-  if cfg.source == "text":
-    text = _read_text(resolve_path(cfg), "text file")
-    docs = text.split(cfg.document_separator) if cfg.document_separator else [text]
-  elif cfg.source == "jsonl":
-    docs = _jsonl_documents(resolve_path(cfg), cfg.text_field)
-  else:
-    docs = _tfds_documents(cfg)
-  docs = [d for d in docs if d]
-  if not docs:
-    raise DataError(f"data source {cfg.source!r} yielded no non-empty documents")
-  return docs
+from jaxshare.config import TOKEN_CACHE_ENV, DataConfig
+from jaxshare.data.documents import load_documents, resolve_path
+from jaxshare.data.errors import DataError
+from jaxshare.data.tokenizers import Tokenizer, make_tokenizer
 
 
 class TokenStream:

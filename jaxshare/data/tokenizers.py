@@ -1,0 +1,62 @@
+"""Tokenizers: UTF-8 bytes, or a local Hugging Face tokenizer directory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol
+
+from jaxshare.config import DataConfig
+from jaxshare.data.errors import DataError
+
+
+class Tokenizer(Protocol):
+  vocab_size: int
+  eos_id: int
+
+  def encode(self, text: str) -> list[int]: ...
+
+  def decode(self, ids: list[int]) -> str: ...
+
+
+class ByteTokenizer:
+  """UTF-8 bytes as tokens: ids 0..255, EOS = 0 (NUL never occurs in text, which is checked on load)."""
+
+  vocab_size = 256
+  eos_id = 0
+
+  def encode(self, text: str) -> list[int]:
+    return list(text.encode("utf-8"))
+
+  def decode(self, ids: list[int]) -> str:
+    return bytes(int(i) for i in ids if 0 < int(i) < 256).decode("utf-8", errors="replace")
+
+
+class HFTokenizer:
+  """A local Hugging Face tokenizer directory (``tokenizer.json`` etc.); never downloads."""
+
+  def __init__(self, path: str):
+    if not Path(path).is_dir():
+      raise DataError(f"data.tokenizer={path!r} is neither 'byte' nor an existing tokenizer directory")
+    try:
+      from transformers import AutoTokenizer  # heavy import, only when asked for
+    except ImportError as e:
+      raise DataError(f"data.tokenizer={path!r} is a Hugging Face tokenizer directory, which needs transformers: "
+                      "pip install 'jaxshare[hf]'") from e
+
+    try:
+      self._tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except Exception as e:  # transformers raises OSError/ValueError variants
+      raise DataError(f"data.tokenizer={path!r} could not be loaded as a Hugging Face tokenizer: {e}") from e
+    self.vocab_size = len(self._tok)
+    eos = self._tok.eos_token_id
+    self.eos_id = int(eos) if eos is not None else 0
+
+  def encode(self, text: str) -> list[int]:
+    return self._tok.encode(text, add_special_tokens=False)
+
+  def decode(self, ids: list[int]) -> str:
+    return self._tok.decode([int(i) for i in ids])
+
+
+def make_tokenizer(cfg: DataConfig) -> Tokenizer:
+  return ByteTokenizer() if cfg.tokenizer == "byte" else HFTokenizer(cfg.tokenizer)
