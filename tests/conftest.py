@@ -24,6 +24,7 @@ def cpu_env(devices: int, optimized: bool = False) -> dict[str, str]:
 
 
 os.environ.update(cpu_env(8))
+import functools  # noqa: E402
 import json  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -65,6 +66,49 @@ def corpus() -> Path:
   if not CORPUS.is_file():
     pytest.fail(f"the shared corpus {CORPUS} is missing")
   return CORPUS
+
+
+def write_bpe_tokenizer(directory: Path, text: str, vocab_size: int = 300) -> Path:
+  """A byte-level BPE tokenizer trained on ``text`` (EOS ``<eos>`` = id 0), saved as a Hugging Face directory."""
+  from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+  from transformers import PreTrainedTokenizerFast
+
+  tok = Tokenizer(models.BPE(unk_token="<unk>"))
+  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tok.decoder = decoders.ByteLevel()
+  tok.train_from_iterator([text], trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<eos>", "<unk>"]))
+  PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", unk_token="<unk>").save_pretrained(directory)
+  return directory
+
+
+TFDS_TEXT_DOCS = [f"document number {i} " * 3 for i in range(50)]
+
+
+@functools.cache
+def _tfds_text_builder():
+  """The builder class of ``tiny_text`` (defined once: TFDS registers builder classes by name)."""
+  tfds = pytest.importorskip("tensorflow_datasets")
+  pytest.importorskip("array_record")
+
+  class TinyText(tfds.core.GeneratorBasedBuilder):
+    VERSION = tfds.core.Version("1.0.0")
+
+    def _info(self):
+      return tfds.core.DatasetInfo(builder=self, features=tfds.features.FeaturesDict({"text": tfds.features.Text()}))
+
+    def _split_generators(self, dl_manager):
+      return {"train": self._generate_examples()}
+
+    def _generate_examples(self):
+      yield from enumerate({"text": d} for d in TFDS_TEXT_DOCS)
+
+  return TinyText
+
+
+def write_tfds_text_dataset(data_dir: Path) -> None:
+  """TFDS dataset ``tiny_text`` (split ``train``: the 50 documents of TFDS_TEXT_DOCS in feature ``text``, in TFDS's
+  order, ArrayRecord) in ``data_dir``."""
+  _tfds_text_builder()(data_dir=str(data_dir), file_format="array_record").download_and_prepare()
 
 
 def write_multiple_choice_task(directory: Path, name: str, docs: list[dict]) -> None:

@@ -5,6 +5,7 @@ import json
 import numpy as np
 import pytest
 
+from conftest import write_bpe_tokenizer, write_tfds_text_dataset
 from jaxshare.config import DataConfig
 from jaxshare.data import ByteTokenizer, DataError, Datasets, HFTokenizer, load_documents
 
@@ -85,15 +86,7 @@ def test_text_document_separator(tmp_path):
 
 
 def test_hf_tokenizer_directory(tmp_path, corpus):
-  from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-  from transformers import PreTrainedTokenizerFast
-
-  tok = Tokenizer(models.BPE(unk_token="<unk>"))
-  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-  tok.decoder = decoders.ByteLevel()
-  tok.train_from_iterator([corpus.read_text()[:20000]],
-                          trainers.BpeTrainer(vocab_size=300, special_tokens=["<eos>", "<unk>"]))
-  PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", unk_token="<unk>").save_pretrained(tmp_path / "tk")
+  write_bpe_tokenizer(tmp_path / "tk", corpus.read_text()[:20000])
   hf = HFTokenizer(str(tmp_path / "tk"))
   assert hf.vocab_size <= 300 and hf.eos_id == 0
   ds = Datasets(cfg_for(corpus, tokenizer=str(tmp_path / "tk"), seq_len=64), batch_size=2, tokenizer=hf)
@@ -102,23 +95,7 @@ def test_hf_tokenizer_directory(tmp_path, corpus):
 
 
 def test_tfds_source_reads_array_record(tmp_path):
-  tfds = pytest.importorskip("tensorflow_datasets")
-  pytest.importorskip("array_record")
-
-  class TinyText(tfds.core.GeneratorBasedBuilder):
-    VERSION = tfds.core.Version("1.0.0")
-
-    def _info(self):
-      return tfds.core.DatasetInfo(builder=self, features=tfds.features.FeaturesDict({"text": tfds.features.Text()}))
-
-    def _split_generators(self, dl_manager):
-      return {"train": self._generate_examples()}
-
-    def _generate_examples(self):
-      for i in range(50):
-        yield i, {"text": f"document number {i} " * 3}
-
-  TinyText(data_dir=str(tmp_path), file_format="array_record").download_and_prepare()
+  write_tfds_text_dataset(tmp_path)
   cfg = DataConfig(source="tfds", tfds_name="tiny_text", tfds_data_dir=str(tmp_path), seq_len=32)
   docs = load_documents(cfg)
   assert len(docs) == 50 and all(d.startswith("document number") for d in docs)

@@ -28,6 +28,7 @@ COMMAND_TESTS = {
   "jaxshare.convert uptrain": [("tests/test_entry_points.py", 'convert_cli("uptrain"')],
   "jaxshare.convert ties": [("tests/test_headwise.py", 'main(["ties"')],
   "jaxshare.analysis": [("tests/test_analysis.py", "jaxshare.analysis.__main__")],
+  "jaxshare.data prepare": [("tests/test_data_prepare.py", 'main(["prepare"')],
   "jaxshare.evaluation.lm_eval_harness": [("tests/test_lm_eval.py", "jaxshare.evaluation.lm_eval_harness")],
   "jaxshare.sweep": [("tests/test_sweep.py", '"jaxshare.sweep"')],
   "scripts/sweep.py": [("tests/test_scripts.py", _IMPORTED), ("tests/test_sweep.py", '"jaxshare.sweep"')],

@@ -3,8 +3,13 @@ with ``tfds.data_source`` (ArrayRecord, no TensorFlow)."""
 
 from __future__ import annotations
 
+import dataclasses
+import gzip
 import json
 from pathlib import Path
+from typing import Iterator
+
+from etils import epath
 
 from jaxshare.config import DataConfig, resolve_data_dir
 from jaxshare.data.errors import DataError
@@ -89,3 +94,168 @@ def load_documents(cfg: DataConfig) -> list[str]:
   if not docs:
     raise DataError(f"data source {cfg.source!r} yielded no non-empty documents")
   return docs
+
+
+# Streaming readers of preparation inputs (python -m jaxshare.data prepare): memory is bounded by one document (one
+# file of a directory of text files, one JSONL line, one parquet batch), never by the corpus.
+
+TFDS_PREFIX = "tfds:"
+_JSONL = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".json.gz", ".json.zst", ".ndjson")
+
+
+@dataclasses.dataclass(frozen=True)
+class Input:
+  """One preparation input: ``kind`` (text, jsonl, parquet, tfds, hf_datasets) and where it is."""
+
+  kind: str
+  path: str
+
+
+def expand_inputs(specs: list[str]) -> list[Input]:
+  """Files, directories (every file below, sorted), globs and ``tfds:NAME/SPLIT`` as an ordered list of inputs; a
+  directory written by ``datasets.Dataset.save_to_disk`` is one input.
+
+  Raises:
+    DataError: a path or glob that matches nothing.
+  """
+  found: list[Input] = []
+  for spec in specs:
+    if spec.startswith(TFDS_PREFIX):
+      found.append(Input("tfds", spec[len(TFDS_PREFIX):]))
+      continue
+    path = epath.Path(spec)
+    if any(c in spec for c in "*?["):
+      parent = epath.Path(spec.split("*")[0].split("?")[0].split("[")[0].rpartition("/")[0] or ".")
+      matches = sorted(p for p in parent.glob(spec[len(str(parent)) + 1:] if str(parent) != "." else spec)
+                       if p.is_file())
+      if not matches:
+        raise DataError(f"input {spec!r} matches no file")
+      found.extend(_input_of(p) for p in matches)
+    elif path.is_dir():
+      if (path / "dataset_info.json").exists() and (path / "state.json").exists():
+        found.append(Input("hf_datasets", str(path)))
+      else:
+        files = _files_below(path)
+        if not files:
+          raise DataError(f"input directory {spec!r} holds no file")
+        found.extend(_input_of(p) for p in files)
+    elif path.exists():
+      found.append(_input_of(path))
+    else:
+      raise DataError(f"input {spec!r} does not exist (expected a file, a directory, a glob or tfds:NAME/SPLIT)")
+  return found
+
+
+def _files_below(directory: epath.Path) -> list[epath.Path]:
+  """Every file below ``directory`` (hidden ones excluded), sorted by path (epath has no recursive glob)."""
+  found = []
+  for p in sorted(directory.iterdir()):
+    if p.name.startswith("."):
+      continue
+    found.extend(_files_below(p) if p.is_dir() else [p])
+  return found
+
+
+def _input_of(path: epath.Path) -> Input:
+  name = path.name.lower()
+  if name.endswith(_JSONL):
+    return Input("jsonl", str(path))
+  if name.endswith(".parquet"):
+    return Input("parquet", str(path))
+  return Input("text", str(path))
+
+
+def _open_binary(path: str):
+  """A binary file object, decompressing ``.gz`` and ``.zst``."""
+  raw = epath.Path(path).open("rb")
+  if path.endswith(".gz"):
+    return gzip.GzipFile(fileobj=raw)
+  if path.endswith(".zst"):
+    try:
+      import zstandard
+    except ImportError as e:
+      raise DataError(f"input {path!r} is zstd-compressed, which needs the zstandard package: pip install "
+                      "zstandard") from e
+    return zstandard.ZstdDecompressor().stream_reader(raw)
+  return raw
+
+
+def _decode(raw: bytes, where: str) -> str:
+  if b"\x00" in raw:
+    raise DataError(f"{where} looks binary (contains NUL bytes); expected UTF-8 text")
+  try:
+    return raw.decode("utf-8")
+  except UnicodeDecodeError as e:
+    raise DataError(f"{where} is not valid UTF-8 text (byte {e.start})") from e
+
+
+def iter_documents(source: Input, *, separator: str = "", text_field: str = "text", tfds_data_dir: str = "",
+                   skip_bad: bool = False) -> Iterator[str | DataError]:
+  """The non-empty documents of one input, in order: a text file whole or split at ``separator``; each JSONL line's
+  ``text_field``; a parquet column or a saved ``datasets`` column ``text_field``; a TFDS split's feature
+  ``text_field`` (read with ``tfds.data_source``, no TensorFlow).
+
+  Raises:
+    DataError: unreadable, non-UTF-8 or malformed input, naming it (line numbers for JSONL). With ``skip_bad``, the
+      error is yielded in place of the bad document or file instead, and reading goes on.
+  """
+  def bad(e: DataError) -> DataError:
+    if not skip_bad:
+      raise e
+    return e
+
+  if source.kind == "text":
+    try:
+      with _open_binary(source.path) as f:
+        raw = f.read()
+      text = _decode(raw, f"input {source.path!r}")
+    except (OSError, DataError) as e:
+      yield bad(e if isinstance(e, DataError) else DataError(f"input {source.path!r} is unreadable: {e}"))
+      return
+    yield from (d for d in (text.split(separator) if separator else [text]) if d)
+  elif source.kind == "jsonl":
+    try:
+      with _open_binary(source.path) as f:
+        for n, line in enumerate(f, start=1):
+          if not line.strip():
+            continue
+          where = f"input {source.path!r} line {n}"
+          try:
+            rec = json.loads(_decode(line, where))
+          except json.JSONDecodeError as e:
+            yield bad(DataError(f"{where} is not valid JSON ({e.msg})"))
+            continue
+          except DataError as e:
+            yield bad(e)
+            continue
+          if not isinstance(rec, dict) or not isinstance(rec.get(text_field), str):
+            yield bad(DataError(f"{where} has no string field {text_field!r} (--text-field)"))
+          elif rec[text_field]:
+            yield rec[text_field]
+    except (OSError, EOFError) as e:
+      yield bad(DataError(f"input {source.path!r} is unreadable or truncated: {e}"))
+  elif source.kind == "parquet":
+    import pyarrow.parquet as pq  # only when asked for
+
+    try:
+      table = pq.ParquetFile(source.path)
+      for batch in table.iter_batches(batch_size=1024, columns=[text_field]):
+        yield from (d for d in batch.column(0).to_pylist() if d)
+    except KeyError as e:
+      raise DataError(f"input {source.path!r} has no column {text_field!r} (--text-field)") from e
+    except OSError as e:
+      yield bad(DataError(f"input {source.path!r} is not a readable parquet file: {e}"))
+  elif source.kind == "hf_datasets":
+    import datasets  # only when asked for
+
+    ds = datasets.load_from_disk(source.path)
+    if text_field not in ds.column_names:
+      raise DataError(f"input {source.path!r} has no column {text_field!r} (--text-field; columns: "
+                      f"{ds.column_names})")
+    for batch in ds.iter(batch_size=1024):
+      yield from (d for d in batch[text_field] if d)
+  else:
+    name, _, split = source.path.partition("/")
+    cfg = DataConfig(source="tfds", tfds_name=name, tfds_split=split or "train", text_field=text_field,
+                     tfds_data_dir=tfds_data_dir)
+    yield from _tfds_documents(cfg)

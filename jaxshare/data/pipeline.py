@@ -18,7 +18,7 @@ import numpy as np
 from jaxshare.config import TOKEN_CACHE_ENV, DataConfig
 from jaxshare.data.documents import load_documents, resolve_path
 from jaxshare.data.errors import DataError
-from jaxshare.data.tokenizers import Tokenizer, make_tokenizer
+from jaxshare.data.tokenizers import Tokenizer, make_tokenizer, tokenizer_fingerprint
 
 
 class TokenStream:
@@ -67,12 +67,7 @@ def _fingerprint(cfg: DataConfig) -> str:
     path = resolve_path(cfg).resolve()
     st = path.stat()
     source = [str(path), st.st_size, st.st_mtime_ns, cfg.document_separator, cfg.text_field]
-  if cfg.tokenizer == "byte":
-    tok: list = ["byte"]
-  else:
-    tok = [(f.name, hashlib.sha256(f.read_bytes()).hexdigest()) for f in sorted(Path(cfg.tokenizer).iterdir())
-           if f.is_file()]
-  blob = json.dumps([cfg.source, source, tok])
+  blob = json.dumps([cfg.source, source, tokenizer_fingerprint(cfg.tokenizer)])
   return hashlib.sha256(blob.encode()).hexdigest()[:24]
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 from pathlib import Path
 from typing import Protocol
 
@@ -54,9 +56,29 @@ class HFTokenizer:
   def encode(self, text: str) -> list[int]:
     return self._tok.encode(text, add_special_tokens=False)
 
+  def encode_batch(self, texts: list[str]) -> list[list[int]]:
+    """:meth:`encode` of each text, in one call of the fast tokenizer's batch encoder."""
+    return self._tok(texts, add_special_tokens=False)["input_ids"]
+
   def decode(self, ids: list[int]) -> str:
     return self._tok.decode([int(i) for i in ids])
 
 
 def make_tokenizer(cfg: DataConfig) -> Tokenizer:
   return ByteTokenizer() if cfg.tokenizer == "byte" else HFTokenizer(cfg.tokenizer)
+
+
+def tokenizer_fingerprint(spec: str) -> str:
+  """What tokens depend on, of the tokenizer ``spec`` (``byte`` or a local tokenizer directory): ``"byte"``, or the
+  SHA-256 (24 hex digits) of the directory's file names and contents.
+
+  Raises:
+    DataError: ``spec`` is neither ``byte`` nor an existing directory.
+  """
+  if spec == "byte":
+    return "byte"
+  path = Path(spec)
+  if not path.is_dir():
+    raise DataError(f"tokenizer {spec!r} is neither 'byte' nor an existing tokenizer directory")
+  files = [(f.name, hashlib.sha256(f.read_bytes()).hexdigest()) for f in sorted(path.iterdir()) if f.is_file()]
+  return hashlib.sha256(json.dumps(files).encode()).hexdigest()[:24]

@@ -1,0 +1,59 @@
+"""Prepare a corpus for training: tokenize it once, in parallel, into token shards and a manifest.
+
+  python -m jaxshare.data prepare --out data/shakespeare ../shared/data/tinyshakespeare.txt --val-fraction 0.1
+  python -m jaxshare.data prepare --out gs://bucket/web --tokenizer path/to/tokenizer --workers 16 \\
+      --val-docs 10000 'corpus/*.jsonl.zst' --text-field text
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from jaxshare.cli_args import parse_anywhere
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+  parser = argparse.ArgumentParser(prog="python -m jaxshare.data", description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  sub = parser.add_subparsers(dest="command", required=True)
+  prep = sub.add_parser("prepare", help="tokenize inputs into token shards and a manifest (resumes if interrupted)")
+  prep.add_argument("inputs", nargs="+", help="files, directories, globs of UTF-8 text, JSONL (.gz/.zst), parquet, a "
+                    "saved datasets directory or tfds:NAME/SPLIT; local or any etils.epath path (gs://...)")
+  prep.add_argument("--out", required=True, help="output directory (local or gs://...)")
+  prep.add_argument("--tokenizer", default="byte", help="byte, or a local Hugging Face tokenizer directory")
+  prep.add_argument("--workers", type=int, default=1, help="tokenizer processes (the output does not depend on it)")
+  prep.add_argument("--val-docs", type=int, default=0, help="hold out the last N documents for validation")
+  prep.add_argument("--val-fraction", type=float, default=0.0,
+                    help="hold out the last documents making up this share of the tokens for validation")
+  prep.add_argument("--document-separator", default="", help="split text files into documents at this string")
+  prep.add_argument("--text-field", default="text", help="text field of JSONL records, parquet/datasets columns, TFDS")
+  prep.add_argument("--tfds-data-dir", default="", help="where tfds: inputs are prepared (default: TFDS's)")
+  prep.add_argument("--shard-tokens", type=int, default=None, help="tokens per shard (default 2^27)")
+  prep.add_argument("--skip-bad-docs", action="store_true",
+                    help="skip unreadable, non-UTF-8 or malformed documents and files (counted) instead of stopping")
+  prep.add_argument("--no-progress", action="store_true", help="no progress bar")
+  return parse_anywhere(parser, argv, {"prepare": prep})
+
+
+def main(argv: list[str] | None = None) -> int:
+  args = parse_args(argv)
+  from jaxshare.data.errors import DataError
+  from jaxshare.data.prepare import DEFAULT_SHARD_TOKENS, PrepareOptions, prepare
+  from jaxshare.data.shards import manifest_summary
+
+  options = PrepareOptions(tokenizer=args.tokenizer, separator=args.document_separator, text_field=args.text_field,
+                           tfds_data_dir=args.tfds_data_dir, val_docs=args.val_docs, val_fraction=args.val_fraction,
+                           shard_tokens=args.shard_tokens or DEFAULT_SHARD_TOKENS, skip_bad_docs=args.skip_bad_docs)
+  try:
+    manifest = prepare(args.inputs, args.out, options, workers=args.workers, progress=not args.no_progress)
+  except DataError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  print(f"prepared {args.out}: {json.dumps(manifest_summary(manifest))}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,305 @@
+"""Tokenize a corpus once, in parallel, into token shards and a manifest (:mod:`jaxshare.data.shards`).
+
+Documents stream from the inputs in order (:func:`~jaxshare.data.documents.iter_documents`); batches of them are
+tokenized by ``workers`` processes (HF tokenizers' batch encode for BPE) with a bounded number of batches in flight,
+and written in input order, so memory is bounded by the batches in flight and one shard, and the output is the same
+bytes whatever the number of workers. Shards close at document boundaries once they reach ``shard_tokens``.
+
+Every finished shard is recorded in ``DIR/.prepare-state.json`` with the number of documents it brings the
+preparation to; a preparation killed at any point and run again with the same inputs and options keeps its finished
+shards and continues after their last document. The manifest is written last: a directory with one is complete.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+import json
+import multiprocessing
+import os
+import time
+from typing import Iterable, Iterator, Sequence
+
+import numpy as np
+from etils import epath
+from tqdm import tqdm
+
+from jaxshare.data.documents import Input, expand_inputs, iter_documents
+from jaxshare.data.errors import DataError
+from jaxshare.data.shards import (MANIFEST, Manifest, Shard, read_manifest, read_shard, token_dtype, write_manifest,
+                                  write_shard)
+from jaxshare.data.tokenizers import ByteTokenizer, HFTokenizer, Tokenizer, tokenizer_fingerprint
+
+STATE = ".prepare-state.json"
+DEFAULT_SHARD_TOKENS = 1 << 27  # 256 MB of uint16 tokens per shard
+
+
+@dataclasses.dataclass(frozen=True)
+class PrepareOptions:
+  """What the prepared tokens depend on (besides the inputs' contents); the ``workers`` count is not among them.
+
+  Attributes:
+    tokenizer: ``byte`` or a local Hugging Face tokenizer directory.
+    separator: split text files into documents at this string (empty: one document per file).
+    text_field: the text of JSONL records, parquet and ``datasets`` columns, TFDS features.
+    tfds_data_dir: where ``tfds:`` inputs are prepared (empty: TFDS's default).
+    val_docs: hold out the last ``val_docs`` documents for validation; or
+    val_fraction: hold out the last documents that make up this share of the tokens. The cut falls on the document
+      boundary nearest to it, or inside a document when that boundary would leave a split empty (one document:
+      the tail of the stream, as the token cache splits it).
+    shard_tokens: a shard closes after the document that brings it to this many tokens.
+    batch_docs: documents per tokenization batch.
+    skip_bad_docs: skip unreadable, non-UTF-8 or malformed documents and files, counting them, instead of stopping.
+  """
+
+  tokenizer: str = "byte"
+  separator: str = ""
+  text_field: str = "text"
+  tfds_data_dir: str = ""
+  val_docs: int = 0
+  val_fraction: float = 0.0
+  shard_tokens: int = DEFAULT_SHARD_TOKENS
+  batch_docs: int = 256
+  skip_bad_docs: bool = False
+
+  def check(self) -> None:
+    """Raises DataError naming a field that is out of range."""
+    if self.val_docs < 0 or not 0.0 <= self.val_fraction < 1.0 or (self.val_docs and self.val_fraction):
+      raise DataError(f"--val-docs={self.val_docs} / --val-fraction={self.val_fraction}: give at most one, "
+                      "--val-docs >= 0 or 0 <= --val-fraction < 1")
+    if self.shard_tokens < 1 or self.batch_docs < 1:
+      raise DataError(f"--shard-tokens={self.shard_tokens} and --batch-docs={self.batch_docs} must be >= 1")
+
+
+def _make_tokenizer(spec: str) -> Tokenizer:
+  return ByteTokenizer() if spec == "byte" else HFTokenizer(spec)
+
+
+_worker_tokenizer: Tokenizer | None = None
+
+
+def _init_worker(spec: str) -> None:
+  global _worker_tokenizer
+  os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # one thread per worker: the pool is the parallelism
+  _worker_tokenizer = _make_tokenizer(spec)
+
+
+def _encode(docs: list[str | DataError], tokenizer: Tokenizer, dtype: np.dtype
+            ) -> tuple[list[np.ndarray | None], list[int]]:
+  """Each document's tokens followed by EOS (in ``dtype``) and its UTF-8 byte count; None and 0 for a skipped bad
+  document (a DataError in its place)."""
+  texts = [d for d in docs if isinstance(d, str)]
+  ids = iter(tokenizer.encode_batch(texts) if isinstance(tokenizer, HFTokenizer) else map(tokenizer.encode, texts))
+  eos = tokenizer.eos_id
+  encoded = [np.asarray(next(ids) + [eos], dtype) if isinstance(d, str) else None for d in docs]
+  return encoded, [len(d.encode("utf-8")) if isinstance(d, str) else 0 for d in docs]
+
+
+def _encode_in_worker(args: tuple[list[str | DataError], str]) -> tuple[list[np.ndarray | None], list[int]]:
+  docs, dtype = args
+  return _encode(docs, _worker_tokenizer, np.dtype(dtype))
+
+
+def _fingerprint(inputs: Sequence[Input], options: PrepareOptions, tok_fingerprint: str) -> str:
+  """Inputs (local files by path, size and modification time; others by name) and the options."""
+  described = []
+  for i in inputs:
+    p = epath.Path(i.path)
+    try:
+      st = p.stat()
+      described.append([i.kind, i.path, st.length, st.mtime])
+    except (OSError, FileNotFoundError, ValueError):
+      described.append([i.kind, i.path])
+  settings = {k: v for k, v in dataclasses.asdict(options).items() if k != "batch_docs"}  # batches change no byte
+  blob = json.dumps([described, settings, tok_fingerprint], default=str)
+  return hashlib.sha256(blob.encode()).hexdigest()[:24]
+
+
+def _batched(docs: Iterable[str | DataError], n: int) -> Iterator[list[str | DataError]]:
+  batch: list[str | DataError] = []
+  for d in docs:
+    batch.append(d)
+    if len(batch) == n:
+      yield batch
+      batch = []
+  if batch:
+    yield batch
+
+
+def _ordered_map(batches: Iterator[list[str | DataError]], dtype: np.dtype, workers: int, tokenizer: Tokenizer,
+                 spec: str) -> Iterator[tuple[list[str | DataError], list[np.ndarray | None], list[int]]]:
+  """``(batch, its tokens, its UTF-8 byte counts)`` in input order, at most ``2 * workers`` batches in flight (memory
+  stays bounded)."""
+  if workers <= 1:
+    for b in batches:
+      yield b, *_encode(b, tokenizer, dtype)
+    return
+  ctx = multiprocessing.get_context("spawn")  # no fork of a process that may hold JAX or tokenizer threads
+  with ctx.Pool(workers, initializer=_init_worker, initargs=(spec,)) as pool:
+    pending: collections.deque = collections.deque()
+    for b in batches:
+      pending.append((b, pool.apply_async(_encode_in_worker, ((b, dtype.str),))))
+      if len(pending) >= 2 * workers:
+        b, result = pending.popleft()
+        yield b, *result.get()
+    while pending:
+      b, result = pending.popleft()
+      yield b, *result.get()
+
+
+@dataclasses.dataclass
+class _State:
+  """The resumable progress of a preparation (``.prepare-state.json``)."""
+
+  fingerprint: str
+  shards: list[Shard]
+  documents: int  # documents of the input stream consumed by the finished shards
+  skipped: int
+
+  def write(self, directory: epath.Path) -> None:
+    tmp = directory / f".{STATE}.tmp"
+    tmp.write_text(json.dumps({"fingerprint": self.fingerprint, "shards": [dataclasses.asdict(s) for s in self.shards],
+                               "documents": self.documents, "skipped": self.skipped}))
+    tmp.replace(directory / STATE)
+
+  @classmethod
+  def read(cls, directory: epath.Path, fingerprint: str) -> "_State":
+    path = directory / STATE
+    if path.exists():
+      try:
+        d = json.loads(path.read_text())
+        state = cls(d["fingerprint"], [Shard(**s) for s in d["shards"]], int(d["documents"]), int(d["skipped"]))
+      except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+        state = None
+      if state is not None and state.fingerprint == fingerprint and all(
+          (directory / f"{s.name}.tokens").exists() for s in state.shards):
+        return state
+    return cls(fingerprint, [], 0, 0)
+
+
+def _split_point(out: epath.Path, shards: list[Shard], dtype: np.dtype, options: PrepareOptions) -> int:
+  """Where the validation split starts in the token stream (see :class:`PrepareOptions`); reads the document offsets
+  of one shard only."""
+  offsets = np.cumsum([0] + [s.tokens for s in shards])
+  total = int(offsets[-1])
+  num_docs = sum(s.documents for s in shards)
+  if options.val_docs:
+    if options.val_docs >= num_docs:
+      raise DataError(f"--val-docs={options.val_docs} holds out every one of the corpus's {num_docs} documents: "
+                      "lower it")
+    first = num_docs - options.val_docs  # the first validation document, and the shard holding it
+    k = int(np.searchsorted(np.cumsum([s.documents for s in shards]), first, side="right"))
+    return int(offsets[k] + read_shard(out, shards[k], dtype, verify=False)[1][first - sum(
+      s.documents for s in shards[:k])])
+  if not options.val_fraction:
+    return total
+  target = total - int(round(total * options.val_fraction))
+  k = min(int(np.searchsorted(offsets, target, side="right")) - 1, len(shards) - 1)
+  boundaries = np.append(read_shard(out, shards[k], dtype, verify=False)[1] + offsets[k], offsets[k + 1])
+  nearest = int(boundaries[np.argmin(np.abs(boundaries - target))])
+  return nearest if 0 < nearest < total else target
+
+
+def prepare(inputs: Sequence[str], out: str | os.PathLike, options: PrepareOptions = PrepareOptions(), *,
+            workers: int = 1, progress: bool = True) -> Manifest:
+  """Tokenize ``inputs`` into ``out`` (local or any ``etils.epath`` path); resumes an interrupted preparation.
+
+  Args:
+    inputs: files, directories, globs of UTF-8 text (``options.separator``), JSONL (``.gz``/``.zst``), parquet,
+      ``datasets`` directories saved to disk, ``tfds:NAME/SPLIT``.
+    workers: tokenizer processes (1: in this process).
+
+  Returns:
+    The manifest written to ``out/manifest.json``.
+
+  Raises:
+    DataError: bad options, inputs that do not exist or (without ``skip_bad_docs``) a bad document, no documents,
+      or ``out`` holding a finished preparation of other inputs or options.
+  """
+  options.check()
+  out = epath.Path(out)
+  found = expand_inputs(list(inputs))
+  tok_fingerprint = tokenizer_fingerprint(options.tokenizer)
+  fingerprint = _fingerprint(found, options, tok_fingerprint)
+  if (out / MANIFEST).exists():
+    manifest = read_manifest(out)
+    if manifest.preparation == fingerprint:
+      return manifest
+    raise DataError(f"{out} holds a finished preparation of other inputs or options: choose another --out or "
+                    "delete it")
+  out.mkdir(parents=True, exist_ok=True)
+  tokenizer = _make_tokenizer(options.tokenizer)
+  dtype = token_dtype(tokenizer.vocab_size)
+  state = _State.read(out, fingerprint)
+
+  def documents() -> Iterator[str | DataError]:
+    for source in found:
+      yield from iter_documents(source, separator=options.separator, text_field=options.text_field,
+                                tfds_data_dir=options.tfds_data_dir, skip_bad=options.skip_bad_docs)
+
+  stream = documents()
+  for _ in range(state.documents):  # resume: the finished shards' documents are read again, not tokenized
+    next(stream)
+  bar = tqdm(desc=f"prepare {out.name}", unit="B", unit_scale=True, disable=not progress, dynamic_ncols=True)
+  t0, tokens_done = time.perf_counter(), 0
+  docs: list[np.ndarray] = []
+  shard_bytes = shard_tokens = 0
+  consumed, skipped = state.documents, state.skipped
+
+  def close_shard() -> None:
+    nonlocal docs, shard_bytes, shard_tokens
+    shard = write_shard(out, f"shard-{len(state.shards):05d}", docs, shard_bytes)
+    state.shards.append(shard)
+    state.documents, state.skipped = consumed, skipped
+    state.write(out)
+    docs, shard_bytes, shard_tokens = [], 0, 0
+
+  for batch, encoded, sizes in _ordered_map(_batched(stream, options.batch_docs), dtype, workers, tokenizer,
+                                            options.tokenizer):
+    for item, toks, size in zip(batch, encoded, sizes):
+      consumed += 1
+      if toks is None:
+        skipped += 1
+        tqdm.write(f"skipped: {item}")
+        continue
+      docs.append(toks)
+      shard_bytes += size
+      shard_tokens += len(toks)
+      if shard_tokens >= options.shard_tokens:
+        close_shard()
+    tokens_done += sum(len(t) for t in encoded if t is not None)
+    bar.update(sum(sizes))
+    bar.set_postfix(tokens_per_s=f"{tokens_done / max(time.perf_counter() - t0, 1e-9):,.0f}", refresh=False)
+  if docs:
+    close_shard()
+  bar.close()
+  if not state.shards:
+    raise DataError(f"the inputs {list(inputs)} hold no non-empty document")
+  manifest = _manifest(out, state, options, tokenizer, dtype, inputs, tok_fingerprint, fingerprint)
+  write_manifest(out, manifest)
+  (out / STATE).unlink()
+  return manifest
+
+
+def _manifest(out: epath.Path, state: _State, options: PrepareOptions, tokenizer: Tokenizer, dtype: np.dtype,
+              inputs: Sequence[str], tok_fingerprint: str, fingerprint: str) -> Manifest:
+  """The split point and the validation split's UTF-8 bytes (decoded from the shards, a document at a time), then
+  the manifest."""
+  offsets = np.cumsum([0] + [s.tokens for s in state.shards])
+  cut = _split_point(out, state.shards, dtype, options)
+  total = int(offsets[-1])
+  val_bytes = 0
+  for n, shard in enumerate(state.shards):
+    lo, hi = max(cut - offsets[n], 0), shard.tokens
+    if lo >= hi:
+      continue
+    tokens, doc_starts = read_shard(out, shard, dtype, verify=False)
+    bounds = np.unique(np.concatenate([[lo], doc_starts[(doc_starts > lo) & (doc_starts < hi)], [hi]]))
+    for a, b in zip(bounds[:-1], bounds[1:]):
+      val_bytes += len(tokenizer.decode(tokens[a:b].tolist()).encode("utf-8"))
+  return Manifest(
+    tokenizer=options.tokenizer, tokenizer_fingerprint=tok_fingerprint, vocab_size=tokenizer.vocab_size,
+    eos_id=tokenizer.eos_id, dtype=dtype.name, shards=tuple(state.shards),
+    splits={"train": (0, cut), "validation": (cut, total)}, validation_utf8_bytes=val_bytes,
+    inputs=tuple(inputs), preparation=fingerprint, skipped_documents=state.skipped)
