@@ -264,8 +264,11 @@ class DataConfig:
   """Input pipeline (grain): source, tokenizer, packing, splits."""
 
   source: str = _f("text", "text: a local UTF-8 text file; jsonl: one JSON object per line with a text field; "
-                   "tfds: a TFDS dataset read through tfds.data_source (no TensorFlow).", ("text", "jsonl", "tfds"))
-  path: str = _f("tinyshakespeare.txt", "text/jsonl file; a relative path is resolved against data_dir.")
+                   "tfds: a TFDS dataset read through tfds.data_source (no TensorFlow); prepared: a directory written "
+                   "by python -m jaxshare.data prepare (local or gs://; its manifest sets the splits).",
+                   ("text", "jsonl", "tfds", "prepared"))
+  path: str = _f("tinyshakespeare.txt", "text/jsonl file or prepared directory; a relative path is resolved against "
+                 "data_dir.")
   data_dir: str = _f("", f"Folder for relative paths. Empty: ${DATA_DIR_ENV} if set, else ../shared/data "
                      "relative to the repository root.")
   text_field: str = _f("text", "jsonl/tfds: name of the text field of each record.")

@@ -9,6 +9,7 @@ import eval as eval_py
 import train
 from jaxshare.cli_args import parse_anywhere
 from jaxshare.convert.__main__ import parse_args as convert_args
+from jaxshare.data.__main__ import parse_args as data_args
 
 
 @pytest.mark.parametrize("parse,orders", [
@@ -21,6 +22,8 @@ from jaxshare.convert.__main__ import parse_args as convert_args
   (eval_py.parse_args, [["generate", "R", "--prompt", "P", "--no-cache"],
                         ["generate", "--no-cache", "R", "--prompt", "P"]]),
   (eval_py.parse_args, [["R", "--json"], ["report", "--json", "R"]]),
+  (data_args, [["prepare", "--out", "O", "a.txt", "b/", "--workers", "2"],
+               ["prepare", "a.txt", "--workers", "2", "b/", "--out", "O"]]),
 ])
 def test_flags_anywhere_parse_alike(parse, orders):
   parsed = [vars(parse(list(argv))) for argv in orders]

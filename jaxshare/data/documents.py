@@ -20,6 +20,11 @@ def resolve_path(cfg: DataConfig) -> Path:
   return p if p.is_absolute() else resolve_data_dir(cfg) / p
 
 
+def resolve_location(cfg: DataConfig) -> str:
+  """``data.path`` as :func:`resolve_path` resolves a local one; a URL (gs://...) as it is."""
+  return cfg.path if "://" in cfg.path else str(resolve_path(cfg))
+
+
 def _read_text(path: Path, what: str) -> str:
   if not path.exists():
     raise DataError(f"data.path: {what} {str(path)!r} does not exist (expected a UTF-8 text file; set data.path, "
@@ -88,8 +93,10 @@ def load_documents(cfg: DataConfig) -> list[str]:
     docs = text.split(cfg.document_separator) if cfg.document_separator else [text]
   elif cfg.source == "jsonl":
     docs = _jsonl_documents(resolve_path(cfg), cfg.text_field)
-  else:
+  elif cfg.source == "tfds":
     docs = _tfds_documents(cfg)
+  else:
+    raise DataError(f"data.source={cfg.source!r} holds tokens, not documents: read it through Datasets")
   docs = [d for d in docs if d]
   if not docs:
     raise DataError(f"data source {cfg.source!r} yielded no non-empty documents")

@@ -16,8 +16,9 @@ import jax
 import numpy as np
 
 from jaxshare.config import TOKEN_CACHE_ENV, DataConfig
-from jaxshare.data.documents import load_documents, resolve_path
+from jaxshare.data.documents import load_documents, resolve_location, resolve_path
 from jaxshare.data.errors import DataError
+from jaxshare.data.prepared import PreparedTokens
 from jaxshare.data.tokenizers import Tokenizer, make_tokenizer, tokenizer_fingerprint
 
 
@@ -39,6 +40,14 @@ class TokenStream:
     starts = np.flatnonzero(np.r_[True, doc_ids[1:] != doc_ids[:-1]])
     positions = np.arange(len(tokens)) - np.repeat(starts, np.diff(np.r_[starts, len(tokens)]))
     return cls(tokens, doc_ids, positions.astype(np.int32))
+
+  def __len__(self) -> int:
+    return len(self.tokens)
+
+  def read(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(tokens, document ids, positions)`` of tokens ``[start, stop)``, as
+    :meth:`~jaxshare.data.prepared.PreparedTokens.read`."""
+    return tuple(np.array(x[start:stop]) for x in (self.tokens, self.doc_ids, self.positions))
 
   def split(self, val_fraction: float) -> tuple[slice, slice]:
     n_val = int(round(len(self.tokens) * val_fraction))
@@ -110,7 +119,7 @@ class WindowSource:
   (1-based, per window) and ``loss_mask`` (0 where the target belongs to the next document).
   """
 
-  def __init__(self, stream: TokenStream, span: slice, seq_len: int, name: str):
+  def __init__(self, stream: TokenStream | PreparedTokens, span: slice, seq_len: int, name: str):
     self.stream, self.start, self.seq_len = stream, span.start, seq_len
     self.n = (span.stop - span.start - 1) // seq_len
     if self.n < 1:
@@ -122,8 +131,7 @@ class WindowSource:
 
   def __getitem__(self, i: int) -> dict[str, np.ndarray]:
     a = self.start + int(i) * self.seq_len
-    s = self.stream
-    tok, doc, pos = (np.array(x[a:a + self.seq_len + 1]) for x in (s.tokens, s.doc_ids, s.positions))
+    tok, doc, pos = self.stream.read(a, a + self.seq_len + 1)
     seg = (doc - doc[0] + 1).astype(np.int32)
     return {"inputs": tok[:-1], "targets": tok[1:], "positions": pos[:-1], "segment_ids": seg[:-1],
             "loss_mask": (doc[1:] == doc[:-1]).astype(np.int32)}
@@ -158,15 +166,20 @@ class Datasets:
     self.cfg = cfg
     self.batch_size = batch_size
     self.tokenizer = tokenizer or make_tokenizer(cfg)
-    self.stream = cached_token_stream(cfg, self.tokenizer)
-    train_span, val_span = self.stream.split(cfg.val_fraction)
+    if cfg.source == "prepared":
+      self.stream = PreparedTokens(resolve_location(cfg), cfg.tokenizer)
+      train_span, val_span = self.stream.split("train"), self.stream.split("validation")
+      # UTF-8 bytes per validation token (bits per byte for any tokenizer), counted when the data was prepared
+      self.bytes_per_token = self.stream.validation_bytes_per_token
+    else:
+      self.stream = cached_token_stream(cfg, self.tokenizer)
+      train_span, val_span = self.stream.split(cfg.val_fraction)
+      val_tokens = self.stream.tokens[val_span]
+      self.bytes_per_token = len(self.tokenizer.decode(val_tokens.tolist()).encode("utf-8")) / len(val_tokens)
     self.train_source = WindowSource(self.stream, train_span, cfg.seq_len, "training")
     self.val_source = WindowSource(self.stream, val_span, cfg.seq_len, "validation")
     self.rows = batch_rows(jax.process_index() if process_index is None else process_index,
                            jax.process_count() if process_count is None else process_count, batch_size)
-    val_tokens = self.stream.tokens[val_span]
-    # UTF-8 bytes per validation token, to report bits per byte for any tokenizer.
-    self.bytes_per_token = len(self.tokenizer.decode(val_tokens.tolist()).encode("utf-8")) / len(val_tokens)
     if len(self.val_source) < batch_size:
       raise DataError(f"the validation split has {len(self.val_source)} sequences, fewer than one batch of "
                       f"{batch_size}: raise data.val_fraction or lower train.batch_size")

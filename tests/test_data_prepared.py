@@ -1,0 +1,110 @@
+"""Training from prepared data (``data.source=prepared``): the same windows, batches, validation bytes and losses as
+the token cache on Tiny Shakespeare; windows across shard boundaries equal the in-memory stream's; two processes read
+disjoint rows making up the global batch; exact resume; a changed tokenizer and a corrupt shard refused in one line."""
+
+import json
+
+import numpy as np
+import pytest
+
+from conftest import TINY, read_metrics, write_bpe_tokenizer
+from jaxshare.config import DataConfig, load_config
+from jaxshare.data import ByteTokenizer, DataError, Datasets, TokenStream, WindowSource
+from jaxshare.data.prepare import PrepareOptions, prepare
+from jaxshare.data.prepared import PreparedTokens
+from jaxshare.data.shards import read_manifest
+
+
+def take(it, n):
+  return [next(it) for _ in range(n)]
+
+
+def assert_batches_equal(a, b):
+  assert len(a) == len(b)
+  for x, y in zip(a, b):
+    assert sorted(x) == sorted(y)
+    for k in x:
+      np.testing.assert_array_equal(x[k], y[k], err_msg=k)
+
+
+@pytest.fixture(scope="module")
+def prepared_shakespeare(tmp_path_factory):
+  from conftest import CORPUS
+
+  out = tmp_path_factory.mktemp("prepared") / "shakespeare"
+  prepare([str(CORPUS)], out, PrepareOptions(val_fraction=0.1), progress=False)
+  return out
+
+
+def test_prepared_shakespeare_gives_the_token_caches_batches(corpus, prepared_shakespeare):
+  text = Datasets(DataConfig(path=str(corpus), seq_len=64), batch_size=8)
+  prepared = Datasets(DataConfig(source="prepared", path=str(prepared_shakespeare), seq_len=64), batch_size=8)
+  assert len(prepared.train_source) == len(text.train_source) and len(prepared.val_source) == len(text.val_source)
+  assert_batches_equal(take(prepared.train_iter(), 4), take(text.train_iter(), 4))
+  assert_batches_equal(list(prepared.val_batches(3)), list(text.val_batches(3)))
+  assert prepared.bytes_per_token == pytest.approx(text.bytes_per_token, rel=1e-12)
+
+
+def test_bpe_prepared_shakespeare_gives_the_token_caches_windows(tmp_path, corpus):
+  tk = str(write_bpe_tokenizer(tmp_path / "tk", corpus.read_text()[:20000]))
+  prepare([str(corpus)], tmp_path / "out", PrepareOptions(tokenizer=tk, val_fraction=0.1), progress=False)
+  text = Datasets(DataConfig(path=str(corpus), tokenizer=tk, seq_len=32, token_cache="off"), batch_size=4)
+  prepared = Datasets(DataConfig(source="prepared", path=str(tmp_path / "out"), tokenizer=tk, seq_len=32),
+                      batch_size=4)
+  for i in (0, 1, len(text.train_source) - 1):
+    assert_batches_equal([prepared.train_source[i]], [text.train_source[i]])
+  assert prepared.bytes_per_token == pytest.approx(text.bytes_per_token, rel=1e-3)  # decoded per document
+
+
+def test_windows_across_shards_equal_the_in_memory_streams(tmp_path, corpus):
+  docs = [d for d in corpus.read_text().split("\n\n") if d][:300]
+  (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+  m = prepare([str(tmp_path / "docs.jsonl")], tmp_path / "out", PrepareOptions(shard_tokens=3000, val_docs=20),
+              progress=False)
+  assert len(m.shards) > 5
+  want = TokenStream.from_documents(docs, ByteTokenizer())
+  got = PreparedTokens(tmp_path / "out", "byte")
+  for a, b in ((0, len(want)), (2990, 3100), (len(want) - 50, len(want))):
+    for x, y in zip(got.read(a, b), want.read(a, b)):
+      np.testing.assert_array_equal(x, y)
+  span = got.split("train")
+  ours, theirs = WindowSource(got, span, 48, "training"), WindowSource(want, span, 48, "training")
+  assert_batches_equal([ours[i] for i in range(len(ours))], [theirs[i] for i in range(len(theirs))])
+
+
+def test_two_processes_read_disjoint_rows_of_the_global_batch_and_resume_exactly(prepared_shakespeare):
+  cfg = DataConfig(source="prepared", path=str(prepared_shakespeare), seq_len=32)
+  whole = take(Datasets(cfg, 8, process_index=0, process_count=1).train_iter(), 3)
+  halves = [take(Datasets(cfg, 8, process_index=i, process_count=2).train_iter(), 3) for i in range(2)]
+  for n, batch in enumerate(whole):
+    np.testing.assert_array_equal(np.concatenate([halves[0][n]["inputs"], halves[1][n]["inputs"]]), batch["inputs"])
+  it = Datasets(cfg, 8).train_iter()
+  take(it, 2)
+  state, rest = it.get_state(), take(it, 2)
+  again = Datasets(cfg, 8).train_iter()
+  again.set_state(state)
+  assert_batches_equal(take(again, 2), rest)
+
+
+def test_another_tokenizer_and_a_corrupt_shard_are_refused_in_one_line(tmp_path, corpus, prepared_shakespeare):
+  tk = str(write_bpe_tokenizer(tmp_path / "tk", corpus.read_text()[:5000]))
+  with pytest.raises(DataError, match=r"is not the tokenizer .* was prepared with \('byte'"):
+    Datasets(DataConfig(source="prepared", path=str(prepared_shakespeare), tokenizer=tk, seq_len=32), 4)
+  m = prepare([str(corpus)], tmp_path / "out", PrepareOptions(val_fraction=0.1), progress=False)
+  (tmp_path / "out" / f"{m.shards[0].name}.tokens").write_bytes(b"\0" * 64)
+  ds = Datasets(DataConfig(source="prepared", path=str(tmp_path / "out"), seq_len=32), 4)  # opens the manifest only
+  with pytest.raises(DataError, match="has 64 bytes, the manifest says"):
+    ds.train_source[0]
+
+
+@pytest.mark.slow
+def test_a_run_on_prepared_data_has_the_losses_of_the_same_run_on_the_text(tmp_path, prepared_shakespeare):
+  from jaxshare.train.loop import train
+
+  steps = ["train.steps=3", "train.log_every=1", "train.eval_every=3", "train.eval_batches=2"]
+  text = train(load_config(None, [*TINY, *steps, f"train.run_dir={tmp_path / 'text'}"]))
+  prepared = train(load_config(None, [*TINY, *steps, f"train.run_dir={tmp_path / 'prepared'}", "data.source=prepared",
+                                      f"data.path={prepared_shakespeare}"]))
+  assert [r["loss"] for r in read_metrics(tmp_path / "prepared")] == [r["loss"] for r in read_metrics(tmp_path / "text")]
+  assert prepared["val_loss"] == text["val_loss"]
+  assert read_manifest(prepared_shakespeare).splits["validation"][0] > 0
