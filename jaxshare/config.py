@@ -278,11 +278,14 @@ class DataConfig:
   document_separator: str = _f("", "text: split the file into documents at this string (empty: one document).")
   tokenizer: str = _f("byte", "byte (UTF-8 bytes, ids 0-255, EOS = 0) or a local Hugging Face tokenizer dir.")
   seq_len: int = _f(128, "Tokens per training sequence T.")
-  val_fraction: float = _f(0.1, "Held-out validation share, taken from the end of the corpus.")
+  val_fraction: float = _f(0.1, "Held-out validation share: the corpus's last documents, cut at the document "
+                           "boundary nearest to it (inside the document for a one-document corpus). Not read for "
+                           "source=prepared, whose manifest sets the splits.")
   shuffle_seed: int = _f(0, "Seed of the deterministic per-epoch shuffle.")
-  token_cache: str = _f("", "Directory of tokenized corpora (.npy files memory-mapped by every process; built once, "
+  token_cache: str = _f("", "Directory where text/jsonl/tfds sources are prepared on first use (token shards as "
+                        "python -m jaxshare.data prepare writes them, memory-mapped by every process; prepared once, "
                         f"under a file lock). Empty: ${TOKEN_CACHE_ENV} if set, else ~/.cache/jaxshare/tokens. off: "
-                        "tokenize in memory each run.")
+                        "prepare into a temporary directory each run.")
 
 
 @dataclasses.dataclass(frozen=True)

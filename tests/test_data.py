@@ -137,7 +137,7 @@ def test_data_dir_resolution(tmp_path, monkeypatch):
   assert ByteTokenizer().decode(ByteTokenizer().encode("héllo")) == "héllo"
 
 
-def test_token_cache_is_built_once_and_memory_mapped(tmp_path):
+def test_token_cache_is_prepared_once_and_memory_mapped(tmp_path):
   text = tmp_path / "corpus.txt"
   text.write_text("To be, or not to be: that is the question.\n" * 40)
   cache = tmp_path / "cache"
@@ -145,14 +145,16 @@ def test_token_cache_is_built_once_and_memory_mapped(tmp_path):
   first = Datasets(cfg, 2)
   (key,) = [p for p in cache.iterdir() if p.is_dir()]
   built = {p.name: p.stat().st_mtime_ns for p in key.iterdir()}
-  assert set(built) == {"tokens.npy", "doc_ids.npy", "positions.npy"}
+  assert set(built) == {"manifest.json", "shard-00000.tokens", "shard-00000.docs"}
   second = Datasets(cfg, 2)
-  assert isinstance(second.stream.tokens, np.memmap)  # read from the cache, not tokenized again
-  assert {p.name: p.stat().st_mtime_ns for p in key.iterdir()} == built
+  assert {p.name: p.stat().st_mtime_ns for p in key.iterdir()} == built  # read from the cache, not prepared again
+  second.train_source[0]
+  assert isinstance(second.stream._shard(0)[0], np.memmap)
   uncached = Datasets(cfg_for(text, seq_len=16, token_cache="off"), 2)
-  for a, b in ((first, uncached), (second, uncached)):
-    for name in ("tokens", "doc_ids", "positions"):
-      np.testing.assert_array_equal(getattr(a.stream, name), getattr(b.stream, name))
+  for a in (first, second):
+    for n in range(len(uncached.train_source)):
+      for k, v in uncached.train_source[n].items():
+        np.testing.assert_array_equal(a.train_source[n][k], v)
   text.write_text("Something else entirely.\n" * 40)  # a changed source gets its own entry
   Datasets(cfg, 2)
   assert len([p for p in cache.iterdir() if p.is_dir()]) == 2

@@ -123,7 +123,8 @@ def test_eval_cli_generates_and_scores_text(straight_run, capsys, tmp_path):
   assert eval_cli.main(args + ["--no-cache"]) == 0
   assert capsys.readouterr().out == cached and cached.startswith("ROMEO:") and len(cached) > len("ROMEO:\n")
   data = Datasets(cfg.data, cfg.train.batch_size)
-  val = data.stream.tokens[data.stream.split(cfg.data.val_fraction)[1]].tolist()
+  val_span = data.stream.split("validation")
+  val = data.stream.read(val_span.start, val_span.stop)[0].tolist()
   assert val[-1] == data.tokenizer.eos_id  # the corpus's EOS: ppl appends it again
   text = tmp_path / "val.txt"
   text.write_text(data.tokenizer.decode(val[:-1]), encoding="utf-8")

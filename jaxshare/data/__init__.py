@@ -12,8 +12,9 @@ checkpoints so a resumed run sees exactly the batches it would have seen.
 
 from jaxshare.data.documents import load_documents, resolve_path
 from jaxshare.data.errors import DataError
-from jaxshare.data.pipeline import Datasets, TokenStream, WindowSource, batch_rows, cached_token_stream, token_cache_dir
+from jaxshare.data.pipeline import Datasets, TokenStream, WindowSource, batch_rows, prepare_source, token_cache_dir
 from jaxshare.data.tokenizers import ByteTokenizer, HFTokenizer, Tokenizer, make_tokenizer
 
 __all__ = ["ByteTokenizer", "DataError", "Datasets", "HFTokenizer", "TokenStream", "Tokenizer", "WindowSource",
-           "batch_rows", "cached_token_stream", "load_documents", "make_tokenizer", "resolve_path", "token_cache_dir"]
+           "batch_rows", "load_documents", "make_tokenizer", "prepare_source", "resolve_path",
+           "token_cache_dir"]

@@ -118,17 +118,17 @@ class Input:
   path: str
 
 
-def expand_inputs(specs: list[str]) -> list[Input]:
+def expand_inputs(specs: list[str | Input]) -> list[Input]:
   """Files, directories (every file below, sorted), globs and ``tfds:NAME/SPLIT`` as an ordered list of inputs; a
-  directory written by ``datasets.Dataset.save_to_disk`` is one input.
+  directory written by ``datasets.Dataset.save_to_disk`` is one input; an :class:`Input` stays as it is.
 
   Raises:
     DataError: a path or glob that matches nothing.
   """
   found: list[Input] = []
   for spec in specs:
-    if spec.startswith(TFDS_PREFIX):
-      found.append(Input("tfds", spec[len(TFDS_PREFIX):]))
+    if isinstance(spec, Input) or spec.startswith(TFDS_PREFIX):
+      found.append(spec if isinstance(spec, Input) else Input("tfds", spec[len(TFDS_PREFIX):]))
       continue
     path = epath.Path(spec)
     if any(c in spec for c in "*?["):

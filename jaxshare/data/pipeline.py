@@ -1,11 +1,11 @@
-"""Token streams, the token cache, packed windows and the per-process grain batches of training and validation."""
+"""Token streams, the token cache (text, JSONL and TFDS sources prepared on first use), packed windows and the
+per-process grain batches of training and validation."""
 
 from __future__ import annotations
 
 import fcntl
-import hashlib
-import json
 import os
+import sys
 import tempfile
 import warnings
 from pathlib import Path
@@ -16,15 +16,17 @@ import jax
 import numpy as np
 
 from jaxshare.config import TOKEN_CACHE_ENV, DataConfig
-from jaxshare.data.documents import load_documents, resolve_location, resolve_path
+from jaxshare.data.documents import Input, resolve_location, resolve_path
 from jaxshare.data.errors import DataError
+from jaxshare.data.prepare import PrepareOptions, prepare, preparation_fingerprint
 from jaxshare.data.prepared import PreparedTokens
-from jaxshare.data.tokenizers import Tokenizer, make_tokenizer, tokenizer_fingerprint
+from jaxshare.data.tokenizers import Tokenizer, make_tokenizer
 
 
 class TokenStream:
-  """Tokens of all documents, each followed by EOS, with the document index and in-document position of every token
-  (int32 arrays; memory maps when read from the token cache)."""
+  """An in-memory token stream: all documents, each followed by EOS, with the document index and in-document
+  position of every token (int32 arrays). ``eval.py ppl`` scores arbitrary text through it; training reads prepared
+  shards (:class:`~jaxshare.data.prepared.PreparedTokens`)."""
 
   def __init__(self, tokens: np.ndarray, doc_ids: np.ndarray, positions: np.ndarray):
     self.tokens, self.doc_ids, self.positions = tokens, doc_ids, positions
@@ -49,17 +51,9 @@ class TokenStream:
     :meth:`~jaxshare.data.prepared.PreparedTokens.read`."""
     return tuple(np.array(x[start:stop]) for x in (self.tokens, self.doc_ids, self.positions))
 
-  def split(self, val_fraction: float) -> tuple[slice, slice]:
-    n_val = int(round(len(self.tokens) * val_fraction))
-    cut = len(self.tokens) - n_val
-    return slice(0, cut), slice(cut, len(self.tokens))
-
-
-_STREAM_ARRAYS = ("tokens", "doc_ids", "positions")
-
 
 def token_cache_dir(cfg: DataConfig) -> Path | None:
-  """Where tokenized corpora are cached (None: ``data.token_cache=off``)."""
+  """Where corpora read from text, JSONL or TFDS are prepared (None: ``data.token_cache=off``)."""
   if cfg.token_cache == "off":
     return None
   if cfg.token_cache:
@@ -67,49 +61,58 @@ def token_cache_dir(cfg: DataConfig) -> Path | None:
   return Path(os.environ.get(TOKEN_CACHE_ENV) or Path.home() / ".cache" / "jaxshare" / "tokens")
 
 
-def _fingerprint(cfg: DataConfig) -> str:
-  """What the token stream depends on: the source (a file by path, size and modification time; a TFDS split by
-  name) and the tokenizer (a directory by its files' contents)."""
-  if cfg.source == "tfds":
-    source = [cfg.tfds_name, cfg.tfds_split, cfg.tfds_data_dir, cfg.text_field]
-  else:
-    path = resolve_path(cfg).resolve()
-    st = path.stat()
-    source = [str(path), st.st_size, st.st_mtime_ns, cfg.document_separator, cfg.text_field]
-  blob = json.dumps([cfg.source, source, tokenizer_fingerprint(cfg.tokenizer)])
-  return hashlib.sha256(blob.encode()).hexdigest()[:24]
+def _check_source_file(cfg: DataConfig) -> Path:
+  """The local text/JSONL file of ``cfg``, refused up front with a message naming ``data.path`` when it is missing,
+  not a file or empty (its content is checked as it is read)."""
+  path, what = resolve_path(cfg), "JSONL file" if cfg.source == "jsonl" else "text file"
+  if not path.exists():
+    raise DataError(f"data.path: {what} {str(path)!r} does not exist (expected a UTF-8 {what}; set data.path, "
+                    "data.data_dir or $JAXSHARE_DATA_DIR)")
+  if not path.is_file():
+    raise DataError(f"data.path: {what} {str(path)!r} is not a regular file")
+  with open(path, "rb") as f:
+    if not f.read(1 << 20).strip() and path.stat().st_size <= 1 << 20:
+      raise DataError(f"data.path: {what} {str(path)!r} is empty (expected UTF-8 text)")
+  return path
 
 
-def cached_token_stream(cfg: DataConfig, tokenizer: Tokenizer) -> TokenStream:
-  """The corpus's :class:`TokenStream`, tokenized once and memory-mapped after.
+def prepare_source(cfg: DataConfig) -> tuple[Path, tempfile.TemporaryDirectory | None]:
+  """The prepared directory of a text, JSONL or TFDS source: prepared on first use (:func:`~jaxshare.data.prepare.
+  prepare`, one worker) under :func:`token_cache_dir`, keyed by the preparation's fingerprint (the source by path,
+  size and modification time or TFDS name, the tokenizer's files, the separator, text field and validation share),
+  and reused after. The first process to take the entry's lock prepares it; the others on the same filesystem (a
+  GPU node's processes, hosts sharing NFS) wait and read the same files. With ``data.token_cache=off``, or a cache
+  that is not writable, the corpus is prepared into a temporary directory, returned too: it lasts as long as the
+  caller keeps it.
 
-  The arrays live as ``.npy`` files under :func:`token_cache_dir` keyed by :func:`_fingerprint`. The first process
-  to get the directory's lock tokenizes and publishes them with an atomic rename; every other process on the same
-  filesystem (the 8 processes of a GPU node, all hosts of a shared NFS) waits for it and maps the same pages, so a
-  multi-host run does not hold one copy of the corpus per process.
+  Returns:
+    ``(prepared directory, the temporary directory holding it or None)``.
 
   Raises:
-    DataError: the source is missing, empty, binary, unreadable or malformed (as :func:`load_documents`).
+    DataError: a missing, empty, binary, non-UTF-8 or malformed source, naming it.
   """
+  if cfg.source == "tfds":
+    source = Input("tfds", f"{cfg.tfds_name}/{cfg.tfds_split}")
+  else:
+    source = Input(cfg.source, str(_check_source_file(cfg).resolve()))
+  options = PrepareOptions(tokenizer=cfg.tokenizer, separator=cfg.document_separator if cfg.source == "text" else "",
+                           text_field=cfg.text_field, tfds_data_dir=cfg.tfds_data_dir, val_fraction=cfg.val_fraction)
+  progress = jax.process_index() == 0 and sys.stderr.isatty()
   root = token_cache_dir(cfg)
-  if root is None or (cfg.source != "tfds" and not resolve_path(cfg).is_file()):
-    return TokenStream.from_documents(load_documents(cfg), tokenizer)  # no cache, or let the reader say what's wrong
-  key = root / _fingerprint(cfg)
-  try:
-    root.mkdir(parents=True, exist_ok=True)
-    if not key.is_dir():
+  if root is not None:
+    key = root / preparation_fingerprint([source], options)
+    try:
+      root.mkdir(parents=True, exist_ok=True)
       with open(root / f"{key.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # one tokenizer per filesystem; the others wait here and then read
-        if not key.is_dir():
-          stream = TokenStream.from_documents(load_documents(cfg), tokenizer)
-          tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".{key.name}-"))
-          for name in _STREAM_ARRAYS:
-            np.save(tmp / f"{name}.npy", getattr(stream, name))
-          os.replace(tmp, key)
-    return TokenStream(*(np.load(key / f"{name}.npy", mmap_mode="r") for name in _STREAM_ARRAYS))
-  except OSError as e:  # unwritable cache (read-only home, full disk): tokenize in memory, say so once
-    warnings.warn(f"data.token_cache: {root} is not usable ({e.strerror or e}); tokenizing in memory")
-    return TokenStream.from_documents(load_documents(cfg), tokenizer)
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one preparation per filesystem; the others wait here, then read it
+        prepare([source], key, options, progress=progress)
+      return key, None
+    except OSError as e:  # unwritable cache (read-only home, full disk): prepare into scratch, say so
+      warnings.warn(f"data.token_cache: {root} is not usable ({e.strerror or e}); preparing into a temporary "
+                    "directory")
+  scratch = tempfile.TemporaryDirectory(prefix="jaxshare-tokens-")
+  prepare([source], Path(scratch.name) / "prepared", options, progress=progress)
+  return Path(scratch.name) / "prepared", scratch
 
 
 class WindowSource:
@@ -167,15 +170,14 @@ class Datasets:
     self.batch_size = batch_size
     self.tokenizer = tokenizer or make_tokenizer(cfg)
     if cfg.source == "prepared":
-      self.stream = PreparedTokens(resolve_location(cfg), cfg.tokenizer)
-      train_span, val_span = self.stream.split("train"), self.stream.split("validation")
-      # UTF-8 bytes per validation token (bits per byte for any tokenizer), counted when the data was prepared
-      self.bytes_per_token = self.stream.validation_bytes_per_token
-    else:
-      self.stream = cached_token_stream(cfg, self.tokenizer)
-      train_span, val_span = self.stream.split(cfg.val_fraction)
-      val_tokens = self.stream.tokens[val_span]
-      self.bytes_per_token = len(self.tokenizer.decode(val_tokens.tolist()).encode("utf-8")) / len(val_tokens)
+      location = resolve_location(cfg)
+    else:  # text, JSONL and TFDS sources are prepared into the token cache on first use: one pipeline for all
+      prepared, self._scratch = prepare_source(cfg)
+      location = str(prepared)
+    self.stream = PreparedTokens(location, cfg.tokenizer)
+    train_span, val_span = self.stream.split("train"), self.stream.split("validation")
+    # UTF-8 bytes per validation token (bits per byte for any tokenizer), counted when the data was prepared
+    self.bytes_per_token = self.stream.validation_bytes_per_token
     self.train_source = WindowSource(self.stream, train_span, cfg.seq_len, "training")
     self.val_source = WindowSource(self.stream, val_span, cfg.seq_len, "validation")
     self.rows = batch_rows(jax.process_index() if process_index is None else process_index,

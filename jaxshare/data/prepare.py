@@ -101,8 +101,17 @@ def _encode_in_worker(args: tuple[list[str | DataError], str]) -> tuple[list[np.
   return _encode(docs, _worker_tokenizer, np.dtype(dtype))
 
 
+def preparation_fingerprint(inputs: Sequence[str | Input], options: PrepareOptions) -> str:
+  """What a preparation's output depends on: the inputs (local files by path, size and modification time; others by
+  name), the options and the tokenizer's files (24 hex digits).
+
+  Raises:
+    DataError: an input that does not exist, or a tokenizer that is neither ``byte`` nor a directory.
+  """
+  return _fingerprint(expand_inputs(list(inputs)), options, tokenizer_fingerprint(options.tokenizer))
+
+
 def _fingerprint(inputs: Sequence[Input], options: PrepareOptions, tok_fingerprint: str) -> str:
-  """Inputs (local files by path, size and modification time; others by name) and the options."""
   described = []
   for i in inputs:
     p = epath.Path(i.path)
@@ -201,13 +210,14 @@ def _split_point(out: epath.Path, shards: list[Shard], dtype: np.dtype, options:
   return nearest if 0 < nearest < total else target
 
 
-def prepare(inputs: Sequence[str], out: str | os.PathLike, options: PrepareOptions = PrepareOptions(), *,
+def prepare(inputs: Sequence[str | Input], out: str | os.PathLike, options: PrepareOptions = PrepareOptions(), *,
             workers: int = 1, progress: bool = True) -> Manifest:
   """Tokenize ``inputs`` into ``out`` (local or any ``etils.epath`` path); resumes an interrupted preparation.
 
   Args:
     inputs: files, directories, globs of UTF-8 text (``options.separator``), JSONL (``.gz``/``.zst``), parquet,
-      ``datasets`` directories saved to disk, ``tfds:NAME/SPLIT``.
+      ``datasets`` directories saved to disk, ``tfds:NAME/SPLIT``; or :class:`~jaxshare.data.documents.Input`
+      objects of a known kind.
     workers: tokenizer processes (1: in this process).
 
   Returns:
@@ -302,4 +312,4 @@ def _manifest(out: epath.Path, state: _State, options: PrepareOptions, tokenizer
     tokenizer=options.tokenizer, tokenizer_fingerprint=tok_fingerprint, vocab_size=tokenizer.vocab_size,
     eos_id=tokenizer.eos_id, dtype=dtype.name, shards=tuple(state.shards),
     splits={"train": (0, cut), "validation": (cut, total)}, validation_utf8_bytes=val_bytes,
-    inputs=tuple(inputs), preparation=fingerprint, skipped_documents=state.skipped)
+    inputs=tuple(str(i.path) if isinstance(i, Input) else i for i in inputs), preparation=fingerprint, skipped_documents=state.skipped)
