@@ -282,6 +282,10 @@ class DataConfig:
                            "boundary nearest to it (inside the document for a one-document corpus). Not read for "
                            "source=prepared, whose manifest sets the splits.")
   shuffle_seed: int = _f(0, "Seed of the deterministic per-epoch shuffle.")
+  mixture: list = _f([], "source=prepared: train on several prepared directories mixed by weight, each entry "
+                     "{path: DIR, weight: W[, name: NAME]} (e.g. [{path: gs://b/web, weight: 0.7}, {path: gs://b/code, "
+                     "weight: 0.3}]); batches follow the weights deterministically (grain's mix) and the log counts "
+                     "the tokens seen per component. data.path is then not read. Empty: data.path alone.")
   token_cache: str = _f("", "Directory where text/jsonl/tfds sources are prepared on first use (token shards as "
                         "python -m jaxshare.data prepare writes them, memory-mapped by every process; prepared once, "
                         f"under a file lock). Empty: ${TOKEN_CACHE_ENV} if set, else ~/.cache/jaxshare/tokens. off: "
@@ -618,6 +622,17 @@ def validate(cfg: Config) -> None:
   _require(0.0 < d.val_fraction < 1.0, "data.val_fraction", d.val_fraction, "must be in (0, 1)")
   _require(d.source != "tfds" or bool(d.tfds_name), "data.tfds_name", d.tfds_name,
            "must name a dataset when data.source=tfds")
+  _require(not d.mixture or d.source == "prepared", "data.mixture", d.mixture,
+           "needs data.source=prepared (a mixture of prepared directories)")
+  for n, entry in enumerate(d.mixture):
+    _require(isinstance(entry, dict) and isinstance(entry.get("path"), str) and bool(entry.get("path"))
+             and set(entry) <= {"path", "weight", "name"}, f"data.mixture[{n}]", entry,
+             "must be {path: DIR, weight: W} with an optional name")
+    weight = entry.get("weight")
+    _require(isinstance(weight, (int, float)) and not isinstance(weight, bool) and math.isfinite(weight)
+             and weight > 0, f"data.mixture[{n}].weight", weight, "must be a finite number > 0")
+  names = [mixture_name(e) for e in d.mixture]
+  _require(len(set(names)) == len(names), "data.mixture", names, "names its components twice (give each a name)")
   for name in ("steps", "batch_size", "grad_accum_steps", "log_every", "checkpoint_every", "keep_checkpoints"):
     _require(getattr(t, name) > 0, f"train.{name}", getattr(t, name), "must be a positive integer")
   _require(t.batch_size % t.grad_accum_steps == 0, "train.grad_accum_steps", t.grad_accum_steps,
@@ -668,6 +683,11 @@ def validate(cfg: Config) -> None:
   for name, _, value in _leaf_fields(cfg):  # nan or inf is never a setting, even of a field the run ignores
     if isinstance(value, float):
       _require(math.isfinite(value), name, value, "must be a finite number")
+
+
+def mixture_name(entry: dict) -> str:
+  """A mixture component's name: its ``name``, else its directory's last part."""
+  return str(entry.get("name") or str(entry["path"]).rstrip("/").rpartition("/")[2])
 
 
 def resolve_data_dir(cfg: DataConfig) -> Path:

@@ -108,3 +108,60 @@ def test_a_run_on_prepared_data_has_the_losses_of_the_same_run_on_the_text(tmp_p
   assert [r["loss"] for r in read_metrics(tmp_path / "prepared")] == [r["loss"] for r in read_metrics(tmp_path / "text")]
   assert prepared["val_loss"] == text["val_loss"]
   assert read_manifest(prepared_shakespeare).splits["validation"][0] > 0
+
+
+@pytest.fixture(scope="module")
+def two_corpora(tmp_path_factory, prepared_shakespeare):
+  """Prepared Tiny Shakespeare and a corpus of digits (no byte in common with the play's letters)."""
+  root = tmp_path_factory.mktemp("digits")
+  rng = np.random.default_rng(0)
+  (root / "digits.txt").write_text("\n\n".join(" ".join(map(str, rng.integers(0, 10**6, 200))) for _ in range(300)))
+  prepare([str(root / "digits.txt")], root / "digits", PrepareOptions(separator="\n\n", val_docs=30), progress=False)
+  return [{"path": str(prepared_shakespeare), "weight": 0.7, "name": "play"},
+          {"path": str(root / "digits"), "weight": 0.3}]
+
+
+def test_a_mixture_follows_its_weights_counts_tokens_and_resumes_exactly(two_corpora):
+  cfg = DataConfig(source="prepared", mixture=two_corpora, seq_len=32)
+  data = Datasets(cfg, 8)
+  assert [c.name for c in data.components] == ["play", "digits"]
+  batches = take(data.train_iter(), 50)
+  from_digits = [bool(np.all(np.isin(row, list(b"0123456789 \n\0")))) for b in batches for row in b["inputs"]]
+  assert from_digits == [data.component_of(i) == 1 for i in range(400)]  # the schedule says where each row came from
+  assert abs(np.mean(from_digits) - 0.3) < 0.02
+  assert data.tokens_seen(50) == {"tokens_play": 32 * from_digits.count(False), "tokens_digits": 32 * sum(from_digits)}
+  it = Datasets(cfg, 8).train_iter()
+  take(it, 7)
+  state, rest = it.get_state(), take(it, 3)
+  again = Datasets(cfg, 8).train_iter()
+  again.set_state(state)
+  assert_batches_equal(take(again, 3), rest)
+  halves = [take(Datasets(cfg, 8, process_index=i, process_count=2).train_iter(), 2) for i in range(2)]
+  for n in range(2):
+    np.testing.assert_array_equal(np.concatenate([halves[0][n]["inputs"], halves[1][n]["inputs"]]), batches[n]["inputs"])
+
+
+def test_a_mixture_needs_prepared_data_and_valid_entries():
+  with pytest.raises(Exception, match="data.mixture.*needs data.source=prepared"):
+    load_config(None, ["data.mixture=[{path: a, weight: 1}]"])
+  with pytest.raises(Exception, match=r"data.mixture\[1\].weight=0 is invalid"):
+    load_config(None, ["data.source=prepared", "data.mixture=[{path: a, weight: 1}, {path: b, weight: 0}]"])
+  with pytest.raises(Exception, match="names its components twice"):
+    load_config(None, ["data.source=prepared", "data.mixture=[{path: x/a, weight: 1}, {path: y/a, weight: 1}]"])
+
+
+@pytest.mark.slow
+def test_an_interrupted_run_on_a_mixture_resumes_on_the_same_losses(tmp_path, two_corpora):
+  from jaxshare.train.loop import train
+
+  mixture = "[" + ", ".join("{" + ", ".join(f"{k}: {v}" for k, v in e.items()) + "}" for e in two_corpora) + "]"
+  run = [*TINY, "train.steps=8", "train.log_every=1", "train.checkpoint_every=4", "train.eval_every=8",
+         "data.source=prepared", f"data.mixture={mixture}"]
+  train(load_config(None, [*run, f"train.run_dir={tmp_path / 'straight'}"]))
+  train(load_config(None, [*run, f"train.run_dir={tmp_path / 'resumed'}"]), stop_after=4)
+  train(load_config(None, [*run, f"train.run_dir={tmp_path / 'resumed'}"]))
+  straight, resumed = read_metrics(tmp_path / "straight"), read_metrics(tmp_path / "resumed")
+  assert [r["loss"] for r in resumed] == [r["loss"] for r in straight] and len(straight) == 8
+  assert [(r["tokens_play"], r["tokens_digits"]) for r in resumed] == [
+    (r["tokens_play"], r["tokens_digits"]) for r in straight]
+  assert all(r["tokens_play"] + r["tokens_digits"] == r["step"] * 8 * 32 for r in straight)

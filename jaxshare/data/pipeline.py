@@ -3,6 +3,7 @@ per-process grain batches of training and validation."""
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import os
 import sys
@@ -15,7 +16,7 @@ import grain
 import jax
 import numpy as np
 
-from jaxshare.config import TOKEN_CACHE_ENV, DataConfig
+from jaxshare.config import TOKEN_CACHE_ENV, DataConfig, mixture_name
 from jaxshare.data.documents import Input, resolve_location, resolve_path
 from jaxshare.data.errors import DataError
 from jaxshare.data.prepare import PrepareOptions, prepare, preparation_fingerprint
@@ -156,12 +157,25 @@ def _block_rows(ds: grain.MapDataset, batch_size: int, rows: slice, num_batches:
   return grain.MapDataset.range(num_batches * n).map(lambda i: ds[(i // n) * batch_size + rows.start + i % n])
 
 
+@dataclasses.dataclass(frozen=True)
+class Component:
+  """One prepared corpus of a run's data: its name and mixture weight, its stream and window sources."""
+
+  name: str
+  weight: float
+  stream: PreparedTokens
+  train: WindowSource
+  val: WindowSource
+
+
 class Datasets:
-  """Train and validation pipelines of one corpus.
+  """Train and validation pipelines of one corpus, or of a weighted mixture of prepared corpora (``data.mixture``).
 
   Every global batch of ``batch_size`` sequences is the same whatever the number of processes; each process reads
   only its :attr:`rows` of it (default: block ``process_index`` of ``process_count`` equal blocks; the training loop
-  sets the rows its devices hold, :func:`jaxshare.parallel.local_batch_rows`).
+  sets the rows its devices hold, :func:`jaxshare.parallel.local_batch_rows`). A mixture shuffles each component
+  and mixes them by weight with grain's deterministic ``MapDataset.mix``; sequence ``i`` of the run comes from
+  component :meth:`component_of` ``(i)``.
   """
 
   def __init__(self, cfg: DataConfig, batch_size: int, *, tokenizer: Tokenizer | None = None,
@@ -169,22 +183,63 @@ class Datasets:
     self.cfg = cfg
     self.batch_size = batch_size
     self.tokenizer = tokenizer or make_tokenizer(cfg)
-    if cfg.source == "prepared":
-      location = resolve_location(cfg)
+    if cfg.mixture:
+      entries = [(mixture_name(e), float(e["weight"]), str(e["path"])) for e in cfg.mixture]
+    elif cfg.source == "prepared":
+      entries = [("", 1.0, resolve_location(cfg))]
     else:  # text, JSONL and TFDS sources are prepared into the token cache on first use: one pipeline for all
       prepared, self._scratch = prepare_source(cfg)
-      location = str(prepared)
-    self.stream = PreparedTokens(location, cfg.tokenizer)
-    train_span, val_span = self.stream.split("train"), self.stream.split("validation")
+      entries = [("", 1.0, str(prepared))]
+    self.components = []
+    for name, weight, location in entries:
+      stream = PreparedTokens(location, cfg.tokenizer)
+      where = f" of {name}" if name else ""
+      self.components.append(Component(
+        name, weight, stream, WindowSource(stream, stream.split("train"), cfg.seq_len, f"training split{where}"),
+        WindowSource(stream, stream.split("validation"), cfg.seq_len, f"validation split{where}")))
+    weights = [c.weight for c in self.components]
+    self.train_source = self._mixed([c.train for c in self.components])
+    self.val_source = self._mixed([c.val for c in self.components])
     # UTF-8 bytes per validation token (bits per byte for any tokenizer), counted when the data was prepared
-    self.bytes_per_token = self.stream.validation_bytes_per_token
-    self.train_source = WindowSource(self.stream, train_span, cfg.seq_len, "training")
-    self.val_source = WindowSource(self.stream, val_span, cfg.seq_len, "validation")
+    self.bytes_per_token = sum(w * c.stream.validation_bytes_per_token
+                               for w, c in zip(weights, self.components)) / sum(weights)
+    # which component each sequence of the mixed order comes from (grain's schedule, read through the same mix)
+    self._schedule = grain.MapDataset.mix([grain.MapDataset.source([k]).repeat(None)
+                                           for k in range(len(self.components))], weights)
+    self._counted, self._counts = 0, np.zeros(len(self.components), np.int64)
     self.rows = batch_rows(jax.process_index() if process_index is None else process_index,
                            jax.process_count() if process_count is None else process_count, batch_size)
     if len(self.val_source) < batch_size:
       raise DataError(f"the validation split has {len(self.val_source)} sequences, fewer than one batch of "
                       f"{batch_size}: raise data.val_fraction or lower train.batch_size")
+
+  def _mixed(self, sources: list[WindowSource]) -> WindowSource | grain.MapDataset:
+    if len(sources) == 1:
+      return sources[0]
+    return grain.MapDataset.mix([grain.MapDataset.source(s) for s in sources], [c.weight for c in self.components])
+
+  @property
+  def stream(self) -> PreparedTokens:
+    """The token stream of a one-corpus run."""
+    (only,) = self.components
+    return only.stream
+
+  def component_of(self, sequence: int) -> int:
+    """The mixture component of sequence ``sequence`` of the run's training order (global batch ``b`` holds
+    sequences ``b * batch_size ...``)."""
+    return int(self._schedule[sequence])
+
+  def tokens_seen(self, steps: int) -> dict[str, int]:
+    """Tokens each mixture component has contributed to the first ``steps`` global batches (``{}`` for one
+    corpus); counted incrementally, so calling it at every log line costs one lookup per new sequence."""
+    if len(self.components) == 1:
+      return {}
+    if steps * self.batch_size < self._counted:
+      self._counted, self._counts[:] = 0, 0
+    for i in range(self._counted, steps * self.batch_size):
+      self._counts[self.component_of(i)] += 1
+    self._counted = steps * self.batch_size
+    return {f"tokens_{c.name}": int(n) * self.cfg.seq_len for c, n in zip(self.components, self._counts)}
 
   @property
   def local_batch(self) -> int:
@@ -194,7 +249,9 @@ class Datasets:
     """Endless, per-epoch reshuffled batches (this process's :attr:`rows` of each global batch);
     ``get_state``/``set_state`` resume exactly."""
     rows = self.rows
-    ds = grain.MapDataset.source(self.train_source).shuffle(seed=self.cfg.shuffle_seed).repeat(None)
+    parts = [grain.MapDataset.source(c.train).shuffle(seed=(self.cfg.shuffle_seed + k) % 2**32).repeat(None)
+             for k, c in enumerate(self.components)]
+    ds = parts[0] if len(parts) == 1 else grain.MapDataset.mix(parts, [c.weight for c in self.components])
     ds = _block_rows(ds, self.batch_size, rows, len(ds) // self.batch_size)
     return iter(ds.batch(rows.stop - rows.start, drop_remainder=True).to_iter_dataset())
 

@@ -31,7 +31,7 @@ from jaxshare.train.step import Objective, make_train_step
 # data, or resume a different curve).
 _RESUME_FIXED = ("model", "schedule", "data.source", "data.path", "data.text_field", "data.tfds_name",
                  "data.tfds_split", "data.document_separator", "data.tokenizer", "data.seq_len", "data.val_fraction",
-                 "data.shuffle_seed", "train.batch_size")
+                 "data.shuffle_seed", "data.mixture", "train.batch_size")
 # Optimizer fields whose change alters the optimizer state's structure, so that no checkpoint can restore into it.
 _OPTIMIZER_STRUCTURE = {
   "train.clip_norm": lambda t: t.clip_norm == 0,  # clipping on/off adds or removes a transformation's state
@@ -260,6 +260,10 @@ class _Trainer:
               + (f"resumed at step {self.step}" if self.latest is not None else
                  f"initialised from {tcfg.init_from}" if self.source is not None else "fresh start")
               + (f" | recipe {tcfg.recipe}, stage {self.stage}" if self.two_stage else ""))
+    if len(self.data.components) > 1:
+      total = sum(c.weight for c in self.data.components)
+      log.print("mixture: " + ", ".join(f"{c.name} {100 * c.weight / total:.0f}% ({len(c.train):,} train seqs)"
+                                        for c in self.data.components))
     if self.source is not None and self.latest is None and setup.ties is None:
       for line in init_report(self.source.params, self.source.schedule, self.state["params"], setup.schedule,
                               init_kv_pool(cfg), cfg.train.init_mlp_widen):
@@ -370,6 +374,7 @@ class _Trainer:
       record["stage"] = self.stage
     if self.skipped:
       record["skipped_steps"] = self.skipped
+    record.update(self.data.tokens_seen(self.step))  # a mixture's tokens per component
     self.pending, self.screened, self.t_last = [], 0, time.perf_counter()
     if is_eval:
       record["val_loss"] = evaluate_loss(self.eval_fn, self.setup.batch_sharding, self.state["params"], self.data,
