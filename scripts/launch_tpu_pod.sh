@@ -44,7 +44,9 @@ and JAX read them:
 The launcher then uses gcloud compute tpus queued-resources ssh NAME --node=all --worker=all and adds
 mesh.dcn_data=N: data parallel across slices over the data-centre network, FSDP inside each slice.
 
-Example: $prog --bucket gs://my-bucket/jaxshare --run-name cla2_v5e --setup -- train.steps=20000
+Example, on a corpus prepared once into the bucket (python -m jaxshare.data prepare --out gs://my-bucket/data/web ...):
+  $prog --bucket gs://my-bucket/jaxshare --run-name cla2_v5e --setup -- train.steps=20000 \\
+      data.source=prepared data.path=gs://my-bucket/data/web
 EOF
 }
 

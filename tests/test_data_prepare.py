@@ -89,6 +89,17 @@ def test_every_input_is_read_in_order_with_document_boundaries(tmp_path, corpus_
   assert sum(s.utf8_bytes for s in m.shards) == sum(len(d.encode()) for d in docs)
 
 
+def test_compressed_jsonl_gives_the_plain_files_tokens(tmp_path, corpus_dir):
+  import zstandard
+
+  plain = (corpus_dir / "web.jsonl").read_bytes()
+  (tmp_path / "web.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(plain))
+  (tmp_path / "web.jsonl.gz").write_bytes(gzip.compress(plain))
+  want = prepare([str(corpus_dir / "web.jsonl")], tmp_path / "plain", progress=False)
+  for name in ("web.jsonl.zst", "web.jsonl.gz"):
+    assert prepare([str(tmp_path / name)], tmp_path / f"out-{name}", progress=False).shards == want.shards
+
+
 def test_a_glob_and_a_validation_share_cut_at_a_document_boundary(tmp_path, corpus_dir):
   m = prepare([str(corpus_dir / "books" / "part*.txt")], tmp_path / "out",
               PrepareOptions(separator="\n\n", val_fraction=0.1), progress=False)

@@ -3,6 +3,7 @@ the token cache on Tiny Shakespeare; windows across shard boundaries equal the i
 disjoint rows making up the global batch; exact resume; a changed tokenizer and a corrupt shard refused in one line."""
 
 import json
+import sys
 
 import numpy as np
 import pytest
@@ -165,3 +166,37 @@ def test_an_interrupted_run_on_a_mixture_resumes_on_the_same_losses(tmp_path, tw
   assert [(r["tokens_play"], r["tokens_digits"]) for r in resumed] == [
     (r["tokens_play"], r["tokens_digits"]) for r in straight]
   assert all(r["tokens_play"] + r["tokens_digits"] == r["step"] * 8 * 32 for r in straight)
+
+
+@pytest.fixture
+def fake_gcs():
+  """gs:// paths served by fsspec's in-memory filesystem (etils.epath reaches gs:// through fsspec's 'gcs')."""
+  import fsspec
+  from fsspec.implementations.memory import MemoryFileSystem
+
+  class FakeGCS(MemoryFileSystem):
+    protocol = ("gs", "gcs")
+
+    def __init__(self, *args, finalize_on_close=False, **kwargs):
+      super().__init__(*args, **kwargs)
+
+  registry = sys.modules["fsspec.registry"]._registry  # fsspec.registry itself is a read-only view
+  previous = registry.get("gcs")
+  fsspec.register_implementation("gcs", FakeGCS, clobber=True)
+  yield "gs://test-bucket"
+  FakeGCS.store.clear()
+  registry.pop("gcs", None)
+  if previous is not None:
+    registry["gcs"] = previous
+
+
+def test_gs_inputs_and_outputs_prepare_and_train_like_local_ones(fake_gcs, corpus, prepared_shakespeare):
+  from etils import epath
+
+  epath.Path(f"{fake_gcs}/raw/play.txt").write_bytes(corpus.read_bytes())
+  m = prepare([f"{fake_gcs}/raw/play.txt"], f"{fake_gcs}/prepared", PrepareOptions(val_fraction=0.1), progress=False)
+  assert m.shards == read_manifest(prepared_shakespeare).shards
+  remote = Datasets(DataConfig(source="prepared", path=f"{fake_gcs}/prepared", seq_len=64), 8)
+  local = Datasets(DataConfig(source="prepared", path=str(prepared_shakespeare), seq_len=64), 8)
+  assert_batches_equal(take(remote.train_iter(), 3), take(local.train_iter(), 3))
+  assert remote.bytes_per_token == local.bytes_per_token

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import gzip
+import io
 import json
 from pathlib import Path
 from typing import Iterator
@@ -183,7 +184,7 @@ def _open_binary(path: str):
     except ImportError as e:
       raise DataError(f"input {path!r} is zstd-compressed, which needs the zstandard package: pip install "
                       "zstandard") from e
-    return zstandard.ZstdDecompressor().stream_reader(raw)
+    return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True))
   return raw
 
 
