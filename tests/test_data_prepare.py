@@ -201,7 +201,7 @@ def test_corrupt_truncated_and_missing_shards_and_foreign_manifests_are_refused(
     verify_shard(out, third, dtype)
   manifest = json.loads((out / MANIFEST).read_text())
   (out / MANIFEST).write_text(json.dumps({**manifest, "version": 99}))
-  with pytest.raises(DataError, match="has format version 99; this jaxshare reads version 1"):
+  with pytest.raises(DataError, match="has format version 99; this jaxshare reads version 2"):
     read_manifest(out)
   (out / MANIFEST).write_text("{not json")
   with pytest.raises(DataError, match="is not valid JSON"):

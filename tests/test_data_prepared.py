@@ -91,11 +91,19 @@ def test_another_tokenizer_and_a_corrupt_shard_are_refused_in_one_line(tmp_path,
   tk = str(write_bpe_tokenizer(tmp_path / "tk", corpus.read_text()[:5000]))
   with pytest.raises(DataError, match=r"is not the tokenizer .* was prepared with \('byte'"):
     Datasets(DataConfig(source="prepared", path=str(prepared_shakespeare), tokenizer=tk, seq_len=32), 4)
-  m = prepare([str(corpus)], tmp_path / "out", PrepareOptions(val_fraction=0.1), progress=False)
-  (tmp_path / "out" / f"{m.shards[0].name}.tokens").write_bytes(b"\0" * 64)
+  (tmp_path / "play3.txt").write_text(corpus.read_text() * 3)  # 6.7 MB of uint16 tokens: two checksum chunks
+  m = prepare([str(tmp_path / "play3.txt")], tmp_path / "out", PrepareOptions(val_fraction=0.1), progress=False)
+  tokens = tmp_path / "out" / f"{m.shards[0].name}.tokens"
+  raw = bytearray(tokens.read_bytes())
+  raw[5_000_000] ^= 1  # a flipped bit in the second 4 MiB chunk
+  tokens.write_bytes(bytes(raw))
   ds = Datasets(DataConfig(source="prepared", path=str(tmp_path / "out"), seq_len=32), 4)  # opens the manifest only
+  ds.train_source[0]  # the first chunk is intact
+  with pytest.raises(DataError, match=r"does not match its checksum in the manifest at bytes \[4194304, 6692366\)"):
+    ds.train_source[5_000_000 // 2 // 32]
+  tokens.write_bytes(b"\0" * 64)
   with pytest.raises(DataError, match="has 64 bytes, the manifest says"):
-    ds.train_source[0]
+    Datasets(DataConfig(source="prepared", path=str(tmp_path / "out"), seq_len=32), 4).train_source[0]
 
 
 @pytest.mark.slow

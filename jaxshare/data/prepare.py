@@ -27,8 +27,8 @@ from tqdm import tqdm
 
 from jaxshare.data.documents import Input, expand_inputs, iter_documents
 from jaxshare.data.errors import DataError
-from jaxshare.data.shards import (MANIFEST, Manifest, Shard, read_manifest, read_shard, token_dtype, write_manifest,
-                                  write_shard)
+from jaxshare.data.shards import (FORMAT_VERSION, MANIFEST, Manifest, Shard, read_manifest, read_shard, token_dtype,
+                                  write_manifest, write_shard)
 from jaxshare.data.tokenizers import ByteTokenizer, HFTokenizer, Tokenizer, tokenizer_fingerprint
 
 STATE = ".prepare-state.json"
@@ -90,9 +90,12 @@ def _encode(docs: list[str | DataError], tokenizer: Tokenizer, dtype: np.dtype
   """Each document's tokens followed by EOS (in ``dtype``) and its UTF-8 byte count; None and 0 for a skipped bad
   document (a DataError in its place)."""
   texts = [d for d in docs if isinstance(d, str)]
-  ids = iter(tokenizer.encode_batch(texts) if isinstance(tokenizer, HFTokenizer) else map(tokenizer.encode, texts))
-  eos = tokenizer.eos_id
-  encoded = [np.asarray(next(ids) + [eos], dtype) if isinstance(d, str) else None for d in docs]
+  eos = np.asarray([tokenizer.eos_id], dtype)
+  if isinstance(tokenizer, ByteTokenizer):  # the UTF-8 bytes are the ids: no Python list per byte
+    ids = iter(np.frombuffer(t.encode("utf-8"), np.uint8) for t in texts)
+  else:
+    ids = iter(tokenizer.encode_batch(texts) if isinstance(tokenizer, HFTokenizer) else map(tokenizer.encode, texts))
+  encoded = [np.concatenate([np.asarray(next(ids), dtype), eos]) if isinstance(d, str) else None for d in docs]
   return encoded, [len(d.encode("utf-8")) if isinstance(d, str) else 0 for d in docs]
 
 
@@ -121,7 +124,7 @@ def _fingerprint(inputs: Sequence[Input], options: PrepareOptions, tok_fingerpri
     except (OSError, FileNotFoundError, ValueError):
       described.append([i.kind, i.path])
   settings = {k: v for k, v in dataclasses.asdict(options).items() if k != "batch_docs"}  # batches change no byte
-  blob = json.dumps([described, settings, tok_fingerprint], default=str)
+  blob = json.dumps([FORMAT_VERSION, described, settings, tok_fingerprint], default=str)
   return hashlib.sha256(blob.encode()).hexdigest()[:24]
 
 

@@ -1,8 +1,9 @@
 """Reading a prepared directory (:mod:`jaxshare.data.shards`) as one token stream, lazily.
 
 Opening reads only the manifest, so start-up time and memory do not grow with the corpus. A shard's files are opened
-(and verified against the manifest's sizes and checksums) the first time a window touches them; local shards are
-memory-mapped, remote ones (gs://, any ``etils.epath`` path) read by byte range. Document ids and in-document
+(their sizes and document offsets checked against the manifest) the first time a window touches them, and each 4 MiB
+chunk of tokens is verified against its checksum the first time a window reads it; local shards are memory-mapped,
+remote ones (gs://, any ``etils.epath`` path) read by byte range. Document ids and in-document
 positions are derived from the shards' document offsets when a window is read.
 """
 
@@ -15,7 +16,7 @@ import numpy as np
 from etils import epath
 
 from jaxshare.data.errors import DataError
-from jaxshare.data.shards import DOCS, TOKENS, Manifest, read_manifest, verify_shard
+from jaxshare.data.shards import CHUNK_BYTES, DOCS, TOKENS, Manifest, check_shard_files, read_manifest, verify_chunk
 from jaxshare.data.tokenizers import tokenizer_fingerprint
 
 
@@ -59,6 +60,7 @@ class PreparedTokens:
     self.offsets = np.cumsum([0] + [s.tokens for s in m.shards])  # first token of each shard
     self.doc_bases = np.cumsum([0] + [s.documents for s in m.shards])  # first document of each shard
     self._open: dict[int, tuple[np.ndarray | _RemoteTokens, np.ndarray]] = {}
+    self._verified: set[tuple[int, int]] = set()  # (shard, checksum chunk) pairs read and found intact
     self._lock = threading.Lock()
 
   def __len__(self) -> int:
@@ -77,7 +79,7 @@ class PreparedTokens:
     with self._lock:
       if k not in self._open:
         shard = self.manifest.shards[k]
-        verify_shard(self.directory, shard, self.dtype)
+        check_shard_files(self.directory, shard, self.dtype)
         tokens_path, docs_path = (self.directory / f"{shard.name}{s}" for s in (TOKENS, DOCS))
         starts = np.frombuffer(docs_path.read_bytes(), "<i8")
         if os.path.exists(str(tokens_path)):
@@ -87,9 +89,22 @@ class PreparedTokens:
         self._open[k] = tokens, starts
       return self._open[k]
 
+  def _verify(self, k: int, tokens: np.ndarray | _RemoteTokens, lo: int, hi: int) -> None:
+    """Verify the checksum chunks of shard ``k`` that tokens ``[lo, hi)`` lie in, the first time each is read."""
+    per_chunk = CHUNK_BYTES // self.dtype.itemsize
+    for chunk in range(lo // per_chunk, (hi - 1) // per_chunk + 1):
+      if (k, chunk) not in self._verified:
+        data = tokens[chunk * per_chunk:min((chunk + 1) * per_chunk, len(tokens))]
+        verify_chunk(self.directory, self.manifest.shards[k], chunk, np.ascontiguousarray(data).tobytes())
+        self._verified.add((k, chunk))
+
   def read(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``(tokens, document ids, positions)`` of tokens ``[start, stop)`` of the stream, int32 (document ids int64:
-    the document's index in the corpus)."""
+    the document's index in the corpus).
+
+    Raises:
+      DataError: a shard file the range reads is missing, truncated or does not match its checksum.
+    """
     if not 0 <= start <= stop <= len(self):
       raise IndexError(f"token range [{start}, {stop}) outside the stream of {len(self)} tokens")
     parts = []
@@ -97,6 +112,7 @@ class PreparedTokens:
     while start < stop:
       tokens, starts = self._shard(k)
       lo, hi = start - self.offsets[k], min(stop, self.offsets[k + 1]) - self.offsets[k]
+      self._verify(k, tokens, int(lo), int(hi))
       local = np.arange(lo, hi)
       doc = np.searchsorted(starts, local, side="right") - 1
       parts.append((np.asarray(tokens[lo:hi], np.int32), doc + self.doc_bases[k], (local - starts[doc]).astype(np.int32)))

@@ -9,7 +9,9 @@
 
 The shards in manifest order are one token stream. ``splits`` gives each split's ``[start, stop)`` range of it (the
 validation split is the corpus's last documents), and each shard carries token, document and UTF-8 byte counts and
-the SHA-256 of both files. Files are written under a temporary name and renamed, so a shard that exists is whole.
+SHA-256 checksums (of the offsets file, and of each 4 MiB chunk of the tokens file, so that a reader verifies what it
+reads without hashing whole shards first). Files are written under a temporary name and renamed, so a shard that
+exists is whole.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ from etils import epath
 from jaxshare.data.errors import DataError
 
 FORMAT = "jaxshare-tokens"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: tokens checksummed per chunk
+CHUNK_BYTES = 1 << 22  # tokens files are checksummed per 4 MiB chunk, so reading a window verifies only its chunk
 MANIFEST = "manifest.json"
 TOKENS, DOCS = ".tokens", ".docs"
 SPLITS = ("train", "validation")
@@ -45,8 +48,11 @@ class Shard:
   tokens: int
   documents: int
   utf8_bytes: int  # UTF-8 bytes of its documents' text (EOS excluded)
-  tokens_sha256: str
+  tokens_sha256: tuple[str, ...]  # of each CHUNK_BYTES chunk of the tokens file (128-bit hex): a read verifies its own
   docs_sha256: str
+
+  def __post_init__(self):
+    object.__setattr__(self, "tokens_sha256", tuple(self.tokens_sha256))  # JSON gives a list
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,12 +110,13 @@ class Manifest:
       raise DataError(f"{where} is malformed ({type(e).__name__}: {e}): re-run python -m jaxshare.data prepare") from e
 
 
-def sha256_file(path: epath.Path) -> str:
-  h = hashlib.sha256()
-  with path.open("rb") as f:
-    while chunk := f.read(1 << 22):
-      h.update(chunk)
-  return h.hexdigest()
+def chunk_digest(data: bytes | memoryview) -> str:
+  """The checksum of one chunk of a tokens file: SHA-256 truncated to 128 bits (hex)."""
+  return hashlib.sha256(data).hexdigest()[:32]
+
+
+def chunk_digests(data: bytes) -> tuple[str, ...]:
+  return tuple(chunk_digest(data[i:i + CHUNK_BYTES]) for i in range(0, max(len(data), 1), CHUNK_BYTES))
 
 
 def _write_atomic(path: epath.Path, data: bytes) -> None:
@@ -125,8 +132,8 @@ def write_shard(directory: epath.Path, name: str, documents: list[np.ndarray], u
   docs = starts.astype("<i8").tobytes()
   _write_atomic(directory / f"{name}{DOCS}", docs)
   _write_atomic(directory / f"{name}{TOKENS}", tokens)
-  return Shard(name, sum(len(d) for d in documents), len(documents), utf8_bytes,
-               hashlib.sha256(tokens).hexdigest(), hashlib.sha256(docs).hexdigest())
+  return Shard(name, sum(len(d) for d in documents), len(documents), utf8_bytes, chunk_digests(tokens),
+               hashlib.sha256(docs).hexdigest())
 
 
 def write_manifest(directory: epath.Path, manifest: Manifest) -> None:
@@ -147,14 +154,14 @@ def read_manifest(directory: str | os.PathLike) -> Manifest:
   return Manifest.from_json(path.read_text(), str(path))
 
 
-def verify_shard(directory: epath.Path, shard: Shard, dtype: np.dtype) -> None:
-  """Check that a shard's files exist, have the manifest's sizes and checksums.
+def check_shard_files(directory: epath.Path, shard: Shard, dtype: np.dtype) -> None:
+  """What opening a shard checks: both files exist with the manifest's sizes, and the document offsets match their
+  checksum (the tokens are checked chunk by chunk as they are read: :func:`verify_chunk`).
 
   Raises:
-    DataError: naming the shard and what is wrong.
+    DataError: naming the file and what is wrong.
   """
-  for suffix, size, digest in ((TOKENS, shard.tokens * dtype.itemsize, shard.tokens_sha256),
-                               (DOCS, shard.documents * 8, shard.docs_sha256)):
+  for suffix, size in ((TOKENS, shard.tokens * dtype.itemsize), (DOCS, shard.documents * 8)):
     path = directory / f"{shard.name}{suffix}"
     if not path.exists():
       raise DataError(f"shard file {path} is missing (the manifest lists it): restore it or prepare the data again")
@@ -162,9 +169,34 @@ def verify_shard(directory: epath.Path, shard: Shard, dtype: np.dtype) -> None:
     if actual != size:
       raise DataError(f"shard file {path} has {actual} bytes, the manifest says {size}: it is truncated or was "
                       "replaced; prepare the data again")
-    if sha256_file(path) != digest:
-      raise DataError(f"shard file {path} does not match its checksum in the manifest: it is corrupt; prepare the "
-                      "data again")
+  docs = directory / f"{shard.name}{DOCS}"
+  if hashlib.sha256(docs.read_bytes()).hexdigest() != shard.docs_sha256:
+    raise DataError(f"shard file {docs} does not match its checksum in the manifest: it is corrupt; prepare the data "
+                    "again")
+
+
+def verify_chunk(directory: epath.Path, shard: Shard, chunk: int, data: bytes | memoryview) -> None:
+  """Check chunk ``chunk`` (bytes ``[chunk * CHUNK_BYTES, ...)``) of a shard's tokens file against the manifest.
+
+  Raises:
+    DataError: naming the file and the byte range.
+  """
+  if chunk_digest(data) != shard.tokens_sha256[chunk]:
+    start = chunk * CHUNK_BYTES
+    raise DataError(f"shard file {directory / (shard.name + TOKENS)} does not match its checksum in the manifest at "
+                    f"bytes [{start}, {start + len(data)}): it is corrupt; prepare the data again")
+
+
+def verify_shard(directory: epath.Path, shard: Shard, dtype: np.dtype) -> None:
+  """Check a whole shard: :func:`check_shard_files` and every chunk of its tokens.
+
+  Raises:
+    DataError: naming the file and what is wrong.
+  """
+  check_shard_files(directory, shard, dtype)
+  with (directory / f"{shard.name}{TOKENS}").open("rb") as f:
+    for chunk in range(len(shard.tokens_sha256)):
+      verify_chunk(directory, shard, chunk, f.read(CHUNK_BYTES))
 
 
 def read_shard(directory: epath.Path, shard: Shard, dtype: np.dtype, verify: bool = True
