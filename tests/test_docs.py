@@ -40,6 +40,7 @@ COMMAND_TESTS = {
   "scripts/bench_attention.py": [("tests/test_scripts.py", _IMPORTED)],
   "scripts/bench_decode.py": [("tests/test_scripts.py", _IMPORTED)],
   "scripts/bench_convert.py": [("tests/test_scripts.py", _IMPORTED)],
+  "scripts/bench_data.py": [("tests/test_scripts.py", "scripts/bench_data.py")],
   "scripts/config_reference.py": [("tests/test_docs.py", "config_reference.py")],
   "scripts/launch_tpu_pod.sh": [("tests/test_launchers.py", "launch_tpu_pod.sh")],
   "scripts/launch_slurm.sh": [("tests/test_launchers.py", "launch_slurm.sh")],

@@ -20,3 +20,14 @@ def test_every_script_imports():
   proc = subprocess.run([sys.executable, "-c", _IMPORT_ALL], cwd=REPO, capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert set(proc.stdout.split()) == {p.name for p in (REPO / "scripts").glob("*.py")}
+
+
+def test_data_benchmark_prints_its_tables():
+  """scripts/bench_data.py end to end at toy sizes: both preparations agree on the token count (it asserts so) and
+  every table prints."""
+  proc = subprocess.run([sys.executable, "scripts/bench_data.py", "--size-mb", "1", "--tokenizers", "byte",
+                         "--startup-gb", "0.01", "--skip", "loader"], cwd=REPO, capture_output=True, text=True,
+                        timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  rows = [ln for ln in proc.stdout.splitlines() if ln.startswith("| byte") or ln.startswith("| 0.01 GB")]
+  assert len(rows) == 3, proc.stdout

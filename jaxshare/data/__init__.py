@@ -1,20 +1,33 @@
-"""Input pipeline: documents -> tokens -> fixed-length packed windows -> shuffled grain batches.
+"""Input pipeline: documents -> token shards -> fixed-length packed windows -> shuffled grain batches.
 
-Documents come from a local text file (optionally split at a separator), a JSONL file, or a TFDS dataset read
-with ``tfds.data_source`` (ArrayRecord, no TensorFlow). Every document is tokenised and followed by EOS; the
-token stream is split into train (first ``1 - val_fraction``) and validation (the rest), then cut into windows of
+Documents come from files, directories and globs of UTF-8 text (optionally split at a separator), JSONL, parquet, a
+saved ``datasets`` directory or a TFDS split (read with ``tfds.data_source``: ArrayRecord, no TensorFlow). They are
+tokenized once, each followed by EOS, into token shards with document offsets and a manifest
+(``python -m jaxshare.data prepare``; a text, JSONL or TFDS ``data.source`` is prepared on first use into the token
+cache). The stream is split into train and validation (the corpus's last documents), then cut into windows of
 ``seq_len + 1`` tokens. Each window carries ``segment_ids`` and per-document ``positions`` so documents packed into
 one sequence never attend to each other, and ``loss_mask`` drops the target that crosses a document boundary.
 
-The training order is a deterministic grain shuffle, reshuffled each epoch; the iterator state is saved in
-checkpoints so a resumed run sees exactly the batches it would have seen.
+The training order is a deterministic grain shuffle, reshuffled each epoch (per component, mixed by weight, for a
+mixture); the iterator state is saved in checkpoints so a resumed run sees exactly the batches it would have seen.
+
+The names below load their modules on first use: a tokenizer worker process of ``prepare`` imports
+:mod:`jaxshare.data.prepare` without JAX or grain.
 """
 
-from jaxshare.data.documents import load_documents, resolve_path
-from jaxshare.data.errors import DataError
-from jaxshare.data.pipeline import Datasets, TokenStream, WindowSource, batch_rows, prepare_source, token_cache_dir
-from jaxshare.data.tokenizers import ByteTokenizer, HFTokenizer, Tokenizer, make_tokenizer
+import importlib
 
-__all__ = ["ByteTokenizer", "DataError", "Datasets", "HFTokenizer", "TokenStream", "Tokenizer", "WindowSource",
-           "batch_rows", "load_documents", "make_tokenizer", "prepare_source", "resolve_path",
-           "token_cache_dir"]
+_EXPORTS = {
+  "DataError": "errors",
+  "Tokenizer": "tokenizers", "ByteTokenizer": "tokenizers", "HFTokenizer": "tokenizers", "make_tokenizer": "tokenizers",
+  "load_documents": "documents", "resolve_path": "documents",
+  "Datasets": "pipeline", "TokenStream": "pipeline", "WindowSource": "pipeline", "batch_rows": "pipeline",
+  "prepare_source": "pipeline", "token_cache_dir": "pipeline",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+  if name not in _EXPORTS:
+    raise AttributeError(f"module 'jaxshare.data' has no attribute {name!r}")
+  return getattr(importlib.import_module(f"jaxshare.data.{_EXPORTS[name]}"), name)

@@ -23,7 +23,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     "saved datasets directory or tfds:NAME/SPLIT; local or any etils.epath path (gs://...)")
   prep.add_argument("--out", required=True, help="output directory (local or gs://...)")
   prep.add_argument("--tokenizer", default="byte", help="byte, or a local Hugging Face tokenizer directory")
-  prep.add_argument("--workers", type=int, default=1, help="tokenizer processes (the output does not depend on it)")
+  prep.add_argument("--workers", type=int, default=1, help="tokenizer processes for a Hugging Face tokenizer (the "
+                    "output does not depend on it; byte-level tokenization is a copy and stays in one process)")
   prep.add_argument("--val-docs", type=int, default=0, help="hold out the last N documents for validation")
   prep.add_argument("--val-fraction", type=float, default=0.0,
                     help="hold out the last documents making up this share of the tokens for validation")

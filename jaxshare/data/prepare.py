@@ -60,7 +60,7 @@ class PrepareOptions:
   val_docs: int = 0
   val_fraction: float = 0.0
   shard_tokens: int = DEFAULT_SHARD_TOKENS
-  batch_docs: int = 256
+  batch_docs: int = 1024
   skip_bad_docs: bool = False
 
   def check(self) -> None:
@@ -81,8 +81,8 @@ _worker_tokenizer: Tokenizer | None = None
 
 def _init_worker(spec: str) -> None:
   global _worker_tokenizer
-  os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # one thread per worker: the pool is the parallelism
-  _worker_tokenizer = _make_tokenizer(spec)
+  os.environ["RAYON_NUM_THREADS"] = "1"  # one thread per worker (before tokenizers starts its pool): workers are the
+  _worker_tokenizer = _make_tokenizer(spec)  # parallelism, and more threads than cores only contend
 
 
 def _encode(docs: list[str | DataError], tokenizer: Tokenizer, dtype: np.dtype
@@ -142,8 +142,9 @@ def _batched(docs: Iterable[str | DataError], n: int) -> Iterator[list[str | Dat
 def _ordered_map(batches: Iterator[list[str | DataError]], dtype: np.dtype, workers: int, tokenizer: Tokenizer,
                  spec: str) -> Iterator[tuple[list[str | DataError], list[np.ndarray | None], list[int]]]:
   """``(batch, its tokens, its UTF-8 byte counts)`` in input order, at most ``2 * workers`` batches in flight (memory
-  stays bounded)."""
-  if workers <= 1:
+  stays bounded). Byte-level tokenization stays in this process: it is a copy, which sending batches to workers and
+  tokens back would only slow down (measured by scripts/bench_data.py)."""
+  if workers <= 1 or isinstance(tokenizer, ByteTokenizer):
     for b in batches:
       yield b, *_encode(b, tokenizer, dtype)
     return

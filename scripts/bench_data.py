@@ -1,0 +1,259 @@
+"""Data pipeline at pretraining scale, measured side by side in one run: preparation against a nanoGPT-style peer,
+start-up at three dataset sizes, and the loader against what the train step consumes.
+
+  python scripts/bench_data.py                       # 50 MB corpus, 1 and 2 workers, byte and BPE; 0.2/2/20 GB starts
+  python scripts/bench_data.py --size-mb 200 --workers 2 --startup-gb 0.2 2 20
+
+1. **Preparation**: Tiny Shakespeare repeated to ``--size-mb`` (documents at blank lines), tokenized by
+   ``python -m jaxshare.data prepare`` with 1 and ``--workers`` processes, byte and BPE tokenizers, against a
+   nanoGPT-style preparation of the same documents (a process pool tokenizing chunks of documents — HF tokenizers'
+   batch encode for BPE — into lists held in memory, then one NumPy uint16 memmap). Each runs in its own process:
+   MB/s, tokens/s, and peak RSS of the main process and of the largest worker (Linux VmHWM / ru_maxrss).
+2. **Start-up**: prepared datasets of ``--startup-gb`` GB of uint16 tokens, written as sparse 256 MB shards (the
+   files take no disk; every 4 MiB chunk of zeros has the same checksum), opened by ``Datasets`` and read for one
+   global batch of 32 x 128 in a fresh process: seconds and peak RSS.
+3. **Loader**: sequences/s one process reads from prepared Tiny Shakespeare (batch 32 x 128), against the sequences/s
+   the default experiment's train step consumes on this machine (a 12-step run, compile excluded).
+
+Targets (issue 28): preparation peak RSS <= 1 GB + 0.5 GB per worker; start-up <= 5 s and <= 500 MB at every size;
+preparation at least as fast as the peer per worker and >= 1.7x it on 2 workers; the loader never the bottleneck.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CORPUS = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
+
+
+_RSS = """
+if __name__ == "__main__":
+  import json, resource
+  RESULT = body()
+  peak = [int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM")][0]
+  print(json.dumps({**RESULT, "rss_mb": peak / 1024,
+                    "child_rss_mb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024}))
+"""
+
+
+def run_child(code: str, directory: Path) -> dict:
+  """Run ``code`` (which defines ``body() -> dict``) as a script in a fresh interpreter; its dict, with the peak RSS
+  (MB) of the process and of its largest child process."""
+  script = directory / f"child_{len(list(directory.glob('child_*.py')))}.py"
+  script.write_text(code + _RSS)
+  out = subprocess.run([sys.executable, str(script)], cwd=ROOT, capture_output=True, text=True,
+                       env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  if out.returncode:
+    raise SystemExit(f"benchmark child {script.name} failed:\n{out.stderr[-3000:]}")
+  return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def write_corpus(directory: Path, size_mb: float) -> Path:
+  text = CORPUS.read_text()
+  path = directory / "corpus.txt"
+  with open(path, "w") as f:
+    written = 0
+    while written < size_mb * 1_000_000:
+      f.write(text + "\n\n")
+      written += len(text) + 2
+  return path
+
+
+def write_bpe(directory: Path) -> str:
+  from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+  from transformers import PreTrainedTokenizerFast
+
+  tok = Tokenizer(models.BPE(unk_token="<unk>"))
+  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tok.decoder = decoders.ByteLevel()
+  tok.train_from_iterator([CORPUS.read_text()], trainers.BpeTrainer(vocab_size=2048, special_tokens=["<eos>", "<unk>"]))
+  PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", unk_token="<unk>").save_pretrained(directory)
+  return str(directory)
+
+
+JAXSHARE_PREP = """
+import time
+from jaxshare.data.prepare import PrepareOptions, prepare
+
+def body():
+  t = time.perf_counter()
+  m = prepare([{corpus!r}], {out!r}, PrepareOptions(tokenizer={tok!r}, separator="\\n\\n", val_docs=10),
+              workers={workers}, progress=False)
+  return {{'seconds': time.perf_counter() - t, 'tokens': m.num_tokens}}
+"""
+
+# nanoGPT's prepare.py, on local text: a pool tokenizes chunks of documents (datasets.map(num_proc=...)), everything
+# stays in memory, then one uint16 memmap is filled.
+PEER_PREP = """
+import time, multiprocessing as mp
+import numpy as np
+TOK = {tok!r}
+
+def init():
+  global enc
+  if TOK == "byte":
+    enc = lambda docs: [list(d.encode("utf-8")) + [0] for d in docs]
+  else:
+    from transformers import AutoTokenizer
+    t = AutoTokenizer.from_pretrained(TOK)
+    enc = lambda docs: [ids + [t.eos_token_id] for ids in t(docs, add_special_tokens=False)["input_ids"]]
+
+def work(docs):
+  return enc(docs)
+
+def body():
+  t = time.perf_counter()
+  docs = [d for d in open({corpus!r}).read().split("\\n\\n") if d]
+  chunks = [docs[i:i + 256] for i in range(0, len(docs), 256)]
+  if {workers} > 1:
+    with mp.get_context("spawn").Pool({workers}, initializer=init) as pool:
+      out = pool.map(work, chunks)
+  else:
+    init()
+    out = [work(c) for c in chunks]
+  total = sum(len(ids) for chunk in out for ids in chunk)
+  arr = np.memmap({out_path!r}, dtype=np.uint16, mode="w+", shape=(total,))
+  i = 0
+  for chunk in out:
+    for ids in chunk:
+      arr[i:i + len(ids)] = ids
+      i += len(ids)
+  arr.flush()
+  return {{'seconds': time.perf_counter() - t, 'tokens': total}}
+"""
+
+
+def bench_preparation(tmp: Path, size_mb: float, workers: int, tokenizers: list[str]) -> list[dict]:
+  corpus = write_corpus(tmp, size_mb)
+  mb = corpus.stat().st_size / 1e6
+  rows = []
+  for name in tokenizers:
+    tok = "byte" if name == "byte" else write_bpe(tmp / "bpe")
+    for n in sorted({1, workers}):
+      ours = run_child(JAXSHARE_PREP.format(corpus=str(corpus), out=str(tmp / f"ours-{name}-{n}"), tok=tok,
+                                            workers=n), tmp)
+      peer = run_child(PEER_PREP.format(corpus=str(corpus), out_path=str(tmp / f"peer-{name}-{n}.bin"), tok=tok,
+                                        workers=n), tmp)
+      assert ours["tokens"] == peer["tokens"], (ours, peer)
+      rows.append({"tokenizer": name, "workers": n, "mb": mb, "ours": ours, "peer": peer})
+  return rows
+
+
+def write_synthetic(directory: Path, gigabytes: float) -> None:
+  """A prepared directory of ``gigabytes`` GB of uint16 tokens in sparse 256 MB shards of one document each."""
+  from jaxshare.data.shards import CHUNK_BYTES, FORMAT_VERSION, Manifest, Shard, write_manifest
+  from etils import epath
+
+  directory.mkdir(parents=True)
+  shard_tokens, total = 1 << 27, int(gigabytes * 1e9 / 2)
+  zero_chunk = hashlib.sha256(bytes(CHUNK_BYTES)).hexdigest()[:32]
+  docs = (0).to_bytes(8, "little")
+  shards, left, n = [], total, 0
+  while left > 0:
+    tokens = min(shard_tokens, left)
+    with open(directory / f"shard-{n:05d}.tokens", "wb") as f:
+      f.truncate(tokens * 2)
+    (directory / f"shard-{n:05d}.docs").write_bytes(docs)
+    chunks = -(-tokens * 2 // CHUNK_BYTES)
+    last = hashlib.sha256(bytes(tokens * 2 - (chunks - 1) * CHUNK_BYTES)).hexdigest()[:32]
+    shards.append(Shard(f"shard-{n:05d}", tokens, 1, tokens, (zero_chunk,) * (chunks - 1) + (last,),
+                        hashlib.sha256(docs).hexdigest()))
+    left, n = left - tokens, n + 1
+  cut = total - total // 100
+  write_manifest(epath.Path(directory), Manifest(
+    tokenizer="byte", tokenizer_fingerprint="byte", vocab_size=256, eos_id=0, dtype="uint16", shards=tuple(shards),
+    splits={"train": (0, cut), "validation": (cut, total)}, validation_utf8_bytes=total - cut, inputs=("synthetic",),
+    preparation="synthetic", version=FORMAT_VERSION))
+
+
+STARTUP = """
+import time
+
+def body():
+  t = time.perf_counter()
+  from jaxshare.config import DataConfig
+  from jaxshare.data import Datasets
+  t_import = time.perf_counter()
+  ds = Datasets(DataConfig(source="prepared", path={path!r}, seq_len=128), 32)
+  t_open = time.perf_counter()
+  next(ds.train_iter())
+  return {{'open_s': t_open - t_import, 'first_batch_s': time.perf_counter() - t_open, 'import_s': t_import - t}}
+"""
+
+LOADER = """
+import time
+from jaxshare.config import DataConfig
+from jaxshare.data import Datasets
+from jaxshare.data.prepare import PrepareOptions, prepare
+
+def body():
+  prepare([{corpus!r}], {out!r}, PrepareOptions(val_fraction=0.1), progress=False)
+  it = Datasets(DataConfig(source="prepared", path={out!r}, seq_len=128), 32).train_iter()
+  next(it)
+  t = time.perf_counter()
+  for _ in range(200):
+    next(it)
+  return {{'seqs_per_s': 200 * 32 / (time.perf_counter() - t)}}
+"""
+
+TRAIN_STEP = """
+from jaxshare.config import load_config
+from jaxshare.train.loop import train
+
+def body():
+  cfg = load_config("configs/experiments/shakespeare_cla2.yaml", ["train.steps=12", "train.log_every=4",
+    "train.eval_every=0", "train.checkpoint_every=1000", "train.progress_bar=false", "train.run_dir={run}"])
+  return {{'seqs_per_s': train(cfg)['tokens_per_sec'] / cfg.data.seq_len}}
+"""
+
+
+def main() -> None:
+  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--size-mb", type=float, default=50, help="corpus size for the preparation benchmark")
+  p.add_argument("--tokenizers", nargs="+", default=["byte", "bpe"], choices=["byte", "bpe"])
+  p.add_argument("--workers", type=int, default=2, help="worker processes beside the 1-worker runs")
+  p.add_argument("--startup-gb", type=float, nargs="*", default=[0.2, 2, 20], help="synthetic dataset sizes")
+  p.add_argument("--skip", nargs="*", default=[], choices=["prepare", "startup", "loader"])
+  args = p.parse_args()
+  with tempfile.TemporaryDirectory(prefix="bench-data-") as d:
+    tmp = Path(d)
+    if "prepare" not in args.skip:
+      print(f"## Preparation: {args.size_mb:g} MB of Tiny Shakespeare documents (peer: nanoGPT-style pool + memmap)")
+      print("| tokenizer | workers | ours MB/s | ours Mtok/s | peer MB/s | speed ratio | ours RSS main / worker MB "
+            "| peer RSS main / worker MB |")
+      print("|---|---|---|---|---|---|---|---|")
+      for r in bench_preparation(tmp, args.size_mb, args.workers, args.tokenizers):
+        o, q = r["ours"], r["peer"]
+        print(f"| {r['tokenizer']} | {r['workers']} | {r['mb'] / o['seconds']:.1f} | {o['tokens'] / o['seconds'] / 1e6:.2f} "
+              f"| {r['mb'] / q['seconds']:.1f} | {q['seconds'] / o['seconds']:.2f}x | {o['rss_mb']:.0f} / "
+              f"{o['child_rss_mb']:.0f} | {q['rss_mb']:.0f} / {q['child_rss_mb']:.0f} |", flush=True)
+    if "startup" not in args.skip:
+      print("\n## Start-up of training from prepared data (fresh process; import excluded)")
+      print("| dataset | shards | open (manifest) s | first global batch s | peak RSS MB |")
+      print("|---|---|---|---|---|")
+      for gb in args.startup_gb:
+        path = tmp / f"synthetic-{gb:g}gb"
+        write_synthetic(path, gb)
+        r = run_child(STARTUP.format(path=str(path)), tmp)
+        shards = len(json.loads((path / "manifest.json").read_text())["shards"])
+        print(f"| {gb:g} GB | {shards} | {r['open_s']:.3f} | {r['first_batch_s']:.3f} | {r['rss_mb']:.0f} |",
+              flush=True)
+    if "loader" not in args.skip:
+      loader = run_child(LOADER.format(corpus=str(CORPUS), out=str(tmp / "loader")), tmp)
+      step = run_child(TRAIN_STEP.format(run=str(tmp / "run")), tmp)
+      print("\n## Loader against the train step (one process, batch 32 x 128)")
+      print(f"loader {loader['seqs_per_s']:,.0f} seqs/s | default train step {step['seqs_per_s']:,.1f} seqs/s | "
+            f"ratio {loader['seqs_per_s'] / step['seqs_per_s']:,.0f}x")
+
+
+if __name__ == "__main__":
+  main()
