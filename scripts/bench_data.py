@@ -210,7 +210,7 @@ from jaxshare.config import load_config
 from jaxshare.train.loop import train
 
 def body():
-  cfg = load_config("configs/experiments/shakespeare_cla2.yaml", ["train.steps=12", "train.log_every=4",
+  cfg = load_config("configs/experiments/shakespeare_cla2.yaml", ["train.steps=12", "train.warmup_steps=2", "train.log_every=4",
     "train.eval_every=0", "train.checkpoint_every=1000", "train.progress_bar=false", "train.run_dir={run}"])
   return {{'seqs_per_s': train(cfg)['tokens_per_sec'] / cfg.data.seq_len}}
 """

@@ -149,7 +149,7 @@ def test_token_cache_is_prepared_once_and_memory_mapped(tmp_path):
   second = Datasets(cfg, 2)
   assert {p.name: p.stat().st_mtime_ns for p in key.iterdir()} == built  # read from the cache, not prepared again
   second.train_source[0]
-  assert isinstance(second.stream._shard(0)[0], np.memmap)
+  assert isinstance(second.stream._shard(0)[0]._map, np.memmap)
   uncached = Datasets(cfg_for(text, seq_len=16, token_cache="off"), 2)
   for a in (first, second):
     for n in range(len(uncached.train_source)):

@@ -30,10 +30,31 @@ class _RemoteTokens:
     return self._n
 
   def __getitem__(self, s: slice) -> np.ndarray:
+    return np.frombuffer(self.read_bytes(s.start * self._dtype.itemsize, (s.stop - s.start) * self._dtype.itemsize),
+                         self._dtype)
+
+  def read_bytes(self, offset: int, size: int) -> bytes:
     with self._lock:
-      self._file.seek(s.start * self._dtype.itemsize)
-      raw = self._file.read((s.stop - s.start) * self._dtype.itemsize)
-    return np.frombuffer(raw, self._dtype)
+      self._file.seek(offset)
+      return self._file.read(size)
+
+
+class _LocalTokens:
+  """A local tokens file: windows through a memory map, checksum chunks through ``pread`` (hashing a chunk then
+  leaves no 4 MiB of mapped pages resident for each window read)."""
+
+  def __init__(self, path: str, dtype: np.dtype, n: int):
+    self._map = np.memmap(path, dtype=dtype, mode="r", shape=(n,))
+    self._fd = os.open(path, os.O_RDONLY)
+
+  def __len__(self) -> int:
+    return len(self._map)
+
+  def __getitem__(self, s: slice) -> np.ndarray:
+    return self._map[s]
+
+  def read_bytes(self, offset: int, size: int) -> bytes:
+    return os.pread(self._fd, size, offset)
 
 
 class PreparedTokens:
@@ -59,7 +80,7 @@ class PreparedTokens:
     self.dtype = np.dtype(m.dtype)
     self.offsets = np.cumsum([0] + [s.tokens for s in m.shards])  # first token of each shard
     self.doc_bases = np.cumsum([0] + [s.documents for s in m.shards])  # first document of each shard
-    self._open: dict[int, tuple[np.ndarray | _RemoteTokens, np.ndarray]] = {}
+    self._open: dict[int, tuple[_LocalTokens | _RemoteTokens, np.ndarray]] = {}
     self._verified: set[tuple[int, int]] = set()  # (shard, checksum chunk) pairs read and found intact
     self._lock = threading.Lock()
 
@@ -75,7 +96,7 @@ class PreparedTokens:
     start, stop = self.manifest.splits["validation"]
     return self.manifest.validation_utf8_bytes / max(stop - start, 1)
 
-  def _shard(self, k: int) -> tuple[np.ndarray | _RemoteTokens, np.ndarray]:
+  def _shard(self, k: int) -> tuple[_LocalTokens | _RemoteTokens, np.ndarray]:
     with self._lock:
       if k not in self._open:
         shard = self.manifest.shards[k]
@@ -83,19 +104,21 @@ class PreparedTokens:
         tokens_path, docs_path = (self.directory / f"{shard.name}{s}" for s in (TOKENS, DOCS))
         starts = np.frombuffer(docs_path.read_bytes(), "<i8")
         if os.path.exists(str(tokens_path)):
-          tokens = np.memmap(str(tokens_path), dtype=self.dtype, mode="r", shape=(shard.tokens,))
+          tokens = _LocalTokens(str(tokens_path), self.dtype, shard.tokens)
         else:
           tokens = _RemoteTokens(tokens_path, self.dtype, shard.tokens)
         self._open[k] = tokens, starts
       return self._open[k]
 
-  def _verify(self, k: int, tokens: np.ndarray | _RemoteTokens, lo: int, hi: int) -> None:
+  def _verify(self, k: int, tokens: _LocalTokens | _RemoteTokens, lo: int, hi: int) -> None:
     """Verify the checksum chunks of shard ``k`` that tokens ``[lo, hi)`` lie in, the first time each is read."""
-    per_chunk = CHUNK_BYTES // self.dtype.itemsize
-    for chunk in range(lo // per_chunk, (hi - 1) // per_chunk + 1):
+    size = len(tokens) * self.dtype.itemsize
+    first, last = lo * self.dtype.itemsize // CHUNK_BYTES, (hi * self.dtype.itemsize - 1) // CHUNK_BYTES
+    for chunk in range(first, last + 1):
       if (k, chunk) not in self._verified:
-        data = tokens[chunk * per_chunk:min((chunk + 1) * per_chunk, len(tokens))]
-        verify_chunk(self.directory, self.manifest.shards[k], chunk, np.ascontiguousarray(data).tobytes())
+        start = chunk * CHUNK_BYTES
+        verify_chunk(self.directory, self.manifest.shards[k], chunk,
+                     tokens.read_bytes(start, min(CHUNK_BYTES, size - start)))
         self._verified.add((k, chunk))
 
   def read(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
