@@ -100,6 +100,20 @@ def test_compressed_jsonl_gives_the_plain_files_tokens(tmp_path, corpus_dir):
     assert prepare([str(tmp_path / name)], tmp_path / f"out-{name}", progress=False).shards == want.shards
 
 
+def test_text_streamed_in_small_chunks_splits_as_the_whole_text(tmp_path, monkeypatch):
+  from jaxshare.data import documents
+
+  text = "première ligne||deuxième — ligne|||troisième ünïcödé||||fin é" * 3
+  (tmp_path / "t.txt").write_text(text)
+  (tmp_path / "bad.txt").write_bytes(text.encode() + b"\xff tail")
+  monkeypatch.setattr(documents, "TEXT_CHUNK_BYTES", 7)  # separators and multi-byte characters across chunk edges
+  got = list(documents.iter_documents(documents.Input("text", str(tmp_path / "t.txt")), separator="||"))
+  assert got == [d for d in text.split("||") if d]
+  assert list(documents.iter_documents(documents.Input("text", str(tmp_path / "t.txt")))) == [text]
+  with pytest.raises(DataError, match=rf"bad.txt' is not valid UTF-8 text \(byte {len(text.encode())}\)"):
+    list(documents.iter_documents(documents.Input("text", str(tmp_path / "bad.txt")), separator="||"))
+
+
 def test_a_glob_and_a_validation_share_cut_at_a_document_boundary(tmp_path, corpus_dir):
   m = prepare([str(corpus_dir / "books" / "part*.txt")], tmp_path / "out",
               PrepareOptions(separator="\n\n", val_fraction=0.1), progress=False)

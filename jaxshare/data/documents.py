@@ -3,6 +3,7 @@ with ``tfds.data_source`` (ArrayRecord, no TensorFlow)."""
 
 from __future__ import annotations
 
+import codecs
 import dataclasses
 import gzip
 import io
@@ -188,6 +189,31 @@ def _open_binary(path: str):
   return raw
 
 
+TEXT_CHUNK_BYTES = 1 << 24
+
+
+def _text_chunks(path: str) -> Iterator[str]:
+  """A UTF-8 file's text in pieces of about TEXT_CHUNK_BYTES bytes (multi-byte characters never split).
+
+  Raises:
+    DataError: NUL bytes (binary) or invalid UTF-8, naming the file and the byte offset. OSError: unreadable.
+  """
+  decoder = codecs.getincrementaldecoder("utf-8")()
+  offset = 0
+  with _open_binary(path) as f:
+    while True:
+      raw = f.read(TEXT_CHUNK_BYTES)
+      if b"\x00" in raw:
+        raise DataError(f"input {path!r} looks binary (contains NUL bytes); expected UTF-8 text")
+      try:
+        yield decoder.decode(raw, final=not raw)
+      except UnicodeDecodeError as e:
+        raise DataError(f"input {path!r} is not valid UTF-8 text (byte {offset + e.start})") from e
+      if not raw:
+        return
+      offset += len(raw)
+
+
 def _decode(raw: bytes, where: str) -> str:
   if b"\x00" in raw:
     raise DataError(f"{where} looks binary (contains NUL bytes); expected UTF-8 text")
@@ -213,14 +239,22 @@ def iter_documents(source: Input, *, separator: str = "", text_field: str = "tex
     return e
 
   if source.kind == "text":
-    try:
-      with _open_binary(source.path) as f:
-        raw = f.read()
-      text = _decode(raw, f"input {source.path!r}")
+    try:  # a whole file is checked before any of its documents is yielded: a bad file is skipped whole
+      for _ in _text_chunks(source.path):
+        pass
     except (OSError, DataError) as e:
       yield bad(e if isinstance(e, DataError) else DataError(f"input {source.path!r} is unreadable: {e}"))
       return
-    yield from (d for d in (text.split(separator) if separator else [text]) if d)
+    if not separator:
+      text = "".join(_text_chunks(source.path))
+      yield from ([text] if text else [])
+      return
+    rest = ""  # streamed: memory is one chunk and one document, whatever the file's size
+    for chunk in _text_chunks(source.path):
+      *docs, rest = (rest + chunk).split(separator)
+      yield from (d for d in docs if d)
+    if rest:
+      yield rest
   elif source.kind == "jsonl":
     try:
       with _open_binary(source.path) as f:

@@ -89,14 +89,24 @@ def _encode(docs: list[str | DataError], tokenizer: Tokenizer, dtype: np.dtype
             ) -> tuple[list[np.ndarray | None], list[int]]:
   """Each document's tokens followed by EOS (in ``dtype``) and its UTF-8 byte count; None and 0 for a skipped bad
   document (a DataError in its place)."""
-  texts = [d for d in docs if isinstance(d, str)]
-  eos = np.asarray([tokenizer.eos_id], dtype)
   if isinstance(tokenizer, ByteTokenizer):  # the UTF-8 bytes are the ids: no Python list per byte
-    ids = iter(np.frombuffer(t.encode("utf-8"), np.uint8) for t in texts)
+    raw = [d.encode("utf-8") if isinstance(d, str) else None for d in docs]
+    ids = iter(np.frombuffer(r, np.uint8) for r in raw if r is not None)
+    sizes = [0 if r is None else len(r) for r in raw]
   else:
+    texts = [d for d in docs if isinstance(d, str)]
     ids = iter(tokenizer.encode_batch(texts) if isinstance(tokenizer, HFTokenizer) else map(tokenizer.encode, texts))
-  encoded = [np.concatenate([np.asarray(next(ids), dtype), eos]) if isinstance(d, str) else None for d in docs]
-  return encoded, [len(d.encode("utf-8")) if isinstance(d, str) else 0 for d in docs]
+    sizes = [len(d.encode("utf-8")) if isinstance(d, str) else 0 for d in docs]
+  encoded = []
+  for d in docs:
+    if isinstance(d, str):
+      doc = next(ids)
+      tokens = np.empty(len(doc) + 1, dtype)
+      tokens[:-1], tokens[-1] = doc, tokenizer.eos_id
+      encoded.append(tokens)
+    else:
+      encoded.append(None)
+  return encoded, sizes
 
 
 def _encode_in_worker(args: tuple[list[str | DataError], str]) -> tuple[list[np.ndarray | None], list[int]]:
@@ -311,7 +321,8 @@ def _manifest(out: epath.Path, state: _State, options: PrepareOptions, tokenizer
     tokens, doc_starts = read_shard(out, shard, dtype, verify=False)
     bounds = np.unique(np.concatenate([[lo], doc_starts[(doc_starts > lo) & (doc_starts < hi)], [hi]]))
     for a, b in zip(bounds[:-1], bounds[1:]):
-      val_bytes += len(tokenizer.decode(tokens[a:b].tolist()).encode("utf-8"))
+      window = tokens[a:b]
+      val_bytes += len(tokenizer.decode(window if isinstance(tokenizer, ByteTokenizer) else window.tolist()).encode())
   return Manifest(
     tokenizer=options.tokenizer, tokenizer_fingerprint=tok_fingerprint, vocab_size=tokenizer.vocab_size,
     eos_id=tokenizer.eos_id, dtype=dtype.name, shards=tuple(state.shards),

@@ -115,11 +115,11 @@ def chunk_digest(data: bytes | memoryview) -> str:
   return hashlib.sha256(data).hexdigest()[:32]
 
 
-def chunk_digests(data: bytes) -> tuple[str, ...]:
+def chunk_digests(data: bytes | memoryview) -> tuple[str, ...]:
   return tuple(chunk_digest(data[i:i + CHUNK_BYTES]) for i in range(0, max(len(data), 1), CHUNK_BYTES))
 
 
-def _write_atomic(path: epath.Path, data: bytes) -> None:
+def _write_atomic(path: epath.Path, data: bytes | memoryview) -> None:
   tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
   tmp.write_bytes(data)
   tmp.replace(path)
@@ -128,7 +128,7 @@ def _write_atomic(path: epath.Path, data: bytes) -> None:
 def write_shard(directory: epath.Path, name: str, documents: list[np.ndarray], utf8_bytes: int) -> Shard:
   """Write ``documents`` (token arrays in the shard's dtype, each ending with EOS) as shard ``name``."""
   starts = np.cumsum([0] + [len(d) for d in documents[:-1]], dtype=np.int64)
-  tokens = np.concatenate(documents).tobytes()
+  tokens = memoryview(np.concatenate(documents)).cast("B")  # the shard's bytes, not copied again
   docs = starts.astype("<i8").tobytes()
   _write_atomic(directory / f"{name}{DOCS}", docs)
   _write_atomic(directory / f"{name}{TOKENS}", tokens)

@@ -5,7 +5,9 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, Sequence
+
+import numpy as np
 
 from jaxshare.config import DataConfig
 from jaxshare.data.errors import DataError
@@ -29,8 +31,9 @@ class ByteTokenizer:
   def encode(self, text: str) -> list[int]:
     return list(text.encode("utf-8"))
 
-  def decode(self, ids: list[int]) -> str:
-    return bytes(int(i) for i in ids if 0 < int(i) < 256).decode("utf-8", errors="replace")
+  def decode(self, ids: Sequence[int] | np.ndarray) -> str:
+    ids = np.asarray(ids, np.int64)
+    return ids[(ids > 0) & (ids < 256)].astype(np.uint8).tobytes().decode("utf-8", errors="replace")
 
 
 class HFTokenizer:
