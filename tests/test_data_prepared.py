@@ -73,18 +73,24 @@ def test_windows_across_shards_equal_the_in_memory_streams(tmp_path, corpus):
   assert_batches_equal([ours[i] for i in range(len(ours))], [theirs[i] for i in range(len(theirs))])
 
 
-def test_two_processes_read_disjoint_rows_of_the_global_batch_and_resume_exactly(prepared_shakespeare):
-  cfg = DataConfig(source="prepared", path=str(prepared_shakespeare), seq_len=32)
+def assert_rows_split_by_process_and_resume_exactly(cfg: DataConfig) -> None:
+  """Two processes' rows of each global batch of 8 make up one process's batch; an iterator restored from the state
+  after 3 batches gives the next 2."""
   whole = take(Datasets(cfg, 8, process_index=0, process_count=1).train_iter(), 3)
   halves = [take(Datasets(cfg, 8, process_index=i, process_count=2).train_iter(), 3) for i in range(2)]
   for n, batch in enumerate(whole):
     np.testing.assert_array_equal(np.concatenate([halves[0][n]["inputs"], halves[1][n]["inputs"]]), batch["inputs"])
   it = Datasets(cfg, 8).train_iter()
-  take(it, 2)
+  take(it, 3)
   state, rest = it.get_state(), take(it, 2)
   again = Datasets(cfg, 8).train_iter()
   again.set_state(state)
   assert_batches_equal(take(again, 2), rest)
+
+
+def test_two_processes_read_disjoint_rows_of_the_global_batch_and_resume_exactly(prepared_shakespeare):
+  assert_rows_split_by_process_and_resume_exactly(DataConfig(source="prepared", path=str(prepared_shakespeare),
+                                                             seq_len=32))
 
 
 def test_another_tokenizer_and_a_corrupt_shard_are_refused_in_one_line(tmp_path, corpus, prepared_shakespeare):
@@ -139,15 +145,7 @@ def test_a_mixture_follows_its_weights_counts_tokens_and_resumes_exactly(two_cor
   assert from_digits == [data.component_of(i) == 1 for i in range(400)]  # the schedule says where each row came from
   assert abs(np.mean(from_digits) - 0.3) < 0.02
   assert data.tokens_seen(50) == {"tokens_play": 32 * from_digits.count(False), "tokens_digits": 32 * sum(from_digits)}
-  it = Datasets(cfg, 8).train_iter()
-  take(it, 7)
-  state, rest = it.get_state(), take(it, 3)
-  again = Datasets(cfg, 8).train_iter()
-  again.set_state(state)
-  assert_batches_equal(take(again, 3), rest)
-  halves = [take(Datasets(cfg, 8, process_index=i, process_count=2).train_iter(), 2) for i in range(2)]
-  for n in range(2):
-    np.testing.assert_array_equal(np.concatenate([halves[0][n]["inputs"], halves[1][n]["inputs"]]), batches[n]["inputs"])
+  assert_rows_split_by_process_and_resume_exactly(cfg)
 
 
 def test_a_mixture_needs_prepared_data_and_valid_entries():
