@@ -203,7 +203,7 @@ class Datasets:
       self.components.append(Component(
         name, weight, stream, WindowSource(stream, stream.split("train"), cfg.seq_len, f"training split{where}"),
         WindowSource(stream, stream.split("validation"), cfg.seq_len, f"validation split{where}")))
-    weights = [c.weight for c in self.components]
+    self.weights = weights = [c.weight for c in self.components]
     self.train_source = self._mixed([c.train for c in self.components])
     self.val_source = self._mixed([c.val for c in self.components])
     # UTF-8 bytes per validation token (bits per byte for any tokenizer), counted when the data was prepared
@@ -222,7 +222,7 @@ class Datasets:
   def _mixed(self, sources: list[WindowSource]) -> WindowSource | grain.MapDataset:
     if len(sources) == 1:
       return sources[0]
-    return grain.MapDataset.mix([grain.MapDataset.source(s) for s in sources], [c.weight for c in self.components])
+    return grain.MapDataset.mix([grain.MapDataset.source(s) for s in sources], self.weights)
 
   @property
   def stream(self) -> PreparedTokens:
@@ -257,7 +257,7 @@ class Datasets:
     rows = self.rows
     parts = [grain.MapDataset.source(c.train).shuffle(seed=(self.cfg.shuffle_seed + k) % 2**32).repeat(None)
              for k, c in enumerate(self.components)]
-    ds = parts[0] if len(parts) == 1 else grain.MapDataset.mix(parts, [c.weight for c in self.components])
+    ds = parts[0] if len(parts) == 1 else grain.MapDataset.mix(parts, self.weights)
     ds = _block_rows(ds, self.batch_size, rows, len(ds) // self.batch_size)
     return iter(ds.batch(rows.stop - rows.start, drop_remainder=True).to_iter_dataset(READ_OPTIONS))
 

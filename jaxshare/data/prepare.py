@@ -29,7 +29,7 @@ from jaxshare.data.documents import Input, expand_inputs, iter_documents
 from jaxshare.data.errors import DataError
 from jaxshare.data.shards import (FORMAT_VERSION, MANIFEST, Manifest, Shard, read_manifest, read_shard, token_dtype,
                                   write_manifest, write_shard)
-from jaxshare.data.tokenizers import ByteTokenizer, HFTokenizer, Tokenizer, tokenizer_fingerprint
+from jaxshare.data.tokenizers import ByteTokenizer, HFTokenizer, Tokenizer, make_tokenizer, tokenizer_fingerprint
 
 STATE = ".prepare-state.json"
 DEFAULT_SHARD_TOKENS = 1 << 27  # 256 MB of uint16 tokens per shard
@@ -72,17 +72,13 @@ class PrepareOptions:
       raise DataError(f"--shard-tokens={self.shard_tokens} and --batch-docs={self.batch_docs} must be >= 1")
 
 
-def _make_tokenizer(spec: str) -> Tokenizer:
-  return ByteTokenizer() if spec == "byte" else HFTokenizer(spec)
-
-
 _worker_tokenizer: Tokenizer | None = None
 
 
 def _init_worker(spec: str) -> None:
   global _worker_tokenizer
   os.environ["RAYON_NUM_THREADS"] = "1"  # one thread per worker (before tokenizers starts its pool): workers are the
-  _worker_tokenizer = _make_tokenizer(spec)  # parallelism, and more threads than cores only contend
+  _worker_tokenizer = make_tokenizer(spec)  # parallelism, and more threads than cores only contend
 
 
 def _encode(docs: list[str | DataError], tokenizer: Tokenizer, dtype: np.dtype
@@ -253,7 +249,7 @@ def prepare(inputs: Sequence[str | Input], out: str | os.PathLike, options: Prep
     raise DataError(f"{out} holds a finished preparation of other inputs or options: choose another --out or "
                     "delete it")
   out.mkdir(parents=True, exist_ok=True)
-  tokenizer = _make_tokenizer(options.tokenizer)
+  tokenizer = make_tokenizer(options.tokenizer)
   dtype = token_dtype(tokenizer.vocab_size)
   state = _State.read(out, fingerprint)
 

@@ -72,8 +72,10 @@ class HFTokenizer:
     return self._tok.decode([int(i) for i in ids])
 
 
-def make_tokenizer(cfg: DataConfig) -> Tokenizer:
-  return ByteTokenizer() if cfg.tokenizer == "byte" else HFTokenizer(cfg.tokenizer)
+def make_tokenizer(spec: DataConfig | str) -> Tokenizer:
+  """The tokenizer ``byte`` or a local tokenizer directory names: a config's ``data.tokenizer``, or the name itself."""
+  name = spec if isinstance(spec, str) else spec.tokenizer
+  return ByteTokenizer() if name == "byte" else HFTokenizer(name)
 
 
 def tokenizer_fingerprint(spec: str) -> str:
