@@ -9,7 +9,7 @@ against full attention). On a CPU there is nothing to time (interpret mode measu
 runs the interpret-mode correctness sweep against the reference instead and says so.
 
 Usage: python scripts/bench_attention.py [--lengths 1024 4096 16384] [--widths 64 128] [--batch 4 --heads 16
-       --kv-heads 4] [--dtype bfloat16] [--repeats 10]
+       --kv-heads 4] [--dtype bfloat16] [--repeats 10] [--impls pallas cudnn]
 """
 
 from __future__ import annotations
@@ -26,12 +26,14 @@ from jaxshare.kernels import flash, reference, xla
 from jaxshare.kernels.dispatch import get_attention
 
 
-def _inputs(b, t, h, g, d, dtype, seed=0):
+def _inputs(b, t, h, g, d, dtype, seed=0, backend="interpret"):
   keys = jax.random.split(jax.random.PRNGKey(seed), 4)
   q = jax.random.normal(keys[0], (b, t, h, d), dtype)
   k, v, v2 = (jax.random.normal(key, (b, t, g, d), dtype) for key in keys[1:])
   seg = jnp.ones((b, t), jnp.int32)
-  lse = xla.attention(q, k, v, seg, seg, return_lse=True)[1]  # the probability source's log-sum-exp
+  # the probability source's log-sum-exp, from the kernel on an accelerator (XLA's [B, H, T, T] is 64 GB at T = 16k)
+  source = xla.attention if backend == "interpret" else functools.partial(flash.attention, backend=backend)
+  lse = source(q, k, v, seg, seg, return_lse=True)[1]
   return q, k, v, v2, seg, lse
 
 
@@ -80,8 +82,10 @@ def bench(args, backend: str) -> None:
   rows = []
   for t in args.lengths:
     for d in args.widths:
-      inputs = _inputs(args.batch, t, args.heads, args.kv_heads, d, jnp.dtype(args.dtype))
+      inputs = _inputs(args.batch, t, args.heads, args.kv_heads, d, jnp.dtype(args.dtype), backend=backend)
       for impl_name, impl in implementations(backend).items():
+        if args.impls and impl_name not in args.impls:
+          continue
         for role, loss in roles(impl).items():
           if role == "prob_reuse" and impl["reuse"] is None:
             continue
@@ -135,6 +139,8 @@ def main(argv=None) -> int:
   ap.add_argument("--kv-heads", type=int, default=16)
   ap.add_argument("--dtype", default="bfloat16")
   ap.add_argument("--repeats", type=int, default=10)
+  ap.add_argument("--impls", nargs="+", choices=["pallas", "xla_reference", "cudnn"],
+                  help="only these implementations (default: all; the XLA reference at T = 16k needs ~64 GB)")
   args = ap.parse_args(argv)
   backend = flash.default_backend()
   if backend == "interpret":

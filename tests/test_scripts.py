@@ -31,3 +31,16 @@ def test_data_benchmark_prints_its_tables():
   assert proc.returncode == 0, proc.stderr[-3000:]
   rows = [ln for ln in proc.stdout.splitlines() if ln.startswith("| byte") or ln.startswith("| 0.01 GB")]
   assert len(rows) == 3, proc.stdout
+
+
+def test_mfu_benchmark_measures_every_schedule(capsys):
+  """scripts/bench_mfu.py on a toy config (CPU): a row with tokens/s, MFU and a finite loss, and a failing schedule
+  reported on its own line without stopping the others."""
+  sys.path.insert(0, str(REPO / "scripts"))
+  import bench_mfu
+  bench_mfu.main(["--config", str(REPO / "configs/experiments/shakespeare_dense.yaml"), "--schedules", "uniattn",
+                  "dense", "--impls", "xla", "--batch", "8", "--seq-len", "32", "--steps", "1"])
+  rows = {ln.split()[0]: ln for ln in capsys.readouterr().out.splitlines()[1:]}
+  assert "FAILED ScheduleError" in rows["uniattn"]  # the 1B superblock placement does not fit 4 layers
+  assert "tok/s" in rows["dense"] and "MFU" in rows["dense"], rows
+  assert 0 < float(rows["dense"].split("loss")[1]) < 10, rows

@@ -80,15 +80,43 @@ def unsupported(q, k, v, *, backend: str) -> str | None:
   return None
 
 
-def _platform(backend: str) -> dict:
-  """``pallas_call`` keywords for a backend. Triton is named explicitly: jax's GPU default is Mosaic GPU, whose
-  kernels keep whole K/V blocks in shared memory. Every grid axis of these kernels is independent (the sequential
-  axis is the loop inside), so Mosaic may split all of them across TensorCores."""
+# Tile sizes per backend. On Triton 64 x 64 tiles beat 128 x 128 ones 1.4x (forward) to 4x (backward at width 128,
+# whose 128-row accumulators spill registers) on an H200 (docs/gpu.md, scripts/tune_attention.py).
+_BLOCK = {"triton": 64}
+_DEFAULT_BLOCK = 128
+# Overrides of :func:`triton_launch`, {kernel name: (num_warps, num_stages)}, for scripts/tune_attention.py.
+TRITON_LAUNCH: dict[str, tuple[int, int]] = {}
+
+
+def default_block(backend: str) -> int:
+  """The query and key tile length a backend's kernels use unless told otherwise."""
+  return _BLOCK.get(backend, _DEFAULT_BLOCK)
+
+
+def triton_launch(name: str, width: int) -> tuple[int, int]:
+  """``(num_warps, num_stages)`` of Triton kernel ``name`` at padded head width ``width``, as tuned on an H200 at
+  T = 4096 (8 warps were 1.5-2.5x slower at 64 x 64 tiles): the forward with 3 pipeline stages, the backward with 3
+  up to width 64 and 2 above (3 is 11% slower there); the decode kernel, not tuned yet, with 2."""
+  if name in TRITON_LAUNCH:
+    return TRITON_LAUNCH[name]
+  if name == "jaxshare_flash_forward":
+    return 4, 3
+  if name in ("jaxshare_flash_dq", "jaxshare_flash_dkv"):
+    return 4, 3 if width <= 64 else 2
+  return 4, 2
+
+
+def _platform(backend: str, name: str, width: int) -> dict:
+  """``pallas_call`` keywords for kernel ``name`` (head width ``width``) on a backend. Triton is named explicitly:
+  jax's GPU default is Mosaic GPU, whose kernels keep whole K/V blocks in shared memory. Every grid axis of these
+  kernels is independent (the sequential axis is the loop inside), so Mosaic may split all of them across
+  TensorCores."""
   if backend == "interpret":
     return {"interpret": True}
   if backend == "triton":
     from jax.experimental.pallas import triton as pltriton
-    return {"compiler_params": pltriton.CompilerParams(num_warps=4, num_stages=2)}
+    num_warps, num_stages = triton_launch(name, width)
+    return {"compiler_params": pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)}
   if backend == "mosaic_tpu":
     from jax.experimental.pallas import tpu as pltpu
     return {"compiler_params": pltpu.CompilerParams(dimension_semantics=("parallel",) * 3,
@@ -303,7 +331,7 @@ def _forward(q, k, v, q_seg, k_seg, lse_in, geo: Geometry, backend: str):
     functools.partial(_forward_kernel, geo=geo, reuse=reuse), out_shape=out_shape,
     grid=(b, h, tp // geo.block_q),
     in_specs=[spec["q"], spec["k"], spec["v"], spec["q_seg"], spec["k_seg"]] + ([spec["row"]] if reuse else []),
-    out_specs=out_specs, **_platform(backend), name="jaxshare_flash_forward",
+    out_specs=out_specs, **_platform(backend, "jaxshare_flash_forward", max(q.shape[3], v.shape[3])), name="jaxshare_flash_forward",
   )(q, k, v, q_seg, k_seg, *([lse_in] if reuse else []))
   return outs[0] if reuse else (outs[0], outs[1])
 
@@ -319,7 +347,7 @@ def _backward(q, k, v, q_seg, k_seg, lse, delta, do, geo: Geometry, backend: str
     grid=(b, h, tp // geo.block_q),
     in_specs=[spec["q"], spec["k"], spec["v"], spec["q_seg"], spec["k_seg"], spec["row"], spec["row"],
               spec["o"]],
-    out_specs=spec["q"], **_platform(backend), name="jaxshare_flash_dq",
+    out_specs=spec["q"], **_platform(backend, "jaxshare_flash_dq", max(q.shape[3], v.shape[3])), name="jaxshare_flash_dq",
   )(q, k, v, q_seg, k_seg, lse, delta, do)
   # The dK/dV grid (B, G, S/bk): a K/V head's block against the whole query sequence of its H/G query heads; row
   # statistics and query segment ids as lane-dense rows, key segment ids as a column.
@@ -332,7 +360,7 @@ def _backward(q, k, v, q_seg, k_seg, lse, delta, do, geo: Geometry, backend: str
     in_specs=[heads(tp, e), keys(e), keys(v.shape[3]), pl.BlockSpec((None, 1, tp), lambda b_, g_, j: (b_, 0, 0)),
               pl.BlockSpec((None, bk, 1), lambda b_, g_, j: (b_, j, 0)), heads(1, tp), heads(1, tp),
               heads(tp, v.shape[3])],
-    out_specs=[keys(e), keys(v.shape[3])], **_platform(backend), name="jaxshare_flash_dkv",
+    out_specs=[keys(e), keys(v.shape[3])], **_platform(backend, "jaxshare_flash_dkv", max(q.shape[3], v.shape[3])), name="jaxshare_flash_dkv",
   )(q, k, v, q_seg.reshape(b, 1, tp), k_seg.reshape(b, sp, 1), lse.reshape(b, h, 1, tp),
     delta.reshape(b, h, 1, tp), do)
   return dq, dk, dv
@@ -398,7 +426,7 @@ def _check(q, k, v):
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_segment_ids: jax.Array, kv_segment_ids: jax.Array,
               *, causal: bool = True, scale: float | None = None, window: int = 0, return_lse: bool = False,
-              backend: str | None = None, block_q: int = 128, block_k: int = 128
+              backend: str | None = None, block_q: int | None = None, block_k: int | None = None
               ) -> jax.Array | tuple[jax.Array, jax.Array]:
   """Flash attention; same contract as :func:`jaxshare.kernels.reference.attention`.
 
@@ -410,7 +438,8 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_segment_ids: jax.Array
     return_lse: also return the ``[B, H, T]`` float32 log-sum-exp; its cotangent is honoured.
     backend: ``mosaic_tpu``, ``triton`` or ``interpret`` (Pallas interpret mode, any platform); None: the default
       device's (see :func:`default_backend`).
-    block_q, block_k: tile sizes (upper bounds; shortened for short sequences).
+    block_q, block_k: tile sizes (upper bounds; shortened for short sequences); None: the backend's
+      (:func:`default_block`).
 
   Returns:
     ``[B, T, H, d]`` in q's dtype (and the LSE).
@@ -421,24 +450,26 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_segment_ids: jax.Array
   _check(q, k, v)
   b, t, h, e = q.shape
   scale = e ** -0.5 if scale is None else scale
-  geo = geometry(t, k.shape[1], causal=causal, window=window, scale=scale, block_q=block_q, block_k=block_k)
+  backend = backend or default_backend()
+  geo = geometry(t, k.shape[1], causal=causal, window=window, scale=scale,
+                 block_q=block_q or default_block(backend), block_k=block_k or default_block(backend))
   out, lse = _flash(_to_kernel_layout(q, geo.t_padded), _to_kernel_layout(k, geo.s_padded),
-                    _to_kernel_layout(v, geo.s_padded), *_segments(q_segment_ids, kv_segment_ids, geo), geo,
-                    backend or default_backend())
+                    _to_kernel_layout(v, geo.s_padded), *_segments(q_segment_ids, kv_segment_ids, geo), geo, backend)
   out = out[:, :, :t, :v.shape[3]].transpose(0, 2, 1, 3)
   return (out, lse[:, :, :t, 0]) if return_lse else out
 
 
 def attention_from_lse(q: jax.Array, k: jax.Array, lse: jax.Array, v: jax.Array, q_segment_ids: jax.Array,
                        kv_segment_ids: jax.Array, *, scale: float, causal: bool = True, window: int = 0,
-                       backend: str | None = None, block_q: int = 128, block_k: int = 128) -> jax.Array:
+                       backend: str | None = None, block_q: int | None = None, block_k: int | None = None
+                       ) -> jax.Array:
   """Probability reuse as a kernel: ``exp(scale q kᵀ − lse) · v`` tile by tile, no softmax reduction; same contract
   as :func:`jaxshare.kernels.reference.attention_from_lse`.
 
   Args:
     q, k: the source layer's ``[B, T, H, e]`` / ``[B, S, Gk, e]``; lse: its ``[B, H, T]`` float32 log-sum-exp.
     v: the consumer's ``[B, S, Gv, d]`` values (Gk ≠ Gv are both repeated to their least common multiple).
-    backend: as :func:`attention` (None: the default device's).
+    backend, block_q, block_k: as :func:`attention`.
 
   Returns:
     ``[B, T, H, d]`` in v's dtype; gradients reach q, k, lse and v.
@@ -447,9 +478,10 @@ def attention_from_lse(q: jax.Array, k: jax.Array, lse: jax.Array, v: jax.Array,
   heads = math.lcm(k.shape[2], v.shape[2])
   k, v = (x if x.shape[2] == heads else jnp.repeat(x, heads // x.shape[2], axis=2) for x in (k, v))
   _check(q, k, v)
-  geo = geometry(t, k.shape[1], causal=causal, window=window, scale=scale, block_q=block_q, block_k=block_k)
+  backend = backend or default_backend()
+  geo = geometry(t, k.shape[1], causal=causal, window=window, scale=scale,
+                 block_q=block_q or default_block(backend), block_k=block_k or default_block(backend))
   lse = jnp.pad(lse.astype(jnp.float32), ((0, 0), (0, 0), (0, geo.t_padded - t)))[..., None]
   out = _reuse(_to_kernel_layout(q, geo.t_padded), _to_kernel_layout(k, geo.s_padded), lse,
-               _to_kernel_layout(v, geo.s_padded), *_segments(q_segment_ids, kv_segment_ids, geo), geo,
-               backend or default_backend())
+               _to_kernel_layout(v, geo.s_padded), *_segments(q_segment_ids, kv_segment_ids, geo), geo, backend)
   return out[:, :, :t, :v.shape[3]].transpose(0, 2, 1, 3)

@@ -1,0 +1,112 @@
+#!/usr/bin/env python
+"""Train-step throughput and MFU of a ~1B model and its sharing variants on the accelerator at hand.
+
+For each schedule: the experiment's config (default: the ~1.2B Llama of ``configs/experiments/llama_1b_pod.yaml``)
+on every local device, one jitted train step (AdamW, mixed precision, the run's own sharding), compiled and warmed
+up, then ``--steps`` steps back to back on synthetic device-resident batches. Prints compile seconds, ms per step,
+tokens/s and MFU against the device's dense bf16 peak (``jaxshare.train.metrics``), with the model FLOPs of
+``jaxshare.accounting.train_flops_per_token`` (attention included, causal halved). Schedules that save attention
+FLOPs (probability reuse) are charged only what they compute, so their MFU compares hardware use, not speed; the
+tokens/s column compares speed.
+
+  python scripts/bench_mfu.py                                      # dense, cla2, mlkv, uniattn; pallas
+  python scripts/bench_mfu.py --schedules dense --impls pallas xla --batch 8 --seq-len 2048
+
+On a CPU the numbers mean nothing at this size; use ``--config configs/experiments/shakespeare_dense.yaml`` there to
+check that the script runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from jaxshare import accounting
+from jaxshare.config import load_config
+from jaxshare.parallel import shard_batch
+from jaxshare.train.metrics import resolve_peak
+from jaxshare.train.state import init_state, setup_training
+from jaxshare.train.step import Objective, make_train_step
+
+ROOT = Path(__file__).resolve().parents[1]
+
+SCHEDULES = {
+  "dense": ["schedule.kind=dense"],
+  "cla2": ["schedule.kind=cla", "schedule.factor=2"],
+  "mlkv": ["schedule.kind=mlkv", "schedule.kv_layers=4", "schedule.kv_heads=8"],
+  "uniattn": ["schedule.kind=uniattn", "schedule.uniattn.block_size=4", "schedule.uniattn.start=8"],
+  "lisa_plus": ["schedule.kind=lisa_plus"],
+}
+
+
+def measure(config: Path, overrides: list[str], steps: int) -> dict:
+  """Compile seconds, seconds per step and model FLOPs per token of one config's train step."""
+  cfg = load_config(config, overrides)
+  setup = setup_training(cfg)
+  state = init_state(setup)
+  fn = make_train_step(setup.graphdef, setup.tx, setup.lr_schedule, cfg.train.grad_accum_steps, Objective())
+  b, t = cfg.train.batch_size, cfg.data.seq_len
+  rng = np.random.default_rng(0)
+  batches = []
+  for _ in range(2):
+    tok = rng.integers(0, cfg.model.vocab_size, (b, t + 1), dtype=np.int32)
+    batches.append(shard_batch(setup.batch_sharding, {
+      "inputs": tok[:, :-1], "targets": tok[:, 1:], "positions": np.broadcast_to(np.arange(t, dtype=np.int32), (b, t)),
+      "segment_ids": np.ones((b, t), np.int32), "loss_mask": np.ones((b, t), np.int32)}))
+  with jax.set_mesh(setup.mesh):
+    start = time.perf_counter()
+    step = jax.jit(fn, in_shardings=(setup.state_shardings, setup.batch_sharding, None),
+                   out_shardings=(setup.state_shardings, None), donate_argnums=0).lower(
+                     state, batches[0], None).compile()
+    compile_s = time.perf_counter() - start
+    for i in range(2):
+      state, metrics = step(state, batches[i % 2], None)
+    jax.block_until_ready(metrics)
+    start = time.perf_counter()
+    for i in range(steps):
+      state, metrics = step(state, batches[i % 2], None)
+    jax.block_until_ready(metrics)
+    per_step = (time.perf_counter() - start) / steps
+  mem = step.memory_analysis()
+  return {"compile_s": compile_s, "step_s": per_step, "tokens": b * t, "loss": float(metrics["loss"]),
+          "flops_per_token": accounting.train_flops_per_token(cfg.model, setup.schedule, t),
+          "params": setup.num_params, "dtype": cfg.model.dtype,
+          "temp_gib": None if mem is None else mem.temp_size_in_bytes / 2 ** 30}
+
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--config", type=Path, default=ROOT / "configs/experiments/llama_1b_pod.yaml")
+  ap.add_argument("--schedules", nargs="+", default=["dense", "cla2", "mlkv", "uniattn"], choices=list(SCHEDULES))
+  ap.add_argument("--impls", nargs="+", default=["pallas"], help="attention.impl values to compare")
+  ap.add_argument("--batch", type=int, default=8, help="sequences per step (global)")
+  ap.add_argument("--seq-len", type=int, default=2048)
+  ap.add_argument("--steps", type=int, default=10)
+  ap.add_argument("overrides", nargs="*", help="further config overrides")
+  args = ap.parse_args(argv)
+  device = jax.devices()[0]
+  print(f"{len(jax.devices())} x {device.device_kind} ({device.platform}), jax {jax.__version__}", flush=True)
+  for impl in args.impls:
+    for name in args.schedules:
+      overrides = SCHEDULES[name] + [f"attention.impl={impl}", f"train.batch_size={args.batch}",
+                                     f"data.seq_len={args.seq_len}", "mesh.fsdp=-1", "train.grad_accum_steps=1"]
+      try:
+        r = measure(args.config, overrides + args.overrides, args.steps)
+      except Exception as e:  # one schedule's failure (memory, a kernel limit) must not hide the others' figures
+        print(f"{name:10s} {impl:8s} FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+        continue
+      tps = r["tokens"] / r["step_s"]
+      peak = resolve_peak(0.0, len(jax.devices()), r["dtype"])
+      mfu = "" if peak is None else f" MFU {100 * r['flops_per_token'] * tps / peak.flops_per_sec:5.1f}%"
+      temp = "" if r["temp_gib"] is None else f" temp {r['temp_gib']:.1f} GiB"
+      print(f"{name:10s} {impl:8s} {r['params'] / 1e9:.2f}B params  compile {r['compile_s']:6.1f} s  "
+            f"{1e3 * r['step_s']:8.1f} ms/step  {tps:10,.0f} tok/s{mfu}{temp}  loss {r['loss']:.3f}", flush=True)
+  return 0
+
+
+if __name__ == "__main__":
+  raise SystemExit(main())
