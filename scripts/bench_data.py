@@ -228,13 +228,16 @@ def main() -> None:
     tmp = Path(d)
     if "prepare" not in args.skip:
       print(f"## Preparation: {args.size_mb:g} MB of Tiny Shakespeare documents (peer: nanoGPT-style pool + memmap)")
-      print("| tokenizer | workers | ours MB/s | ours Mtok/s | peer MB/s | speed ratio | ours RSS main / worker MB "
-            "| peer RSS main / worker MB |")
-      print("|---|---|---|---|---|---|---|---|")
+      print("| tokenizer | workers | ours MB/s | ours Mtok/s | peer MB/s | speed ratio | vs the peer's 1-worker speed "
+            "| ours RSS main / worker MB | peer RSS main / worker MB |")
+      print("|---|---|---|---|---|---|---|---|---|")
+      peer_one = {}  # the peer's per-worker speed: its 1-worker time, per tokenizer (measured first)
       for r in bench_preparation(tmp, args.size_mb, args.workers, args.tokenizers):
         o, q = r["ours"], r["peer"]
+        peer_one.setdefault(r["tokenizer"], q["seconds"])
         print(f"| {r['tokenizer']} | {r['workers']} | {r['mb'] / o['seconds']:.1f} | {o['tokens'] / o['seconds'] / 1e6:.2f} "
-              f"| {r['mb'] / q['seconds']:.1f} | {q['seconds'] / o['seconds']:.2f}x | {o['rss_mb']:.0f} / "
+              f"| {r['mb'] / q['seconds']:.1f} | {q['seconds'] / o['seconds']:.2f}x "
+              f"| {peer_one[r['tokenizer']] / o['seconds']:.2f}x | {o['rss_mb']:.0f} / "
               f"{o['child_rss_mb']:.0f} | {q['rss_mb']:.0f} / {q['child_rss_mb']:.0f} |", flush=True)
     if "startup" not in args.skip:
       print("\n## Start-up of training from prepared data (fresh process; import excluded)")

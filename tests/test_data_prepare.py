@@ -64,8 +64,12 @@ def test_tiny_shakespeare_gives_the_token_streams_tokens_and_split(tmp_path, cor
   assert m.shards[0].utf8_bytes == len(corpus.read_bytes())
 
 
-def test_output_is_the_same_bytes_for_one_and_three_workers(tmp_path, corpus_dir):
-  options = PrepareOptions(separator="\n\n", shard_tokens=20_000, batch_docs=16, val_docs=7)
+@pytest.mark.parametrize("tokenizer", ["byte", "bpe"])
+def test_output_is_the_same_bytes_for_one_and_three_workers(tmp_path, corpus_dir, corpus, tokenizer):
+  """BPE workers encode with the Rust backend alone (no transformers): their ids must be the transformers
+  tokenizer's that one worker uses in-process. Byte-level tokenization stays in-process whatever the count."""
+  spec = "byte" if tokenizer == "byte" else str(write_bpe_tokenizer(tmp_path / "tk", corpus.read_text()[:20000]))
+  options = PrepareOptions(tokenizer=spec, separator="\n\n", shard_tokens=8_000, batch_docs=16, val_docs=7)
   one = prepare([str(corpus_dir)], tmp_path / "one", options, workers=1, progress=False)
   three = prepare([str(corpus_dir)], tmp_path / "three", options, workers=3, progress=False)
   assert len(one.shards) > 3 and files_of(tmp_path / "one") == files_of(tmp_path / "three")
@@ -148,11 +152,11 @@ def test_a_crashed_preparation_resumes_keeping_its_finished_shards(tmp_path, cor
   want = prepare([str(corpus_dir)], tmp_path / "straight", options, progress=False)
   real_write, written = prepare_module.write_shard, []
 
-  def crash_after_three(directory, name, docs, utf8_bytes):
+  def crash_after_three(directory, name, *args):
     if len(written) == 3:
       raise KeyboardInterrupt  # killed while tokenizing the fourth shard
     written.append(name)
-    return real_write(directory, name, docs, utf8_bytes)
+    return real_write(directory, name, *args)
 
   monkeypatch.setattr(prepare_module, "write_shard", crash_after_three)
   with pytest.raises(KeyboardInterrupt):

@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import hashlib
+import itertools
 import json
 import multiprocessing
 import os
@@ -29,7 +30,8 @@ from jaxshare.data.documents import Input, expand_inputs, iter_documents
 from jaxshare.data.errors import DataError
 from jaxshare.data.shards import (FORMAT_VERSION, MANIFEST, Manifest, Shard, read_manifest, read_shard, token_dtype,
                                   write_manifest, write_shard)
-from jaxshare.data.tokenizers import ByteTokenizer, HFTokenizer, Tokenizer, make_tokenizer, tokenizer_fingerprint
+from jaxshare.data.tokenizers import (BackendTokenizer, ByteTokenizer, HFTokenizer, Tokenizer, make_tokenizer,
+                                     tokenizer_fingerprint)
 
 STATE = ".prepare-state.json"
 DEFAULT_SHARD_TOKENS = 1 << 27  # 256 MB of uint16 tokens per shard
@@ -75,37 +77,40 @@ class PrepareOptions:
 _worker_tokenizer: Tokenizer | None = None
 
 
-def _init_worker(spec: str) -> None:
+def _init_worker(tokenizer: tuple[str, int, int] | str) -> None:
+  """A worker's tokenizer: the main process's Rust backend (:meth:`HFTokenizer.backend_args`; no transformers
+  import), or a tokenizer's name."""
   global _worker_tokenizer
   os.environ["RAYON_NUM_THREADS"] = "1"  # one thread per worker (before tokenizers starts its pool): workers are the
-  _worker_tokenizer = make_tokenizer(spec)  # parallelism, and more threads than cores only contend
+  # parallelism, and more threads than cores only contend
+  _worker_tokenizer = make_tokenizer(tokenizer) if isinstance(tokenizer, str) else BackendTokenizer(*tokenizer)
 
 
 def _encode(docs: list[str | DataError], tokenizer: Tokenizer, dtype: np.dtype
-            ) -> tuple[list[np.ndarray | None], list[int]]:
-  """Each document's tokens followed by EOS (in ``dtype``) and its UTF-8 byte count; None and 0 for a skipped bad
-  document (a DataError in its place)."""
-  if isinstance(tokenizer, ByteTokenizer):  # the UTF-8 bytes are the ids: no Python list per byte
-    raw = [d.encode("utf-8") if isinstance(d, str) else None for d in docs]
-    ids = iter(np.frombuffer(r, np.uint8) for r in raw if r is not None)
-    sizes = [0 if r is None else len(r) for r in raw]
+            ) -> tuple[np.ndarray, list[int], list[int]]:
+  """A batch's tokens: every document's tokens followed by EOS, concatenated (in ``dtype``), with each document's
+  token count and UTF-8 byte count (0 and 0 for a skipped bad document, a DataError in its place). One array per
+  batch, not per document: the per-document NumPy calls cost more than byte-level tokenization itself."""
+  texts = [d for d in docs if isinstance(d, str)]
+  if isinstance(tokenizer, ByteTokenizer):  # the UTF-8 bytes are the ids, and EOS is the byte 0
+    raw = [t.encode("utf-8") for t in texts]
+    tokens = np.frombuffer(b"\0".join(raw) + b"\0" if raw else b"", np.uint8).astype(dtype)
+    counts, sizes = iter([len(r) + 1 for r in raw]), iter([len(r) for r in raw])
   else:
-    texts = [d for d in docs if isinstance(d, str)]
-    ids = iter(tokenizer.encode_batch(texts) if isinstance(tokenizer, HFTokenizer) else map(tokenizer.encode, texts))
-    sizes = [len(d.encode("utf-8")) if isinstance(d, str) else 0 for d in docs]
-  encoded = []
+    batched = isinstance(tokenizer, (HFTokenizer, BackendTokenizer))
+    ids = tokenizer.encode_batch(texts) if batched else [tokenizer.encode(t) for t in texts]
+    tokens = np.fromiter(itertools.chain.from_iterable(i + [tokenizer.eos_id] for i in ids), dtype,
+                         sum(len(i) + 1 for i in ids))
+    counts, sizes = iter([len(i) + 1 for i in ids]), iter([len(t.encode("utf-8")) for t in texts])
+  lengths, utf8 = [], []
   for d in docs:
-    if isinstance(d, str):
-      doc = next(ids)
-      tokens = np.empty(len(doc) + 1, dtype)
-      tokens[:-1], tokens[-1] = doc, tokenizer.eos_id
-      encoded.append(tokens)
-    else:
-      encoded.append(None)
-  return encoded, sizes
+    good = isinstance(d, str)
+    lengths.append(next(counts) if good else 0)
+    utf8.append(next(sizes) if good else 0)
+  return tokens, lengths, utf8
 
 
-def _encode_in_worker(args: tuple[list[str | DataError], str]) -> tuple[list[np.ndarray | None], list[int]]:
+def _encode_in_worker(args: tuple[list[str | DataError], str]) -> tuple[np.ndarray, list[int], list[int]]:
   docs, dtype = args
   return _encode(docs, _worker_tokenizer, np.dtype(dtype))
 
@@ -146,16 +151,17 @@ def _batched(docs: Iterable[str | DataError], n: int) -> Iterator[list[str | Dat
 
 
 def _ordered_map(batches: Iterator[list[str | DataError]], dtype: np.dtype, workers: int, tokenizer: Tokenizer,
-                 spec: str) -> Iterator[tuple[list[str | DataError], list[np.ndarray | None], list[int]]]:
-  """``(batch, its tokens, its UTF-8 byte counts)`` in input order, at most ``2 * workers`` batches in flight (memory
+                 spec: str) -> Iterator[tuple[list[str | DataError], np.ndarray, list[int], list[int]]]:
+  """``(batch, its tokens, its documents' token counts, their UTF-8 byte counts)`` in input order, at most ``2 * workers`` batches in flight (memory
   stays bounded). Byte-level tokenization stays in this process: it is a copy, which sending batches to workers and
   tokens back would only slow down (measured by scripts/bench_data.py)."""
   if workers <= 1 or isinstance(tokenizer, ByteTokenizer):
     for b in batches:
       yield b, *_encode(b, tokenizer, dtype)
     return
+  backend = tokenizer.backend_args() if isinstance(tokenizer, HFTokenizer) else None
   ctx = multiprocessing.get_context("spawn")  # no fork of a process that may hold JAX or tokenizer threads
-  with ctx.Pool(workers, initializer=_init_worker, initargs=(spec,)) as pool:
+  with ctx.Pool(workers, initializer=_init_worker, initargs=(backend or spec,)) as pool:
     pending: collections.deque = collections.deque()
     for b in batches:
       pending.append((b, pool.apply_async(_encode_in_worker, ((b, dtype.str),))))
@@ -263,35 +269,42 @@ def prepare(inputs: Sequence[str | Input], out: str | os.PathLike, options: Prep
     next(stream)
   bar = tqdm(desc=f"prepare {out.name}", unit="B", unit_scale=True, disable=not progress, dynamic_ncols=True)
   t0, tokens_done = time.perf_counter(), 0
-  docs: list[np.ndarray] = []
+  pieces: list[np.ndarray] = []  # the open shard's tokens, in pieces of batches
+  lengths: list[int] = []  # its documents' token counts
   shard_bytes = shard_tokens = 0
   consumed, skipped = state.documents, state.skipped
 
   def close_shard() -> None:
-    nonlocal docs, shard_bytes, shard_tokens
-    shard = write_shard(out, f"shard-{len(state.shards):05d}", docs, shard_bytes)
+    nonlocal pieces, lengths, shard_bytes, shard_tokens
+    shard = write_shard(out, f"shard-{len(state.shards):05d}", pieces, lengths, shard_bytes)
     state.shards.append(shard)
     state.documents, state.skipped = consumed, skipped
     state.write(out)
-    docs, shard_bytes, shard_tokens = [], 0, 0
+    pieces, lengths, shard_bytes, shard_tokens = [], [], 0, 0
 
-  for batch, encoded, sizes in _ordered_map(_batched(stream, options.batch_docs), dtype, workers, tokenizer,
-                                            options.tokenizer):
-    for item, toks, size in zip(batch, encoded, sizes):
+  for batch, tokens, counts, sizes in _ordered_map(_batched(stream, options.batch_docs), dtype, workers, tokenizer,
+                                                   options.tokenizer):
+    start = end = 0  # the batch's tokens not yet in a closed shard: tokens[start:end]
+    for item, n, size in zip(batch, counts, sizes):
       consumed += 1
-      if toks is None:
+      if not isinstance(item, str):
         skipped += 1
         tqdm.write(f"skipped: {item}")
         continue
-      docs.append(toks)
+      lengths.append(n)
       shard_bytes += size
-      shard_tokens += len(toks)
+      shard_tokens += n
+      end += n
       if shard_tokens >= options.shard_tokens:
+        pieces.append(tokens[start:end])
         close_shard()
-    tokens_done += sum(len(t) for t in encoded if t is not None)
+        start = end
+    if end > start:
+      pieces.append(tokens[start:end])
+    tokens_done += len(tokens)
     bar.update(sum(sizes))
     bar.set_postfix(tokens_per_s=f"{tokens_done / max(time.perf_counter() - t0, 1e-9):,.0f}", refresh=False)
-  if docs:
+  if lengths:
     close_shard()
   bar.close()
   if not state.shards:

@@ -125,15 +125,18 @@ def _write_atomic(path: epath.Path, data: bytes | memoryview) -> None:
   tmp.replace(path)
 
 
-def write_shard(directory: epath.Path, name: str, documents: list[np.ndarray], utf8_bytes: int) -> Shard:
-  """Write ``documents`` (token arrays in the shard's dtype, each ending with EOS) as shard ``name``."""
-  starts = np.cumsum([0] + [len(d) for d in documents[:-1]], dtype=np.int64)
-  tokens = memoryview(np.concatenate(documents)).cast("B")  # the shard's bytes, not copied again
+def write_shard(directory: epath.Path, name: str, pieces: list[np.ndarray], lengths: list[int],
+                utf8_bytes: int) -> Shard:
+  """Write a shard ``name`` of documents whose tokens (in the shard's dtype, each document ending with EOS) are
+  ``pieces`` concatenated and whose token counts are ``lengths``."""
+  starts = np.cumsum([0] + lengths[:-1], dtype=np.int64)
+  tokens = memoryview(np.concatenate(pieces)).cast("B")  # the shard's bytes, not copied again
+  if len(tokens) != sum(lengths) * pieces[0].itemsize:
+    raise ValueError(f"shard {name}: {len(tokens)} token bytes for documents of {sum(lengths)} tokens")
   docs = starts.astype("<i8").tobytes()
   _write_atomic(directory / f"{name}{DOCS}", docs)
   _write_atomic(directory / f"{name}{TOKENS}", tokens)
-  return Shard(name, sum(len(d) for d in documents), len(documents), utf8_bytes, chunk_digests(tokens),
-               hashlib.sha256(docs).hexdigest())
+  return Shard(name, sum(lengths), len(lengths), utf8_bytes, chunk_digests(tokens), hashlib.sha256(docs).hexdigest())
 
 
 def write_manifest(directory: epath.Path, manifest: Manifest) -> None:
