@@ -24,6 +24,8 @@ def cpu_env(devices: int, optimized: bool = False) -> dict[str, str]:
 
 
 os.environ.update(cpu_env(8))
+# What jaxshare caches (tokenizer backends) goes to a directory of this run, not the user's ~/.cache.
+os.environ["JAXSHARE_CACHE_DIR"] = __import__("tempfile").mkdtemp(prefix="jaxshare-test-cache-")
 import functools  # noqa: E402
 import json  # noqa: E402
 from pathlib import Path  # noqa: E402

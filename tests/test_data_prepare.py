@@ -4,6 +4,8 @@ bad input named (or skipped and counted), and corrupt, truncated or missing shar
 
 import gzip
 import json
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -74,6 +76,38 @@ def test_output_is_the_same_bytes_for_one_and_three_workers(tmp_path, corpus_dir
   three = prepare([str(corpus_dir)], tmp_path / "three", options, workers=3, progress=False)
   assert len(one.shards) > 3 and files_of(tmp_path / "one") == files_of(tmp_path / "three")
   assert three == one
+
+
+_PREPARE_AND_REPORT = """
+import sys
+from jaxshare.data.prepare import PrepareOptions, prepare
+prepare([sys.argv[1]], sys.argv[2], PrepareOptions(tokenizer=sys.argv[3], separator="\\n\\n", val_fraction=0.1),
+        workers=int(sys.argv[4]), progress=False)
+print("transformers" in sys.modules)
+"""
+
+
+def test_a_tokenizer_prepared_with_once_is_not_loaded_through_transformers_again(tmp_path, corpus, monkeypatch):
+  """The first preparation with a tokenizer caches its Rust backend; later ones (here in fresh processes, in-process
+  and with workers) import neither transformers nor torch and write the same bytes; a damaged entry is rebuilt."""
+  monkeypatch.setenv("JAXSHARE_CACHE_DIR", str(tmp_path / "cache"))
+  spec = str(write_bpe_tokenizer(tmp_path / "tk", corpus.read_text()[:20000]))
+  text = tmp_path / "text.txt"
+  text.write_text(corpus.read_text()[:200_000])
+
+  def run(out: str, workers: int) -> bool:
+    proc = subprocess.run([sys.executable, "-c", _PREPARE_AND_REPORT, str(text), str(tmp_path / out), spec,
+                           str(workers)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout.split()[-1] == "True"
+
+  assert run("cold", 1)  # the first use loads through transformers, and caches
+  [entry] = (tmp_path / "cache" / "tokenizers").iterdir()
+  assert not run("warm", 1) and not run("workers", 2)
+  entry.write_text("{not json")
+  assert run("rebuilt", 1) and json.loads(entry.read_text())["eos_id"] == HFTokenizer(spec).eos_id
+  for out in ("warm", "workers", "rebuilt"):
+    assert files_of(tmp_path / out) == files_of(tmp_path / "cold"), out
 
 
 def test_every_input_is_read_in_order_with_document_boundaries(tmp_path, corpus_dir):

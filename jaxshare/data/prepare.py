@@ -30,8 +30,8 @@ from jaxshare.data.documents import Input, expand_inputs, iter_documents
 from jaxshare.data.errors import DataError
 from jaxshare.data.shards import (FORMAT_VERSION, MANIFEST, Manifest, Shard, read_manifest, read_shard, token_dtype,
                                   write_manifest, write_shard)
-from jaxshare.data.tokenizers import (BackendTokenizer, ByteTokenizer, HFTokenizer, Tokenizer, make_tokenizer,
-                                     tokenizer_fingerprint)
+from jaxshare.data.tokenizers import (BackendTokenizer, ByteTokenizer, HFTokenizer, Tokenizer, encoding_tokenizer,
+                                     make_tokenizer, tokenizer_fingerprint)
 
 STATE = ".prepare-state.json"
 DEFAULT_SHARD_TOKENS = 1 << 27  # 256 MB of uint16 tokens per shard
@@ -159,7 +159,8 @@ def _ordered_map(batches: Iterator[list[str | DataError]], dtype: np.dtype, work
     for b in batches:
       yield b, *_encode(b, tokenizer, dtype)
     return
-  backend = tokenizer.backend_args() if isinstance(tokenizer, HFTokenizer) else None
+  backend = (tokenizer.backend_args() if isinstance(tokenizer, HFTokenizer)
+             else tokenizer.args if isinstance(tokenizer, BackendTokenizer) else None)
   ctx = multiprocessing.get_context("spawn")  # no fork of a process that may hold JAX or tokenizer threads
   with ctx.Pool(workers, initializer=_init_worker, initargs=(backend or spec,)) as pool:
     pending: collections.deque = collections.deque()
@@ -255,7 +256,7 @@ def prepare(inputs: Sequence[str | Input], out: str | os.PathLike, options: Prep
     raise DataError(f"{out} holds a finished preparation of other inputs or options: choose another --out or "
                     "delete it")
   out.mkdir(parents=True, exist_ok=True)
-  tokenizer = make_tokenizer(options.tokenizer)
+  tokenizer = encoding_tokenizer(options.tokenizer, tok_fingerprint)
   dtype = token_dtype(tokenizer.vocab_size)
   state = _State.read(out, fingerprint)
 

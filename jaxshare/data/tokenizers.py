@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import json
+import os
 from pathlib import Path
 from typing import Protocol, Sequence
 
@@ -67,6 +69,11 @@ class HFTokenizer:
       return self._tok(texts, add_special_tokens=False)["input_ids"]
     return _encode_batch(backend, texts)
 
+  def cleans_up_spaces(self) -> bool:
+    """Whether :meth:`decode` removes spaces that the Rust backend's decoder keeps (transformers'
+    ``clean_up_tokenization_spaces``)."""
+    return bool(getattr(self._tok, "clean_up_tokenization_spaces", False))
+
   def backend_args(self) -> tuple[str, int, int] | None:
     """``BackendTokenizer(*args)``: the Rust tokenizer alone, as transformers configured it, for processes that only
     encode (None: a slow tokenizer, which has no Rust backend)."""
@@ -90,6 +97,7 @@ class BackendTokenizer:
   def __init__(self, backend_json: str, vocab_size: int, eos_id: int):
     from tokenizers import Tokenizer as RustTokenizer
 
+    self.args = (backend_json, vocab_size, eos_id)  # what rebuilds it in another process
     self.vocab_size, self.eos_id = vocab_size, eos_id
     self._backend = RustTokenizer.from_str(backend_json)
 
@@ -101,7 +109,51 @@ class BackendTokenizer:
     return _encode_batch(self._backend, texts)
 
   def decode(self, ids: Sequence[int] | np.ndarray) -> str:
-    return self._backend.decode([int(i) for i in ids])
+    """As transformers decodes without clean-up (:func:`encoding_tokenizer` caches no tokenizer that cleans up)."""
+    return self._backend.decode([int(i) for i in ids], skip_special_tokens=False)
+
+
+def cache_dir() -> Path:
+  """Where jaxshare keeps what it can rebuild: ``$JAXSHARE_CACHE_DIR``, else ``$XDG_CACHE_HOME/jaxshare``, else
+  ``~/.cache/jaxshare``."""
+  root = os.environ.get("JAXSHARE_CACHE_DIR")
+  return Path(root) if root else Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "jaxshare"
+
+
+def encoding_tokenizer(spec: str, fingerprint: str) -> Tokenizer:
+  """The tokenizer a preparation encodes and decodes with: bytes; or a Hugging Face directory's Rust backend as
+  transformers configures it, kept in :func:`cache_dir` under the directory's ``fingerprint``
+  (:func:`tokenizer_fingerprint`) and the transformers version, so that later preparations with this tokenizer
+  skip importing transformers and torch (~4 s). The first use, a slow tokenizer, or one whose decoding cleans up
+  spaces (which the backend alone does not) load through transformers (:class:`HFTokenizer`).
+
+  Raises:
+    DataError: as :class:`HFTokenizer`.
+  """
+  if spec == "byte":
+    return ByteTokenizer()
+  try:
+    version = importlib.metadata.version("transformers")
+  except importlib.metadata.PackageNotFoundError:
+    version = None  # HFTokenizer names the missing package
+  path = cache_dir() / "tokenizers" / f"{fingerprint}-transformers-{version}.json"
+  if version is not None and path.is_file():
+    try:
+      entry = json.loads(path.read_text())
+      return BackendTokenizer(entry["backend"], entry["vocab_size"], entry["eos_id"])
+    except Exception:  # an unreadable or damaged entry: rebuilt from the directory below
+      pass
+  tokenizer = HFTokenizer(spec)
+  args = tokenizer.backend_args()
+  if args is not None and version is not None and not tokenizer.cleans_up_spaces():
+    try:
+      path.parent.mkdir(parents=True, exist_ok=True)
+      tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+      tmp.write_text(json.dumps({"backend": args[0], "vocab_size": args[1], "eos_id": args[2]}))
+      tmp.replace(path)
+    except OSError:  # a read-only home: every preparation loads through transformers
+      pass
+  return tokenizer
 
 
 def make_tokenizer(spec: DataConfig | str) -> Tokenizer:
