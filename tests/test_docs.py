@@ -38,6 +38,8 @@ COMMAND_TESTS = {
   "scripts/bench_loop.py": [("tests/test_scripts.py", _IMPORTED)],
   "scripts/bench_compile.py": [("tests/test_scripts.py", _IMPORTED)],
   "scripts/bench_attention.py": [("tests/test_scripts.py", _IMPORTED)],
+  "scripts/bench_mfu.py": [("tests/test_scripts.py", "bench_mfu.main")],
+  "scripts/tune_attention.py": [("tests/test_scripts.py", "tune_attention.main")],
   "scripts/bench_decode.py": [("tests/test_scripts.py", _IMPORTED)],
   "scripts/bench_convert.py": [("tests/test_scripts.py", _IMPORTED)],
   "scripts/bench_data.py": [("tests/test_scripts.py", "scripts/bench_data.py")],

@@ -44,3 +44,15 @@ def test_mfu_benchmark_measures_every_schedule(capsys):
   assert "FAILED ScheduleError" in rows["uniattn"]  # the 1B superblock placement does not fit 4 layers
   assert "tok/s" in rows["dense"] and "MFU" in rows["dense"], rows
   assert 0 < float(rows["dense"].split("loss")[1]) < 10, rows
+
+
+def test_attention_tuning_sweeps_and_names_the_best_launch(capsys):
+  """scripts/tune_attention.py without a GPU: the tile sweep in interpret mode against XLA attention, a timing line
+  per configuration and the best per phase (the GPU figures it produced are in docs/gpu.md)."""
+  sys.path.insert(0, str(REPO / "scripts"))
+  import tune_attention
+  tune_attention.main(["--lengths", "64", "--widths", "32", "--blocks", "32", "64", "--warps", "4", "--stages", "2",
+                       "--batch", "1", "--heads", "2", "--repeats", "1"])
+  out = capsys.readouterr().out
+  assert len([ln for ln in out.splitlines() if ln.strip().startswith("bq=")]) == 4, out
+  assert "best forward: bq=" in out and "x xla" in out, out
