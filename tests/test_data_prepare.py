@@ -110,6 +110,15 @@ def test_a_tokenizer_prepared_with_once_is_not_loaded_through_transformers_again
     assert files_of(tmp_path / out) == files_of(tmp_path / "cold"), out
 
 
+def test_an_unusable_tokenizer_cache_only_costs_the_transformers_load(tmp_path, corpus, monkeypatch):
+  """A cache directory that cannot be created (here a file is in its place) leaves preparation as it was."""
+  (tmp_path / "not-a-dir").write_text("")
+  monkeypatch.setenv("JAXSHARE_CACHE_DIR", str(tmp_path / "not-a-dir"))
+  spec = str(write_bpe_tokenizer(tmp_path / "tk", corpus.read_text()[:20000]))
+  m = prepare([str(corpus)], tmp_path / "out", PrepareOptions(tokenizer=spec, val_docs=0), progress=False)
+  assert m.num_tokens == len(HFTokenizer(spec).encode(corpus.read_text())) + 1
+
+
 def test_every_input_is_read_in_order_with_document_boundaries(tmp_path, corpus_dir):
   m = prepare([str(corpus_dir)], tmp_path / "out", PrepareOptions(separator="\n\n", shard_tokens=20_000, val_docs=7),
               progress=False)

@@ -134,14 +134,14 @@ def encoding_tokenizer(spec: str, fingerprint: str) -> Tokenizer:
     return ByteTokenizer()
   try:
     version = importlib.metadata.version("transformers")
-  except importlib.metadata.PackageNotFoundError:
-    version = None  # HFTokenizer names the missing package
-  path = cache_dir() / "tokenizers" / f"{fingerprint}-transformers-{version}.json"
-  if version is not None and path.is_file():
+    path = cache_dir() / "tokenizers" / f"{fingerprint}-transformers-{version}.json"
+  except (importlib.metadata.PackageNotFoundError, RuntimeError):  # no transformers (HFTokenizer names it), no home
+    version = None
+  if version is not None:
     try:
       entry = json.loads(path.read_text())
       return BackendTokenizer(entry["backend"], entry["vocab_size"], entry["eos_id"])
-    except Exception:  # an unreadable or damaged entry: rebuilt from the directory below
+    except Exception:  # no entry yet, or an unreadable or damaged one: (re)built from the directory below
       pass
   tokenizer = HFTokenizer(spec)
   args = tokenizer.backend_args()
