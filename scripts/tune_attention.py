@@ -77,8 +77,9 @@ def main(argv=None) -> int:
               flush=True)
         continue
       rows.append((tf, tb - tf, bq, bk, warps, stages))
-      print(f"  bq={bq:3d} bk={bk:3d} warps={warps} stages={stages}: fwd {1e3 * tf:8.3f} ms ({ref_f / tf:.2f}x {baseline_name})"
-            f"  bwd {1e3 * (tb - tf):8.3f} ms ({(ref_b - ref_f) / (tb - tf):.2f}x {baseline_name})", flush=True)
+      print(f"  bq={bq:3d} bk={bk:3d} warps={warps} stages={stages}: fwd {1e3 * tf:8.3f} ms "
+            f"({ref_f / tf:.2f}x {baseline_name})  bwd {1e3 * (tb - tf):8.3f} ms "
+            f"({(ref_b - ref_f) / (tb - tf):.2f}x {baseline_name})", flush=True)
     if rows:
       best_f, best_b = min(rows), min(rows, key=lambda r: r[1])
       print(f"T={t} d={d} best forward: bq={best_f[2]} bk={best_f[3]} warps={best_f[4]} stages={best_f[5]} "

@@ -152,9 +152,9 @@ def _batched(docs: Iterable[str | DataError], n: int) -> Iterator[list[str | Dat
 
 def _ordered_map(batches: Iterator[list[str | DataError]], dtype: np.dtype, workers: int, tokenizer: Tokenizer,
                  spec: str) -> Iterator[tuple[list[str | DataError], np.ndarray, list[int], list[int]]]:
-  """``(batch, its tokens, its documents' token counts, their UTF-8 byte counts)`` in input order, at most ``2 * workers`` batches in flight (memory
-  stays bounded). Byte-level tokenization stays in this process: it is a copy, which sending batches to workers and
-  tokens back would only slow down (measured by scripts/bench_data.py)."""
+  """``(batch, its tokens, its documents' token counts, their UTF-8 byte counts)`` in input order, at most
+  ``2 * workers`` batches in flight (memory stays bounded). Byte-level tokenization stays in this process: it is a
+  copy, which sending batches to workers and tokens back would only slow down (measured by scripts/bench_data.py)."""
   if workers <= 1 or isinstance(tokenizer, ByteTokenizer):
     for b in batches:
       yield b, *_encode(b, tokenizer, dtype)

@@ -107,20 +107,21 @@ def triton_launch(name: str, width: int) -> tuple[int, int]:
 
 
 def _platform(backend: str, name: str, width: int) -> dict:
-  """``pallas_call`` keywords for kernel ``name`` (head width ``width``) on a backend. Triton is named explicitly:
+  """``pallas_call`` keywords (the name included) for kernel ``name`` at head width ``width`` on a backend. Triton is
+  named explicitly:
   jax's GPU default is Mosaic GPU, whose kernels keep whole K/V blocks in shared memory. Every grid axis of these
   kernels is independent (the sequential axis is the loop inside), so Mosaic may split all of them across
   TensorCores."""
   if backend == "interpret":
-    return {"interpret": True}
+    return {"interpret": True, "name": name}
   if backend == "triton":
     from jax.experimental.pallas import triton as pltriton
     num_warps, num_stages = triton_launch(name, width)
-    return {"compiler_params": pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)}
+    return {"compiler_params": pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages), "name": name}
   if backend == "mosaic_tpu":
     from jax.experimental.pallas import tpu as pltpu
     return {"compiler_params": pltpu.CompilerParams(dimension_semantics=("parallel",) * 3,
-                                                   vmem_limit_bytes=_VMEM_LIMIT)}
+                                                   vmem_limit_bytes=_VMEM_LIMIT), "name": name}
   raise ValueError(f"Pallas backend {backend!r} is invalid: must be one of {BACKENDS}")
 
 
@@ -331,7 +332,7 @@ def _forward(q, k, v, q_seg, k_seg, lse_in, geo: Geometry, backend: str):
     functools.partial(_forward_kernel, geo=geo, reuse=reuse), out_shape=out_shape,
     grid=(b, h, tp // geo.block_q),
     in_specs=[spec["q"], spec["k"], spec["v"], spec["q_seg"], spec["k_seg"]] + ([spec["row"]] if reuse else []),
-    out_specs=out_specs, **_platform(backend, "jaxshare_flash_forward", max(q.shape[3], v.shape[3])), name="jaxshare_flash_forward",
+    out_specs=out_specs, **_platform(backend, "jaxshare_flash_forward", max(q.shape[3], v.shape[3])),
   )(q, k, v, q_seg, k_seg, *([lse_in] if reuse else []))
   return outs[0] if reuse else (outs[0], outs[1])
 
@@ -347,7 +348,7 @@ def _backward(q, k, v, q_seg, k_seg, lse, delta, do, geo: Geometry, backend: str
     grid=(b, h, tp // geo.block_q),
     in_specs=[spec["q"], spec["k"], spec["v"], spec["q_seg"], spec["k_seg"], spec["row"], spec["row"],
               spec["o"]],
-    out_specs=spec["q"], **_platform(backend, "jaxshare_flash_dq", max(q.shape[3], v.shape[3])), name="jaxshare_flash_dq",
+    out_specs=spec["q"], **_platform(backend, "jaxshare_flash_dq", max(q.shape[3], v.shape[3])),
   )(q, k, v, q_seg, k_seg, lse, delta, do)
   # The dK/dV grid (B, G, S/bk): a K/V head's block against the whole query sequence of its H/G query heads; row
   # statistics and query segment ids as lane-dense rows, key segment ids as a column.
@@ -360,7 +361,7 @@ def _backward(q, k, v, q_seg, k_seg, lse, delta, do, geo: Geometry, backend: str
     in_specs=[heads(tp, e), keys(e), keys(v.shape[3]), pl.BlockSpec((None, 1, tp), lambda b_, g_, j: (b_, 0, 0)),
               pl.BlockSpec((None, bk, 1), lambda b_, g_, j: (b_, j, 0)), heads(1, tp), heads(1, tp),
               heads(tp, v.shape[3])],
-    out_specs=[keys(e), keys(v.shape[3])], **_platform(backend, "jaxshare_flash_dkv", max(q.shape[3], v.shape[3])), name="jaxshare_flash_dkv",
+    out_specs=[keys(e), keys(v.shape[3])], **_platform(backend, "jaxshare_flash_dkv", max(q.shape[3], v.shape[3])),
   )(q, k, v, q_seg.reshape(b, 1, tp), k_seg.reshape(b, sp, 1), lse.reshape(b, h, 1, tp),
     delta.reshape(b, h, 1, tp), do)
   return dq, dk, dv

@@ -107,7 +107,7 @@ def cache_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *
                pl.BlockSpec((None, None, None, padded_rows, 1), lambda i, j, c: (i, j, c, 0, 0)),
                pl.BlockSpec((None, None, None, padded_rows, 1), lambda i, j, c: (i, j, c, 0, 0))],
     out_shape=[jax.ShapeDtypeStruct((b, g, splits, padded_rows, d), jnp.float32), stats, stats],
-    **_platform(backend, "jaxshare_flash_decode", d), name="jaxshare_flash_decode",
+    **_platform(backend, "jaxshare_flash_decode", d),
   )(qg, k, v, mask.astype(jnp.int32))
   o, m, l = o[..., :rows, :], m[..., :rows, 0], l[..., :rows, 0]  # [B, G, splits, M, (d)]
   # Merge the splits: weights exp(m_j - max m) · l_j; an all-masked split has l_j = 0 and adds nothing.
