@@ -62,7 +62,8 @@ def implementations(backend: str) -> dict:
   return impls
 
 
-def _time(fn, args, repeats) -> float:
+def time_call(fn, args, repeats) -> float:
+  """Seconds per call of ``fn(*args)``, the mean of ``repeats`` back-to-back calls after one warm-up call."""
   out = fn(*args)
   jax.block_until_ready(out)
   start = time.perf_counter()
@@ -92,7 +93,7 @@ def bench(args, backend: str) -> None:
           fwd = jax.jit(loss)
           bwd = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
           try:
-            tf, tb = _time(fwd, inputs, args.repeats), _time(bwd, inputs, args.repeats)
+            tf, tb = time_call(fwd, inputs, args.repeats), time_call(bwd, inputs, args.repeats)
           except Exception as e:  # an implementation that cannot run this shape (memory, cuDNN limits)
             print(f"T={t} d={d} {impl_name} {role}: {type(e).__name__}: {str(e)[:120]}")
             continue

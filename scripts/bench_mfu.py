@@ -28,9 +28,10 @@ import numpy as np
 from jaxshare import accounting
 from jaxshare.config import load_config
 from jaxshare.parallel import shard_batch
+from jaxshare.train.loop import jit_train_step
 from jaxshare.train.metrics import resolve_peak
 from jaxshare.train.state import init_state, setup_training
-from jaxshare.train.step import Objective, make_train_step
+from jaxshare.train.step import Objective
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -48,7 +49,6 @@ def measure(config: Path, overrides: list[str], steps: int) -> dict:
   cfg = load_config(config, overrides)
   setup = setup_training(cfg)
   state = init_state(setup)
-  fn = make_train_step(setup.graphdef, setup.tx, setup.lr_schedule, cfg.train.grad_accum_steps, Objective())
   b, t = cfg.train.batch_size, cfg.data.seq_len
   rng = np.random.default_rng(0)
   batches = []
@@ -59,9 +59,7 @@ def measure(config: Path, overrides: list[str], steps: int) -> dict:
       "segment_ids": np.ones((b, t), np.int32), "loss_mask": np.ones((b, t), np.int32)}))
   with jax.set_mesh(setup.mesh):
     start = time.perf_counter()
-    step = jax.jit(fn, in_shardings=(setup.state_shardings, setup.batch_sharding, None),
-                   out_shardings=(setup.state_shardings, None), donate_argnums=0).lower(
-                     state, batches[0], None).compile()
+    step = jit_train_step(setup, Objective(), None).lower(state, batches[0], None).compile()
     compile_s = time.perf_counter() - start
     for i in range(2):
       state, metrics = step(state, batches[i % 2], None)

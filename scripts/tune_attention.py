@@ -16,21 +16,12 @@ from __future__ import annotations
 import argparse
 import functools
 import itertools
-import time
 
 import jax
 import jax.numpy as jnp
 
+from bench_attention import time_call  # scripts/ is on the path of a script run from it
 from jaxshare.kernels import flash, xla
-
-
-def _time(fn, args, repeats: int) -> float:
-  jax.block_until_ready(fn(*args))
-  start = time.perf_counter()
-  for _ in range(repeats):
-    out = fn(*args)
-  jax.block_until_ready(out)
-  return (time.perf_counter() - start) / repeats
 
 
 def _losses(attention):
@@ -63,7 +54,7 @@ def main(argv=None) -> int:
     qkv = [jax.random.normal(key, (args.batch, t, args.heads, d), jnp.bfloat16) for key in keys]
     seg = jnp.ones((args.batch, t), jnp.int32)
     ref = _losses(baseline)
-    ref_f, ref_b = _time(ref[0], (*qkv, seg), args.repeats), _time(ref[1], (*qkv, seg), args.repeats)
+    ref_f, ref_b = time_call(ref[0], (*qkv, seg), args.repeats), time_call(ref[1], (*qkv, seg), args.repeats)
     print(f"T={t} d={d} {baseline_name}: fwd {1e3 * ref_f:.3f} ms, bwd {1e3 * (ref_b - ref_f):.3f} ms", flush=True)
     rows = []
     for bq, bk, warps, stages in itertools.product(args.blocks, args.blocks, args.warps, args.stages):
@@ -71,7 +62,7 @@ def main(argv=None) -> int:
         flash.TRITON_LAUNCH[name] = (warps, stages)
       fwd, grad = _losses(functools.partial(flash.attention, backend=backend, block_q=bq, block_k=bk))
       try:
-        tf, tb = _time(fwd, (*qkv, seg), args.repeats), _time(grad, (*qkv, seg), args.repeats)
+        tf, tb = time_call(fwd, (*qkv, seg), args.repeats), time_call(grad, (*qkv, seg), args.repeats)
       except Exception as e:  # a launch that does not fit the chip: report and go on
         print(f"  bq={bq:3d} bk={bk:3d} warps={warps} stages={stages}: {type(e).__name__}: {str(e)[:150]}",
               flush=True)

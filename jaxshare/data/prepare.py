@@ -159,8 +159,7 @@ def _ordered_map(batches: Iterator[list[str | DataError]], dtype: np.dtype, work
     for b in batches:
       yield b, *_encode(b, tokenizer, dtype)
     return
-  backend = (tokenizer.backend_args() if isinstance(tokenizer, HFTokenizer)
-             else tokenizer.args if isinstance(tokenizer, BackendTokenizer) else None)
+  backend = tokenizer.backend_args() if isinstance(tokenizer, (HFTokenizer, BackendTokenizer)) else None
   ctx = multiprocessing.get_context("spawn")  # no fork of a process that may hold JAX or tokenizer threads
   with ctx.Pool(workers, initializer=_init_worker, initargs=(backend or spec,)) as pool:
     pending: collections.deque = collections.deque()

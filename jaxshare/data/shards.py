@@ -119,7 +119,9 @@ def chunk_digests(data: bytes | memoryview) -> tuple[str, ...]:
   return tuple(chunk_digest(data[i:i + CHUNK_BYTES]) for i in range(0, max(len(data), 1), CHUNK_BYTES))
 
 
-def _write_atomic(path: epath.Path, data: bytes | memoryview) -> None:
+def write_atomic(path: epath.Path | os.PathLike, data: bytes | memoryview) -> None:
+  """Write ``data`` to ``path`` under a temporary name, then rename it: a file that exists is whole."""
+  path = epath.Path(path)
   tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
   tmp.write_bytes(data)
   tmp.replace(path)
@@ -134,13 +136,13 @@ def write_shard(directory: epath.Path, name: str, pieces: list[np.ndarray], leng
   if len(tokens) != sum(lengths) * pieces[0].itemsize:
     raise ValueError(f"shard {name}: {len(tokens)} token bytes for documents of {sum(lengths)} tokens")
   docs = starts.astype("<i8").tobytes()
-  _write_atomic(directory / f"{name}{DOCS}", docs)
-  _write_atomic(directory / f"{name}{TOKENS}", tokens)
+  write_atomic(directory / f"{name}{DOCS}", docs)
+  write_atomic(directory / f"{name}{TOKENS}", tokens)
   return Shard(name, sum(lengths), len(lengths), utf8_bytes, chunk_digests(tokens), hashlib.sha256(docs).hexdigest())
 
 
 def write_manifest(directory: epath.Path, manifest: Manifest) -> None:
-  _write_atomic(directory / MANIFEST, manifest.to_json().encode())
+  write_atomic(directory / MANIFEST, manifest.to_json().encode())
 
 
 def read_manifest(directory: str | os.PathLike) -> Manifest:

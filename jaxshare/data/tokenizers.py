@@ -13,6 +13,7 @@ import numpy as np
 
 from jaxshare.config import DataConfig
 from jaxshare.data.errors import DataError
+from jaxshare.data.shards import write_atomic
 
 
 class Tokenizer(Protocol):
@@ -97,9 +98,13 @@ class BackendTokenizer:
   def __init__(self, backend_json: str, vocab_size: int, eos_id: int):
     from tokenizers import Tokenizer as RustTokenizer
 
-    self.args = (backend_json, vocab_size, eos_id)  # what rebuilds it in another process
+    self._args = (backend_json, vocab_size, eos_id)
     self.vocab_size, self.eos_id = vocab_size, eos_id
     self._backend = RustTokenizer.from_str(backend_json)
+
+  def backend_args(self) -> tuple[str, int, int]:
+    """What rebuilds this tokenizer in another process: ``BackendTokenizer(*args)``."""
+    return self._args
 
   def encode(self, text: str) -> list[int]:
     return self._backend.encode(text, add_special_tokens=False).ids
@@ -148,9 +153,7 @@ def encoding_tokenizer(spec: str, fingerprint: str) -> Tokenizer:
   if args is not None and version is not None and not tokenizer.cleans_up_spaces():
     try:
       path.parent.mkdir(parents=True, exist_ok=True)
-      tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-      tmp.write_text(json.dumps({"backend": args[0], "vocab_size": args[1], "eos_id": args[2]}))
-      tmp.replace(path)
+      write_atomic(path, json.dumps(dict(zip(("backend", "vocab_size", "eos_id"), args))).encode())
     except OSError:  # a read-only home: every preparation loads through transformers
       pass
   return tokenizer
