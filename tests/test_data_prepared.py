@@ -75,7 +75,7 @@ def test_windows_across_shards_equal_the_in_memory_streams(tmp_path, corpus):
 
 def assert_rows_split_by_process_and_resume_exactly(cfg: DataConfig) -> None:
   """Two processes' rows of each global batch of 8 make up one process's batch; an iterator restored from the state
-  after 3 batches gives the next 2."""
+  after 3 batches gives the next 2, also when the run resumes on two processes."""
   whole = take(Datasets(cfg, 8, process_index=0, process_count=1).train_iter(), 3)
   halves = [take(Datasets(cfg, 8, process_index=i, process_count=2).train_iter(), 3) for i in range(2)]
   for n, batch in enumerate(whole):
@@ -86,6 +86,13 @@ def assert_rows_split_by_process_and_resume_exactly(cfg: DataConfig) -> None:
   again = Datasets(cfg, 8).train_iter()
   again.set_state(state)
   assert_batches_equal(take(again, 2), rest)
+  on_two = []
+  for i in range(2):
+    half = Datasets(cfg, 8, process_index=i, process_count=2).train_iter()
+    half.set_state(state)
+    on_two.append(take(half, 2))
+  for n, batch in enumerate(rest):
+    np.testing.assert_array_equal(np.concatenate([on_two[0][n]["inputs"], on_two[1][n]["inputs"]]), batch["inputs"])
 
 
 def test_two_processes_read_disjoint_rows_of_the_global_batch_and_resume_exactly(prepared_shakespeare):
