@@ -8,19 +8,34 @@ import os
 # thread: a tiny train step compiles in ~0.9 s instead of ~6 s. The programs mean the same; `make train`, the
 # benchmarks and the ahead-of-time memory reports (OPTIMIZED_ENV) compile as production does.
 #
-# XLA's persistent compilation cache is not used: in jax 0.10.2, deserialising a CPU executable from it crashed a
-# test worker (SIGSEGV in compilation_cache.get_executable_and_time) once in each of two full runs, and it saved
-# ~10% of a trained run's entry-point test.
+# XLA's persistent compilation cache is shared by every test process and the train.py children they start, and kept
+# between runs (XLA_CACHE below): a program compiled once by any earlier test or run is read back instead of compiled
+# again. Its key is the program's HLO, the compile options, the XLA flags and the jax/jaxlib versions, so an entry
+# can only answer for the identical program: a change to the code or to the flags misses. A size limit turns on the
+# cache's file lock (no process reads an entry another is writing) and evicts the least recently used entries.
+# Production-compiled children (OPTIMIZED_ENV) do not use it: the one crash seen with the cache (a SIGSEGV while
+# deserialising a CPU executable, jax 0.10.2) was under XLA:CPU's default parallel codegen, whose many object files
+# are linked recursively on load (as in uwplasma/vmex#142); the suite's one-module compiles have not crashed.
 FAST_COMPILE_FLAGS = ("--xla_cpu_use_fusion_emitters=false --xla_cpu_use_xnnpack=false "
                       "--xla_cpu_parallel_codegen_split_count=1")
 
 
+# The suite's own directory for XLA's persistent cache (JAXSHARE_TEST_XLA_CACHE overrides it).
+XLA_CACHE = os.environ.get("JAXSHARE_TEST_XLA_CACHE") or os.path.join(
+  os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "jaxshare-tests", "xla")
+_XLA_CACHE_ENV = {"JAX_COMPILATION_CACHE_DIR": XLA_CACHE, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+                  "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0", "JAX_COMPILATION_CACHE_MAX_SIZE": str(2 << 30)}
+
+
 def cpu_env(devices: int, optimized: bool = False) -> dict[str, str]:
-  """The environment of a child JAX process on ``devices`` fake CPU devices: compiling fast as the tests do, or as
-  production does (``optimized``)."""
+  """The environment of a child JAX process on ``devices`` fake CPU devices: compiling fast as the tests do (sharing
+  the suite's persistent compilation cache), or as production does (``optimized``, no cache)."""
   flags = f"--xla_force_host_platform_device_count={devices}"
-  return {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": flags if optimized else f"{FAST_COMPILE_FLAGS} {flags}",
-          "JAX_DISABLE_MOST_OPTIMIZATIONS": "0" if optimized else "1"}
+  env = {k: v for k, v in os.environ.items() if k not in _XLA_CACHE_ENV}
+  if optimized:
+    return {**env, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": flags, "JAX_DISABLE_MOST_OPTIMIZATIONS": "0"}
+  return {**env, **_XLA_CACHE_ENV, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"{FAST_COMPILE_FLAGS} {flags}",
+          "JAX_DISABLE_MOST_OPTIMIZATIONS": "1"}
 
 
 os.environ.update(cpu_env(8))
