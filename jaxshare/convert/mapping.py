@@ -27,7 +27,7 @@ class UnsupportedModelError(ValueError):
 @dataclasses.dataclass(frozen=True)
 class Dims:
   """Model dimensions the rules reshape with: D model width, H query heads, G K/V heads, d head width, F MLP width,
-  V vocabulary."""
+  V vocabulary; per layer (:attr:`Architecture.layer_dims`) LISA's rank r and aligner width A."""
 
   D: int
   H: int
@@ -35,6 +35,8 @@ class Dims:
   d: int
   F: int
   V: int
+  r: int = 0
+  A: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +83,10 @@ class Architecture:
     hf_config: jaxshare config -> HF ``config.json`` (export; the inverse of ``config_overrides``).
     global_rules / layer_rules: the tables; ``layer_rules(cfg)`` may depend on the config (tied embeddings, biases).
     ignored: HF tensor-name suffixes that carry no parameters (rotary caches, causal-mask buffers).
+    layer_dims: ``(dims, schedule, layer) -> Dims`` of one layer, for tables whose layers differ (per-layer K/V heads,
+      LISA ranks); None: every layer has ``dims``.
+    rules_by_presence: a rule applies where the model has its parameters (layers that differ in what they own);
+      otherwise every rule applies everywhere and a missing parameter is an error.
   """
 
   hf_names: tuple[str, ...]
@@ -89,6 +95,19 @@ class Architecture:
   global_rules: Callable[[object], list[Rule]]
   layer_rules: Callable[[object], list[Rule]]
   ignored: tuple[str, ...] = ()
+  layer_dims: Callable[[Dims, object, int], Dims] | None = None
+  rules_by_presence: bool = False
+
+  def rules_for(self, rules: list[Rule], tree: dict) -> list[Rule]:
+    """The rules that apply to a (layer or global) parameter tree."""
+    if not self.rules_by_presence:
+      return rules
+    present = set(P.flat_leaves(tree))
+    return [r for r in rules if all(p in present for p in r.paths)]
+
+  def dims_of(self, dims: Dims, schedule, layer: int) -> Dims:
+    """The dimensions of one layer."""
+    return dims if self.layer_dims is None else self.layer_dims(dims, schedule, layer)
 
 
 def _get(tree: dict, path: str):
@@ -116,7 +135,7 @@ def hf_to_params(arch: Architecture, cfg, dims: Dims, schedule, template: dict, 
   out = template
   used: set[str] = set()
 
-  def apply(rule: Rule, fmt: dict, dst: dict, index=None):
+  def apply(rule: Rule, fmt: dict, dst: dict, index=None, dims=dims):
     names_ = [h.format(**fmt) for h in rule.hf]
     arrays = [read(h, s) for h, s in zip(names_, rule.hf_shapes(dims))]
     used.update(names_)
@@ -128,15 +147,16 @@ def hf_to_params(arch: Architecture, cfg, dims: Dims, schedule, template: dict, 
                                     f"{list(leaf[where].shape)}")
       leaf[where] = value  # cast to the leaf's dtype by the assignment
 
-  for rule in arch.global_rules(cfg):
+  global_tree = {k: v for k, v in out.items() if k != "segments"}
+  global_rules = arch.rules_for(arch.global_rules(cfg), global_tree)
+  for rule in global_rules:
     apply(rule, {}, out)
-  unfilled = sorted(set(P.flat_leaves({k: v for k, v in out.items() if k != "segments"}))
-                    - {p for r in arch.global_rules(cfg) for p in r.paths})
+  unfilled = sorted(set(P.flat_leaves(global_tree)) - {p for r in global_rules for p in r.paths})
   layer_paths = {p for r in arch.layer_rules(cfg) for p in r.paths}
   for layer in tqdm(range(cfg.model.num_layers), desc="layers", disable=not progress, dynamic_ncols=True):
     run_tree, index = P.layer_slot(out, schedule, layer)
-    for rule in arch.layer_rules(cfg):
-      apply(rule, {"i": layer}, run_tree, index)
+    for rule in arch.rules_for(arch.layer_rules(cfg), run_tree):
+      apply(rule, {"i": layer}, run_tree, index, arch.dims_of(dims, schedule, layer))
     unfilled += [f"layer {layer}: {p}" for p in sorted(set(P.flat_leaves(run_tree)) - layer_paths)]
   if unfilled:
     raise UnsupportedModelError(f"jaxshare parameters with no source in the {arch.hf_names[0]} table: {unfilled[:8]}")
@@ -153,16 +173,19 @@ def params_to_hf(arch: Architecture, cfg, dims: Dims, schedule, params: dict, *,
   """The HF state dict of a parameter tree (NumPy arrays in the tree's dtypes), one group at a time: the global
   tensors, then each layer's, so that a writer holds one layer's converted tensors, not the model's.
   ``progress``: a bar over layers."""
-  def emit(rule: Rule, fmt: dict, leaves: list[np.ndarray]) -> dict[str, np.ndarray]:
+  def emit(rule: Rule, fmt: dict, leaves: list[np.ndarray], dims: Dims = dims) -> dict[str, np.ndarray]:
     out = {}
     for name, value, shape in zip(rule.hf, rule.to_hf(leaves, dims), rule.hf_shapes(dims)):
       assert tuple(value.shape) == tuple(shape), (name, value.shape, shape)
       out[name.format(**fmt)] = np.ascontiguousarray(value)
     return out
 
-  yield {k: v for rule in arch.global_rules(cfg)
+  global_tree = {k: v for k, v in params.items() if k != "segments"}
+  yield {k: v for rule in arch.rules_for(arch.global_rules(cfg), global_tree)
          for k, v in emit(rule, {}, [np.asarray(_get(params, p)) for p in rule.paths]).items()}
   for layer in tqdm(range(cfg.model.num_layers), desc="layers", disable=not progress, dynamic_ncols=True):
     layer_tree = P.layer_params(params, schedule, layer)
-    yield {k: v for rule in arch.layer_rules(cfg)
-           for k, v in emit(rule, {"i": layer}, [np.asarray(_get(layer_tree, p)) for p in rule.paths]).items()}
+    layer_dims = arch.dims_of(dims, schedule, layer)
+    yield {k: v for rule in arch.rules_for(arch.layer_rules(cfg), layer_tree)
+           for k, v in emit(rule, {"i": layer}, [np.asarray(_get(layer_tree, p)) for p in rule.paths],
+                            layer_dims).items()}
