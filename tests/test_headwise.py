@@ -174,16 +174,16 @@ def test_uptrained_headwise_run_evaluates_generates_and_exports_without_its_sour
   assert np.isfinite(evaluate_run(tmp_path / "hw", max_batches=1, sample_tokens=0)["val_loss"])
   tokens = Generator(again.model(), again.cfg.model, again.schedule).generate([[1, 2, 3]], 4)[0]
   assert len(tokens) == 4
-  export_run(tmp_path / "hw", tmp_path / "native")
-  imported = load_hf_model(tmp_path / "native")
+  export_run(tmp_path / "hw", tmp_path / "exported")
+  imported = load_hf_model(tmp_path / "exported")
   assert imported.ties == run.ties
   jax.tree.map(np.testing.assert_array_equal, imported.params, jax.device_get(run.params))
   with pytest.raises(UnsupportedModelError, match="the model ties 3 .*import without overriding schedule.headwise"):
-    load_hf_model(tmp_path / "native", ["schedule.headwise.ratio=0.15"])
+    load_hf_model(tmp_path / "exported", ["schedule.headwise.ratio=0.15"])
   with pytest.raises(ValueError, match="needs head-wise ties exactly when it ties any"):
     export_params(run.cfg, run.schedule, run.params, tmp_path / "no_ties")
-  config = json.loads((tmp_path / "native" / "config.json").read_text())
+  config = json.loads((tmp_path / "exported" / "config.json").read_text())
   del config["jaxshare_head_ties"]  # an export written before ties were stored with it
-  (tmp_path / "native" / "config.json").write_text(json.dumps(config))
+  (tmp_path / "exported" / "config.json").write_text(json.dumps(config))
   with pytest.raises(UnsupportedModelError, match="no 'jaxshare_head_ties'.*export the run again"):
-    load_hf_model(tmp_path / "native")
+    load_hf_model(tmp_path / "exported")

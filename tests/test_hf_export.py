@@ -1,5 +1,6 @@
 """jaxshare -> HF export: transformers loads dense/GQA exports offline with the same logits; import -> export
-reproduces the original safetensors bit for bit; other schedules round-trip exactly through jaxshare's own layout."""
+reproduces the original safetensors bit for bit; other schedules round-trip exactly through the remote-code layout
+(tests/test_remote_code.py checks that transformers runs it)."""
 
 import json
 
@@ -82,7 +83,7 @@ def test_import_export_reproduces_the_checkpoint_bit_for_bit(tmp_path, case):
   (("model.residual=parallel",), "Llama has no parallel residual"),
   (("model.flavor=neox", "model.sliding_window=8"), "only Mistral has a sliding window"),
 ])
-def test_other_schedules_round_trip_exactly_in_the_native_layout(tmp_path, corpus, overrides, why):
+def test_other_schedules_round_trip_exactly_as_remote_code(tmp_path, corpus, overrides, why):
   from jaxshare.runs import write_run
 
   cfg = tiny_config(*overrides)
@@ -117,7 +118,7 @@ def test_cli_export_and_refusal_to_overwrite(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("overrides", [("model.flavor=neox",), ("schedule.kind=cla", "schedule.factor=2")],
-                         ids=["transformers", "native"])
+                         ids=["transformers", "remote_code"])
 def test_sharded_export_loads_and_reimports_exactly(tmp_path, corpus, overrides):
   """Shards of at most ~one layer (HF's index file), loaded by transformers and re-imported bit-exactly; no group
   of tensors is split and every tensor is in the index exactly once."""

@@ -78,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
   from jaxshare.data import DataError
   from jaxshare.convert.hf_checkpoint import HFCheckpoint, HFCheckpointError
   from jaxshare.convert.hf_export import export_run
+  from jaxshare.convert import remote
   from jaxshare.convert.hf_import import load_hf_model
   from jaxshare.convert.mapping import UnsupportedModelError
   from jaxshare.checkpoint import CheckpointError
@@ -92,7 +93,10 @@ def main(argv: list[str] | None = None) -> int:
       out.parent.mkdir(parents=True, exist_ok=True)
       with tempfile.TemporaryDirectory(prefix=".import-", dir=out.parent) as scratch:  # disk-backed parameters
         model = load_hf_model(ckpt, args.overrides, progress=True, scratch_dir=scratch)
-        run = write_run(out, model.cfg, model.params, ties=model.ties, tokenizer_files=ckpt.tokenizer_files(),
+        # a jaxshare export of a byte-tokenizer run carries that tokenizer for transformers; the run keeps "byte"
+        byte_run = ckpt.architecture == remote.ARCHITECTURE and model.cfg.data.tokenizer == "byte"
+        run = write_run(out, model.cfg, model.params, ties=model.ties,
+                        tokenizer_files=[] if byte_run else ckpt.tokenizer_files(),
                         meta={"imported_from": str(args.hf_dir), "architecture": ckpt.architecture})
         what = f"{model.num_params:,} parameters, {model.schedule.describe()}"
         del model
@@ -104,10 +108,11 @@ def main(argv: list[str] | None = None) -> int:
     elif args.command == "ties":
       print(store_ties(args.run_dir))
     else:
-      arch, why_native = export_run(args.run_dir, args.hf_dir, progress=True,
+      arch, why_remote = export_run(args.run_dir, args.hf_dir, progress=True,
                                     max_shard_bytes=int(args.max_shard_gb * 1e9))
       print(f"exported {args.run_dir} as {arch} into {args.hf_dir}"
-            + (f" (jaxshare layout: {why_native}; transformers cannot load it)" if why_native else ""))
+            + (f" (remote code, as no transformers class holds it: {why_remote}; load it with "
+               "AutoModelForCausalLM.from_pretrained(..., trust_remote_code=True))" if why_remote else ""))
   except (HFCheckpointError, UnsupportedModelError, ConfigError, CheckpointError, DataError, FileExistsError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2

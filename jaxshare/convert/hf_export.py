@@ -2,8 +2,8 @@
 
 Dense and GQA models of the llama and neox flavours become ``LlamaForCausalLM`` / ``GPTNeoXForCausalLM`` directories
 (``config.json``, ``model.safetensors`` or shards with an index, the run's tokenizer files) that ``transformers.AutoModelForCausalLM
-.from_pretrained`` loads offline. Any other schedule is written in the native layout (:mod:`jaxshare.convert.native`),
-which only jaxshare reads back, bit-exactly.
+.from_pretrained`` loads offline. Any other schedule becomes a remote-code directory (:mod:`jaxshare.convert.remote`)
+that transformers loads with ``trust_remote_code=True`` and jaxshare reads back bit-exactly.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from jaxshare.config import Config
-from jaxshare.convert import native
+from jaxshare.convert import remote
 from jaxshare.convert.hf_checkpoint import INDEX_FILE, SINGLE_FILE, TOKENIZER_FILES
 from jaxshare.convert.hf_import import dims
 from jaxshare.convert.llama import LLAMA
@@ -60,7 +60,7 @@ def export_params(cfg: Config, schedule: Schedule, params: dict, out_dir: str | 
   """Write ``params`` as an HF directory; returns the ``architectures[0]`` written.
 
   Args:
-    ties: head-wise sharing's ties (written into a native directory's ``config.json``).
+    ties: head-wise sharing's ties (written into a remote-code directory's ``config.json``).
     progress: a bar over the layers.
     max_shard_bytes: weights above this size are split into ``model-0000i-of-0000n.safetensors`` shards plus
       ``model.safetensors.index.json`` (as ``save_pretrained`` does); one layer's tensors are converted and held
@@ -84,7 +84,12 @@ def export_params(cfg: Config, schedule: Schedule, params: dict, out_dir: str | 
     if tokenizer_dir is None:  # the byte tokenizer: EOS (and padding) is byte 0
       config.update(bos_token_id=None, eos_token_id=0, pad_token_id=0)
   else:
-    groups, config = ({name: leaf} for name, leaf in native.flatten(params).items()), native.config_json(cfg, ties)
+    rows = {m: len(r) for m, r in ties.rows.items()} if ties is not None else None
+    groups = params_to_hf(remote.architecture(rows), cfg, dims(cfg), schedule, params, progress=progress)
+    config = remote.config_json(cfg, schedule, ties)
+    remote.copy_code(out)
+    if tokenizer_dir is None:
+      remote.write_byte_tokenizer(out, cfg.data.seq_len)
   write_shards(groups, out, max_shard_bytes)
   (out / "config.json").write_text(json.dumps(config, indent=2))
   if tokenizer_dir is not None:

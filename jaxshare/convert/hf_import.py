@@ -9,8 +9,8 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from jaxshare.config import Config, apply_overrides, load_config
-from jaxshare.convert import hf_config, native
+from jaxshare.config import Config, load_config
+from jaxshare.convert import hf_config, remote
 from jaxshare.convert.hf_checkpoint import HFCheckpoint
 from jaxshare.convert.llama import LLAMA
 from jaxshare.convert.mapping import Architecture, Dims, UnsupportedModelError, hf_to_params
@@ -47,7 +47,7 @@ def load_hf_model(directory: str | Path | HFCheckpoint, overrides: Sequence[str]
                   scratch_dir: str | Path | None = None) -> Run:
   """Read an HF directory into a :class:`~jaxshare.runs.Run` (no directory, step 0, host arrays): parameters a pure
   dict of NumPy arrays in the config's ``param_dtype`` (float32 unless overridden), every leaf converted from a
-  named HF tensor, one tensor at a time; a native directory's head-wise ties as it carries them.
+  named HF tensor, one tensor at a time; a remote-code directory's head-wise ties as it carries them.
 
   Args:
     directory: a local HF model directory, or one already opened (see :class:`HFCheckpoint`).
@@ -62,12 +62,12 @@ def load_hf_model(directory: str | Path | HFCheckpoint, overrides: Sequence[str]
     UnsupportedModelError: an architecture, config value or tensor jaxshare cannot represent exactly.
   """
   ckpt = directory if isinstance(directory, HFCheckpoint) else HFCheckpoint(directory)
-  if ckpt.architecture == native.ARCHITECTURE:  # a jaxshare model with a sharing schedule, exported by us
-    cfg = apply_overrides(native.read_config(ckpt.config), overrides)
-    schedule = compile_schedule(cfg.model, cfg.schedule)
-    ties = native.read_ties(ckpt.config, cfg, schedule)
+  if ckpt.architecture == remote.ARCHITECTURE:  # a jaxshare model with a sharing schedule, exported by us
+    cfg, schedule, ties = remote.read_config(ckpt.config, overrides)
     graphdef, abstract = abstract_params(cfg, schedule, ties)
-    params = native.fill(_template(abstract, scratch_dir), ckpt.read, ckpt.names())
+    rows = {m: len(r) for m, r in ties.rows.items()} if ties is not None else None
+    params = hf_to_params(remote.architecture(rows), cfg, dims(cfg), schedule, _template(abstract, scratch_dir),
+                          ckpt.read, ckpt.names(), progress=progress)
     return Run(None, cfg, schedule, ties, graphdef, params, 0, None)
   arch = architecture_for(ckpt)
   cfg = load_config(None, arch.config_overrides(ckpt.config) + list(overrides))

@@ -1,7 +1,7 @@
 """Head-wise sharing's ties: which stored head each layer's heads use (Head-wise Shareable Attention, Alg. 1-2).
 
 The ties are data of a run: chosen once (:mod:`jaxshare.init.headwise`, at conversion or when training starts),
-saved beside its checkpoints and in native exports as JSON (:meth:`HeadTies.to_json`), and read back whenever the
+saved beside its checkpoints and in remote-code exports as JSON (:meth:`HeadTies.to_json`), and read back whenever the
 run's model is built, never chosen again.
 """
 

@@ -103,7 +103,7 @@ class Transformer(nnx.Module):
     if (ties is None) != (schedule.tied_heads == 0):
       raise ValueError(f"schedule ties {schedule.tied_heads} heads; pass ties exactly when it ties any")
     self.head_table = HeadTable(cfg, ties, rngs) if ties is not None else None
-    # the stacks; "segments" is their key in the parameter tree, which checkpoints and native exports store
+    # the stacks; "segments" is their key in the parameter tree, which checkpoints store
     self.segments = nnx.List([
       Stack(cfg, plan, mlp_dim=mlp_dim or cfg.mlp_dim, attention_impl=attention_impl, score_sharing=score_sharing,
             rngs=rngs)

@@ -1,0 +1,202 @@
+"""Every sharing schedule as a transformers remote-code directory (``JaxshareForCausalLM``).
+
+A model no transformers class holds exactly (K/V sharing across layers, score reuse, W_c, head-wise ties, per-layer
+K/V head counts) is exported as ``config.json`` (``model_type`` ``jaxshare``, an ``auto_map`` naming the two code
+files, every layer's plan as plain lists, and the whole jaxshare config for a bit-exact import), the code files
+``configuration_jaxshare.py`` / ``modeling_jaxshare.py`` (:mod:`jaxshare.convert.remote_code`, copied as they are),
+``model.safetensors`` with HF-style tensor names (the table below, which import reads too) and the tokenizer files.
+``AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)`` loads it offline.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+
+from jaxshare import accounting
+from jaxshare.config import Config, apply_overrides, config_from_yaml_text, to_yaml
+from jaxshare.convert import hf_config as C
+from jaxshare.convert.mapping import Architecture, Dims, Rule, UnsupportedModelError, linear, same
+from jaxshare.model import params as P
+from jaxshare.model.ties import MATRICES, HeadTies
+from jaxshare.schedule import Schedule, compile_schedule
+
+ARCHITECTURE = "JaxshareForCausalLM"
+MODEL_TYPE = "jaxshare"
+FORMAT_VERSION = 2  # 1: the native layout (jaxshare parameter paths), written before remote code
+CODE_DIR = Path(__file__).resolve().parent / "remote_code"
+CODE_FILES = ("configuration_jaxshare.py", "modeling_jaxshare.py")
+AUTO_MAP = {"AutoConfig": "configuration_jaxshare.JaxshareConfig",
+            "AutoModelForCausalLM": "modeling_jaxshare.JaxshareForCausalLM"}
+_L = "model.layers.{i}."
+
+
+def layer_plans(schedule: Schedule) -> list[dict]:
+  """Every layer's role with absolute layer indices, as ``configuration_jaxshare.JaxshareConfig.layer_plans``."""
+  plans = []
+  for layer in range(len(schedule.layers)):
+    s_idx, c, r_idx, _ = P.layer_location(schedule, layer)
+    stack = schedule.stacks[s_idx]
+    start = stack.start + c * stack.superblock_size  # the superblock's first layer: roles count from there
+    role = stack.runs[r_idx].role
+    plans.append({
+      "kv_source": layer if role.kv_from is None else start + role.kv_from, "num_kv_heads": role.num_kv_heads,
+      "score_reuse": role.score_reuse,
+      "score_source": start + role.score_from if role.score_from is not None else layer, "feeds": role.feeds,
+      "integrator": role.integrator, "lisa_rank": role.lisa_rank, "lisa_hidden": role.lisa_hidden,
+      "lisa_rope": role.lisa_rope, "keep_qk": role.keep_qk, "compensation": role.compensation,
+      "wc_normed": role.wc_normed, "tied_qkv": role.tied_qkv})
+  return plans
+
+
+def config_json(cfg: Config, schedule: Schedule, ties: HeadTies | None) -> dict:
+  """``config.json`` of a remote-code directory (what ``JaxshareConfig`` reads, plus the jaxshare config)."""
+  m, f = cfg.model, cfg.model.features
+  rope = C.rope_parameters(m)
+  return {
+    "architectures": [ARCHITECTURE], "model_type": MODEL_TYPE, "auto_map": AUTO_MAP,
+    "jaxshare_format_version": FORMAT_VERSION, "vocab_size": m.vocab_size, "hidden_size": m.d_model,
+    "intermediate_size": schedule_mlp_dim(cfg, schedule), "num_hidden_layers": m.num_layers,
+    "num_attention_heads": m.num_heads, "head_dim": m.resolved_head_dim,
+    "hidden_act": "silu" if f.activation == "swiglu" else "gelu", "norm_type": f.norm, "norm_eps": m.norm_eps,
+    "parallel_residual": f.parallel_residual, "attention_bias": f.qkv_biases, "dense_bias": f.dense_biases,
+    "rope_theta": m.rope_theta, "rotary_dim": int(m.resolved_head_dim * m.rotary_pct),
+    "rotary_scaling": None if rope["rope_type"] == "default" else rope, "sliding_window": m.sliding_window,
+    "max_position_embeddings": max(cfg.data.seq_len, 2048), "tie_word_embeddings": m.tie_embeddings,
+    "layer_plans": layer_plans(schedule),
+    "head_index": {k: [list(r) for r in ties.index[k]] for k in MATRICES} if ties else None,
+    "head_rows": {k: len(ties.rows[k]) for k in MATRICES} if ties else None,
+    "torch_dtype": m.param_dtype, "jaxshare_config": to_yaml(cfg),
+    **({"jaxshare_head_ties": ties.to_json()} if ties else {})}
+
+
+def schedule_mlp_dim(cfg: Config, schedule: Schedule) -> int:
+  """The MLP width the model is built with (widened when the schedule matches parameters)."""
+  return accounting.mlp_dim(cfg.model, schedule, accounting.param_match(cfg.schedule))
+
+
+def copy_code(out: Path) -> None:
+  """Write the remote-code files into ``out``."""
+  for name in CODE_FILES:
+    shutil.copyfile(CODE_DIR / name, out / name)
+
+
+def write_byte_tokenizer(out: Path, max_length: int) -> None:
+  """jaxshare's byte tokenizer (UTF-8 bytes as ids 0..255, EOS = 0) as ``tokenizer.json`` +
+  ``tokenizer_config.json``, so that ``AutoTokenizer`` loads the directory: a byte-level BPE without merges whose
+  vocabulary maps each byte's GPT-2 character to the byte's value."""
+  from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+  alphabet = _byte_characters()
+  tok = Tokenizer(models.BPE(vocab={alphabet[b]: b for b in range(256)}, merges=[]))
+  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+  tok.decoder = decoders.ByteLevel()
+  tok.save(str(out / "tokenizer.json"))
+  eos = alphabet[0]
+  (out / "tokenizer_config.json").write_text(json.dumps(
+    {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos, "pad_token": eos,
+     "model_max_length": max_length, "clean_up_tokenization_spaces": False}, indent=2))
+
+
+def _byte_characters() -> list[str]:
+  """GPT-2's printable character for each byte value (the ``ByteLevel`` pre-tokenizer's alphabet)."""
+  printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+  extra = iter(range(256, 512))
+  return [chr(b) if b in printable else chr(next(extra)) for b in range(256)]
+
+
+def _bias(hf: str, path: str, heads) -> Rule:
+  """A ``[heads·width]`` projection bias <-> jaxshare's ``[heads, width]``."""
+  return Rule((hf,), (path,), lambda n: [(heads(n) * (n.r if "_lr" in path else n.d),)],
+              lambda a, n: [a[0].reshape(heads(n), -1)], lambda a, n: [a[0].reshape(-1)])
+
+
+def _norm(hf: str, path: str) -> list[Rule]:
+  return [same(hf + ".weight", path + "/scale", lambda n: (n.D,)), same(hf + ".bias", path + "/bias", lambda n: (n.D,))]
+
+
+def architecture(rows: dict[str, int] | None) -> Architecture:
+  """The remote-code table; ``rows``: head-wise sharing's stored rows per matrix (None without)."""
+  def global_rules(cfg) -> list[Rule]:
+    rules = [same("model.embed_tokens.weight", "embedding", lambda n: (n.V, n.D)), *_norm("model.norm", "final_norm"),
+             linear("lm_head.weight", "lm_head/kernel", lambda n: (n.D,), lambda n: (n.V,))]
+    for m in MATRICES if rows else ():
+      rules.append(same(f"model.head_table.{m}", f"head_table/{m}", lambda n, m=m: (rows[m], n.D, n.d)))
+    return rules
+
+  def layer_rules(cfg) -> list[Rule]:
+    a = _L + "self_attn."
+    H, G = (lambda n: n.H), (lambda n: n.G)
+    return [
+      *_norm(_L + "input_layernorm", "norm1"), *_norm(_L + "post_attention_layernorm", "norm2"),
+      *(linear(a + f"{m}_proj.weight", f"attn/{m}_proj/kernel", lambda n: (n.D,), lambda n, h=h: (h(n), n.d))
+        for m, h in (("q", H), ("k", G), ("v", G))),
+      *(_bias(a + f"{m}_proj.bias", f"attn/{m}_proj/bias", h) for m, h in (("q", H), ("k", G), ("v", G))),
+      linear(a + "o_proj.weight", "attn/o_proj/kernel", lambda n: (n.H, n.d), lambda n: (n.D,)),
+      same(a + "o_proj.bias", "attn/o_proj/bias", lambda n: (n.D,)),
+      linear(a + "q_lr.weight", "attn/q_lr/kernel", lambda n: (n.D,), lambda n: (n.H, n.r)),
+      linear(a + "k_lr.weight", "attn/k_lr/kernel", lambda n: (n.D,), lambda n: (n.G, n.r)),
+      _bias(a + "q_lr.bias", "attn/q_lr/bias", H), _bias(a + "k_lr.bias", "attn/k_lr/bias", G),
+      same(a + "align_in", "attn/align_in", lambda n: (2 * n.H, n.A)),
+      same(a + "align_out", "attn/align_out", lambda n: (n.A, n.H)),
+      same(a + "align", "attn/align", lambda n: (2 * n.H, n.H)),
+      linear(_L + "compensation.weight", "compensation/kernel", lambda n: (n.D,), lambda n: (n.D,)),
+      linear(_L + "mlp.gate_proj.weight", "mlp/gate/kernel", lambda n: (n.D,), lambda n: (n.F,)),
+      linear(_L + "mlp.up_proj.weight", "mlp/up/kernel", lambda n: (n.D,), lambda n: (n.F,)),
+      same(_L + "mlp.up_proj.bias", "mlp/up/bias", lambda n: (n.F,)),
+      linear(_L + "mlp.down_proj.weight", "mlp/down/kernel", lambda n: (n.F,), lambda n: (n.D,)),
+      same(_L + "mlp.down_proj.bias", "mlp/down/bias", lambda n: (n.D,)),
+    ]
+
+  return Architecture((ARCHITECTURE, MODEL_TYPE), lambda config: [], lambda cfg: {}, global_rules, layer_rules,
+                      layer_dims=_layer_dims, rules_by_presence=True)
+
+
+def _layer_dims(dims: Dims, schedule: Schedule, layer: int) -> Dims:
+  s_idx, _, r_idx, _ = P.layer_location(schedule, layer)
+  role = schedule.stacks[s_idx].runs[r_idx].role
+  return dataclasses.replace(dims, G=role.num_kv_heads, r=role.lisa_rank, A=role.lisa_hidden)
+
+
+def read_config(config: dict, overrides) -> tuple[Config, Schedule, HeadTies | None]:
+  """The jaxshare config, compiled schedule and head-wise ties of a remote-code ``config.json``.
+
+  Raises:
+    UnsupportedModelError: another format version (a native directory of an older jaxshare), no jaxshare config,
+      or a ``config.json`` whose model fields or layer plans disagree with its jaxshare config (edited by hand).
+  """
+  version = config.get("jaxshare_format_version")
+  if version != FORMAT_VERSION:
+    raise UnsupportedModelError(
+      f"config.json jaxshare_format_version={version!r}: this jaxshare reads {FORMAT_VERSION} (remote code); a "
+      "directory without it is an older jaxshare's native export: export the run again with this jaxshare")
+  text = config.get("jaxshare_config")
+  if not isinstance(text, str):
+    raise UnsupportedModelError(f"config.json says {ARCHITECTURE} but has no 'jaxshare_config' text")
+  cfg = apply_overrides(config_from_yaml_text(text), overrides)
+  schedule = compile_schedule(cfg.model, cfg.schedule)
+  ties = _read_ties(config, cfg, schedule)
+  expected = config_json(cfg, schedule, ties)
+  changed = [k for k, v in expected.items() if k not in ("jaxshare_config", "torch_dtype") and config.get(k) != v]
+  if changed:
+    k = changed[0]
+    raise UnsupportedModelError(f"config.json {k}={config.get(k)!r} disagrees with its jaxshare_config, which gives "
+                                f"{expected[k]!r} (edited by hand?): export the run again")
+  return cfg, schedule, ties
+
+
+def _read_ties(config: dict, cfg: Config, schedule: Schedule) -> HeadTies | None:
+  if not schedule.tied_heads:
+    return None
+  text = config.get("jaxshare_head_ties")
+  if not isinstance(text, str):
+    raise UnsupportedModelError(f"config.json ties {schedule.tied_heads} heads but has no 'jaxshare_head_ties': "
+                                "export the run again")
+  try:
+    ties = HeadTies.from_json(text, "'jaxshare_head_ties' of config.json")
+    ties.check(len(schedule.layers), cfg.model.num_heads, schedule.tied_heads, "'jaxshare_head_ties' of config.json")
+  except ValueError as e:
+    raise UnsupportedModelError(f"{e}: import without overriding schedule.headwise") from None
+  return ties

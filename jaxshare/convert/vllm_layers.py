@@ -1,0 +1,48 @@
+"""What vLLM can serve of a remote-code export: the K/V sharing of each layer as vLLM's attention layer names.
+
+vLLM's ``Attention(..., kv_sharing_target_layer_name=...)`` gives a layer no KV cache of its own: it reads the named
+earlier layer's (Gemma3n's shared suffix uses it). That expresses GQA, MQA, CLA, MLKV and per-layer K/V head counts;
+no vLLM attention reuses another layer's probabilities or logits, adds UniAttn's ``x W_c`` or ties heads across
+layers, so those schedules are refused, naming the feature and the first layer that has it. Pure Python on the
+exported ``config.json`` (no vLLM import), so the mapping is tested on any machine.
+"""
+
+from __future__ import annotations
+
+ATTENTION_NAME = "model.layers.{i}.self_attn.attn"  # vLLM's name of layer i's Attention in a Llama-style model
+
+
+class VLLMUnsupportedError(ValueError):
+  """A schedule vLLM's attention cannot express; names the feature and the layer."""
+
+
+_REFUSED = (  # (layer_plans key, value that needs it, the feature)
+  ("score_reuse", "probs", "probability reuse (Shared Attention, UniAttn)"),
+  ("score_reuse", "logits", "logit reuse (LISA, LISA_plus, DS)"),
+  ("compensation", True, "UniAttn's linear compensation W_c"),
+  ("tied_qkv", True, "head-wise weight tying (DirectShare)"),
+)
+
+
+def kv_sharing_targets(config: dict) -> list[str | None]:
+  """Per layer of a remote-code ``config.json``, vLLM's ``kv_sharing_target_layer_name``: None for a layer that
+  owns its K/V cache, its producer's attention layer name (:data:`ATTENTION_NAME`) for a K/V consumer.
+
+  Raises:
+    VLLMUnsupportedError: not a jaxshare remote-code config, or a layer uses a feature vLLM has no attention for.
+  """
+  plans = config.get("layer_plans")
+  if config.get("model_type") != "jaxshare" or not isinstance(plans, list):
+    raise VLLMUnsupportedError("not a jaxshare remote-code config.json (model_type 'jaxshare' with layer_plans)")
+  for i, plan in enumerate(plans):
+    for key, value, feature in _REFUSED:
+      if plan.get(key) == value:
+        raise VLLMUnsupportedError(f"vLLM cannot serve {feature}: layer_plans[{i}].{key}={value!r}; serve this "
+                                   "model with transformers (trust_remote_code=True)")
+  targets = []
+  for i, plan in enumerate(plans):
+    source = plan["kv_source"]
+    if source != i and plans[source]["num_kv_heads"] != plan["num_kv_heads"]:
+      raise VLLMUnsupportedError(f"layer_plans[{i}] reads layer {source}'s K/V with another head count")
+    targets.append(None if source == i else ATTENTION_NAME.format(i=source))
+  return targets
