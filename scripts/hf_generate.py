@@ -36,7 +36,7 @@ def main(argv=None) -> int:
   from transformers import AutoModelForCausalLM, AutoTokenizer
 
   prompts = args.prompt or ["ROMEO:"]
-  tok = AutoTokenizer.from_pretrained(args.hf_dir, local_files_only=True)
+  tok = AutoTokenizer.from_pretrained(args.hf_dir, trust_remote_code=True, local_files_only=True)
   model = AutoModelForCausalLM.from_pretrained(args.hf_dir, trust_remote_code=True, local_files_only=True).eval()
   batch = tok(prompts, return_tensors="pt", padding=True, padding_side="left")
   with torch.no_grad():

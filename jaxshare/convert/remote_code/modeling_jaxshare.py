@@ -136,9 +136,20 @@ def heads(x: torch.Tensor, num: int) -> torch.Tensor:
   return x.view(b, n, num, -1).transpose(1, 2)
 
 
-def regroup(x: torch.Tensor, num_heads: int) -> torch.Tensor:
-  """``[B, G, S, e]`` repeated to ``num_heads`` heads: query head h reads K/V head ``h // (num_heads / G)``."""
-  return x.repeat_interleave(num_heads // x.shape[1], dim=1)
+def scores(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
+  """Float32 logits ``scale · q kᵀ`` ``[B, H, n, S]`` of ``q [B, H, n, e]`` and ``k [B, G, S, e]``: query head h reads
+  K/V head ``h // (H / G)``, grouped by a reshape (the cache is never copied per query head)."""
+  b, h, n, e = q.shape
+  g = k.shape[1]
+  return (torch.matmul(q.float().reshape(b, g, h // g * n, e), k.float().transpose(-1, -2)) * scale).reshape(
+    b, h, n, -1)
+
+
+def apply_probs(probs: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+  """``[B, H, n, S]`` probabilities times ``v [B, G, S, d]`` -> ``[B, H, n, d]`` in v's dtype."""
+  b, h, n, s = probs.shape
+  g = v.shape[1]
+  return torch.matmul(probs.to(v.dtype).reshape(b, g, h // g * n, s), v).reshape(b, h, n, -1)
 
 
 def masked_softmax(logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -233,27 +244,27 @@ class Attention(nn.Module):
     if not self.reuse:
       q = apply_rope(self._project("q", x, self.H, tied), pos, inv_freq)
       if not self.feeds:  # nothing later reads these scores: a fused kernel, no [B, H, n, S] tensor kept
-        out = F.scaled_dot_product_attention(q, regroup(k, self.H), regroup(v, self.H), attn_mask=step.fused_mask,
-                                             scale=scale)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=step.fused_mask, scale=scale,
+                                             enable_gqa=self.G != self.H)
         return self.o_proj(out.transpose(1, 2).reshape(*x.shape[:2], -1).to(x.dtype))
-      logits = torch.matmul(q.float(), regroup(k, self.H).float().transpose(-1, -2)) * scale
+      logits = scores(q, k, scale)
       probs = masked_softmax(logits, step.mask)
       step.handed[i] = {"probs": probs, "logits": logits}.get(self.feeds)
     elif self.reuse == "probs":
       probs = step.handed[self.plan["score_source"]]
     else:
       if step.nf_prefill and self.q_proj is not None:  # LISA Sec. 4: the original attention over the prompt
-        q = apply_rope(self.q_proj(x).view(*x.shape[:2], self.H, -1).transpose(1, 2), pos, inv_freq)
+        q = apply_rope(heads(self.q_proj(x), self.H), pos, inv_freq)
         k_full = apply_rope(heads(self.k_proj(x), self.G), pos, inv_freq)
-        logits = torch.matmul(q.float(), regroup(k_full, self.H).float().transpose(-1, -2)) * scale
+        logits = scores(q, k_full, scale)
       else:
         logits = step.handed[i - 1]
         if self.low_rank:
-          delta = torch.matmul(q_lr.float(), regroup(k, self.H).float().transpose(-1, -2)) * self.rank ** -0.5
+          delta = scores(q_lr, k, self.rank ** -0.5)
           logits = self._integrate(logits, delta)
       probs = masked_softmax(logits, step.mask)
       step.handed[i] = logits
-    out = torch.matmul(probs.to(v.dtype), regroup(v, self.H))  # [B, H, n, d]
+    out = apply_probs(probs, v)
     return self.o_proj(out.transpose(1, 2).reshape(*x.shape[:2], -1).to(x.dtype))
 
 
