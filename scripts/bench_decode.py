@@ -6,13 +6,17 @@ accounting and the live cache), the largest batch whose cache fits ``--budget-gi
 tokens (MLKV Fig. 3) and decode tokens/s at that batch, decode tokens/s at a fixed batch for each of
 ``--contexts``, prefill latency and the decode step's peak memory. With ``--hf`` the dense model is also exported
 with the converter and transformers' PyTorch ``generate`` is timed against jaxshare's on the same prompts and
-weights (their logits are compared too). Writes ``decode.md``, ``decode.json`` and, for runs, ``pareto.png``
-(validation loss against KV bytes per token).
+weights (their logits are compared too). With ``--torch`` every schedule is exported (remote code where no
+transformers class holds it) and run by PyTorch outside jaxshare: cache bytes per token measured from the cache's
+allocated tensors beside the accounting's, decode tokens/s and the process's peak memory at ``--torch-batch`` x
+``--torch-context`` tokens. Writes ``decode.md``, ``decode.json`` and, for runs, ``pareto.png`` (validation loss
+against KV bytes per token).
 
 Usage:
   python scripts/bench_decode.py                                   # dense, cla2, mlkv, uniattn, lisa_plus; 8 layers
   python scripts/bench_decode.py --runs runs/a runs/b --out bench/decode_runs
   python scripts/bench_decode.py --schedules dense cla2 --contexts 256 1024 --hf --out /tmp/bench
+  python scripts/bench_decode.py --torch --out bench/decode_torch            # the exported PyTorch models
 """
 
 from __future__ import annotations
@@ -89,6 +93,63 @@ def hf_comparison(cfg, model, schedule, *, batch: int, prompt_len: int, new_toke
           "ratio": hf_s / jax_s}
 
 
+def export_schedule(name: str, out: str) -> tuple[str, int]:
+  """Export schedule ``name`` (random weights) to ``out``; returns the class written and the accounting's fp32 KV
+  bytes per token."""
+  from flax import nnx
+
+  from jaxshare import accounting
+  from jaxshare.convert.hf_export import export_params
+
+  cfg = _config(SCHEDULES[name])
+  model, schedule = _model(cfg)  # SCHEDULES tie no heads
+  arch = export_params(cfg, schedule, nnx.to_pure_dict(nnx.state(model, nnx.Param)), out)
+  return arch, accounting.kv_cache_bytes_per_token(cfg.model, schedule, 4)
+
+
+def torch_measurement(directory: str, *, batch: int, context: int, new_tokens: int) -> dict:
+  """An exported model decoded by PyTorch alone (a process that never imports JAX): the cache's allocated bytes per
+  token after a ``context``-token prefill of ``batch`` rows, greedy decode tokens/s over ``new_tokens`` steps, and
+  the peak RSS added by loading, prefill and decode (above the process after its imports)."""
+  import resource
+
+  import numpy as np
+  import torch
+  import transformers
+
+  torch.set_num_threads(2)
+  base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+  hf = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, trust_remote_code=True,
+                                                         local_files_only=True).eval()
+  ids = torch.from_numpy(np.random.default_rng(0).integers(1, hf.config.vocab_size, (batch, context)))
+  with torch.no_grad():
+    out = hf(ids, use_cache=True, logits_to_keep=1)
+    cache = out.cache
+    measured = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values)
+                   if isinstance(t, torch.Tensor)) / (batch * context)
+    token = out.logits[:, -1:].argmax(-1)
+    t0 = time.perf_counter()
+    for _ in range(new_tokens):
+      token = hf(token, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
+    seconds = time.perf_counter() - t0
+  return {"batch": batch, "context": context, "cache_bytes_per_token": measured,
+          "decode_tokens_per_s": batch * new_tokens / seconds,
+          "peak_rss_gib": (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) / 2 ** 20}
+
+
+def torch_table(rows: list[dict]) -> str:
+  """Markdown table of :func:`torch_measurement` rows, ratios against the first (the dense model)."""
+  base = rows[0]
+  lines = ["| schedule | class | cache B/token (measured) | accounting | ratio to dense (measured / accounting) | "
+           "decode tok/s | peak RSS added, GiB |", "|---|---|---|---|---|---|---|"]
+  for r in rows:
+    lines.append(f"| {r['name']} | {r['architecture']} | {r['cache_bytes_per_token']:,.0f} | "
+                 f"{r['accounting_bytes_per_token']:,} | {r['cache_bytes_per_token'] / base['cache_bytes_per_token']:.3f}"
+                 f" / {r['accounting_bytes_per_token'] / base['accounting_bytes_per_token']:.3f} | "
+                 f"{r['decode_tokens_per_s']:,.0f} | {r['peak_rss_gib']:.2f} |")
+  return "\n".join(lines)
+
+
 def _pareto_plot(rows: list[dict], path: Path) -> None:
   from jaxshare.analysis.plots import loss_vs_kv
 
@@ -122,14 +183,14 @@ def _hf_dense(batch: int) -> dict:
   return hf_comparison(cfg, model, schedule, batch=batch, prompt_len=64, new_tokens=64)
 
 
-def _isolated(fn, *args):
+def _isolated(fn, *args, **kwargs):
   """``fn(*args)`` in a fresh process: every model is measured alone, with nothing of the previous one alive (the
   largest batch fills the budget, and XLA's CPU allocator keeps memory it has freed)."""
   import multiprocessing
   from concurrent.futures import ProcessPoolExecutor
 
   with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-    return pool.submit(fn, *args).result()
+    return pool.submit(fn, *args, **kwargs).result()
 
 
 def main(argv=None) -> int:
@@ -144,8 +205,15 @@ def main(argv=None) -> int:
   ap.add_argument("--prefill", type=int, default=1024, help="prompt length of the prefill latency")
   ap.add_argument("--no-max-batch-timing", action="store_true", help="skip timing decode at the largest batch")
   ap.add_argument("--hf", action="store_true", help="also time transformers' generate on the exported dense model")
+  ap.add_argument("--torch", action="store_true",
+                  help="run the exported PyTorch models (remote code) instead of jaxshare's decode")
+  ap.add_argument("--torch-batch", type=int, default=16)
+  ap.add_argument("--torch-context", type=int, default=1024)
+  ap.add_argument("--torch-new-tokens", type=int, default=32)
   ap.add_argument("--out", default="bench/decode")
   args = ap.parse_args(argv)
+  if args.torch:
+    return _torch_main(args)
 
   from jaxshare.evaluation.efficiency import format_table
 
@@ -174,6 +242,27 @@ def main(argv=None) -> int:
     _pareto_plot(rows, out / "pareto.png")
   print(f"wrote {out}/decode.md, decode.json" + (", pareto.png" if any("val_loss" in r for r in rows) else ""))
   return 0
+
+
+def _torch_main(args) -> int:
+  names = ["dense", *(n for n in args.schedules if n != "dense")]
+  rows = []
+  for name in names:
+    with tempfile.TemporaryDirectory() as directory:
+      arch, accounted = _isolated(export_schedule, name, directory)
+      row = _isolated(torch_measurement, directory, batch=args.torch_batch, context=args.torch_context,
+                      new_tokens=args.torch_new_tokens)
+    rows.append({"name": name, "architecture": arch, "accounting_bytes_per_token": accounted, **row})
+    print(torch_table(rows).splitlines()[-1], flush=True)
+  table = torch_table(rows)
+  equal = all(abs(r["cache_bytes_per_token"] - r["accounting_bytes_per_token"]) < 1e-9 for r in rows)
+  table += f"\n\nMeasured cache bytes equal the accounting's for every schedule: {equal}"
+  out = Path(args.out)
+  out.mkdir(parents=True, exist_ok=True)
+  print("\n" + table)
+  (out / "decode_torch.md").write_text(table + "\n")
+  (out / "decode_torch.json").write_text(json.dumps({"rows": rows}, indent=1, default=float))
+  return 0 if equal else 1
 
 
 if __name__ == "__main__":

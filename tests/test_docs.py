@@ -41,6 +41,7 @@ COMMAND_TESTS = {
   "scripts/bench_mfu.py": [("tests/test_scripts.py", "bench_mfu.main")],
   "scripts/tune_attention.py": [("tests/test_scripts.py", "tune_attention.main")],
   "scripts/bench_decode.py": [("tests/test_scripts.py", _IMPORTED)],
+  "scripts/hf_generate.py": [("tests/test_remote_code.py", "hf_generate.py")],
   "scripts/bench_convert.py": [("tests/test_scripts.py", _IMPORTED)],
   "scripts/bench_data.py": [("tests/test_scripts.py", "scripts/bench_data.py")],
   "scripts/config_reference.py": [("tests/test_docs.py", "config_reference.py")],
