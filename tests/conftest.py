@@ -11,8 +11,11 @@ import os
 # XLA's persistent compilation cache is shared by every test process and the train.py children they start, and kept
 # between runs (XLA_CACHE below): a program compiled once by any earlier test or run is read back instead of compiled
 # again. Its key is the program's HLO, the compile options, the XLA flags and the jax/jaxlib versions, so an entry
-# can only answer for the identical program: a change to the code or to the flags misses. A size limit turns on the
-# cache's file lock (no process reads an entry another is writing) and evicts the least recently used entries.
+# can only answer for the identical program: a change to the code or to the flags misses. The cache runs without
+# jax's size limit: with one, every write lists and stats the whole directory under a file lock (the suite writes
+# ~10,000 entries, and that scan doubled its wall time); the directory is emptied instead when a session starts above
+# XLA_CACHE_MAX_BYTES. Without the lock a process may read an entry while another writes it: a partial entry fails
+# zstd's frame check and jax recompiles (a warning), it is never deserialised.
 # Production-compiled children (OPTIMIZED_ENV) do not use it: the one crash seen with the cache (a SIGSEGV while
 # deserialising a CPU executable, jax 0.10.2) was under XLA:CPU's default parallel codegen, whose many object files
 # are linked recursively on load (as in uwplasma/vmex#142); the suite's one-module compiles have not crashed.
@@ -23,8 +26,9 @@ FAST_COMPILE_FLAGS = ("--xla_cpu_use_fusion_emitters=false --xla_cpu_use_xnnpack
 # The suite's own directory for XLA's persistent cache (JAXSHARE_TEST_XLA_CACHE overrides it).
 XLA_CACHE = os.environ.get("JAXSHARE_TEST_XLA_CACHE") or os.path.join(
   os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "jaxshare-tests", "xla")
+XLA_CACHE_MAX_BYTES = 2 << 30
 _XLA_CACHE_ENV = {"JAX_COMPILATION_CACHE_DIR": XLA_CACHE, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-                  "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0", "JAX_COMPILATION_CACHE_MAX_SIZE": str(2 << 30)}
+                  "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
 
 
 def cpu_env(devices: int, optimized: bool = False) -> dict[str, str]:
@@ -38,6 +42,17 @@ def cpu_env(devices: int, optimized: bool = False) -> dict[str, str]:
           "JAX_DISABLE_MOST_OPTIMIZATIONS": "1"}
 
 
+def _prune_xla_cache() -> None:
+  """Empty the suite's XLA cache when it has grown above XLA_CACHE_MAX_BYTES (once per session: the xdist
+  controller, before any worker starts)."""
+  if os.environ.get("PYTEST_XDIST_WORKER") or not os.path.isdir(XLA_CACHE):
+    return
+  entries = os.scandir(XLA_CACHE)
+  if sum(e.stat().st_size for e in entries if e.is_file()) > XLA_CACHE_MAX_BYTES:
+    __import__("shutil").rmtree(XLA_CACHE, ignore_errors=True)
+
+
+_prune_xla_cache()
 os.environ.update(cpu_env(8))
 # What jaxshare caches (tokenizer backends) goes to a directory of this run, not the user's ~/.cache.
 os.environ["JAXSHARE_CACHE_DIR"] = __import__("tempfile").mkdtemp(prefix="jaxshare-test-cache-")
