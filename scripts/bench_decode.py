@@ -117,6 +117,8 @@ def torch_measurement(directory: str, *, batch: int, context: int, new_tokens: i
   import torch
   import transformers
 
+  from scripts.hf_generate import cache_bytes
+
   torch.set_num_threads(2)
   base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
   hf = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, trust_remote_code=True,
@@ -125,8 +127,7 @@ def torch_measurement(directory: str, *, batch: int, context: int, new_tokens: i
   with torch.no_grad():
     out = hf(ids, use_cache=True, logits_to_keep=1)
     cache = out.cache
-    measured = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values)
-                   if isinstance(t, torch.Tensor)) / (batch * context)
+    measured = cache_bytes(cache) / (batch * context)
     token = out.logits[:, -1:].argmax(-1)
     t0 = time.perf_counter()
     for _ in range(new_tokens):

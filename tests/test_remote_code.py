@@ -147,7 +147,7 @@ def test_lisa_nf_prefill_equals_jaxshare(tmp_path):
   keep = mask.astype(bool)
   assert np.abs(prefill[True][keep] - prefill[False][keep]).max() > 1e-2
   with torch.no_grad():
-    got = model(torch.from_numpy(ids), attention_mask=torch.from_numpy(mask)).logits.numpy()
+    got = model(torch.from_numpy(ids), attention_mask=torch.from_numpy(mask), use_cache=True).logits.numpy()
     seqs = model.generate(torch.from_numpy(ids), attention_mask=torch.from_numpy(mask), max_new_tokens=16,
                           min_new_tokens=16, do_sample=False, pad_token_id=0)
   np.testing.assert_allclose(got[keep], prefill[True][keep], atol=1e-4, rtol=0)
@@ -161,7 +161,10 @@ def test_lisa_nf_prefill_equals_jaxshare(tmp_path):
   (lambda c: c.pop("jaxshare_format_version"), "older jaxshare's native export"),
 ], ids=["layer_plans", "heads", "old_format"])
 def test_a_hand_edited_or_older_directory_is_refused_with_one_line(tmp_path, edit, message):
+  """A config.json that no longer matches its jaxshare config, or a format-1 (native layout) directory, is refused;
+  run overrides on import (``data.seq_len``) are not edits."""
   _, _, _, out = _export(tmp_path, KINDS["cla"])
+  assert load_hf_model(out, ["data.seq_len=64"]).cfg.data.seq_len == 64
   config = json.loads((out / "config.json").read_text())
   edit(config)
   (out / "config.json").write_text(json.dumps(config))
@@ -173,7 +176,7 @@ def test_a_hand_edited_or_older_directory_is_refused_with_one_line(tmp_path, edi
 @pytest.mark.parametrize("kind,targets", [
   ("cla", [None, 0, None, 2]),
   ("mlkv", [None, 0, None, 2]),
-  ("per_layer_gqa", [None, None, None, None]),
+  ("per_layer_gqa", "per-layer K/V head counts"),
   ("sa", "probability reuse"),
   ("uniattn", "probability reuse"),
   ("lisa_plus", "logit reuse"),
@@ -207,3 +210,21 @@ def test_hf_generate_script_prints_continuations_and_the_cache_bytes(tmp_path, c
   per_token = accounting.kv_cache_bytes_per_token(cfg.model, setup.schedule, bytes_per_element=4)
   assert f"JaxshareForCausalLM from {out}; cache JaxshareCache: {per_token:,} bytes per token" in text
   assert "--- 'ROMEO:'\nROMEO:" in text and "--- 'JULIET: O'\nJULIET: O" in text
+
+
+def test_the_model_code_reads_the_format_the_exporter_writes():
+  from jaxshare.convert import remote
+  from jaxshare.convert.remote_code import configuration_jaxshare
+
+  assert configuration_jaxshare.FORMAT_VERSION == remote.FORMAT_VERSION
+  with pytest.raises(ValueError, match=r"layer_plans\[1\] has keys \['kv_source', 'num_kv_heads', 'shared'\]"):
+    configuration_jaxshare.JaxshareConfig(num_hidden_layers=2, layer_plans=[
+      {"kv_source": 0, "num_kv_heads": 4}, {"kv_source": 0, "num_kv_heads": 4, "shared": True}])
+
+
+def test_nf_prefill_needs_the_kept_projections(tmp_path):
+  _, _, _, out = _export(tmp_path, KINDS["lisa"])
+  model = transformers.AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, local_files_only=True,
+                                                            lisa_nf_prefill=True).eval()
+  with pytest.raises(ValueError, match="did not keep them"), torch.no_grad():
+    model(torch.ones(1, 4, dtype=torch.long), use_cache=True)

@@ -65,8 +65,7 @@ def load_hf_model(directory: str | Path | HFCheckpoint, overrides: Sequence[str]
   if ckpt.architecture == remote.ARCHITECTURE:  # a jaxshare model with a sharing schedule, exported by us
     cfg, schedule, ties = remote.read_config(ckpt.config, overrides)
     graphdef, abstract = abstract_params(cfg, schedule, ties)
-    rows = {m: len(r) for m, r in ties.rows.items()} if ties is not None else None
-    params = hf_to_params(remote.architecture(rows), cfg, dims(cfg), schedule, _template(abstract, scratch_dir),
+    params = hf_to_params(remote.architecture(ties), cfg, dims(cfg), schedule, _template(abstract, scratch_dir),
                           ckpt.read, ckpt.names(), progress=progress)
     return Run(None, cfg, schedule, ties, graphdef, params, 0, None)
   arch = architecture_for(ckpt)

@@ -99,11 +99,20 @@ class Architecture:
   rules_by_presence: bool = False
 
   def rules_for(self, rules: list[Rule], tree: dict) -> list[Rule]:
-    """The rules that apply to a (layer or global) parameter tree."""
+    """The rules that apply to a (layer or global) parameter tree.
+
+    Raises:
+      UnsupportedModelError: with ``rules_by_presence``, a parameter of the tree that no rule covers (it would be
+        left out of an export).
+    """
     if not self.rules_by_presence:
       return rules
     present = set(P.flat_leaves(tree))
-    return [r for r in rules if all(p in present for p in r.paths)]
+    chosen = [r for r in rules if all(p in present for p in r.paths)]
+    uncovered = sorted(present - {p for r in chosen for p in r.paths})
+    if uncovered:
+      raise UnsupportedModelError(f"jaxshare parameters the {self.hf_names[0]} table has no rule for: {uncovered[:8]}")
+    return chosen
 
   def dims_of(self, dims: Dims, schedule, layer: int) -> Dims:
     """The dimensions of one layer."""

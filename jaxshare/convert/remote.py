@@ -21,7 +21,7 @@ from jaxshare.convert import hf_config as C
 from jaxshare.convert.mapping import Architecture, Dims, Rule, UnsupportedModelError, linear, same
 from jaxshare.model import params as P
 from jaxshare.model.ties import MATRICES, HeadTies
-from jaxshare.schedule import Schedule, compile_schedule
+from jaxshare.schedule import LayerRole, Schedule, compile_schedule
 
 ARCHITECTURE = "JaxshareForCausalLM"
 MODEL_TYPE = "jaxshare"
@@ -37,14 +37,12 @@ def layer_plans(schedule: Schedule) -> list[dict]:
   """Every layer's role with absolute layer indices, as ``configuration_jaxshare.JaxshareConfig.layer_plans``."""
   plans = []
   for layer in range(len(schedule.layers)):
-    s_idx, c, r_idx, _ = P.layer_location(schedule, layer)
-    stack = schedule.stacks[s_idx]
-    start = stack.start + c * stack.superblock_size  # the superblock's first layer: roles count from there
-    role = stack.runs[r_idx].role
+    role, start = _role(schedule, layer)
     plans.append({
       "kv_source": layer if role.kv_from is None else start + role.kv_from, "num_kv_heads": role.num_kv_heads,
       "score_reuse": role.score_reuse,
-      "score_source": start + role.score_from if role.score_from is not None else layer, "feeds": role.feeds,
+      "score_source": {"probs": None if role.score_from is None else start + role.score_from,
+                       "logits": layer - 1}.get(role.score_reuse), "feeds": role.feeds,
       "integrator": role.integrator, "lisa_rank": role.lisa_rank, "lisa_hidden": role.lisa_hidden,
       "lisa_rope": role.lisa_rope, "keep_qk": role.keep_qk, "compensation": role.compensation,
       "wc_normed": role.wc_normed, "tied_qkv": role.tied_qkv})
@@ -68,7 +66,7 @@ def config_json(cfg: Config, schedule: Schedule, ties: HeadTies | None) -> dict:
     "layer_plans": layer_plans(schedule),
     "head_index": {k: [list(r) for r in ties.index[k]] for k in MATRICES} if ties else None,
     "head_rows": {k: len(ties.rows[k]) for k in MATRICES} if ties else None,
-    "torch_dtype": m.param_dtype, "jaxshare_config": to_yaml(cfg),
+    "dtype": m.dtype, "jaxshare_config": to_yaml(cfg),
     **({"jaxshare_head_ties": ties.to_json()} if ties else {})}
 
 
@@ -117,8 +115,10 @@ def _norm(hf: str, path: str) -> list[Rule]:
   return [same(hf + ".weight", path + "/scale", lambda n: (n.D,)), same(hf + ".bias", path + "/bias", lambda n: (n.D,))]
 
 
-def architecture(rows: dict[str, int] | None) -> Architecture:
-  """The remote-code table; ``rows``: head-wise sharing's stored rows per matrix (None without)."""
+def architecture(ties: HeadTies | None) -> Architecture:
+  """The remote-code table; ``ties``: head-wise sharing's (its stored rows are global tensors), None without."""
+  rows = {m: len(r) for m, r in ties.rows.items()} if ties is not None else None
+
   def global_rules(cfg) -> list[Rule]:
     rules = [same("model.embed_tokens.weight", "embedding", lambda n: (n.V, n.D)), *_norm("model.norm", "final_norm"),
              linear("lm_head.weight", "lm_head/kernel", lambda n: (n.D,), lambda n: (n.V,))]
@@ -154,9 +154,15 @@ def architecture(rows: dict[str, int] | None) -> Architecture:
                       layer_dims=_layer_dims, rules_by_presence=True)
 
 
+def _role(schedule: Schedule, layer: int) -> tuple[LayerRole, int]:
+  """A layer's role and the first layer of its superblock (the role's positions count from there)."""
+  s_idx, c, r_idx, _ = P.layer_location(schedule, layer)
+  stack = schedule.stacks[s_idx]
+  return stack.runs[r_idx].role, stack.start + c * stack.superblock_size
+
+
 def _layer_dims(dims: Dims, schedule: Schedule, layer: int) -> Dims:
-  s_idx, _, r_idx, _ = P.layer_location(schedule, layer)
-  role = schedule.stacks[s_idx].runs[r_idx].role
+  role, _ = _role(schedule, layer)
   return dataclasses.replace(dims, G=role.num_kv_heads, r=role.lisa_rank, A=role.lisa_hidden)
 
 
@@ -175,16 +181,17 @@ def read_config(config: dict, overrides) -> tuple[Config, Schedule, HeadTies | N
   text = config.get("jaxshare_config")
   if not isinstance(text, str):
     raise UnsupportedModelError(f"config.json says {ARCHITECTURE} but has no 'jaxshare_config' text")
-  cfg = apply_overrides(config_from_yaml_text(text), overrides)
-  schedule = compile_schedule(cfg.model, cfg.schedule)
-  ties = _read_ties(config, cfg, schedule)
-  expected = config_json(cfg, schedule, ties)
-  changed = [k for k, v in expected.items() if k not in ("jaxshare_config", "torch_dtype") and config.get(k) != v]
+  exported = config_from_yaml_text(text)
+  schedule = compile_schedule(exported.model, exported.schedule)
+  expected = config_json(exported, schedule, _read_ties(config, exported, schedule))
+  changed = [k for k, v in expected.items() if k not in ("jaxshare_config", "dtype") and config.get(k) != v]
   if changed:
     k = changed[0]
     raise UnsupportedModelError(f"config.json {k}={config.get(k)!r} disagrees with its jaxshare_config, which gives "
                                 f"{expected[k]!r} (edited by hand?): export the run again")
-  return cfg, schedule, ties
+  cfg = apply_overrides(exported, overrides)  # train.* / data.* for the imported run
+  schedule = compile_schedule(cfg.model, cfg.schedule)
+  return cfg, schedule, _read_ties(config, cfg, schedule)
 
 
 def _read_ties(config: dict, cfg: Config, schedule: Schedule) -> HeadTies | None:

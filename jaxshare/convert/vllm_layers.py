@@ -1,9 +1,10 @@
 """What vLLM can serve of a remote-code export: the K/V sharing of each layer as vLLM's attention layer names.
 
 vLLM's ``Attention(..., kv_sharing_target_layer_name=...)`` gives a layer no KV cache of its own: it reads the named
-earlier layer's (Gemma3n's shared suffix uses it). That expresses GQA, MQA, CLA, MLKV and per-layer K/V head counts;
-no vLLM attention reuses another layer's probabilities or logits, adds UniAttn's ``x W_c`` or ties heads across
-layers, so those schedules are refused, naming the feature and the first layer that has it. Pure Python on the
+earlier layer's (Gemma3n's shared suffix uses it). With one K/V head count for the model (vLLM's Llama reads one
+``num_key_value_heads``) that expresses GQA, MQA, CLA and MLKV; no vLLM attention reuses another layer's probabilities
+or logits, adds UniAttn's ``x W_c`` or ties heads across layers, and per-layer head counts are not expressed either,
+so those schedules are refused, naming the feature and the first layer that has it. Pure Python on the
 exported ``config.json`` (no vLLM import), so the mapping is tested on any machine.
 """
 
@@ -39,10 +40,9 @@ def kv_sharing_targets(config: dict) -> list[str | None]:
       if plan.get(key) == value:
         raise VLLMUnsupportedError(f"vLLM cannot serve {feature}: layer_plans[{i}].{key}={value!r}; serve this "
                                    "model with transformers (trust_remote_code=True)")
-  targets = []
-  for i, plan in enumerate(plans):
-    source = plan["kv_source"]
-    if source != i and plans[source]["num_kv_heads"] != plan["num_kv_heads"]:
-      raise VLLMUnsupportedError(f"layer_plans[{i}] reads layer {source}'s K/V with another head count")
-    targets.append(None if source == i else ATTENTION_NAME.format(i=source))
-  return targets
+  heads = [plan["num_kv_heads"] for plan in plans]
+  if len(set(heads)) > 1:
+    i = next(i for i, h in enumerate(heads) if h != heads[0])
+    raise VLLMUnsupportedError(f"vLLM cannot serve per-layer K/V head counts: layer_plans[{i}].num_kv_heads="
+                               f"{heads[i]} but layer 0 has {heads[0]}")
+  return [None if plan["kv_source"] == i else ATTENTION_NAME.format(i=plan["kv_source"]) for i, plan in enumerate(plans)]

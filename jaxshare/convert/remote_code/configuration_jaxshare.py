@@ -7,11 +7,12 @@ modeling code needs no schedule language:
 - ``kv_source``: the layer whose K/V this layer attends with (itself: a producer; CLA, MLKV consumers name another);
 - ``num_kv_heads``: the K/V heads G it attends with (GQA/MQA/MLKV);
 - ``score_reuse``: ``""`` (own softmax), ``"probs"`` (the probabilities of layer ``score_source``: Shared Attention,
-  UniAttn) or ``"logits"`` (the previous layer's pre-softmax logits: LISA family), with ``integrator`` (``none`` DS,
+  UniAttn) or ``"logits"`` (the pre-softmax logits of layer ``score_source``, the previous one: LISA family), with ``integrator`` (``none`` DS,
   ``add`` LISA_plus, ``linear``/``ffn`` LISA's head aligners), ``lisa_rank``, ``lisa_hidden``, ``lisa_rope`` and
   ``keep_qk`` (W_q/W_k kept for LISA's NF prefill);
 - ``feeds``: what later layers reuse from this layer's own scores (``""``, ``"probs"``, ``"logits"``);
-- ``compensation`` / ``wc_normed``: UniAttn's ``x W_c`` (Eq. 5) added to the attention output, reading Norm(x);
+- ``compensation`` / ``wc_normed``: UniAttn's ``x W_c`` (Eq. 5) added to the attention output (``Norm(x) W_c`` when
+  ``wc_normed``);
 - ``tied_qkv``: head-wise sharing (DirectShare): W_q, W_k, W_v are rows of the model's head table, chosen per head
   by ``head_index`` (``{"q"|"k"|"v": [L][H] row}``).
 """
@@ -74,8 +75,12 @@ class JaxshareConfig(PretrainedConfig):
     if len(self.layer_plans) != self.num_hidden_layers:
       raise ValueError(f"layer_plans has {len(self.layer_plans)} entries; num_hidden_layers={self.num_hidden_layers}")
     for i, plan in enumerate(self.layer_plans):
-      src = plan.get("kv_source", i)
-      if not 0 <= src <= i or self.layer_plans[src].get("kv_source", src) != src:
+      unknown = sorted(set(plan) - set(LAYER_KEYS))
+      if unknown or "kv_source" not in plan or "num_kv_heads" not in plan:
+        raise ValueError(f"layer_plans[{i}] has keys {sorted(plan)}: allowed {list(LAYER_KEYS)}, kv_source and "
+                         "num_kv_heads required")
+      src = plan["kv_source"]
+      if not 0 <= src <= i or self.layer_plans[src]["kv_source"] != src:
         raise ValueError(f"layer_plans[{i}].kv_source={src}: must name this or an earlier producer layer")
       if plan.get("score_reuse") == "logits" and src != i and plan.get("integrator", "none") != "none":
         raise ValueError(f"layer_plans[{i}]: a LISA layer with a low-rank delta must project its own K/V")

@@ -179,7 +179,7 @@ class Attention(nn.Module):
     self.layer_idx, self.plan = layer_idx, plan
     D, H, d = config.hidden_size, config.num_attention_heads, config.head_dim
     G, bias = plan["num_kv_heads"], config.attention_bias
-    self.H, self.G, self.d, self.window = H, G, d, config.sliding_window or 0
+    self.H, self.G, self.d = H, G, d
     self.producer = plan["kv_source"] == layer_idx
     self.reuse, self.integrator = plan.get("score_reuse", ""), plan.get("integrator", "")
     self.feeds, self.rank = plan.get("feeds", ""), plan.get("lisa_rank", 0)
@@ -253,12 +253,15 @@ class Attention(nn.Module):
     elif self.reuse == "probs":
       probs = step.handed[self.plan["score_source"]]
     else:
-      if step.nf_prefill and self.q_proj is not None:  # LISA Sec. 4: the original attention over the prompt
+      if step.nf_prefill:  # LISA Sec. 4: the original attention over the prompt
+        if self.q_proj is None or self.k_proj is None:
+          raise ValueError("lisa_nf_prefill attends with the LISA layers' original W_q/W_k; this model did not keep "
+                           "them (jaxshare's schedule.lisa.keep_qk)")
         q = apply_rope(heads(self.q_proj(x), self.H), pos, inv_freq)
         k_full = apply_rope(heads(self.k_proj(x), self.G), pos, inv_freq)
         logits = scores(q, k_full, scale)
       else:
-        logits = step.handed[i - 1]
+        logits = step.handed.pop(i - 1)  # the chain's only reader: free it as the next layer's logits are made
         if self.low_rank:
           delta = scores(q_lr, k, self.rank ** -0.5)
           logits = self._integrate(logits, delta)
@@ -300,7 +303,7 @@ class HeadTable(nn.Module):
   def __init__(self, config: JaxshareConfig):
     super().__init__()
     D, d = config.hidden_size, config.head_dim
-    self.index = config.head_index  # plain lists (see Attention.inv_freq)
+    self.index = config.head_index  # plain lists, not buffers (see Attention.__init__ on the meta device)
     for m in ("q", "k", "v"):
       setattr(self, m, nn.Parameter(torch.zeros(config.head_rows[m], D, d)))
 
@@ -313,7 +316,6 @@ class JaxsharePreTrainedModel(PreTrainedModel):
   config_class = JaxshareConfig
   base_model_prefix = "model"
   _no_split_modules = ["DecoderLayer"]
-  _supports_cache_class = True
 
   def _init_weights(self, module):
     std = 0.02
@@ -358,7 +360,7 @@ class JaxshareModel(JaxsharePreTrainedModel):
     if self.config.sliding_window:
       allowed = allowed & (offset < self.config.sliding_window)
     mask = (keep[:, None, :] & allowed[None])[:, None]  # [B, 1, n, S]
-    step = Step(position_ids, mask, cache, self.config.lisa_nf_prefill and past == 0)
+    step = Step(position_ids, mask, cache, self.config.lisa_nf_prefill and cache is not None and past == 0)
     x = self.embed_tokens(input_ids)
     for i, layer in enumerate(self.layers):
       x = layer(x, step, self.head_table.kernels(i) if self.head_table is not None and
@@ -385,13 +387,13 @@ class JaxshareForCausalLM(JaxsharePreTrainedModel, GenerationMixin):
   def forward(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
               position_ids: torch.LongTensor | None = None, cache: Cache | None = None,
               labels: torch.LongTensor | None = None, use_cache: bool | None = None,
-              logits_to_keep: int = 0, past_key_values: Cache | None = None, **kwargs) -> CausalLMOutputWithPast:
-    """Logits ``[B, n, V]`` float32 (the last ``logits_to_keep`` positions when > 0) and the cache; with
-    ``labels`` also the mean next-token cross-entropy (labels -100 ignored)."""
+              logits_to_keep: int | torch.Tensor = 0, past_key_values: Cache | None = None, **kwargs) -> CausalLMOutputWithPast:
+    """Logits ``[B, n, V]`` float32 (only the last ``logits_to_keep`` positions, or those indexed, unless ``labels``
+    are given) and the cache; with ``labels`` also the mean next-token cross-entropy (labels -100 ignored)."""
     cache = cache if cache is not None else past_key_values
     hidden, cache = self.model(input_ids, attention_mask, position_ids, cache, use_cache)
-    if logits_to_keep:
-      hidden = hidden[:, -logits_to_keep:]
+    if labels is None and not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
+      hidden = hidden[:, slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep]
     logits = self.lm_head(hidden).float()
     loss = None
     if labels is not None:
