@@ -39,6 +39,7 @@ CASES = {
   "neox_mlkv": ["model.flavor=neox", "schedule.kind=mlkv", "schedule.kv_layers=2", "schedule.kv_heads=2"],
   "window_tied_cla": ["model.sliding_window=6", "model.tie_embeddings=true", "schedule.kind=cla"],
   "per_layer_gqa": ["schedule.kind=gqa", "schedule.kv_heads_per_layer=[4,2,2,1]"],
+  "mlkv_matched": ["schedule.kind=mlkv", "schedule.kv_layers=2", "schedule.kv_heads=1", "schedule.match_params=true"],
 }
 NEW_TOKENS = 32
 
@@ -80,7 +81,8 @@ def test_remote_code_model_equals_jaxshare(tmp_path, kind):
   jax_model = nnx.merge(setup.graphdef, params)
 
   # logits of a left-padded batch: jaxshare's cached prefill of the same rows
-  cache = init_cache(cfg.model, setup.schedule, len(prompts), ids.shape[1], start=jnp.asarray(ids.shape[1] - mask.sum(1)))
+  start = jnp.asarray(ids.shape[1] - mask.sum(1))
+  cache = init_cache(cfg.model, setup.schedule, len(prompts), ids.shape[1], start=start)
   want, _ = jax_model.decode(jnp.asarray(ids, jnp.int32), cache)
   with torch.no_grad():
     got = model(torch.from_numpy(ids), attention_mask=torch.from_numpy(mask), use_cache=True)

@@ -84,7 +84,8 @@ def export_params(cfg: Config, schedule: Schedule, params: dict, out_dir: str | 
     if tokenizer_dir is None:  # the byte tokenizer: EOS (and padding) is byte 0
       config.update(bos_token_id=None, eos_token_id=0, pad_token_id=0)
   else:
-    groups = params_to_hf(remote.architecture(ties), cfg, dims(cfg), schedule, params, progress=progress)
+    groups = params_to_hf(remote.architecture(cfg, schedule, ties), cfg, dims(cfg), schedule, params,
+                          progress=progress)
     config = remote.config_json(cfg, schedule, ties)
     remote.copy_code(out)
     if tokenizer_dir is None:

@@ -65,8 +65,8 @@ def load_hf_model(directory: str | Path | HFCheckpoint, overrides: Sequence[str]
   if ckpt.architecture == remote.ARCHITECTURE:  # a jaxshare model with a sharing schedule, exported by us
     cfg, schedule, ties = remote.read_config(ckpt.config, overrides)
     graphdef, abstract = abstract_params(cfg, schedule, ties)
-    params = hf_to_params(remote.architecture(ties), cfg, dims(cfg), schedule, _template(abstract, scratch_dir),
-                          ckpt.read, ckpt.names(), progress=progress)
+    params = hf_to_params(remote.architecture(cfg, schedule, ties), cfg, dims(cfg), schedule,
+                          _template(abstract, scratch_dir), ckpt.read, ckpt.names(), progress=progress)
     return Run(None, cfg, schedule, ties, graphdef, params, 0, None)
   arch = architecture_for(ckpt)
   cfg = load_config(None, arch.config_overrides(ckpt.config) + list(overrides))

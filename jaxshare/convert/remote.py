@@ -115,9 +115,16 @@ def _norm(hf: str, path: str) -> list[Rule]:
   return [same(hf + ".weight", path + "/scale", lambda n: (n.D,)), same(hf + ".bias", path + "/bias", lambda n: (n.D,))]
 
 
-def architecture(ties: HeadTies | None) -> Architecture:
-  """The remote-code table; ``ties``: head-wise sharing's (its stored rows are global tensors), None without."""
+def architecture(cfg: Config, schedule: Schedule, ties: HeadTies | None) -> Architecture:
+  """The remote-code table of a model: every layer's dimensions from its role and the MLP width the model is built
+  with (widened when the schedule matches parameters); ``ties``: head-wise sharing's (its stored rows are global
+  tensors), None without."""
   rows = {m: len(r) for m, r in ties.rows.items()} if ties is not None else None
+  mlp = schedule_mlp_dim(cfg, schedule)
+
+  def layer_dims(dims: Dims, schedule: Schedule, layer: int) -> Dims:
+    role, _ = _role(schedule, layer)
+    return dataclasses.replace(dims, G=role.num_kv_heads, r=role.lisa_rank, A=role.lisa_hidden, F=mlp)
 
   def global_rules(cfg) -> list[Rule]:
     rules = [same("model.embed_tokens.weight", "embedding", lambda n: (n.V, n.D)), *_norm("model.norm", "final_norm"),
@@ -151,7 +158,7 @@ def architecture(ties: HeadTies | None) -> Architecture:
     ]
 
   return Architecture((ARCHITECTURE, MODEL_TYPE), lambda config: [], lambda cfg: {}, global_rules, layer_rules,
-                      layer_dims=_layer_dims, rules_by_presence=True)
+                      layer_dims=layer_dims, rules_by_presence=True)
 
 
 def _role(schedule: Schedule, layer: int) -> tuple[LayerRole, int]:
@@ -159,11 +166,6 @@ def _role(schedule: Schedule, layer: int) -> tuple[LayerRole, int]:
   s_idx, c, r_idx, _ = P.layer_location(schedule, layer)
   stack = schedule.stacks[s_idx]
   return stack.runs[r_idx].role, stack.start + c * stack.superblock_size
-
-
-def _layer_dims(dims: Dims, schedule: Schedule, layer: int) -> Dims:
-  role, _ = _role(schedule, layer)
-  return dataclasses.replace(dims, G=role.num_kv_heads, r=role.lisa_rank, A=role.lisa_hidden)
 
 
 def read_config(config: dict, overrides) -> tuple[Config, Schedule, HeadTies | None]:

@@ -45,4 +45,5 @@ def kv_sharing_targets(config: dict) -> list[str | None]:
     i = next(i for i, h in enumerate(heads) if h != heads[0])
     raise VLLMUnsupportedError(f"vLLM cannot serve per-layer K/V head counts: layer_plans[{i}].num_kv_heads="
                                f"{heads[i]} but layer 0 has {heads[0]}")
-  return [None if plan["kv_source"] == i else ATTENTION_NAME.format(i=plan["kv_source"]) for i, plan in enumerate(plans)]
+  return [None if plan["kv_source"] == i else ATTENTION_NAME.format(i=plan["kv_source"])
+          for i, plan in enumerate(plans)]

@@ -7,9 +7,9 @@ modeling code needs no schedule language:
 - ``kv_source``: the layer whose K/V this layer attends with (itself: a producer; CLA, MLKV consumers name another);
 - ``num_kv_heads``: the K/V heads G it attends with (GQA/MQA/MLKV);
 - ``score_reuse``: ``""`` (own softmax), ``"probs"`` (the probabilities of layer ``score_source``: Shared Attention,
-  UniAttn) or ``"logits"`` (the pre-softmax logits of layer ``score_source``, the previous one: LISA family), with ``integrator`` (``none`` DS,
-  ``add`` LISA_plus, ``linear``/``ffn`` LISA's head aligners), ``lisa_rank``, ``lisa_hidden``, ``lisa_rope`` and
-  ``keep_qk`` (W_q/W_k kept for LISA's NF prefill);
+  UniAttn) or ``"logits"`` (the pre-softmax logits of layer ``score_source``, the previous one: LISA family), with
+  ``integrator`` (``none`` DS, ``add`` LISA_plus, ``linear``/``ffn`` LISA's head aligners), ``lisa_rank``,
+  ``lisa_hidden``, ``lisa_rope`` and ``keep_qk`` (W_q/W_k kept for LISA's NF prefill);
 - ``feeds``: what later layers reuse from this layer's own scores (``""``, ``"probs"``, ``"logits"``);
 - ``compensation`` / ``wc_normed``: UniAttn's ``x W_c`` (Eq. 5) added to the attention output (``Norm(x) W_c`` when
   ``wc_normed``);

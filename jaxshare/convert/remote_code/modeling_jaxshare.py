@@ -137,7 +137,7 @@ def heads(x: torch.Tensor, num: int) -> torch.Tensor:
 
 
 def scores(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
-  """Float32 logits ``scale · q kᵀ`` ``[B, H, n, S]`` of ``q [B, H, n, e]`` and ``k [B, G, S, e]``: query head h reads
+  """Float32 logits ``scale · q kᵀ`` ``[B, H, n, S]`` of ``q [B, H, n, e]``, ``k [B, G, S, e]``: query head h reads
   K/V head ``h // (H / G)``, grouped by a reshape (the cache is never copied per query head)."""
   b, h, n, e = q.shape
   g = k.shape[1]
@@ -387,7 +387,8 @@ class JaxshareForCausalLM(JaxsharePreTrainedModel, GenerationMixin):
   def forward(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
               position_ids: torch.LongTensor | None = None, cache: Cache | None = None,
               labels: torch.LongTensor | None = None, use_cache: bool | None = None,
-              logits_to_keep: int | torch.Tensor = 0, past_key_values: Cache | None = None, **kwargs) -> CausalLMOutputWithPast:
+              logits_to_keep: int | torch.Tensor = 0, past_key_values: Cache | None = None,
+              **kwargs) -> CausalLMOutputWithPast:
     """Logits ``[B, n, V]`` float32 (only the last ``logits_to_keep`` positions, or those indexed, unless ``labels``
     are given) and the cache; with ``labels`` also the mean next-token cross-entropy (labels -100 ignored)."""
     cache = cache if cache is not None else past_key_values
