@@ -278,7 +278,7 @@ def test_slurm_launcher_starts_a_two_process_run(tmp_path, corpus):
   bin_dir, logs, runs = tmp_path / "bin", tmp_path / "logs", tmp_path / "runs"
   fake_tool(bin_dir, "sbatch", FAKE_SBATCH)
   fake_tool(bin_dir, "srun", FAKE_SRUN)
-  env = {**cpu_env(1), "PATH": f"{bin_dir}:{os.environ['PATH']}", "FAKE_JOB_ID": str(_free_slurm_port() - 61440)}
+  env = {**cpu_env(1, xla_cache=False), "PATH": f"{bin_dir}:{os.environ['PATH']}", "FAKE_JOB_ID": str(_free_slurm_port() - 61440)}
   cmd = [str(SLURM), "--nodes", "1", "--gpus-per-node", "2", "--run-root", str(runs), "--run-name", "two",
          "--log-dir", str(logs), "--venv", sys.prefix, "--config", "configs/experiments/shakespeare_cla2.yaml", "--",
          *TINY]

@@ -117,7 +117,7 @@ def _free_port() -> int:
 
 def _start_two_processes(run_dir, *overrides) -> list[subprocess.Popen]:
   """``train.py`` as two processes of 4 CPU devices each, joined through a coordinator on localhost."""
-  env = cpu_env(4)
+  env = cpu_env(4, xla_cache=False)
   port = _free_port()
   return [subprocess.Popen(
     [sys.executable, "-u", "train.py", "--no-eval", *RESUMABLE, f"train.run_dir={run_dir}", "mesh.fsdp=4",
