@@ -8,23 +8,25 @@ import os
 # thread: a tiny train step compiles in ~0.9 s instead of ~6 s. The programs mean the same; `make train`, the
 # benchmarks and the ahead-of-time memory reports (OPTIMIZED_ENV) compile as production does.
 #
-# With JAXSHARE_TEST_XLA_CACHE set, XLA's persistent compilation cache is shared by every test process and the
-# train.py children they start, and kept between runs (XLA_CACHE below): a program compiled once by any earlier test
-# or run is read back instead of compiled again. Its key is the program's HLO, the compile options, the XLA flags and
-# the jax/jaxlib versions, so an entry can only answer for the identical program. The cache runs without jax's size
-# limit: with one, every write lists and stats the whole directory under a file lock (the suite writes ~10,000
-# entries, and that scan doubled its wall time); the directory is emptied instead when a session starts above
-# XLA_CACHE_MAX_BYTES. A partial entry, read while another process writes it, fails zstd's frame check and is
-# recompiled. Production-compiled children (OPTIMIZED_ENV) never use it: the one crash seen with the cache (a SIGSEGV
-# deserialising an executable, jax 0.10.2) was under XLA:CPU's default multi-module codegen.
+# XLA's persistent compilation cache is shared by every test process and the train.py children they start, and kept
+# between runs in a directory the suite owns (XLA_CACHE below): a program compiled once by any earlier test or run is
+# read back instead of compiled again. Its key is the program's HLO (debug locations stripped), the compile options,
+# the XLA flags and the jax/jaxlib versions, so an entry can only answer for the identical program: a changed program
+# misses. The cache runs without jax's size limit: with one, every write lists and stats the whole directory under a
+# file lock (the suite writes ~10,000 entries, and that scan doubled its wall time); the directory is emptied instead
+# when a session starts above XLA_CACHE_MAX_BYTES. A partial entry, read while another process writes it, fails
+# zstd's frame check and is recompiled. Production-compiled children (OPTIMIZED_ENV) never use it: the one crash seen
+# with the cache (a SIGSEGV deserialising an executable, jax 0.10.2) was under XLA:CPU's default multi-module
+# codegen. Nor do the processes of a multi-process run (cpu_env's xla_cache=False): with it, a SIGTERM to one of two
+# processes under the suite's load left both running past the test's limit.
 FAST_COMPILE_FLAGS = ("--xla_cpu_use_fusion_emitters=false --xla_cpu_use_xnnpack=false "
                       "--xla_cpu_parallel_codegen_split_count=1")
 
 
-# The suite's directory for XLA's persistent cache: opt-in, JAXSHARE_TEST_XLA_CACHE=DIR (e.g. ~/.cache/jaxshare-tests/
-# xla). Off by default: with it, the two-process runs of tests/test_multihost.py failed under the suite's load (a
-# SIGTERM to one process left both running; a resumed pair timed out), which they never did without it.
-XLA_CACHE = os.environ.get("JAXSHARE_TEST_XLA_CACHE", "")
+# The suite's directory for XLA's persistent cache: JAXSHARE_TEST_XLA_CACHE=DIR to move it, =off to compile everything.
+_CACHE_HOME = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+XLA_CACHE = os.environ.get("JAXSHARE_TEST_XLA_CACHE", os.path.join(_CACHE_HOME, "jaxshare-tests", "xla"))
+XLA_CACHE = "" if XLA_CACHE == "off" else XLA_CACHE
 XLA_CACHE_MAX_BYTES = 2 << 30
 _XLA_CACHE_ENV = {"JAX_COMPILATION_CACHE_DIR": XLA_CACHE, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
                   "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"} if XLA_CACHE else {}
@@ -77,11 +79,16 @@ CORPUS = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
 TINY = ["model.num_layers=4", "model.d_model=32", "model.num_heads=4", "model.mlp_dim=64",
         "data.seq_len=32", "train.batch_size=8", "train.steps=20", "train.warmup_steps=2",
         "train.log_every=5", "train.eval_every=10", "train.eval_batches=2", "train.checkpoint_every=10",
-        "train.progress_bar=false", "train.lr=3e-3"]
+        "train.progress_bar=false", "train.lr=3e-3",
+        # a configured MFU peak: measuring the host's roofline costs each train.py process ~0.5 s
+        # (tests/test_metrics.py and test_train.py's real run measure it)
+        "train.peak_tflops=0.1"]
 
 
+@functools.cache
 def tiny_config(*overrides: str):
-  """A very small model (fast to compile) on the real corpus."""
+  """A very small model (fast to compile) on the real corpus. Memoised: a config is a frozen value, and composing
+  one through OmegaConf took ~5% of the model tests' time, most of it for configs an earlier case had built."""
   return load_config(None, TINY + list(overrides))
 
 

@@ -45,7 +45,7 @@ KINDS = {
 UPTRAIN_KINDS = [k for k in KINDS if k not in ("dense", "postshare")]
 
 STEPS = ["train.steps=4", "train.checkpoint_every=2", "train.log_every=1", "train.eval_every=4",
-         "train.eval_batches=1", "train.warmup_steps=1", "train.peak_tflops=0.1"]
+         "train.eval_batches=1", "train.warmup_steps=1"]
 PROMPT = "ROMEO:"
 
 

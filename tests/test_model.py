@@ -17,7 +17,20 @@ from jaxshare.schedule import compile_schedule
 
 
 def randomized(cfg, seed=0):
-  """A model whose every parameter (norm scales and biases included) is random, and its pure-dict params."""
+  """A model whose every parameter (norm scales and biases included) is random, and its pure-dict params.
+  Memoised per (config, seed): the parametrised tests of a schedule share one model (building one eagerly costs
+  more than its jitted forward), and its graph definition, equal across them, hits the jitted forwards' caches."""
+  key = (repr(cfg), seed)  # configs hold lists: unhashable, but a frozen config's repr names it
+  if key not in _RANDOMIZED:
+    _RANDOMIZED[key] = _build_randomized(cfg, seed)
+  schedule, graphdef, params = _RANDOMIZED[key]
+  return schedule, graphdef, jax.tree.map(lambda a: a, params)  # new dicts: a caller's edit stays its own
+
+
+_RANDOMIZED: dict = {}
+
+
+def _build_randomized(cfg, seed):
   schedule = compile_schedule(cfg.model, cfg.schedule)
   model = build_model(cfg, schedule, seed, compute_ties(cfg, schedule, seed))
   graphdef, state = nnx.split(model, nnx.Param)

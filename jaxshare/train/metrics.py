@@ -20,6 +20,23 @@ _PEAK_TFLOPS = (("v6 lite", 918.0), ("v6e", 918.0), ("v5 lite", 197.0), ("v5e", 
                 ("v5", 459.0), ("v4", 275.0), ("h200", 989.0), ("h100", 989.0), ("a100", 312.0), ("l4", 121.0))
 
 
+def _summary_writer(logdir: str):
+  """tensorboardX's ``SummaryWriter`` for ``logdir``, imported without PyTorch: tensorboardX imports torch whenever
+  it is installed (the ``hf`` extra installs it) only to accept torch tensors, which a JAX run never logs, and that
+  import cost ~2 s of every run's start-up. Imported here, not at module level: it pulls protobuf."""
+  import sys
+
+  blocked = "torch" not in sys.modules
+  if blocked:
+    sys.modules["torch"] = None  # makes `import torch` raise ImportError, which tensorboardX handles
+  try:
+    from tensorboardX import SummaryWriter
+  finally:
+    if blocked:
+      del sys.modules["torch"]
+  return SummaryWriter(logdir)
+
+
 @dataclasses.dataclass(frozen=True)
 class Peak:
   """What MFU divides by.
@@ -112,9 +129,7 @@ class MetricsLogger:
       self._file = self.path.open("a")
     else:
       self._lines = kept
-    from tensorboardX import SummaryWriter  # import here: pulls protobuf, only needed for a real run
-
-    self._tb = SummaryWriter(str(self.run_dir / "tensorboard"))
+    self._tb = _summary_writer(str(self.run_dir / "tensorboard"))
     self._bar = tqdm(total=total_steps, initial=start_step, disable=not progress_bar, dynamic_ncols=True,
                      unit="step", leave=False)
 
