@@ -42,6 +42,7 @@ COMMAND_TESTS = {
   "scripts/tune_attention.py": [("tests/test_scripts.py", "tune_attention.main")],
   "scripts/bench_decode.py": [("tests/test_scripts.py", _IMPORTED)],
   "scripts/hf_generate.py": [("tests/test_remote_code.py", "hf_generate.py")],
+  "scripts/vllm_generate.py": [("tests/test_scripts.py", _IMPORTED)],  # needs vLLM on a GPU
   "scripts/bench_convert.py": [("tests/test_scripts.py", _IMPORTED)],
   "scripts/bench_data.py": [("tests/test_scripts.py", "scripts/bench_data.py")],
   "scripts/config_reference.py": [("tests/test_docs.py", "config_reference.py")],
