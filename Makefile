@@ -33,10 +33,9 @@ install-dev: $(VENV)/.installed-dev
 train: install
 	$(PY) train.py --config $(EXPERIMENT) $(ARGS)
 
-## Run the whole test suite (slow real-corpus runs included). Whole test files per worker (--dist loadscope): a file's
-## module fixtures (reference runs, trained sources, one-device curves) are computed once, not once per worker.
+## Run the whole test suite (slow real-corpus runs included).
 test: install-dev $(LIBTPU)/.installed
-	$(PY) -m pytest -n 2 --dist loadscope -q --durations=25 $(ARGS)
+	$(PY) -m pytest -n 2 -q --durations=25 $(ARGS)
 
 clean:
 	rm -rf runs .pytest_cache
