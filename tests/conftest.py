@@ -24,8 +24,8 @@ FAST_COMPILE_FLAGS = ("--xla_cpu_use_fusion_emitters=false --xla_cpu_use_xnnpack
 
 
 # The suite's directory for XLA's persistent cache, opt-in: JAXSHARE_TEST_XLA_CACHE=DIR (e.g. ~/.cache/jaxshare-tests/
-# xla). Off by default: with it, a test worker crashed (xdist: "worker crashed") in 1 of 4 runs of tests/test_scripts.py
-# beside test_docs/test_layering, in scripts/bench_mfu.py's in-process train steps, and never without it; a crashed
+# xla). Off by default: with it, a test worker crashed (xdist: "worker crashed") in 2 of 4 runs of tests/test_scripts.py
+# beside test_docs/test_layering, in scripts/bench_mfu.py's in-process train steps, not in the run without it; a crashed
 # worker fails CI, which the cache's gain (1220 -> 1022 s for the whole suite, warm) does not pay for.
 XLA_CACHE = os.environ.get("JAXSHARE_TEST_XLA_CACHE", "")
 XLA_CACHE_MAX_BYTES = 2 << 30
