@@ -8,26 +8,29 @@ import os
 # thread: a tiny train step compiles in ~0.9 s instead of ~6 s. The programs mean the same; `make train`, the
 # benchmarks and the ahead-of-time memory reports (OPTIMIZED_ENV) compile as production does.
 #
-# With JAXSHARE_TEST_XLA_CACHE set, XLA's persistent compilation cache is shared by every test process and the
-# train.py children they start, and kept between runs (XLA_CACHE below): a program compiled once by any earlier test or run is
-# read back instead of compiled again. Its key is the program's HLO (debug locations stripped), the compile options,
-# the XLA flags and the jax/jaxlib versions, so an entry can only answer for the identical program: a changed program
-# misses. The cache runs without jax's size limit: with one, every write lists and stats the whole directory under a
-# file lock (the suite writes ~10,000 entries, and that scan doubled its wall time); the directory is emptied instead
-# when a session starts above XLA_CACHE_MAX_BYTES. A partial entry, read while another process writes it, fails
-# zstd's frame check and is recompiled. Production-compiled children (OPTIMIZED_ENV) never use it: the one crash seen
-# with the cache (a SIGSEGV deserialising an executable, jax 0.10.2) was under XLA:CPU's default multi-module
-# codegen. Nor do the processes of a multi-process run (cpu_env's xla_cache=False): with it, a SIGTERM to one of two
-# processes under the suite's load left both running past the test's limit.
+# XLA's persistent compilation cache is shared by every test process and the train.py children they start, and kept
+# between runs (XLA_CACHE below): a program compiled once by any earlier test or run is read back instead of compiled
+# again. Its key is the program's HLO (debug locations stripped), the compile options, the XLA flags and the jax/jaxlib
+# versions, so an entry can only answer for the identical program: a changed program misses. The cache runs without
+# jax's size limit: with one, every write lists and stats the whole directory under a file lock (the suite writes
+# ~10,000 entries, and that scan doubled its wall time); the directory is emptied instead when a session starts above
+# XLA_CACHE_MAX_BYTES. Without the limit jax writes an entry in place, and two processes compiling one program at once
+# would write one file together: xla_cache_site/sitecustomize.py, first on every test process's PYTHONPATH, makes each
+# write whole (a temporary file renamed into place). Production-compiled children (OPTIMIZED_ENV) never use the cache:
+# the one crash seen with it (a SIGSEGV deserialising an executable, jax 0.10.2) was under XLA:CPU's default
+# multi-module codegen. Nor do the processes of a multi-process run (cpu_env's xla_cache=False): with it, a SIGTERM to
+# one of two processes under the suite's load left both running past the test's limit. Every test process runs with
+# Python's faulthandler, so a crash in XLA leaves its stack in the output.
 FAST_COMPILE_FLAGS = ("--xla_cpu_use_fusion_emitters=false --xla_cpu_use_xnnpack=false "
                       "--xla_cpu_parallel_codegen_split_count=1")
 
 
-# The suite's directory for XLA's persistent cache, opt-in: JAXSHARE_TEST_XLA_CACHE=DIR (e.g. ~/.cache/jaxshare-tests/
-# xla). Off by default: with it, a test worker crashed (xdist: "worker crashed") in 2 of 4 runs of tests/test_scripts.py
-# beside test_docs/test_layering, in scripts/bench_mfu.py's in-process train steps, not in the run without it; a crashed
-# worker fails CI, which the cache's gain (1220 -> 1022 s for the whole suite, warm) does not pay for.
-XLA_CACHE = os.environ.get("JAXSHARE_TEST_XLA_CACHE", "")
+# The suite's directory for XLA's persistent cache: JAXSHARE_TEST_XLA_CACHE=DIR, or off; by default
+# $XDG_CACHE_HOME/jaxshare-tests/xla (~/.cache/...), so that later runs on the machine start warm.
+_XLA_CACHE_SETTING = os.environ.get("JAXSHARE_TEST_XLA_CACHE", "")
+XLA_CACHE = "" if _XLA_CACHE_SETTING == "off" else _XLA_CACHE_SETTING or os.path.join(
+  os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "jaxshare-tests", "xla")
+_SITE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "xla_cache_site")
 XLA_CACHE_MAX_BYTES = 2 << 30
 _XLA_CACHE_ENV = {"JAX_COMPILATION_CACHE_DIR": XLA_CACHE, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
                   "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"} if XLA_CACHE else {}
@@ -57,7 +60,9 @@ def _prune_xla_cache() -> None:
 
 
 _prune_xla_cache()
-os.environ.update(cpu_env(8))
+os.environ.update(cpu_env(8), PYTHONFAULTHANDLER="1",
+                  PYTHONPATH=os.pathsep.join(p for p in (_SITE, os.environ.get("PYTHONPATH", "")) if p))
+import xla_cache_site.sitecustomize  # noqa: E402,F401  (this process, started without that PYTHONPATH)
 # What jaxshare caches (tokenizer backends) goes to a directory of this run, not the user's ~/.cache.
 os.environ["JAXSHARE_CACHE_DIR"] = __import__("tempfile").mkdtemp(prefix="jaxshare-test-cache-")
 import functools  # noqa: E402
