@@ -31,6 +31,7 @@ from jaxshare import accounting, parallel
 from jaxshare.checkpoint import CheckpointError, Checkpointer, absolute, save_params
 from jaxshare.config import Config, ConfigError, MeshConfig, config_from_yaml_text, to_yaml
 from jaxshare.data import Tokenizer, make_tokenizer
+from jaxshare.files import write_atomic
 from jaxshare.model import Transformer
 from jaxshare.model.ties import HeadTies
 from jaxshare.schedule import Schedule, compile_schedule
@@ -71,16 +72,12 @@ def read_config(run_dir: str | os.PathLike) -> Config:
 
 def write_config(run_dir: str | os.PathLike, cfg: Config) -> None:
   """Write ``config.yaml``, through a temporary file renamed over it: a kill mid-write never leaves a torn one."""
-  run_dir = absolute(run_dir)
-  (run_dir / f".{CONFIG_FILE}.tmp").write_text(to_yaml(cfg))
-  (run_dir / f".{CONFIG_FILE}.tmp").replace(run_dir / CONFIG_FILE)
+  write_atomic(absolute(run_dir) / CONFIG_FILE, to_yaml(cfg))
 
 
 def write_ties(run_dir: str | os.PathLike, ties: HeadTies) -> None:
   """Save head-wise sharing's ties beside the run's checkpoints (atomically, as :func:`write_config`)."""
-  run_dir = absolute(run_dir)
-  (run_dir / f".{TIES_FILE}.tmp").write_text(ties.to_json())
-  (run_dir / f".{TIES_FILE}.tmp").replace(run_dir / TIES_FILE)
+  write_atomic(absolute(run_dir) / TIES_FILE, ties.to_json())
 
 
 def read_ties(run_dir: str | os.PathLike, cfg: Config, schedule: Schedule) -> HeadTies | None:

@@ -105,10 +105,11 @@ def _byte_characters() -> list[str]:
   return [chr(b) if b in printable else chr(next(extra)) for b in range(256)]
 
 
-def _bias(hf: str, path: str, heads) -> Rule:
-  """A ``[heads·width]`` projection bias <-> jaxshare's ``[heads, width]``."""
-  return Rule((hf,), (path,), lambda n: [(heads(n) * (n.r if "_lr" in path else n.d),)],
-              lambda a, n: [a[0].reshape(heads(n), -1)], lambda a, n: [a[0].reshape(-1)])
+def _bias(hf: str, path: str, heads, width) -> Rule:
+  """A ``[heads·width]`` projection bias <-> jaxshare's ``[heads, width]`` (``heads``, ``width``: of the layer's
+  dimensions)."""
+  return Rule((hf,), (path,), lambda n: [(heads(n) * width(n),)],
+              lambda a, n: [a[0].reshape(heads(n), width(n))], lambda a, n: [a[0].reshape(-1)])
 
 
 def _norm(hf: str, path: str) -> list[Rule]:
@@ -135,17 +136,17 @@ def architecture(cfg: Config, schedule: Schedule, ties: HeadTies | None) -> Arch
 
   def layer_rules(cfg) -> list[Rule]:
     a = _L + "self_attn."
-    H, G = (lambda n: n.H), (lambda n: n.G)
+    H, G, d, r = (lambda n: n.H), (lambda n: n.G), (lambda n: n.d), (lambda n: n.r)
     return [
       *_norm(_L + "input_layernorm", "norm1"), *_norm(_L + "post_attention_layernorm", "norm2"),
       *(linear(a + f"{m}_proj.weight", f"attn/{m}_proj/kernel", lambda n: (n.D,), lambda n, h=h: (h(n), n.d))
         for m, h in (("q", H), ("k", G), ("v", G))),
-      *(_bias(a + f"{m}_proj.bias", f"attn/{m}_proj/bias", h) for m, h in (("q", H), ("k", G), ("v", G))),
+      *(_bias(a + f"{m}_proj.bias", f"attn/{m}_proj/bias", h, d) for m, h in (("q", H), ("k", G), ("v", G))),
       linear(a + "o_proj.weight", "attn/o_proj/kernel", lambda n: (n.H, n.d), lambda n: (n.D,)),
       same(a + "o_proj.bias", "attn/o_proj/bias", lambda n: (n.D,)),
       linear(a + "q_lr.weight", "attn/q_lr/kernel", lambda n: (n.D,), lambda n: (n.H, n.r)),
       linear(a + "k_lr.weight", "attn/k_lr/kernel", lambda n: (n.D,), lambda n: (n.G, n.r)),
-      _bias(a + "q_lr.bias", "attn/q_lr/bias", H), _bias(a + "k_lr.bias", "attn/k_lr/bias", G),
+      _bias(a + "q_lr.bias", "attn/q_lr/bias", H, r), _bias(a + "k_lr.bias", "attn/k_lr/bias", G, r),
       same(a + "align_in", "attn/align_in", lambda n: (2 * n.H, n.A)),
       same(a + "align_out", "attn/align_out", lambda n: (n.A, n.H)),
       same(a + "align", "attn/align", lambda n: (2 * n.H, n.H)),

@@ -26,6 +26,7 @@ import numpy as np
 from etils import epath
 
 from jaxshare.data.errors import DataError
+from jaxshare.files import write_atomic
 
 FORMAT = "jaxshare-tokens"
 FORMAT_VERSION = 2  # 2: tokens checksummed per chunk
@@ -117,14 +118,6 @@ def chunk_digest(data: bytes | memoryview) -> str:
 
 def chunk_digests(data: bytes | memoryview) -> tuple[str, ...]:
   return tuple(chunk_digest(data[i:i + CHUNK_BYTES]) for i in range(0, max(len(data), 1), CHUNK_BYTES))
-
-
-def write_atomic(path: epath.Path | os.PathLike, data: bytes | memoryview) -> None:
-  """Write ``data`` to ``path`` under a temporary name, then rename it: a file that exists is whole."""
-  path = epath.Path(path)
-  tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
-  tmp.write_bytes(data)
-  tmp.replace(path)
 
 
 def write_shard(directory: epath.Path, name: str, pieces: list[np.ndarray], lengths: list[int],

@@ -13,7 +13,7 @@ import numpy as np
 
 from jaxshare.config import DataConfig
 from jaxshare.data.errors import DataError
-from jaxshare.data.shards import write_atomic
+from jaxshare.files import write_atomic
 
 
 class Tokenizer(Protocol):

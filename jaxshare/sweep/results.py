@@ -7,21 +7,14 @@ import csv
 import fcntl
 import io
 import math
-import os
 import threading
 from pathlib import Path
 
+from jaxshare.files import write_atomic
 from jaxshare.sweep.spec import Sweep, Trial, rel
 
 FIELDS = ("variant", "seed", "status", "val_loss", "bits_per_byte", "perplexity", "kv_bytes_per_token_bf16",
           "kv_bytes_per_token", "num_params", "step", "schedule", "run_dir", "error")
-
-
-def write_atomic(path: Path, text: str) -> None:
-  """Write a file whole or not at all: readers never see a half-written table."""
-  tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-  tmp.write_text(text)
-  os.replace(tmp, path)
 
 
 def result_row(run: Trial, status: str, report: dict | None = None, error: str = "") -> dict:

@@ -16,7 +16,8 @@ from pathlib import Path
 
 from jaxshare.config import REPO_ROOT
 from jaxshare.sweep.devices import DeviceGroup
-from jaxshare.sweep.results import Results, result_row, write_atomic
+from jaxshare.files import write_atomic
+from jaxshare.sweep.results import Results, result_row
 from jaxshare.sweep.spec import Sweep, Trial, rel
 from jaxshare import exit_codes
 
