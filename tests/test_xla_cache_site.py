@@ -18,7 +18,7 @@ def test_this_process_and_its_children_use_whole_writes():
   assert child.stdout.split() == ["put_whole"], child.stderr[-2000:]
 
 
-@pytest.mark.skipif(not XLA_CACHE, reason="JAXSHARE_TEST_XLA_CACHE=off")
+@pytest.mark.skipif(not XLA_CACHE, reason="the cache is opt-in: JAXSHARE_TEST_XLA_CACHE=DIR")
 def test_the_suite_compiles_through_its_cache():
   import jax
 
