@@ -25,11 +25,14 @@ FAST_COMPILE_FLAGS = ("--xla_cpu_use_fusion_emitters=false --xla_cpu_use_xnnpack
 
 
 # The suite's directory for XLA's persistent cache, opt-in: JAXSHARE_TEST_XLA_CACHE=DIR (e.g. ~/.cache/jaxshare-tests/
-# xla). Off by default: with it a pytest worker aborts now and then (SIGABRT or SIGSEGV) running an executable read
-# back from the cache in-process on the 8-device mesh: 1 of 6 full runs (twice in a row in test_multihost's in-process
-# data 2 x fsdp 4 run, which passes alone), and 2 of 12 runs of tests/test_scripts.py (bench_mfu's in-process steps),
-# the last of them with whole-entry writes. A crashed worker fails CI; the cache's gain (1,314 s cold and 1,031 s warm
-# against 1,387 s for the whole suite) does not pay for that.
+# xla). Off by default: with it a pytest worker aborts now and then running executables read back from the cache
+# in-process on the 8-device mesh (1 of 6 full runs; 2 of 12 runs of tests/test_scripts.py): XLA:CPU's collective
+# rendezvous gives up after 40 s, with the device threads of one RunId at different collectives (6 of 8 at a gradient
+# all-reduce, one per fsdp group at an all-gather), and exits. With a warm cache it happens every time (2 of 2; never
+# without the cache) in `pytest -p no:xdist tests/test_determinism.py tests/test_multihost.py -k "not two_processes and
+# not sigterm and not cannot_read"`, at test_multihost's in-process data 2 x fsdp 4 run, which passes alone. A crashed
+# worker fails CI; the cache's gain (1,314 s cold and 1,031 s warm against 1,313-1,387 s for the whole suite) does not
+# pay for that.
 XLA_CACHE = os.environ.get("JAXSHARE_TEST_XLA_CACHE", "")
 _SITE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "xla_cache_site")
 XLA_CACHE_MAX_BYTES = 2 << 30
