@@ -16,27 +16,20 @@ import importlib.abc
 import importlib.machinery
 import os
 import sys
-import tempfile
 
 _MODULE = "jax._src.lru_cache"
 
 
 def atomic_put(self, key: str, value: bytes) -> None:
-  """``LRUCache.put`` for a cache without eviction: write ``value`` beside the entry, then rename it into place.
-  The first entry stays (as jax's own put keeps it). Raises ValueError for an empty key, as jax's does."""
+  """``LRUCache.put`` for a cache without eviction, through :func:`jaxshare.files.write_atomic`. The first entry
+  stays (as jax's own put keeps it). Raises ValueError for an empty key, as jax's does."""
+  from jaxshare.files import write_atomic
+
   if not key:
     raise ValueError("key cannot be empty")
   path = os.path.join(str(self.path), f"{key}{sys.modules[_MODULE]._CACHE_SUFFIX}")
-  if os.path.exists(path):
-    return
-  fd, tmp = tempfile.mkstemp(dir=str(self.path), prefix=".tmp-")
-  try:
-    with os.fdopen(fd, "wb") as f:
-      f.write(value)
-    os.replace(tmp, path)
-  except BaseException:
-    os.unlink(tmp)
-    raise
+  if not os.path.exists(path):
+    write_atomic(path, value)
 
 
 def patch(module) -> None:
