@@ -3,13 +3,15 @@
 reference, for full attention, a CLA consumer (another layer's K/V) and probability reuse (another layer's Q, K and
 log-sum-exp applied to this layer's V).
 
-On a GPU or TPU: forward and forward+backward milliseconds and TFLOP/s per implementation at each T and head width,
-and the ratios the kernels issue targets (Pallas / cuDNN forward+backward at T = 4096, d = 128; probability reuse
-against full attention). On a CPU there is nothing to time (interpret mode measures the interpreter): the script
-runs the interpret-mode correctness sweep against the reference instead and says so.
+On a GPU or TPU: first the kernels' values and gradients on that backend against the XLA reference (GQA/MQA, packed
+documents, a sliding window, lengths off the tile; ``--no-check`` skips it, and the exit status is 1 when a case is
+out of tolerance), then forward and forward+backward milliseconds and TFLOP/s per implementation at each T and head
+width, and the ratios the kernels issue targets (Pallas / cuDNN forward+backward at T = 4096, d = 128; probability
+reuse against full attention). On a CPU there is nothing to time (interpret mode measures the interpreter): the
+script runs the correctness check in interpret mode instead and says so.
 
 Usage: python scripts/bench_attention.py [--lengths 1024 4096 16384] [--widths 64 128] [--batch 4 --heads 16
-       --kv-heads 4] [--dtype bfloat16] [--repeats 10] [--impls pallas cudnn]
+       --kv-heads 4] [--dtype bfloat16] [--repeats 10] [--impls pallas cudnn] [--no-check]
 """
 
 from __future__ import annotations
@@ -114,21 +116,42 @@ def bench(args, backend: str) -> None:
           print(f"  T={t} d={d}: {i2}/{r2} vs {i1}/{r1}: {a[5] / b[5]:.2f}x speed")
 
 
-def correctness_sweep() -> None:
-  """Interpret-mode kernels against the reference (fp32 and bf16), the numbers a CPU can give."""
-  print("No GPU or TPU: timings need an accelerator. Interpret-mode correctness sweep against the XLA reference:")
-  for t, h, g, d in ((64, 4, 4, 32), (100, 8, 2, 64), (256, 8, 1, 128)):
+def correctness_sweep(backend: str) -> bool:
+  """The Pallas kernels on ``backend`` against the XLA reference, values and gradients (fp32 and bf16), at the
+  backend's own tile sizes: GQA and MQA, packed documents, a sliding window and lengths that are not a multiple of
+  the tile. Prints one line per case and returns whether every relative error is within tolerance (fp32 1e-3,
+  bf16 3e-2, of the largest reference magnitude)."""
+  print(f"Correctness of the Pallas kernels ({backend}) against the XLA reference (values and gradients of q, k, v, "
+        f"v2; error / max |reference|):")
+  ok = True
+  for t, h, g, d, docs, window in ((64, 4, 4, 32, 1, 0), (100, 8, 2, 64, 2, 0), (256, 8, 1, 128, 3, 0),
+                                   (300, 8, 2, 64, 1, 96)):
     for dtype in (jnp.float32, jnp.bfloat16):
-      q, k, v, v2, seg, lse = _inputs(1, t, h, g, d, dtype)
-      pallas = roles(implementations("interpret")["pallas"])
-      ref = roles({"attention": reference.attention, "reuse": reference.attention_from_lse})
-      for role in pallas:
-        got = jax.grad(pallas[role], argnums=(0, 1, 2, 3))(q, k, v, v2, seg, lse)
-        want = jax.grad(ref[role], argnums=(0, 1, 2, 3))(q, k, v, v2, seg, lse)
+      q, k, v, v2, _, _ = _inputs(2, t, h, g, d, dtype)
+      seg = jnp.broadcast_to((jnp.arange(t) * docs // t + 1).astype(jnp.int32), (2, t))
+      kw = {"window": window}
+      lse = reference.attention(q, k, v, seg, seg, return_lse=True, **kw)[1]
+      # a random cotangent: a plain sum's gradient leaves errors in directions it does not weigh unseen
+      w = jax.random.normal(jax.random.PRNGKey(1), q.shape, jnp.float32)
+      cases = {
+        "full": (lambda f: lambda q, k, v, v2: jnp.sum(f(q, k, v, seg, seg, **kw).astype(jnp.float32) * w),
+                 flash.attention, reference.attention),
+        "prob_reuse": (lambda f: lambda q, k, v, v2: jnp.sum(f(q, k, lse, v2, seg, seg, scale=d ** -0.5, **kw)
+                                                             .astype(jnp.float32) * w),
+                       flash.attention_from_lse, reference.attention_from_lse),
+      }
+      for role, (loss, kernel, ref) in cases.items():
+        mine = loss(functools.partial(kernel, backend=backend))
+        want_fn = loss(ref)
+        got = (jax.jit(mine)(q, k, v, v2), *jax.jit(jax.grad(mine, argnums=(0, 1, 2, 3)))(q, k, v, v2))
+        want = (jax.jit(want_fn)(q, k, v, v2), *jax.jit(jax.grad(want_fn, argnums=(0, 1, 2, 3)))(q, k, v, v2))
         err = max(float(np.max(np.abs(np.asarray(a, np.float32) - np.asarray(b, np.float32))) /
                         max(float(np.max(np.abs(np.asarray(b, np.float32)))), 1e-30)) for a, b in zip(got, want))
-        print(f"  T={t:4d} H={h} G={g} d={d:4d} {jnp.dtype(dtype).name:9s} {role:13s} "
-              f"max gradient error / max |gradient| = {err:.1e}")
+        tol = 1e-3 if dtype == jnp.float32 else 3e-2
+        ok &= err <= tol
+        print(f"  T={t:4d} H={h} G={g} d={d:4d} docs={docs} window={window:3d} {jnp.dtype(dtype).name:9s} "
+              f"{role:11s} error {err:.1e} {'ok' if err <= tol else f'ABOVE {tol:.0e}'}", flush=True)
+  return ok
 
 
 def main(argv=None) -> int:
@@ -142,14 +165,16 @@ def main(argv=None) -> int:
   ap.add_argument("--repeats", type=int, default=10)
   ap.add_argument("--impls", nargs="+", choices=["pallas", "xla_reference", "cudnn"],
                   help="only these implementations (default: all; the XLA reference at T = 16k needs ~64 GB)")
+  ap.add_argument("--no-check", action="store_true", help="skip the correctness check that runs before the timings")
   args = ap.parse_args(argv)
   backend = flash.default_backend()
   if backend == "interpret":
-    correctness_sweep()
-  else:
-    print(f"{jax.devices()[0].device_kind}: Pallas backend {backend}")
-    bench(args, backend)
-  return 0
+    print("No GPU or TPU: timings need an accelerator; interpret mode checks correctness only.")
+    return 0 if correctness_sweep(backend) else 1
+  print(f"{jax.devices()[0].device_kind}: Pallas backend {backend}")
+  ok = args.no_check or correctness_sweep(backend)
+  bench(args, backend)
+  return 0 if ok else 1
 
 
 if __name__ == "__main__":
