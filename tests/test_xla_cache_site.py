@@ -1,5 +1,6 @@
-"""The suite's XLA compilation cache writes whole entries (tests/xla_cache_site/sitecustomize.py), in this process and
-in the processes tests start: without it two processes compiling one program at once write one file together."""
+"""The suite's XLA compilation cache (tests/xla_cache_site/sitecustomize.py), in this process and in the processes
+tests start: it writes whole entries (without that, two processes compiling one program at once write one file
+together), and it caches no executable of more than one device (read back, those aborted an 8-device run)."""
 
 import os
 import subprocess
@@ -18,12 +19,37 @@ def test_this_process_and_its_children_use_whole_writes():
   assert child.stdout.split() == ["put_whole"], child.stderr[-2000:]
 
 
-@pytest.mark.skipif(not XLA_CACHE, reason="the cache is opt-in: JAXSHARE_TEST_XLA_CACHE=DIR")
+@pytest.mark.skipif(not XLA_CACHE, reason="the cache is off: JAXSHARE_TEST_XLA_CACHE=off")
 def test_the_suite_compiles_through_its_cache():
   import jax
 
   assert jax.config.jax_compilation_cache_dir == XLA_CACHE
   assert cpu_env(1)["JAX_COMPILATION_CACHE_DIR"] == XLA_CACHE
+
+
+_COMPILE_ONE_AND_TWO_DEVICE_PROGRAMS = """
+import jax, jax.numpy as jnp, numpy as np
+def one_device(a):
+  return a * 3.0 + 1.0
+def two_devices(a):
+  return jnp.sum(a * 5.0 - 2.0)
+x = np.arange(8.0, dtype=np.float32)
+jax.jit(one_device)(x).block_until_ready()
+sharded = jax.device_put(x, jax.NamedSharding(jax.make_mesh((2,), ("data",)), jax.P("data")))
+jax.jit(two_devices)(sharded).block_until_ready()
+"""
+
+
+def test_executables_of_one_device_are_cached_and_of_several_compiled_afresh(tmp_path):
+  env = {**cpu_env(2), "JAX_COMPILATION_CACHE_DIR": str(tmp_path)}
+  runs = []
+  for _ in range(2):
+    child = subprocess.run([sys.executable, "-c", _COMPILE_ONE_AND_TWO_DEVICE_PROGRAMS], cwd=REPO, env=env,
+                           capture_output=True, text=True, timeout=120)
+    assert child.returncode == 0, child.stderr[-2000:]
+    runs.append(sorted(p.name.split("-")[0] for p in tmp_path.iterdir()))
+  assert "jit_one_device" in runs[0] and "jit_two_devices" not in runs[0], runs[0]
+  assert runs[1] == runs[0]  # the second run read the one-device program back and wrote nothing
 
 
 def test_an_entry_appears_only_whole_and_the_first_stays(tmp_path, monkeypatch):

@@ -8,8 +8,11 @@ frames carry no checksum here, so a file mixed from two entries can decompress t
 deserialising one is a segfault, not an error. Here each entry is written to a temporary file and renamed into place:
 a reader sees one writer's whole entry or none.
 
-The patch lands when jax imports ``jax._src.lru_cache`` (an import hook), so a process that never imports jax pays
-nothing.
+Executables of more than one device are compiled afresh, never read back: with them cached, an in-process run on the
+8 fake devices after runs on device subsets aborted in XLA:CPU's collective rendezvous (see tests/conftest.py).
+
+The patches land when jax imports ``jax._src.lru_cache`` and ``jax._src.compiler`` (an import hook), so a process
+that never imports jax pays nothing.
 """
 
 import importlib.abc
@@ -18,6 +21,7 @@ import os
 import sys
 
 _MODULE = "jax._src.lru_cache"
+_COMPILER = "jax._src.compiler"
 
 
 def atomic_put(self, key: str, value: bytes) -> None:
@@ -45,29 +49,47 @@ def patch(module) -> None:
   module.LRUCache.put = put_whole
 
 
+def patch_compiler(module) -> None:
+  """No cache key (compile, neither read nor write the cache) for an executable of more than one device."""
+  original = module._get_cache_key
+  if getattr(original, "__name__", "") == "single_device_cache_key":
+    return
+
+  def single_device_cache_key(options, backend, computation, devices, *args, **kwargs):
+    if getattr(devices, "size", 1) > 1:
+      return None
+    return original(options, backend, computation, devices, *args, **kwargs)
+
+  module._get_cache_key = single_device_cache_key
+
+
+_PATCHES = {_MODULE: patch, _COMPILER: patch_compiler}
+
+
 class _PatchOnImport(importlib.abc.MetaPathFinder):
-  """Finds ``jax._src.lru_cache`` as Python would, and patches it once it has run."""
+  """Finds the patched jax modules as Python would, and patches each once it has run."""
   jaxshare_atomic_cache = True
 
   def find_spec(self, name, path, target=None):
-    if name != _MODULE:
+    if name not in _PATCHES:
       return None
     spec = importlib.machinery.PathFinder.find_spec(name, path)
     run = spec.loader.exec_module
 
     def exec_module(module):
       run(module)
-      patch(module)
+      _PATCHES[name](module)
 
     spec.loader.exec_module = exec_module
     return spec
 
 
 def install() -> None:
-  """Patch now if jax's cache module is loaded, else when it is imported. Idempotent."""
-  if _MODULE in sys.modules:
-    patch(sys.modules[_MODULE])
-  elif not any(getattr(f, "jaxshare_atomic_cache", False) for f in sys.meta_path):
+  """Patch the modules already loaded now, the others when they are imported. Idempotent."""
+  for name, apply in _PATCHES.items():
+    if name in sys.modules:
+      apply(sys.modules[name])
+  if not any(getattr(f, "jaxshare_atomic_cache", False) for f in sys.meta_path):
     sys.meta_path.insert(0, _PatchOnImport())
 
 
