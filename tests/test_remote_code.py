@@ -24,6 +24,7 @@ from jaxshare.model.cache import init_cache
 
 from conftest import CORPUS, REPO, tiny_config
 from test_entry_points import KINDS
+from scripts.hf_generate import cache_bytes
 from test_hf_export import _random_params
 
 torch = pytest.importorskip("torch")
@@ -92,7 +93,7 @@ def test_remote_code_model_equals_jaxshare(tmp_path, kind):
 
   # the cache stores only what the schedule needs: jaxshare's accounting, fp32
   per_token = accounting.kv_cache_bytes_per_token(cfg.model, setup.schedule, bytes_per_element=4)
-  assert got.cache.nbytes() == per_token * ids.size
+  assert cache_bytes(got.cache) == per_token * ids.size
 
   # cached greedy generation, 32 tokens, batched left-padded prompts
   generated = Generator(jax_model, cfg.model, setup.schedule).generate(prompts, NEW_TOKENS)

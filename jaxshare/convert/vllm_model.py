@@ -24,7 +24,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from jaxshare.convert.remote_code.modeling_jaxshare import MLP, Norm, apply_rope, inv_frequencies
+from jaxshare.convert.remote_code.modeling_jaxshare import Norm, PreNormResidual, apply_rope, inv_frequencies
 from jaxshare.convert.vllm_layers import VLLMUnsupportedError, kv_sharing_targets
 
 
@@ -73,23 +73,15 @@ class JaxshareAttention(nn.Module):
     return self.o_proj(out)
 
 
-class JaxshareDecoderLayer(nn.Module):
+class JaxshareDecoderLayer(PreNormResidual):
   """Pre-norm layer, sequential or parallel (GPT-NeoX) residual, as the remote code's ``DecoderLayer``."""
 
   def __init__(self, config, layer_idx: int, target: str | None, cache_config, quant_config, prefix: str):
-    super().__init__()
-    self.parallel_residual = config.parallel_residual
-    self.input_layernorm = Norm(config)
+    super().__init__(config)
     self.self_attn = JaxshareAttention(config, layer_idx, target, cache_config, quant_config, f"{prefix}.self_attn")
-    self.post_attention_layernorm = Norm(config)
-    self.mlp = MLP(config)
 
   def forward(self, x: torch.Tensor, positions: torch.Tensor, kv: dict[int, tuple]) -> torch.Tensor:
-    a = self.self_attn(self.input_layernorm(x), positions, kv)
-    if self.parallel_residual:
-      return x + a + self.mlp(self.post_attention_layernorm(x))
-    y = x + a
-    return y + self.mlp(self.post_attention_layernorm(y))
+    return self.residual(x, self.self_attn(self.input_layernorm(x), positions, kv))
 
 
 class JaxshareModel(nn.Module):

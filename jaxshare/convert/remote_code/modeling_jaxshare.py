@@ -56,11 +56,6 @@ class JaxshareCache(Cache):
     super().__init__(layers=[ProducerLayer() if plan["kv_source"] == i else DummyLayer()
                              for i, plan in enumerate(config.layer_plans)])
 
-  def nbytes(self) -> int:
-    """Bytes of the tensors the cache holds."""
-    return sum(t.numel() * t.element_size() for layer in self.layers for t in (layer.keys, layer.values)
-               if isinstance(t, torch.Tensor))
-
 
 class Norm(nn.Module):
   """RMSNorm (scale only) or LayerNorm (scale and bias), computed in float32."""
@@ -271,30 +266,43 @@ class Attention(nn.Module):
     return self.o_proj(out.transpose(1, 2).reshape(*x.shape[:2], -1).to(x.dtype))
 
 
-class DecoderLayer(nn.Module):
+class PreNormResidual(nn.Module):
+  """The residual around a layer's attention output and its MLP, sequential or parallel (GPT-NeoX); the vLLM layer
+  (``jaxshare.convert.vllm_model``) uses it too."""
+
+  def __init__(self, config: JaxshareConfig):
+    super().__init__()
+    self.parallel_residual = config.parallel_residual
+    self.input_layernorm = Norm(config)
+    self.post_attention_layernorm = Norm(config)
+    self.mlp = MLP(config)
+
+  def residual(self, x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+    """``x`` the layer's input, ``a`` its attention output (both ``[..., D]``) -> the layer's output."""
+    if self.parallel_residual:
+      return x + a + self.mlp(self.post_attention_layernorm(x))
+    y = x + a
+    return y + self.mlp(self.post_attention_layernorm(y))
+
+
+class DecoderLayer(PreNormResidual):
   """Pre-norm layer, sequential or parallel residual; UniAttn's ``x W_c`` (or ``Norm(x) W_c``) joins the attention
   output."""
 
   def __init__(self, config: JaxshareConfig, layer_idx: int):
-    super().__init__()
+    super().__init__(config)
     plan = config.layer_plans[layer_idx]
-    self.parallel_residual, self.wc_normed = config.parallel_residual, plan.get("wc_normed", False)
-    self.input_layernorm = Norm(config)
+    self.wc_normed = plan.get("wc_normed", False)
     self.self_attn = Attention(config, layer_idx)
     self.compensation = (nn.Linear(config.hidden_size, config.hidden_size, bias=False)
                          if plan.get("compensation", False) else None)
-    self.post_attention_layernorm = Norm(config)
-    self.mlp = MLP(config)
 
   def forward(self, x: torch.Tensor, step: Step, tied: dict | None) -> torch.Tensor:
     h = self.input_layernorm(x)
     a = self.self_attn(h, step, tied)
     if self.compensation is not None:
       a = a + self.compensation(h if self.wc_normed else x)
-    if self.parallel_residual:
-      return x + a + self.mlp(self.post_attention_layernorm(x))
-    y = x + a
-    return y + self.mlp(self.post_attention_layernorm(y))
+    return self.residual(x, a)
 
 
 class HeadTable(nn.Module):
