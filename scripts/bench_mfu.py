@@ -23,8 +23,8 @@ import time
 from pathlib import Path
 
 import jax
-import numpy as np
 
+from bench_train import one_document_rows, synthetic_batches  # scripts/ is on the path of a script run from it
 from jaxshare import accounting
 from jaxshare.config import load_config
 from jaxshare.parallel import shard_batch
@@ -50,13 +50,8 @@ def measure(config: Path, overrides: list[str], steps: int) -> dict:
   setup = setup_training(cfg)
   state = init_state(setup)
   b, t = cfg.train.batch_size, cfg.data.seq_len
-  rng = np.random.default_rng(0)
-  batches = []
-  for _ in range(2):
-    tok = rng.integers(0, cfg.model.vocab_size, (b, t + 1), dtype=np.int32)
-    batches.append(shard_batch(setup.batch_sharding, {
-      "inputs": tok[:, :-1], "targets": tok[:, 1:], "positions": np.broadcast_to(np.arange(t, dtype=np.int32), (b, t)),
-      "segment_ids": np.ones((b, t), np.int32), "loss_mask": np.ones((b, t), np.int32)}))
+  batches = [shard_batch(setup.batch_sharding, one_document_rows(x, y))
+             for x, y in synthetic_batches({"vocab": cfg.model.vocab_size, "batch": b, "seq_len": t}, n=2)]
   with jax.set_mesh(setup.mesh):
     start = time.perf_counter()
     step = jit_train_step(setup, Objective(), None).lower(state, batches[0], None).compile()

@@ -62,6 +62,14 @@ def synthetic_batches(shape: dict, n: int = 4) -> list[tuple[np.ndarray, np.ndar
   return out
 
 
+def one_document_rows(inputs: np.ndarray, targets: np.ndarray) -> dict[str, np.ndarray]:
+  """The train step's batch for ``[batch, seq_len]`` int32 inputs and targets, one document per row and every
+  target counted (``jaxshare.train.step``'s batch keys)."""
+  return {"inputs": inputs, "targets": targets,
+          "positions": np.broadcast_to(np.arange(inputs.shape[1], dtype=np.int32), inputs.shape),
+          "segment_ids": np.ones_like(inputs), "loss_mask": np.ones_like(inputs)}
+
+
 def jax_overrides(shape: dict, schedule: str) -> list[str]:
   return [f"model.flavor={shape['flavor']}", f"model.num_layers={shape['layers']}", f"model.d_model={shape['d']}",
           f"model.num_heads={shape['heads']}", f"model.mlp_dim={shape['mlp']}", f"model.vocab_size={shape['vocab']}",
@@ -87,11 +95,8 @@ class JaxTrainer:
     self.setup = setup_training(cfg)
     self.state = init_state(self.setup)
     self.step_fn = jit_train_step(self.setup, Objective(), None)
-    t = shape["seq_len"]
-    self.batches = [shard_batch(self.setup.batch_sharding, {
-      "inputs": x, "targets": y, "positions": np.broadcast_to(np.arange(t, dtype=np.int32), x.shape),
-      "segment_ids": np.ones_like(x), "loss_mask": np.ones_like(x)}) for x, y in synthetic_batches(shape)]
-    self.flops_per_token = accounting.train_flops_per_token(cfg.model, self.setup.schedule, t)
+    self.batches = [shard_batch(self.setup.batch_sharding, one_document_rows(x, y)) for x, y in synthetic_batches(shape)]
+    self.flops_per_token = accounting.train_flops_per_token(cfg.model, self.setup.schedule, shape["seq_len"])
     self.num_params = self.setup.num_params
     self.i = 0
 
