@@ -94,6 +94,40 @@ def test_default_blocks_and_one_block_sequences():
          ["out", "lse", "dq", "dk", "dv"])
 
 
+@pytest.mark.parametrize("forward,backward", [((64, 32), 16), ((16, 16), 64)], ids=["forward_wider", "backward_wider"])
+def test_forward_and_backward_tile_by_their_own_blocks(monkeypatch, forward, backward):
+  """Each phase tiles by its own blocks (Triton's forward takes 128 x 64 above width 64, its backward 64 x 64): the
+  sequence is padded to both, and values and gradients of attention and probability reuse stay the reference's, with
+  packed documents, GQA and a window."""
+  monkeypatch.setattr(flash, "default_forward_blocks", lambda backend, width: forward)
+  monkeypatch.setattr(flash, "default_block", lambda backend: backward)
+  geo = flash._call_geometry(100, 100, 8, True, 0, 1.0, "interpret", None, None)
+  assert (geo.forward().block_q, geo.forward().block_k, geo.block_q) == (*forward, backward)
+  assert geo.t_padded == geo.forward().t_padded == 128
+  args = _inputs(2, 100, 4, 2, 8, 8, jnp.float32, seed=5)
+  kernel = functools.partial(flash.attention, backend="interpret")
+  _close(_value_and_grads(kernel, args, True, 30), _value_and_grads(reference.attention, args, True, 30), 2e-5,
+         ["out", "lse", "dq", "dk", "dv"])
+  q, k, v, seg, _, _ = args
+  lse = reference.attention(q, k, v, seg, seg, return_lse=True)[1]
+  grad = lambda fn: jax.grad(lambda q, k, v: jnp.sum(fn(q, k, lse, v, seg, seg, scale=0.3) ** 2),  # noqa: E731
+                             argnums=(0, 1, 2))(q, k, v)
+  _close([*grad(functools.partial(flash.attention_from_lse, backend="interpret"))],
+         [*grad(reference.attention_from_lse)], 2e-5, ["dq", "dk", "dv"])
+
+
+def test_triton_tiles_and_launch_per_phase():
+  """The tuned Triton choices (docs/gpu.md): the forward above width 64 with 128 x 64 tiles and 8 warps, 64 x 64
+  and 4 warps at or below it; the backward 64 x 64, 3 stages up to width 64 and 2 above; other backends one tile."""
+  assert flash.default_forward_blocks("triton", 128) == (128, 64)
+  assert flash.default_forward_blocks("triton", 64) == (64, 64) and flash.default_block("triton") == 64
+  assert flash.default_forward_blocks("mosaic_tpu", 128) == (128, 128)
+  assert flash.triton_launch("jaxshare_flash_forward", 128, 128) == (8, 3)
+  assert flash.triton_launch("jaxshare_flash_forward", 128, 64) == (4, 3)  # given 64-row tiles: 4 warps
+  assert flash.triton_launch("jaxshare_flash_forward", 64, 64) == (4, 3)
+  assert flash.triton_launch("jaxshare_flash_dkv", 128) == (4, 2) and flash.triton_launch("jaxshare_flash_dq", 64) == (4, 3)
+
+
 def test_default_backend_is_the_platforms():
   """Called without ``backend``, both kernels take the default device's (interpret mode on this CPU host)."""
   q, k, v, seg, _, _ = _inputs(1, 20, 2, 2, 8, 8, jnp.float32)

@@ -84,31 +84,46 @@ def unsupported(q, k, v, *, backend: str) -> str | None:
 # whose 128-row accumulators spill registers) on an H200 (docs/gpu.md, scripts/tune_attention.py).
 _BLOCK = {"triton": 64}
 _DEFAULT_BLOCK = 128
+# The forward's own tiles where they differ from the backward's: on an H100 the Triton forward above width 64 took
+# 1.391 ms with 128 x 64 tiles and 8 warps against 1.668 ms with 64 x 64 and 4 (T = 4096, d = 128), while the
+# backward with 128 x 64 tiles was 26% slower (docs/gpu.md, "Triton launch sweep on the H100").
+_FORWARD_BLOCK_WIDE = {"triton": (128, 64)}
+_WIDE = 64
 # Overrides of :func:`triton_launch`, {kernel name: (num_warps, num_stages)}, for scripts/tune_attention.py.
 TRITON_LAUNCH: dict[str, tuple[int, int]] = {}
 
 
 def default_block(backend: str) -> int:
-  """The query and key tile length a backend's kernels use unless told otherwise."""
+  """The query and key tile length a backend's kernels use unless told otherwise (the backward's; see
+  :func:`default_forward_blocks`)."""
   return _BLOCK.get(backend, _DEFAULT_BLOCK)
 
 
-def triton_launch(name: str, width: int) -> tuple[int, int]:
-  """``(num_warps, num_stages)`` of Triton kernel ``name`` at padded head width ``width``, as tuned on an H200 at
-  T = 4096 (8 warps were 1.5-2.5x slower at 64 x 64 tiles): the forward with 3 pipeline stages, the backward with 3
-  up to width 64 and 2 above (3 is 11% slower there); the decode kernel, not tuned yet, with 2."""
+def default_forward_blocks(backend: str, width: int) -> tuple[int, int]:
+  """``(block_q, block_k)`` of the forward kernel (attention and probability reuse) at padded head width ``width``
+  unless told otherwise: on Triton above width 64, 128 x 64; elsewhere :func:`default_block`'s square tile."""
+  if width > _WIDE and backend in _FORWARD_BLOCK_WIDE:
+    return _FORWARD_BLOCK_WIDE[backend]
+  return default_block(backend), default_block(backend)
+
+
+def triton_launch(name: str, width: int, block_q: int = 64) -> tuple[int, int]:
+  """``(num_warps, num_stages)`` of Triton kernel ``name`` at padded head width ``width`` and query tile ``block_q``,
+  as tuned at T = 4096: the forward with 3 pipeline stages, and 8 warps for 128-row tiles above width 64 (H100; 4
+  warps at 64 x 64, where 8 were 1.5-2.5x slower on an H200); the backward with 3 stages up to width 64 and 2 above
+  (3 is 11% slower there); the decode kernel, not tuned yet, with 2."""
   if name in TRITON_LAUNCH:
     return TRITON_LAUNCH[name]
   if name == "jaxshare_flash_forward":
-    return 4, 3
+    return (8 if width > _WIDE and block_q >= 128 else 4), 3
   if name in ("jaxshare_flash_dq", "jaxshare_flash_dkv"):
-    return 4, 3 if width <= 64 else 2
+    return 4, 3 if width <= _WIDE else 2
   return 4, 2
 
 
-def _platform(backend: str, name: str, width: int) -> dict:
-  """``pallas_call`` keywords (the name included) for kernel ``name`` at head width ``width`` on a backend. Triton is
-  named explicitly:
+def _platform(backend: str, name: str, width: int, block_q: int = 64) -> dict:
+  """``pallas_call`` keywords (the name included) for kernel ``name`` at head width ``width`` and query tile
+  ``block_q`` on a backend. Triton is named explicitly:
   jax's GPU default is Mosaic GPU, whose kernels keep whole K/V blocks in shared memory. Every grid axis of these
   kernels is independent (the sequential axis is the loop inside), so Mosaic may split all of them across
   TensorCores."""
@@ -116,7 +131,7 @@ def _platform(backend: str, name: str, width: int) -> dict:
     return {"interpret": True, "name": name}
   if backend == "triton":
     from jax.experimental.pallas import triton as pltriton
-    num_warps, num_stages = triton_launch(name, width)
+    num_warps, num_stages = triton_launch(name, width, block_q)
     return {"compiler_params": pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages), "name": name}
   if backend == "mosaic_tpu":
     from jax.experimental.pallas import tpu as pltpu
@@ -127,7 +142,8 @@ def _platform(backend: str, name: str, width: int) -> dict:
 
 @dataclasses.dataclass(frozen=True)
 class Geometry:
-  """Static shape facts of one call: real lengths ``t``/``s``, block sizes, mask kind, logit scale."""
+  """Static shape facts of one call: real lengths ``t``/``s``, the backward's block sizes, the forward's
+  (:meth:`forward`), mask kind, logit scale. Sequences are padded to a multiple of both phases' tiles."""
 
   t: int
   s: int
@@ -136,14 +152,25 @@ class Geometry:
   causal: bool
   window: int
   scale: float
+  forward_block_q: int = 0  # 0: block_q
+  forward_block_k: int = 0  # 0: block_k
+  pad_q: int = 0  # the padding multiple of the query axis (0: block_q)
+  pad_k: int = 0
 
   @property
   def t_padded(self) -> int:
-    return -(-self.t // self.block_q) * self.block_q
+    tile = self.pad_q or self.block_q
+    return -(-self.t // tile) * tile
 
   @property
   def s_padded(self) -> int:
-    return -(-self.s // self.block_k) * self.block_k
+    tile = self.pad_k or self.block_k
+    return -(-self.s // tile) * tile
+
+  def forward(self) -> Geometry:
+    """The geometry the forward kernel tiles by (the same padded lengths)."""
+    return dataclasses.replace(self, block_q=self.forward_block_q or self.block_q,
+                               block_k=self.forward_block_k or self.block_k)
 
 
 def _pow2(n: int, least: int = 16) -> int:
@@ -151,9 +178,12 @@ def _pow2(n: int, least: int = 16) -> int:
 
 
 def geometry(t: int, s: int, *, causal: bool, window: int, scale: float, block_q: int = 128,
-             block_k: int = 128) -> Geometry:
-  """Blocks no longer than the (power-of-two-rounded) sequence, so a short sequence is one block."""
-  return Geometry(t, s, min(block_q, _pow2(t)), min(block_k, _pow2(s)), causal, window, scale)
+             block_k: int = 128, forward_blocks: tuple[int, int] | None = None) -> Geometry:
+  """Blocks no longer than the (power-of-two-rounded) sequence, so a short sequence is one block. ``forward_blocks``:
+  the forward's ``(block_q, block_k)`` when they differ from the backward's (powers of two, as the others)."""
+  bq, bk = min(block_q, _pow2(t)), min(block_k, _pow2(s))
+  fq, fk = (min(forward_blocks[0], _pow2(t)), min(forward_blocks[1], _pow2(s))) if forward_blocks else (bq, bk)
+  return Geometry(t, s, bq, bk, causal, window, scale, fq, fk, max(bq, fq), max(bk, fk))
 
 
 def _mask(geo: Geometry, q_start, k_start, q_seg: jax.Array, k_seg: jax.Array, transposed: bool = False
@@ -320,6 +350,7 @@ def _specs(geo: Geometry, q, k, v):
 
 
 def _forward(q, k, v, q_seg, k_seg, lse_in, geo: Geometry, backend: str):
+  geo = geo.forward()
   b, h, tp, _ = q.shape
   spec = _specs(geo, q, k, v)
   reuse = lse_in is not None
@@ -332,7 +363,7 @@ def _forward(q, k, v, q_seg, k_seg, lse_in, geo: Geometry, backend: str):
     functools.partial(_forward_kernel, geo=geo, reuse=reuse), out_shape=out_shape,
     grid=(b, h, tp // geo.block_q),
     in_specs=[spec["q"], spec["k"], spec["v"], spec["q_seg"], spec["k_seg"]] + ([spec["row"]] if reuse else []),
-    out_specs=out_specs, **_platform(backend, "jaxshare_flash_forward", max(q.shape[3], v.shape[3])),
+    out_specs=out_specs, **_platform(backend, "jaxshare_flash_forward", max(q.shape[3], v.shape[3]), geo.block_q),
   )(q, k, v, q_seg, k_seg, *([lse_in] if reuse else []))
   return outs[0] if reuse else (outs[0], outs[1])
 
@@ -425,6 +456,16 @@ def _check(q, k, v):
                      f"v {v.shape} ([B, T, heads, width])")
 
 
+def _call_geometry(t: int, s: int, width: int, causal: bool, window: int, scale: float, backend: str,
+                   block_q: int | None, block_k: int | None) -> Geometry:
+  """Given tiles serve both phases; by default each phase takes its backend's own (:func:`default_forward_blocks`)."""
+  if block_q or block_k:
+    bq, bk = block_q or default_block(backend), block_k or default_block(backend)
+    return geometry(t, s, causal=causal, window=window, scale=scale, block_q=bq, block_k=bk)
+  return geometry(t, s, causal=causal, window=window, scale=scale, block_q=default_block(backend),
+                  block_k=default_block(backend), forward_blocks=default_forward_blocks(backend, _pow2(width)))
+
+
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_segment_ids: jax.Array, kv_segment_ids: jax.Array,
               *, causal: bool = True, scale: float | None = None, window: int = 0, return_lse: bool = False,
               backend: str | None = None, block_q: int | None = None, block_k: int | None = None
@@ -439,8 +480,8 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_segment_ids: jax.Array
     return_lse: also return the ``[B, H, T]`` float32 log-sum-exp; its cotangent is honoured.
     backend: ``mosaic_tpu``, ``triton`` or ``interpret`` (Pallas interpret mode, any platform); None: the default
       device's (see :func:`default_backend`).
-    block_q, block_k: tile sizes (upper bounds; shortened for short sequences); None: the backend's
-      (:func:`default_block`).
+    block_q, block_k: tile sizes of both phases (upper bounds; shortened for short sequences); None: the backend's
+      (:func:`default_block` for the backward, :func:`default_forward_blocks` for the forward).
 
   Returns:
     ``[B, T, H, d]`` in q's dtype (and the LSE).
@@ -452,8 +493,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_segment_ids: jax.Array
   b, t, h, e = q.shape
   scale = e ** -0.5 if scale is None else scale
   backend = backend or default_backend()
-  geo = geometry(t, k.shape[1], causal=causal, window=window, scale=scale,
-                 block_q=block_q or default_block(backend), block_k=block_k or default_block(backend))
+  geo = _call_geometry(t, k.shape[1], max(e, v.shape[3]), causal, window, scale, backend, block_q, block_k)
   out, lse = _flash(_to_kernel_layout(q, geo.t_padded), _to_kernel_layout(k, geo.s_padded),
                     _to_kernel_layout(v, geo.s_padded), *_segments(q_segment_ids, kv_segment_ids, geo), geo, backend)
   out = out[:, :, :t, :v.shape[3]].transpose(0, 2, 1, 3)
@@ -480,8 +520,7 @@ def attention_from_lse(q: jax.Array, k: jax.Array, lse: jax.Array, v: jax.Array,
   k, v = (x if x.shape[2] == heads else jnp.repeat(x, heads // x.shape[2], axis=2) for x in (k, v))
   _check(q, k, v)
   backend = backend or default_backend()
-  geo = geometry(t, k.shape[1], causal=causal, window=window, scale=scale,
-                 block_q=block_q or default_block(backend), block_k=block_k or default_block(backend))
+  geo = _call_geometry(t, k.shape[1], max(q.shape[3], v.shape[3]), causal, window, scale, backend, block_q, block_k)
   lse = jnp.pad(lse.astype(jnp.float32), ((0, 0), (0, 0), (0, geo.t_padded - t)))[..., None]
   out = _reuse(_to_kernel_layout(q, geo.t_padded), _to_kernel_layout(k, geo.s_padded), lse,
                _to_kernel_layout(v, geo.s_padded), *_segments(q_segment_ids, kv_segment_ids, geo), geo, backend)
