@@ -152,25 +152,22 @@ class Geometry:
   causal: bool
   window: int
   scale: float
-  forward_block_q: int = 0  # 0: block_q
-  forward_block_k: int = 0  # 0: block_k
-  pad_q: int = 0  # the padding multiple of the query axis (0: block_q)
-  pad_k: int = 0
+  forward_block_q: int
+  forward_block_k: int
+  pad_q: int  # the padding multiple of each axis: the larger of the two phases' tiles
+  pad_k: int
 
   @property
   def t_padded(self) -> int:
-    tile = self.pad_q or self.block_q
-    return -(-self.t // tile) * tile
+    return -(-self.t // self.pad_q) * self.pad_q
 
   @property
   def s_padded(self) -> int:
-    tile = self.pad_k or self.block_k
-    return -(-self.s // tile) * tile
+    return -(-self.s // self.pad_k) * self.pad_k
 
   def forward(self) -> Geometry:
     """The geometry the forward kernel tiles by (the same padded lengths)."""
-    return dataclasses.replace(self, block_q=self.forward_block_q or self.block_q,
-                               block_k=self.forward_block_k or self.block_k)
+    return dataclasses.replace(self, block_q=self.forward_block_q, block_k=self.forward_block_k)
 
 
 def _pow2(n: int, least: int = 16) -> int:
