@@ -15,7 +15,9 @@ prints them all.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import functools
 import math
 import os
 import typing
@@ -447,11 +449,16 @@ def _friendly(e: OmegaConfBaseException) -> str:
   return f"field {key!r}: {msg}" if key else msg
 
 
+@functools.cache
+def _type_hints(cls: type) -> dict[str, Any]:
+  return typing.get_type_hints(cls) if dataclasses.is_dataclass(cls) else {}
+
+
 def _field_type(dotted: str) -> Any:
   """The annotated type of a dotted config field, or None if there is no such field."""
   ftype: Any = Config
   for part in dotted.split("."):
-    hints = typing.get_type_hints(ftype) if dataclasses.is_dataclass(ftype) else {}
+    hints = _type_hints(ftype)
     if part not in hints:
       return None
     ftype = hints[part]
@@ -485,9 +492,22 @@ def apply_overrides(cfg: Config, overrides: list[str] | tuple[str, ...]) -> Conf
 
 def _structured(cfg: Config | type[Config]):
   """An editable OmegaConf tree of ``cfg`` (the frozen dataclasses make OmegaConf's trees read-only)."""
-  node = OmegaConf.structured(cfg)
+  if cfg is Config:
+    return copy.deepcopy(_defaults_tree())
+  return _editable(OmegaConf.structured(cfg))
 
-  def writable(n) -> None:  # each group's node carries its own read-only flag
+
+@functools.cache
+def _defaults_tree():
+  """The defaults' editable tree, built once: ``OmegaConf.structured`` re-reads every dataclass and its type hints
+  (~30 ms a call on these machines), a copy of the tree takes ~4 ms. Never handed out: callers get a copy."""
+  return _editable(OmegaConf.structured(Config))
+
+
+def _editable(node):
+  """``node`` made writable, group by group (each group's node carries its own read-only flag)."""
+
+  def writable(n) -> None:
     OmegaConf.set_readonly(n, False)
     for key in n:
       if OmegaConf.is_dict(n._get_node(key)):
