@@ -48,6 +48,12 @@ def platform() -> str:
   return device.platform if device else jax.default_backend()
 
 
+def device_kind() -> str:
+  """The ``device_kind`` of the device being compiled for (as :func:`platform` finds it; ``NVIDIA H100 80GB HBM3``)."""
+  device = jax.sharding.get_abstract_mesh().abstract_device
+  return device.device_kind if device else jax.devices()[0].device_kind
+
+
 def default_backend() -> str:
   """The Pallas backend for :func:`platform`: Mosaic on TPU, Triton on GPU, interpret mode elsewhere."""
   return _DEFAULT_BACKEND.get(platform(), "interpret")
@@ -91,6 +97,17 @@ _FORWARD_BLOCK_WIDE = {"triton": (128, 64)}
 _WIDE = 64
 # Overrides of :func:`triton_launch`, {kernel name: (num_warps, num_stages)}, for scripts/tune_attention.py.
 TRITON_LAUNCH: dict[str, tuple[int, int]] = {}
+# Shared memory one Triton block may use (the opt-in limit, bytes) by device-kind substring: sm_80 (A100, A800, A30)
+# 163 KiB, sm_90 and sm_100 (H100, H200, H800, B200, B300) 227 KiB; any other GPU (sm_86/89/120: RTX, A10, L4, L40)
+# 99 KiB. A kernel asking for more is refused at compile time (RESOURCE_EXHAUSTED), so tiles are fitted to it.
+_SHARED_MEMORY = (("A100", 166_912), ("A800", 166_912), ("A30", 166_912), ("H100", 232_448), ("H200", 232_448),
+                  ("H800", 232_448), ("B200", 232_448), ("B300", 232_448))
+_SHARED_MEMORY_DEFAULT = 101_376
+# Blackwell (sm_100) above head width 128: its MMA accumulators live in tensor memory (512 columns), which 64-key
+# tiles overflow at width 256 (the backward asked a B200 for 608), and its pipelines take more shared memory than
+# the estimate below (262,976 bytes asked for bf16 width 256 where sm_90 compiled): tiles of at most 64 x 32 compile.
+_BLACKWELL = ("B200", "B300")
+_BLACKWELL_WIDE_TILES = (64, 32)
 
 
 def default_block(backend: str) -> int:
@@ -121,6 +138,63 @@ def triton_launch(name: str, width: int, block_q: int = 64) -> tuple[int, int]:
   return 4, 2
 
 
+def shared_memory_limit(kind: str) -> int:
+  """Bytes of shared memory a Triton block may use on a GPU of jax ``device_kind`` ``kind``."""
+  return next((limit for key, limit in _SHARED_MEMORY if key in kind), _SHARED_MEMORY_DEFAULT)
+
+
+@dataclasses.dataclass(frozen=True)
+class Operands:
+  """Padded widths and item sizes (bytes) of a call's operands: queries (and their gradient) ``e``/``q``, keys
+  ``k``, values ``d``/``v``, output and its cotangent ``o``."""
+
+  e: int
+  d: int
+  q: int
+  k: int
+  v: int
+  o: int
+
+
+def triton_shared_memory(name: str, block_q: int, block_k: int, ops: Operands, stages: int) -> int:
+  """Bytes of shared memory Triton kernel ``name`` asks for (an estimate, checked against the compiler for sm_80,
+  sm_90 and sm_100 by tests/test_aot.py): the tiles loaded once, plus ``stages`` pipelined copies of the tiles
+  loaded in the loop. Forward: Q once, K and V per key block; dQ: Q and dO once, K and V per key block; dK/dV: K and
+  V once, Q and dO per query block. (The forward at f32 width 256 with bf16 values, 128 x 64 tiles and 3 stages:
+  376,832 estimated, 377,344 asked of an H100.)"""
+  queries, keys = ops.e * ops.q, ops.e * ops.k + ops.d * ops.v
+  if name == "jaxshare_flash_forward":
+    return block_q * queries + stages * block_k * keys
+  if name == "jaxshare_flash_dq":
+    return block_q * (queries + ops.d * ops.o) + stages * block_k * keys
+  if name == "jaxshare_flash_dkv":
+    return block_k * keys + stages * block_q * (queries + ops.d * ops.o)
+  raise ValueError(f"no shared-memory estimate for Triton kernel {name!r}")
+
+
+def _fit_stages(name: str, block_q: int, block_k: int, ops: Operands, limit: int) -> int:
+  """The tuned pipeline depth of ``name``, lowered until its tiles fit in ``limit`` bytes (at least 1)."""
+  stages = triton_launch(name, max(ops.e, ops.d), block_q)[1]
+  while stages > 1 and triton_shared_memory(name, block_q, block_k, ops, stages) > limit:
+    stages -= 1
+  return stages
+
+
+def _fit_tiles(names: tuple[str, ...], block_q: int, block_k: int, ops: Operands, limit: int) -> tuple[int, int]:
+  """``(block_q, block_k)`` halved (the larger first, at least 16: ``tl.dot``'s least) until every kernel in
+  ``names`` fits in ``limit`` bytes with 2 pipeline stages (or its tuned depth, if less)."""
+  def fits(bq, bk):
+    return all(triton_shared_memory(n, bq, bk, ops, min(2, triton_launch(n, max(ops.e, ops.d), bq)[1])) <= limit
+               for n in names)
+
+  while not fits(block_q, block_k) and max(block_q, block_k) > 16:
+    if block_q >= block_k:
+      block_q //= 2
+    else:
+      block_k //= 2
+  return block_q, block_k
+
+
 def _platform(backend: str, name: str, width: int, block_q: int = 64) -> dict:
   """``pallas_call`` keywords (the name included) for kernel ``name`` at head width ``width`` and query tile
   ``block_q`` on a backend. Triton is named explicitly:
@@ -138,6 +212,18 @@ def _platform(backend: str, name: str, width: int, block_q: int = 64) -> dict:
     return {"compiler_params": pltpu.CompilerParams(dimension_semantics=("parallel",) * 3,
                                                    vmem_limit_bytes=_VMEM_LIMIT), "name": name}
   raise ValueError(f"Pallas backend {backend!r} is invalid: must be one of {BACKENDS}")
+
+
+def _launch(backend: str, name: str, geo: Geometry, ops: Operands) -> dict:
+  """:func:`_platform` of a flash kernel tiled by ``geo``; on Triton its pipeline as deep as the device's shared
+  memory holds (:func:`_fit_stages`)."""
+  params = _platform(backend, name, max(ops.e, ops.d), geo.block_q)
+  if backend == "triton" and name not in TRITON_LAUNCH:
+    from jax.experimental.pallas import triton as pltriton
+    stages = _fit_stages(name, geo.block_q, geo.block_k, ops, shared_memory_limit(device_kind()))
+    params["compiler_params"] = pltriton.CompilerParams(num_warps=params["compiler_params"].num_warps,
+                                                        num_stages=stages)
+  return params
 
 
 @dataclasses.dataclass(frozen=True)
@@ -360,7 +446,7 @@ def _forward(q, k, v, q_seg, k_seg, lse_in, geo: Geometry, backend: str):
     functools.partial(_forward_kernel, geo=geo, reuse=reuse), out_shape=out_shape,
     grid=(b, h, tp // geo.block_q),
     in_specs=[spec["q"], spec["k"], spec["v"], spec["q_seg"], spec["k_seg"]] + ([spec["row"]] if reuse else []),
-    out_specs=out_specs, **_platform(backend, "jaxshare_flash_forward", max(q.shape[3], v.shape[3]), geo.block_q),
+    out_specs=out_specs, **_launch(backend, "jaxshare_flash_forward", geo, _operands(q, k, v, out_shape[0].dtype)),
   )(q, k, v, q_seg, k_seg, *([lse_in] if reuse else []))
   return outs[0] if reuse else (outs[0], outs[1])
 
@@ -371,12 +457,13 @@ def _backward(q, k, v, q_seg, k_seg, lse, delta, do, geo: Geometry, backend: str
   g, sp = k.shape[1], k.shape[2]
   r, bk = h // g, geo.block_k
   spec = _specs(geo, q, k, v)
+  ops = _operands(q, k, v, do.dtype)
   dq = pl.pallas_call(
     functools.partial(_dq_kernel, geo=geo), out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
     grid=(b, h, tp // geo.block_q),
     in_specs=[spec["q"], spec["k"], spec["v"], spec["q_seg"], spec["k_seg"], spec["row"], spec["row"],
               spec["o"]],
-    out_specs=spec["q"], **_platform(backend, "jaxshare_flash_dq", max(q.shape[3], v.shape[3])),
+    out_specs=spec["q"], **_launch(backend, "jaxshare_flash_dq", geo, ops),
   )(q, k, v, q_seg, k_seg, lse, delta, do)
   # The dK/dV grid (B, G, S/bk): a K/V head's block against the whole query sequence of its H/G query heads; row
   # statistics and query segment ids as lane-dense rows, key segment ids as a column.
@@ -389,7 +476,7 @@ def _backward(q, k, v, q_seg, k_seg, lse, delta, do, geo: Geometry, backend: str
     in_specs=[heads(tp, e), keys(e), keys(v.shape[3]), pl.BlockSpec((None, 1, tp), lambda b_, g_, j: (b_, 0, 0)),
               pl.BlockSpec((None, bk, 1), lambda b_, g_, j: (b_, j, 0)), heads(1, tp), heads(1, tp),
               heads(tp, v.shape[3])],
-    out_specs=[keys(e), keys(v.shape[3])], **_platform(backend, "jaxshare_flash_dkv", max(q.shape[3], v.shape[3])),
+    out_specs=[keys(e), keys(v.shape[3])], **_launch(backend, "jaxshare_flash_dkv", geo, ops),
   )(q, k, v, q_seg.reshape(b, 1, tp), k_seg.reshape(b, sp, 1), lse.reshape(b, h, 1, tp),
     delta.reshape(b, h, 1, tp), do)
   return dq, dk, dv
@@ -453,14 +540,29 @@ def _check(q, k, v):
                      f"v {v.shape} ([B, T, heads, width])")
 
 
-def _call_geometry(t: int, s: int, width: int, causal: bool, window: int, scale: float, backend: str,
+def _operands(q, k, v, out_dtype) -> Operands:
+  return Operands(_pow2(q.shape[3]), _pow2(v.shape[3]), *(jnp.dtype(x).itemsize for x in (q.dtype, k.dtype, v.dtype,
+                                                                                          out_dtype)))
+
+
+def _call_geometry(t: int, s: int, ops: Operands, causal: bool, window: int, scale: float, backend: str,
                    block_q: int | None, block_k: int | None) -> Geometry:
-  """Given tiles serve both phases; by default each phase takes its backend's own (:func:`default_forward_blocks`)."""
+  """Given tiles serve both phases; by default each phase takes its backend's own (:func:`default_forward_blocks`),
+  on Triton shrunk where the device's shared memory cannot hold them (:func:`_fit_tiles`)."""
   if block_q or block_k:
     bq, bk = block_q or default_block(backend), block_k or default_block(backend)
     return geometry(t, s, causal=causal, window=window, scale=scale, block_q=bq, block_k=bk)
-  return geometry(t, s, causal=causal, window=window, scale=scale, block_q=default_block(backend),
-                  block_k=default_block(backend), forward_blocks=default_forward_blocks(backend, _pow2(width)))
+  backward = (default_block(backend),) * 2
+  forward = default_forward_blocks(backend, max(ops.e, ops.d))
+  if backend == "triton":
+    kind = device_kind()
+    limit = shared_memory_limit(kind)
+    if max(ops.e, ops.d) > 128 and any(key in kind for key in _BLACKWELL):
+      forward, backward = (tuple(map(min, tiles, _BLACKWELL_WIDE_TILES)) for tiles in (forward, backward))
+    forward = _fit_tiles(("jaxshare_flash_forward",), *forward, ops, limit)
+    backward = _fit_tiles(("jaxshare_flash_dq", "jaxshare_flash_dkv"), *backward, ops, limit)
+  return geometry(t, s, causal=causal, window=window, scale=scale, block_q=backward[0], block_k=backward[1],
+                  forward_blocks=forward)
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_segment_ids: jax.Array, kv_segment_ids: jax.Array,
@@ -490,7 +592,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_segment_ids: jax.Array
   b, t, h, e = q.shape
   scale = e ** -0.5 if scale is None else scale
   backend = backend or default_backend()
-  geo = _call_geometry(t, k.shape[1], max(e, v.shape[3]), causal, window, scale, backend, block_q, block_k)
+  geo = _call_geometry(t, k.shape[1], _operands(q, k, v, q.dtype), causal, window, scale, backend, block_q, block_k)
   out, lse = _flash(_to_kernel_layout(q, geo.t_padded), _to_kernel_layout(k, geo.s_padded),
                     _to_kernel_layout(v, geo.s_padded), *_segments(q_segment_ids, kv_segment_ids, geo), geo, backend)
   out = out[:, :, :t, :v.shape[3]].transpose(0, 2, 1, 3)
@@ -517,7 +619,7 @@ def attention_from_lse(q: jax.Array, k: jax.Array, lse: jax.Array, v: jax.Array,
   k, v = (x if x.shape[2] == heads else jnp.repeat(x, heads // x.shape[2], axis=2) for x in (k, v))
   _check(q, k, v)
   backend = backend or default_backend()
-  geo = _call_geometry(t, k.shape[1], max(q.shape[3], v.shape[3]), causal, window, scale, backend, block_q, block_k)
+  geo = _call_geometry(t, k.shape[1], _operands(q, k, v, v.dtype), causal, window, scale, backend, block_q, block_k)
   lse = jnp.pad(lse.astype(jnp.float32), ((0, 0), (0, 0), (0, geo.t_padded - t)))[..., None]
   out = _reuse(_to_kernel_layout(q, geo.t_padded), _to_kernel_layout(k, geo.s_padded), lse,
                _to_kernel_layout(v, geo.s_padded), *_segments(q_segment_ids, kv_segment_ids, geo), geo, backend)
