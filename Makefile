@@ -26,6 +26,15 @@ $(LIBTPU)/.installed: $(VENV)/.installed
 	  print(next(r.split(';')[0] for r in m.requires('jax') if r.startswith('libtpu')))")"
 	touch $@
 
+# jax's CUDA plugin for compiling GPU programs ahead of time on this host (train.py --compile-only --topology h100:8,
+# scripts/aot_compile.py, tests/test_aot.py), of the installed jax's version and kept out of the venv as libtpu is:
+# installed there, every jax start would probe CUDA. No NVIDIA libraries are needed to compile (~480 MB).
+JAXCUDA := .jaxcuda
+$(JAXCUDA)/.installed: $(VENV)/.installed
+	v=$$($(PY) -c "import jax; print(jax.__version__)") && \
+	  $(PY) -m pip install -q --no-deps --target $(JAXCUDA) "jax-cuda12-plugin==$$v" "jax-cuda12-pjrt==$$v"
+	touch $@
+
 install: $(VENV)/.installed
 install-dev: $(VENV)/.installed-dev
 
@@ -34,7 +43,7 @@ train: install
 	$(PY) train.py --config $(EXPERIMENT) $(ARGS)
 
 ## Run the whole test suite (slow real-corpus runs included).
-test: install-dev $(LIBTPU)/.installed
+test: install-dev $(LIBTPU)/.installed $(JAXCUDA)/.installed
 	$(PY) -m pytest -n 2 -q --durations=25 $(ARGS)
 
 clean:

@@ -1,15 +1,16 @@
 #!/usr/bin/env python
-"""Compile the Pallas attention kernels and the model's train step for real TPU topologies, and lower the kernels for
-CUDA, on a CPU host with no accelerator.
+"""Compile the Pallas attention kernels and the model's train step for real TPU topologies and GPU clusters on a CPU
+host with no accelerator.
 
-TPU: ``jax.experimental.topologies`` with libtpu importable (``make .libtpu/.installed`` puts it in ``.libtpu/``,
-outside the venv; ``pip install 'jaxshare[tpu]'`` on a TPU VM); each kernel's
-forward+backward and the train step (``attention.impl=pallas``, sharded on a data×tensor mesh) compile to Mosaic
-custom calls, and ``memory_analysis()`` is recorded. CUDA: each kernel's forward+backward lowers to Triton custom
-calls (compiling the Triton IR to PTX needs a GPU).
+``jax.experimental.topologies`` describes the devices: libtpu for TPU (``make .libtpu/.installed`` puts it in
+``.libtpu/``, outside the venv; ``pip install 'jaxshare[tpu]'`` on a TPU VM), jax's CUDA plugin for GPU (``make
+.jaxcuda/.installed``; targets in ``jaxshare/aot/gpu_targets/``). Each kernel's forward+backward (the decode kernel's
+forward) and the train step (``attention.impl=pallas``, sharded on a data x fsdp x tensor mesh) compile to Mosaic
+custom calls on TPU and Triton calls on GPU (sm_90 for H100/H200, sm_80 for A100, sm_100 for B200), and
+``memory_analysis()`` is recorded. A kernel asking for more on-chip memory than the device has fails here.
 
-Usage: python scripts/aot_compile.py [--topology v5e:2x2 ...] [--train-on v5e:2x2] [--schedule dense ...] [--no-cuda] [--json OUT]
-       [overrides ...]   (overrides apply to the train-step config, e.g. model.num_layers=8)
+Usage: python scripts/aot_compile.py [--topology v5e:2x2 --topology h100:8 ...] [--train-on h100:8] [--schedule dense ...]
+       [--json OUT] [overrides ...]   (overrides apply to the train-step config, e.g. model.num_layers=8)
 """
 
 from __future__ import annotations
@@ -24,57 +25,58 @@ from jaxshare.aot.topology import topology_mesh, use_host_compiler
 
 use_host_compiler()  # before JAX is imported: the host compiles, libtpu only describes the topologies
 
-from jaxshare.aot.compile import compile_kernels_tpu, compile_train_step, lower_kernels_cuda  # noqa: E402
+from jaxshare.aot.compile import KERNEL_CALL, compile_kernels, compile_train_step  # noqa: E402
 from jaxshare.config import ConfigError, MeshConfig, load_config  # noqa: E402
 
-TOPOLOGIES = ("v5e:2x2", "v5p:2x2x1", "v6e:2x2")
-# Schedules whose train steps exercise every kernel role: flash attention (dense), K/V consumers and probability
-# reuse (CLA + UniAttn), concatenated-feature attention (LISA_plus).
+TOPOLOGIES = ("v5e:2x2", "v5p:2x2x1", "v6e:2x2", "h100:8", "a100:8")
+# Train-step schedules: flash attention (dense), K/V consumers (CLA2, MLKV), probability reuse (UniAttn), both at once
+# (CLA + UniAttn), concatenated-feature attention (LISA_plus).
 SCHEDULES = {
   "dense": [],
+  "cla": ["schedule.kind=cla"],
+  "mlkv": ["schedule.kind=mlkv", "schedule.kv_layers=2", "schedule.kv_heads=2"],
+  "uniattn": ["model.num_layers=6", "schedule.kind=uniattn", "schedule.uniattn.start=2",
+              "schedule.uniattn.block_size=2"],
   "cla+uniattn": ["model.num_layers=6", "schedule.kind=cla+uniattn", "schedule.producers=[0,2,3,4,5]",
                   "schedule.uniattn.start=2", "schedule.uniattn.block_size=2"],
   "lisa_plus": ["model.num_layers=6", "schedule.kind=lisa_plus", "schedule.lisa.layers=[2,3]"],
 }
 SMALL_MODEL = ["model.num_layers=4", "model.d_model=128", "model.num_heads=4", "model.mlp_dim=256",
-               "data.seq_len=256", "train.batch_size=8", "attention.impl=pallas", "mesh.data=2", "mesh.tensor=2"]
+               "data.seq_len=256", "train.batch_size=8", "attention.impl=pallas", "mesh.data=2", "mesh.tensor=2",
+               "mesh.fsdp=-1"]
 
 
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  ap.add_argument("--topology", action="append", help=f"TPU topology (repeatable; default {', '.join(TOPOLOGIES)})")
+  ap.add_argument("--topology", action="append",
+                  help=f"TPU topology or GPU cluster (repeatable; default {', '.join(TOPOLOGIES)})")
   ap.add_argument("--train-on", action="append", metavar="TOPOLOGY",
                   help="topologies to compile the train steps for (repeatable; default every --topology)")
   ap.add_argument("--schedule", action="append", choices=sorted(SCHEDULES),
                   help="train-step schedules to compile (repeatable; default all)")
-  ap.add_argument("--no-cuda", action="store_true", help="skip the CUDA lowering of the kernels")
   ap.add_argument("--json", help="also write the results to this JSON file")
   ap.add_argument("overrides", nargs="*", help="config overrides for the train step (key=value)")
   args = ap.parse_intermixed_args(argv)
-  results: dict = {"tpu": {}, "cuda": []}
+  results: dict = {}
   try:
     for topology in args.topology or TOPOLOGIES:
       start = time.perf_counter()
       mesh = topology_mesh(topology, MeshConfig(data=2, fsdp=1, tensor=-1))
-      rows = compile_kernels_tpu(mesh)
+      rows = compile_kernels(mesh)
       for name in (args.schedule or SCHEDULES) if topology in (args.train_on or [topology]) else ():
         cfg = load_config(None, SMALL_MODEL + SCHEDULES[name] + list(args.overrides))
         rows.append(compile_train_step(cfg, topology_mesh(topology, cfg.mesh)))
-      results["tpu"][topology] = [dataclasses.asdict(r) for r in rows]
-      print(f"{topology} ({mesh.devices.flat[0].device_kind}, mesh {dict(mesh.shape)}): "
-            f"{time.perf_counter() - start:.1f} s")
+      results[topology] = [dataclasses.asdict(r) for r in rows]
+      device = mesh.devices.flat[0]
+      calls = "Mosaic" if KERNEL_CALL[device.platform] == KERNEL_CALL["tpu"] else "Triton"
+      print(f"{topology} ({device.device_kind}, mesh {dict(mesh.shape)}): {time.perf_counter() - start:.1f} s")
       for r in rows:
         mem = r.memory or {}
-        print(f"  {r.name:34s} {r.custom_calls:3d} Mosaic calls  args {mem.get('argument_size_in_bytes', 0):>10,} B  "
+        print(f"  {r.name:34s} {r.custom_calls:3d} {calls} calls  args {mem.get('argument_size_in_bytes', 0):>10,} B  "
               f"temp {mem.get('temp_size_in_bytes', 0):>10,} B  code {mem.get('generated_code_size_in_bytes', 0):>9,} B")
   except ConfigError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
-  if not args.no_cuda:
-    results["cuda"] = [dataclasses.asdict(r) for r in lower_kernels_cuda()]
-    print("cuda (lowered, Pallas -> Triton):")
-    for r in results["cuda"]:
-      print(f"  {r['name']:34s} {r['custom_calls']:3d} Triton calls")
   if args.json:
     with open(args.json, "w") as f:
       json.dump(results, f, indent=1)

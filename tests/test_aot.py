@@ -1,10 +1,14 @@
 """Ahead-of-time proof without an accelerator: every Pallas kernel (forward+backward; the decode kernel forward)
-compiles to Mosaic custom calls for real TPU topologies, the model's train step with ``attention.impl=pallas`` compiles for a sharded TPU mesh
-(every attention call a Mosaic kernel inside shard_map), and every kernel lowers to Triton custom calls for CUDA.
-Runs ``scripts/aot_compile.py`` in a child process: libtpu is initialised there, not in the test workers."""
+compiles to Mosaic custom calls for real TPU topologies and to Triton calls for H100 (sm_90), A100 (sm_80) and B200
+(sm_100) GPUs, and the model's train step with ``attention.impl=pallas`` compiles for a sharded TPU mesh and for a node
+of 8 H100s (every attention call a kernel inside shard_map) for every kind of kernel use: dense, CLA2, MLKV, UniAttn,
+CLA + UniAttn, LISA_plus. A kernel asking a GPU for more shared memory than it has fails the compile (the test that
+un-fits the tiles sees it). Runs ``scripts/aot_compile.py`` in a child process: libtpu and jax's CUDA plugin are
+initialised there, not in the test workers."""
 
 import importlib.util
 import json
+import re
 import subprocess
 import sys
 
@@ -12,40 +16,82 @@ import pytest
 
 from conftest import OPTIMIZED_ENV, REPO
 
-pytestmark = pytest.mark.skipif(
+needs_libtpu = pytest.mark.skipif(
   not (REPO / ".libtpu" / "libtpu").is_dir() and importlib.util.find_spec("libtpu") is None,
   reason="libtpu is not installed (make .libtpu/.installed)")
+needs_cuda_plugin = pytest.mark.skipif(not (REPO / ".jaxcuda" / "jax_plugins").is_dir(),
+                                       reason="jax's CUDA plugin is not installed (make .jaxcuda/.installed)")
+KERNEL_CALLS = {"flash_attention": 3, "kv_consumer": 6, "probability_reuse": 3, "lisa_plus_features": 3, "decode": 1}
 
 # Attention calls per train step, forward and backward: 3 kernels per flash attention (forward, dQ, dK/dV) and per
 # probability reuse. cla+uniattn (6 layers, producers 0,2-5, UniAttn superblock of 2 from
 # layer 2): attention, a K/V consumer and a probability reuser in distinct bodies; lisa_plus: attention and the
 # feature-chain attention.
 MIN_TRAIN_CALLS = {"cla+uniattn": 9, "lisa_plus": 6}
+# On GPU (a node of 8 H100s): dense 3; a CLA2 or MLKV body with a producer and a consumer 6; UniAttn (6 layers, a
+# superblock of 2 from layer 2) attention and a probability reuser, 9; LISA_plus 6.
+MIN_GPU_TRAIN_CALLS = {"dense": 3, "cla": 6, "mlkv": 6, "uniattn": 9, "lisa_plus": 6}
 
 
-def test_kernels_and_train_steps_compile_for_tpu_and_lower_for_cuda(tmp_path):
+def aot_compile(tmp_path, *args: str, code: str = "") -> tuple[subprocess.CompletedProcess, dict]:
+  """``scripts/aot_compile.py args``, after ``code`` (run first in the same process); its output and JSON."""
   out = tmp_path / "aot.json"
+  run = f"{code}\nimport runpy, sys\nsys.argv = sys.argv[1:]\nrunpy.run_path(sys.argv[0], run_name='__main__')"
+  proc = subprocess.run([sys.executable, "-c", run, "scripts/aot_compile.py", *args, f"--json={out}"], cwd=REPO,
+                        capture_output=True, text=True, timeout=900, env=OPTIMIZED_ENV)
+  return proc, json.loads(out.read_text()) if out.exists() else {}
+
+
+def check_kernels(rows: list[dict], where: str) -> None:
+  by_name = {r["name"]: r for r in rows}
+  for kernel, calls in KERNEL_CALLS.items():
+    assert by_name[kernel]["custom_calls"] == calls, (where, by_name[kernel])
+    assert by_name[kernel]["memory"]["argument_size_in_bytes"] > 0
+
+
+@needs_libtpu
+def test_kernels_and_train_steps_compile_for_tpu(tmp_path):
   topologies = ["v5e:2x2", "v5p:2x2x1", "v6e:2x2"]
-  cmd = [sys.executable, "scripts/aot_compile.py", *(f"--topology={t}" for t in topologies),
-         "--train-on=v5e:2x2", *(f"--schedule={s}" for s in MIN_TRAIN_CALLS), f"--json={out}"]
-  proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900, env=OPTIMIZED_ENV)
+  proc, results = aot_compile(tmp_path, *(f"--topology={t}" for t in topologies), "--train-on=v5e:2x2",
+                              *(f"--schedule={s}" for s in MIN_TRAIN_CALLS))
   assert proc.returncode == 0, proc.stderr[-3000:]
-  results = json.loads(out.read_text())
   for topology in topologies:
-    rows = {r["name"]: r for r in results["tpu"][topology]}
-    for kernel, calls in (("flash_attention", 3), ("kv_consumer", 6), ("probability_reuse", 3),
-                          ("lisa_plus_features", 3), ("decode", 1)):
-      assert rows[kernel]["custom_calls"] == calls, (topology, rows[kernel])
-      assert rows[kernel]["memory"]["argument_size_in_bytes"] > 0
-  train = {r["name"]: r for r in results["tpu"]["v5e:2x2"] if r["name"].startswith("train_step")}
+    check_kernels(results[topology], topology)
+  train = {r["name"]: r for r in results["v5e:2x2"] if r["name"].startswith("train_step")}
   for schedule, least in MIN_TRAIN_CALLS.items():
     assert train[f"train_step[{schedule}]"]["custom_calls"] >= least, train
-  assert {r["name"]: r["custom_calls"] for r in results["cuda"]} == {
-    "flash_attention": 3, "kv_consumer": 6, "probability_reuse": 3, "lisa_plus_features": 3, "decode": 1}
 
 
+@needs_cuda_plugin
+def test_kernels_compile_for_gpus_and_train_steps_for_an_h100_node(tmp_path):
+  topologies = ["h100:8", "a100:8", "b200:8"]
+  proc, results = aot_compile(tmp_path, *(f"--topology={t}" for t in topologies), "--train-on=h100:8",
+                              *(f"--schedule={s}" for s in MIN_GPU_TRAIN_CALLS))
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  for topology in topologies:
+    check_kernels(results[topology], topology)
+  train = {r["name"]: r for r in results["h100:8"] if r["name"].startswith("train_step")}
+  for schedule, least in MIN_GPU_TRAIN_CALLS.items():
+    assert train[f"train_step[{schedule}]"]["custom_calls"] >= least, train
+  assert "Triton calls" in proc.stdout and "Mosaic" not in proc.stdout
+
+
+@needs_cuda_plugin
+def test_a_kernel_asking_for_more_shared_memory_than_the_gpu_has_fails_the_compile(tmp_path):
+  """Without fitting its tiles and pipeline depth, LISA_plus's float32-feature kernel (width 176 padded to 256) asks
+  an A100 for more than its 166,912 bytes: the compile fails, naming it."""
+  unfit = ("from jaxshare.aot import topology\ntopology.use_host_compiler()\nimport jaxshare.kernels.flash as f\n"
+           "f._fit_tiles = lambda names, bq, bk, ops, limit: (bq, bk)\n"
+           "f._fit_stages = lambda name, bq, bk, ops, limit: f.triton_launch(name, max(ops.e, ops.d), bq)[1]")
+  proc, _ = aot_compile(tmp_path, "--topology=a100:4", "--schedule=dense", code=unfit)
+  assert proc.returncode != 0
+  assert re.search(r"RESOURCE_EXHAUSTED: Shared memory size limit exceeded: requested \d+, available: 166912",
+                   proc.stderr), proc.stderr[-3000:]
+
+
+@needs_libtpu
 def test_unknown_topology_is_refused_by_name():
-  proc = subprocess.run([sys.executable, "scripts/aot_compile.py", "--topology=v9z:1x1", "--no-cuda"], cwd=REPO,
+  proc = subprocess.run([sys.executable, "scripts/aot_compile.py", "--topology=v9z:1x1"], cwd=REPO,
                         capture_output=True, text=True, timeout=300)
   assert proc.returncode == 2
   assert "--topology 'v9z:1x1': cannot describe this TPU topology" in proc.stderr

@@ -1,7 +1,8 @@
-"""The ahead-of-time fit check (``train.py --compile-only``, jaxshare/aot/): accelerator types name topologies, the
-traced FLOP count follows scans and shard_map, and, with libtpu, a small model's train step compiles for a TPU
-topology (and two slices of it) and fits while a too-large batch is refused with advice and exit code 3. The libtpu
-cases run train.py in a child process: libtpu is initialised there, not in the test workers."""
+"""The ahead-of-time fit check (``train.py --compile-only``, jaxshare/aot/): accelerator types and GPU cluster names
+name topologies, the traced FLOP count follows scans and shard_map, and, with libtpu or jax's CUDA plugin, a small
+model's train step compiles for a TPU topology (and two slices of it) or a node of 8 H100s and fits while a too-large
+batch is refused with advice and exit code 3. Those cases run train.py in a child process: libtpu and the plugin are
+initialised there, not in the test workers."""
 
 import importlib.util
 import re
@@ -16,11 +17,13 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from conftest import OPTIMIZED_ENV, REPO
 from jaxshare.config import ConfigError
-from jaxshare.aot.topology import hbm_bytes, topology_name
+from jaxshare.aot.topology import GPUS, gpu_topology, hbm_bytes, topology_name
 
 needs_libtpu = pytest.mark.skipif(
   not (REPO / ".libtpu" / "libtpu").is_dir() and importlib.util.find_spec("libtpu") is None,
   reason="libtpu is not installed (make .libtpu/.installed)")
+needs_cuda_plugin = pytest.mark.skipif(not (REPO / ".jaxcuda" / "jax_plugins").is_dir(),
+                                       reason="jax's CUDA plugin is not installed (make .jaxcuda/.installed)")
 
 SMALL = ["model.num_layers=2", "model.d_model=128", "model.num_heads=4", "model.mlp_dim=256", "data.seq_len=256",
          "mesh.fsdp=-1"]
@@ -46,10 +49,48 @@ def test_accelerator_types_name_topologies(name, topology):
 
 @pytest.mark.parametrize("name,message", [
   ("v5p-6", "v5p-N needs N = 2 x a power of two"), ("v5e-24", "v5e-N needs N = a power of two"),
-  ("v3-8", "name a TPU topology"), ("tpu", "name a TPU topology")])
+  ("v3-8", "a TPU topology (v5e:16x16"), ("tpu", "a TPU topology (v5e:16x16")])
 def test_bad_accelerator_types_are_refused_by_name(name, message):
   with pytest.raises(ConfigError, match=re.escape(message)):
     topology_name(name)
+
+
+@pytest.mark.parametrize("name,parsed", [("h100:8", ("h100", 1, 8)), ("h100:4x8", ("h100", 4, 8)),
+                                         ("a100:8", ("a100", 1, 8)), ("h200:2x4", ("h200", 2, 4)),
+                                         ("b200:8", ("b200", 1, 8)), ("v5e:2x2", None), ("v4:8", None)])
+def test_gpu_cluster_names(name, parsed):
+  assert gpu_topology(name) == parsed
+  if parsed:
+    assert topology_name(name) == name
+
+
+@pytest.mark.parametrize("name", ["h999:8", "h100:0", "h100:0x8", "a100:2x0"])
+def test_bad_gpu_cluster_names_are_refused_by_name(name):
+  with pytest.raises(ConfigError, match=re.escape(f"--topology {name!r}: a GPU topology is <gpu>:<gpus per node>")):
+    topology_name(name)
+
+
+@needs_cuda_plugin
+def test_every_gpu_target_describes_its_devices():
+  """Each shipped GPU target parses in the installed CUDA plugin and describes two nodes of devices of its kind,
+  whose memory and bf16 peak the fit check knows."""
+  code = ("from jaxshare.aot import topology; topology.use_host_compiler()\n"
+          "from jaxshare.train.metrics import vendor_peak_tflops\n"
+          f"for gpu in {sorted(GPUS)}:\n"
+          "  devices = topology.topology_devices(gpu + ':2x4')\n"
+          "  kind = devices[0].device_kind\n"
+          "  print(gpu, len(devices), sorted({d.process_index for d in devices}), kind, devices[0].compute_capability,"
+          " topology.hbm_bytes(kind), vendor_peak_tflops(kind), sep='|')\n")
+  proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300,
+                        env=OPTIMIZED_ENV)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  rows = {r.split("|")[0]: r.split("|")[1:] for r in proc.stdout.splitlines()}
+  assert {g: (n, nodes) for g, (n, nodes, *_) in rows.items()} == {g: ("8", "[0, 1]") for g in GPUS}
+  assert {g: (kind, cc) for g, (_, _, kind, cc, *_) in rows.items()} == {
+    "h100": ("NVIDIA H100 80GB HBM3", "9.0"), "h200": ("NVIDIA H200 141GB HBM3e", "9.0"),
+    "a100": ("NVIDIA A100-SXM4-80GB", "8.0"), "b200": ("NVIDIA B200", "10.0")}
+  assert {g: round(int(r[4]) / 1e9) for g, r in rows.items()} == {"h100": 85, "h200": 151, "a100": 85, "b200": 192}
+  assert {g: float(r[5]) for g, r in rows.items()} == {"h100": 989.0, "h200": 989.0, "a100": 312.0, "b200": 2250.0}
 
 
 def test_hbm_by_device_kind():
@@ -111,6 +152,28 @@ def test_too_large_batch_does_not_fit_with_advice():
                  r"train.grad_accum_steps=\d+ \(now 1\): the same global batch in micro-batches of \d+, about [\d.]+",
                  r"mesh.fsdp: the state \([\d.]+ MiB per chip\) is already sharded over all 4 chips"):
     assert re.search(change, err), (change, err)
+
+
+@needs_cuda_plugin
+def test_small_model_fits_on_an_h100_node_and_a_large_batch_does_not():
+  """The GPU fit check: XLA's GPU compiler reports a peak but refuses nothing, so the verdict compares it with jax's
+  share of the device (XLA_PYTHON_CLIENT_MEM_FRACTION, 0.75 of 79.11 GiB by default, 0.9 when set)."""
+  proc = compile_only("--topology=h100:8", *SMALL, "train.batch_size=8", "attention.impl=pallas")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  out = proc.stdout
+  assert "compiled for h100:8: 8 x NVIDIA H100 80GB HBM3" in out and "mesh data=1 fsdp=8 tensor=1" in out, out
+  hbm = re.search(r"HBM per chip: ([\d.]+ [GM]iB) \(compiler's peak\) of 59.33 GiB usable \(jax's share: "
+                  r"XLA_PYTHON_CLIENT_MEM_FRACTION=0.75; 79.11 GiB HBM\)", out).group(1)
+  assert 0 < gib(hbm) < 0.1 and "3 Pallas kernel calls" in out and "fits: yes" in out
+  proc = subprocess.run([sys.executable, "train.py", "--compile-only", "--topology=h100:8", *SMALL,
+                         "model.vocab_size=32000", "data.seq_len=1024", "train.batch_size=8192"], cwd=REPO,
+                        capture_output=True, text=True, timeout=600,
+                        env={**OPTIMIZED_ENV, "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.9"})
+  assert proc.returncode == 3, proc.stderr[-3000:]
+  assert "fits: NO" in proc.stdout and "71.20 GiB usable" in proc.stdout, proc.stdout
+  assert re.search(r"does not fit in HBM on h100:8 \(NVIDIA H100 80GB HBM3\): needs [\d.]+ GiB per chip, 71.20 GiB "
+                   r"available", proc.stderr), proc.stderr
+  assert re.search(r"train.batch_size: lower it \(now 8192 = 1024 x 8; about \d+ would fit", proc.stderr)
 
 
 @needs_libtpu

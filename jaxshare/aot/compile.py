@@ -1,6 +1,6 @@
-"""Compiling without the hardware: the Mosaic kernels and the run's train step compiled for a TPU topology's devices
-(:mod:`jaxshare.aot.topology`), the Pallas kernels lowered for CUDA (Triton custom calls) on a CPU host, and what the
-TPU compiler says when a program does not fit (its usable HBM). ``scripts/aot_compile.py`` is the command line.
+"""Compiling without the hardware: the Pallas kernels and the run's train step compiled for a TPU topology's devices
+(Mosaic) or a GPU cluster's (Triton; :mod:`jaxshare.aot.topology`) on a CPU host, and the memory a program may use
+there (what the TPU compiler says, or jax's share of a GPU). ``scripts/aot_compile.py`` is the command line.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from jaxshare.kernels import pallas
 
 MOSAIC_CALL = "tpu_custom_call"
 TRITON_CALL = "__gpu$xla.gpu.triton"
+KERNEL_CALL = {"tpu": MOSAIC_CALL, "gpu": TRITON_CALL}  # a Pallas kernel's custom call in a compiled program, by platform
 # Kernel operands by rank: segment ids [B, T], log-sum-exp [B, H, T], activations [B, T, heads, width].
 _ACTIVATION_AXES = {2: ("activation_batch", None), 3: ("activation_batch", "activation_heads", None),
                     4: ("activation_batch", None, "activation_heads", None)}
@@ -40,8 +41,8 @@ class Compiled:
   """One program compiled (or lowered) for a target.
 
   Attributes:
-    name: what was compiled. custom_calls: kernel custom calls in the program (``tpu_custom_call`` on TPU,
-    Triton on CUDA). memory: ``memory_analysis()`` (TPU only; bytes per device). flops: ``cost_analysis()`` FLOPs.
+    name: what was compiled. custom_calls: kernel custom calls in the program (:data:`KERNEL_CALL`). memory:
+    ``memory_analysis()`` (bytes per device). flops: ``cost_analysis()`` FLOPs (None where XLA gives none: GPU).
   """
 
   name: str
@@ -112,25 +113,18 @@ def kernel_programs(batch: int = 2, length: int = 512, heads: int = 8, kv_heads:
   return programs
 
 
-def compile_kernels_tpu(mesh: jax.sharding.Mesh, **shapes) -> list[Compiled]:
-  """Every kernel program compiled for the mesh's TPU devices, its batch split over ``data``/``fsdp`` and heads
-  over ``tensor`` (by the logical rules, inside ``shard_map``)."""
+def compile_kernels(mesh: jax.sharding.Mesh, **shapes) -> list[Compiled]:
+  """Every kernel program compiled for the mesh's devices (TPU: Mosaic; GPU: Triton, tiles fitted to the GPU's
+  shared memory), its batch split over ``data``/``fsdp`` and heads over ``tensor`` (by the logical rules, inside
+  ``shard_map``). Raises the compiler's error (e.g. RESOURCE_EXHAUSTED: a kernel asks for more on-chip memory than
+  the device has)."""
   out = []
   for name, (fn, args, axes) in kernel_programs(**shapes).items():
     args = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(
       mesh, parallel.logical_to_spec(names, a.shape, mesh))) for a, names in zip(args, axes)]
     with jax.set_mesh(mesh):
       compiled = jax.jit(fn).trace(*args).lower().compile()
-    out.append(summarize(name, compiled, compiled.as_text(), MOSAIC_CALL))
-  return out
-
-
-def lower_kernels_cuda(**shapes) -> list[Compiled]:
-  """Every kernel program lowered for CUDA on this host (Pallas → Triton); compiling the Triton IR needs a GPU."""
-  out = []
-  for name, (fn, args, _) in kernel_programs(**shapes, backend="triton").items():
-    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    out.append(Compiled(name, text.count(TRITON_CALL)))
+    out.append(summarize(name, compiled, compiled.as_text(), KERNEL_CALL[mesh.devices.flat[0].platform]))
   return out
 
 
@@ -163,10 +157,10 @@ def trace_train_step(cfg: Config, mesh: jax.sharding.Mesh) -> TracedStep:
 
 def compile_traced(step: TracedStep, name: str) -> Compiled:
   """Compile a traced train step for its mesh's devices (raises the compiler's error, e.g. RESOURCE_EXHAUSTED when
-  it does not fit in HBM)."""
+  it does not fit in TPU HBM)."""
   with jax.set_mesh(step.setup.mesh):
     compiled = step.traced.lower().compile()
-  return summarize(name, compiled, compiled.as_text(), MOSAIC_CALL)
+  return summarize(name, compiled, compiled.as_text(), KERNEL_CALL[step.setup.mesh.devices.flat[0].platform])
 
 
 def compile_train_step(cfg: Config, mesh: jax.sharding.Mesh) -> Compiled:
@@ -187,9 +181,15 @@ _usable: dict[str, int | None] = {}
 
 
 def usable_hbm(device) -> int | None:
-  """Bytes of HBM the TPU compiler lets one program use on ``device``'s kind (None if it does not say): read from its
-  refusal of a 512 GiB program (well under a second; once per device kind)."""
+  """Bytes of HBM one program may use on ``device``'s kind (None if unknown). TPU: what the compiler lets it use,
+  read from its refusal of a 512 GiB program (well under a second; once per device kind). GPU: jax's allocator's
+  share of the device memory (:func:`~jaxshare.aot.topology.gpu_memory_fraction`; XLA's GPU compiler checks none)."""
+  from jaxshare.aot import topology
+
   kind = device.device_kind
+  if device.platform == "gpu":
+    memory = topology.gpu_memory_bytes(kind)
+    return None if memory is None else int(memory * topology.gpu_memory_fraction())
   if kind not in _usable:
     huge = jax.ShapeDtypeStruct((2 ** 39,), np.int8, sharding=jax.sharding.SingleDeviceSharding(device))
     try:

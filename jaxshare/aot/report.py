@@ -1,6 +1,11 @@
 """The memory and cost report of one ahead-of-time compile (:func:`check`): the run's real train step compiled for a
-named TPU topology on this host (no TPU), its HBM per chip against the chip's capacity, its FLOPs and the bounds they
-set, printed by :func:`format_report`, and when it does not fit, what to change (:func:`advice`).
+named TPU topology or GPU cluster on this host (no accelerator), its HBM per chip against the chip's capacity, its
+FLOPs and the bounds they set, printed by :func:`format_report`, and when it does not fit, what to change
+(:func:`advice`).
+
+**GPU.** XLA's GPU compiler refuses nothing for size and reports no peak, so a step fits a GPU when the sum below is
+within the memory jax's allocator takes (``XLA_PYTHON_CLIENT_MEM_FRACTION`` of the device's, 0.75 by default: set it
+as the training job will). Triton kernels are counted like Mosaic ones.
 
 **HBM per chip** is the TPU compiler's own figure, ``memory_analysis().peak_memory_in_bytes``: the most bytes live at
 once during the step (arguments, outputs and temporaries; the donated state's buffers, which the new state is written
@@ -62,6 +67,7 @@ class Fit:
     compiler_error: the compiler's refusal ("" when compiled). model_flops, executed_flops: see the module doc.
     kernel_calls: Pallas kernel calls in the traced step. xla_flops_per_chip: raw ``cost_analysis()`` flops.
     peak_flops: the chip's dense bf16 peak FLOP/s (None: unknown). compile_s: seconds to trace and compile.
+    usable_note: where ``usable`` comes from (the TPU compiler, or jax's share of a GPU).
   """
 
   topology: str
@@ -84,6 +90,7 @@ class Fit:
   xla_flops_per_chip: float | None
   peak_flops: float | None
   compile_s: float
+  usable_note: str = "the compiler's limit"
 
   @property
   def limit(self) -> int:
@@ -181,8 +188,11 @@ def check(cfg: Config, target: str, num_slices: int | None = None) -> Fit:
     raise ConfigError(f"train.batch_size={cfg.train.batch_size}: must be a multiple of {unit} on this mesh (batch "
                       f"shards data x fsdp = {mesh.shape['data'] * mesh.shape['fsdp']}, x train.grad_accum_steps "
                       f"{cfg.train.grad_accum_steps}), e.g. {max(unit, cfg.train.batch_size // unit * unit)}")
-  kind = mesh.devices.flat[0].device_kind
-  capacity, usable = topology.hbm_bytes(kind), usable_hbm(mesh.devices.flat[0])
+  device = mesh.devices.flat[0]
+  kind = device.device_kind
+  capacity, usable = topology.hbm_bytes(kind), usable_hbm(device)
+  note = ("the compiler's limit" if device.platform == "tpu" else
+          f"jax's share: XLA_PYTHON_CLIENT_MEM_FRACTION={topology.gpu_memory_fraction():g}")
   if capacity is None and usable is None:
     raise ConfigError(f"--topology {target!r}: the HBM of device kind {kind!r} is unknown (the compiler would not "
                       f"say; the table knows {', '.join(k for k, _ in topology.HBM_GIB)})")
@@ -209,7 +219,7 @@ def check(cfg: Config, target: str, num_slices: int | None = None) -> Fit:
     hbm = memory.get("peak_memory_in_bytes") or _sum_bytes(memory)
   return Fit(name, kind, mesh.devices.size, cfg.mesh.num_slices, dict(mesh.shape), cfg.train.batch_size,
              cfg.data.seq_len, unit, capacity, _state_bytes(step.state), hbm, usable, memory, error, model_flops,
-             executed, kernels, xla_flops, _peak_flops(kind), time.perf_counter() - start)
+             executed, kernels, xla_flops, _peak_flops(kind), time.perf_counter() - start, note)
 
 
 def gib(n: int | None) -> str:
@@ -222,8 +232,8 @@ def gib(n: int | None) -> str:
 def _capacity(fit: Fit) -> str:
   if fit.usable is None:
     return f"{gib(fit.capacity)} HBM"
-  published = f"; {fit.capacity / GIB:g} GiB HBM" if fit.capacity else ""
-  return f"{gib(fit.usable)} usable (the compiler's limit{published})"
+  published = f"; {fit.capacity / GIB:.4g} GiB HBM" if fit.capacity else ""
+  return f"{gib(fit.usable)} usable ({fit.usable_note}{published})"
 
 
 def format_report(fit: Fit, target: str) -> str:
@@ -243,8 +253,8 @@ def format_report(fit: Fit, target: str) -> str:
                  f" + temporaries {gib(m['temp_size_in_bytes'])} = {gib(_sum_bytes(m))}")
   else:
     lines.append(f"  HBM per chip: the compiler needs {gib(fit.hbm)} of {_capacity(fit)}: {fit.compiler_error}")
-  lines.append(f"  train state per chip: {gib(fit.state_bytes)} (parameters and optimizer moments, before TPU tile "
-               "padding)")
+  padding = ", before TPU tile padding" if fit.device_kind.startswith("TPU") else ""
+  lines.append(f"  train state per chip: {gib(fit.state_bytes)} (parameters and optimizer moments{padding})")
   per_chip = fit.executed_flops / fit.chips
   kernels = f"; {fit.kernel_calls} Pallas kernel calls, counted as the model's attention" if fit.kernel_calls else ""
   lines.append(f"  FLOPs per step: model {fit.model_flops:.3e}, executed {fit.executed_flops:.3e} "

@@ -17,7 +17,8 @@ from tqdm.auto import tqdm
 
 # Dense bf16 peak TFLOP/s per device, by substring of jax's device_kind (MaxText's and vendors' figures).
 _PEAK_TFLOPS = (("v6 lite", 918.0), ("v6e", 918.0), ("v5 lite", 197.0), ("v5e", 197.0), ("v5p", 459.0),
-                ("v5", 459.0), ("v4", 275.0), ("h200", 989.0), ("h100", 989.0), ("a100", 312.0), ("l4", 121.0))
+                ("v5", 459.0), ("v4", 275.0), ("h200", 989.0), ("h100", 989.0), ("a100", 312.0), ("b200", 2250.0),
+                ("l4", 121.0))
 
 
 def _summary_writer(logdir: str):
