@@ -7,6 +7,11 @@ AdamW with clipping, the same thread count (every core) for XLA and PyTorch.
 
   python scripts/bench_train.py                               # all shapes, dense
   python scripts/bench_train.py --shapes default --schedules dense,cla2,mlkv,sa,uniattn,lisa_plus
+  python scripts/bench_train.py --shapes default --nanogpt ~/src/nanoGPT   # calibrate against nanoGPT itself
+
+``--nanogpt CHECKOUT`` also races nanoGPT's own model and optimizer (``model.py`` of that checkout, run, not copied) at
+the shapes whose peer is the nanoGPT-style model, and prints that model's speed relative to it: a calibration of the
+contestant, which trains jaxshare's Llama layer in nanoGPT's structure.
 
 Prints per shape: tokens/s of each contestant (median over rounds), jaxshare's ratio to each peer (median and range
 over rounds), jaxshare's model GFLOP/s, and the matmul roofline of XLA (jaxshare rows) and of PyTorch (peer rows),
@@ -223,11 +228,12 @@ def race(workers: list, rounds: int, steps: int) -> dict[str, list[float]]:
 
 
 def bench_shape(name: str, schedules: list[str], variants: list[list[str]], trees: list[Path], steps: int,
-                rounds: int, minimal: bool) -> list[dict]:
+                rounds: int, minimal: bool, nanogpt: bool = False) -> list[dict]:
   shape = SHAPES[name]
   tokens = shape["batch"] * shape["seq_len"] * steps
   workers = [Worker("jaxshare", name, s, v, t) for t in trees for s in schedules for v in variants]
-  workers += [Worker(p, name, "dense") for p in shape["peers"] + (("jax_minimal",) if minimal else ())]
+  upstream = ("nanogpt_upstream",) if nanogpt and "nanogpt" in shape["peers"] else ()
+  workers += [Worker(p, name, "dense") for p in shape["peers"] + upstream + (("jax_minimal",) if minimal else ())]
   times = race(workers, rounds, steps)
   for w in workers:
     w.close()
@@ -237,6 +243,10 @@ def bench_shape(name: str, schedules: list[str], variants: list[list[str]], tree
     tps = [tokens / t for t in times[w.label]]
     row = {"shape": name, "contestant": w.label, "params": w.info["params"], "tokens_per_sec": statistics.median(tps),
            "ms_per_step": 1e3 * statistics.median(times[w.label]) / steps}
+    if w.kind == "nanogpt" and upstream:  # the calibration: the nanoGPT-style contestant against nanoGPT itself
+      per_round = [b / a for a, b in zip(times[w.label], times["nanogpt_upstream"])]
+      row["vs_nanogpt_upstream"] = statistics.median(per_round)
+      row["vs_nanogpt_upstream_range"] = (min(per_round), max(per_round))
     if w.kind == "jaxshare":
       # a sharing schedule is also measured against dense jaxshare of the same shape, round by round
       baseline = [] if w.label == "jaxshare dense" or "jaxshare dense" not in times else ["jaxshare dense"]
@@ -281,6 +291,8 @@ def main() -> None:
                       help="also race jaxshare from this checkout (e.g. a git worktree of an older commit)")
   parser.add_argument("--minimal", action="store_true",
                       help="also race jax_minimal.py, a bare pure-JAX Llama step (llama shapes): the compiler's floor")
+  parser.add_argument("--nanogpt", type=Path, metavar="CHECKOUT",
+                      help="a nanoGPT checkout: also race nanoGPT itself where the nanoGPT-style model races")
   parser.add_argument("--json", type=Path, help="also write the rows as JSON here")
   parser.add_argument("--worker", help=argparse.SUPPRESS)
   args = parser.parse_args()
@@ -299,13 +311,17 @@ def main() -> None:
         reexec_with_tuned_allocator()
     worker(args.worker, shapes[0], schedules[0], args.override)
     return
+  if args.nanogpt:
+    if not (args.nanogpt / "model.py").is_file():
+      parser.error(f"--nanogpt {str(args.nanogpt)!r} invalid: not a nanoGPT checkout (no model.py)")
+    os.environ["NANOGPT_DIR"] = str(args.nanogpt.resolve())  # the workers import its model.py
   print(f"{os.cpu_count()} CPU threads for every contestant; {args.rounds} rounds x {args.steps} steps each",
         flush=True)
   rows = []
   for name in shapes:
     variants = [args.override] + [args.override + shlex.split(v) for v in args.variant]
     rows += bench_shape(name, schedules, variants, [ROOT, *args.compare_tree], args.steps, args.rounds,
-                        args.minimal and SHAPES[name]["flavor"] == "llama")
+                        args.minimal and SHAPES[name]["flavor"] == "llama", args.nanogpt is not None)
     print(report([r for r in rows if r["shape"] == name]), flush=True)
   print("\n" + report(rows))
   if args.json:

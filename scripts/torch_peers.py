@@ -1,7 +1,13 @@
 """PyTorch peers for ``bench_train.py``: a nanoGPT-style minimal Llama and transformers' Llama / GPT-NeoX, each
-trained with AdamW as nanoGPT and HF users would (eager, fp32, decay on matrices, global-norm clipping)."""
+trained with AdamW as nanoGPT and HF users would (eager, fp32, decay on matrices, global-norm clipping); and, to
+calibrate the nanoGPT-style one, nanoGPT itself (its ``model.py`` imported from a checkout named by ``NANOGPT_DIR``,
+run as its ``train.py`` runs it: its own loss and ``configure_optimizers``)."""
 
 from __future__ import annotations
+
+import contextlib
+import os
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -66,11 +72,33 @@ class NanoLlama(nn.Module):
     return self.head(self.norm(x))
 
 
+def upstream_nanogpt(shape: dict) -> nn.Module:
+  """nanoGPT's own GPT (GPT-2 layer: LayerNorm, learned positions, GELU MLP of 4 x d, tied head; no bias, no
+  dropout) at the shape's layers, width, heads, sequence length and vocabulary, from the checkout ``NANOGPT_DIR``.
+
+  Raises:
+    ValueError: ``NANOGPT_DIR`` unset or without nanoGPT's ``model.py``.
+  """
+  checkout = os.environ.get("NANOGPT_DIR", "")
+  if not os.path.isfile(os.path.join(checkout, "model.py")):
+    raise ValueError(f"NANOGPT_DIR={checkout!r} is invalid: must be a nanoGPT checkout (holding model.py); "
+                     "git clone https://github.com/karpathy/nanoGPT")
+  sys.path.insert(0, checkout)
+  from model import GPT, GPTConfig  # nanoGPT's model.py
+
+  with contextlib.redirect_stdout(sys.stderr):  # it prints its parameter count; stdout is bench_train's protocol
+    return GPT(GPTConfig(block_size=shape["seq_len"], vocab_size=shape["vocab"], n_layer=shape["layers"],
+                         n_head=shape["heads"], n_embd=shape["d"], dropout=0.0, bias=False))
+
+
 def build(kind: str, shape: dict) -> nn.Module:
-  """``kind``: ``nanogpt`` | ``hf_llama`` | ``hf_neox``; ``shape``: the benchmark's shape dict."""
+  """``kind``: ``nanogpt`` | ``nanogpt_upstream`` | ``hf_llama`` | ``hf_neox``; ``shape``: the benchmark's shape
+  dict."""
   if kind == "nanogpt":
     return NanoLlama(shape["vocab"], shape["layers"], shape["d"], shape["heads"], shape["mlp"], shape["seq_len"],
                      shape["theta"])
+  if kind == "nanogpt_upstream":
+    return upstream_nanogpt(shape)
   import transformers
   common = dict(vocab_size=shape["vocab"], hidden_size=shape["d"], num_hidden_layers=shape["layers"],
                 num_attention_heads=shape["heads"], intermediate_size=shape["mlp"],
@@ -84,7 +112,7 @@ def build(kind: str, shape: dict) -> nn.Module:
                                      use_parallel_residual=True, hidden_act="gelu")
     model = transformers.GPTNeoXForCausalLM(cfg)
   else:
-    raise ValueError(f"peer kind {kind!r} is invalid: must be nanogpt, hf_llama or hf_neox")
+    raise ValueError(f"peer kind {kind!r} is invalid: must be nanogpt, nanogpt_upstream, hf_llama or hf_neox")
   model.config.use_cache = False
   return model
 
@@ -95,18 +123,25 @@ class PeerTrainer:
   def __init__(self, kind: str, shape: dict, batches: list, lr: float = 3e-3, clip: float = 1.0):
     torch.manual_seed(0)
     self.kind, self.model, self.clip = kind, build(kind, shape).train(), clip
-    decay = [p for p in self.model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in self.model.parameters() if p.dim() < 2]
-    self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                                 lr=lr, betas=(0.9, 0.95), eps=1e-8)
+    if kind == "nanogpt_upstream":  # its train.py's optimizer (the same groups and settings as below)
+      with contextlib.redirect_stdout(sys.stderr):
+        self.opt = self.model.configure_optimizers(0.1, lr, (0.9, 0.95), "cpu")
+    else:
+      decay = [p for p in self.model.parameters() if p.dim() >= 2]
+      no_decay = [p for p in self.model.parameters() if p.dim() < 2]
+      self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
+                                    {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.95), eps=1e-8)
     self.batches = [(torch.from_numpy(x).long(), torch.from_numpy(y).long()) for x, y in batches]
     self.i = 0
 
   def step(self) -> float:
     x, y = self.batches[self.i % len(self.batches)]
     self.i += 1
-    logits = self.model(x) if self.kind == "nanogpt" else self.model(input_ids=x).logits
-    loss = F.cross_entropy(logits.view(-1, logits.shape[-1]), y.view(-1))
+    if self.kind == "nanogpt_upstream":
+      _, loss = self.model(x, y)  # its forward computes the loss when given targets
+    else:
+      logits = self.model(x) if self.kind == "nanogpt" else self.model(input_ids=x).logits
+      loss = F.cross_entropy(logits.view(-1, logits.shape[-1]), y.view(-1))
     self.opt.zero_grad(set_to_none=True)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
