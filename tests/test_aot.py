@@ -49,31 +49,29 @@ def check_kernels(rows: list[dict], where: str) -> None:
     assert by_name[kernel]["memory"]["argument_size_in_bytes"] > 0
 
 
-@needs_libtpu
-def test_kernels_and_train_steps_compile_for_tpu(tmp_path):
-  topologies = ["v5e:2x2", "v5p:2x2x1", "v6e:2x2"]
-  proc, results = aot_compile(tmp_path, *(f"--topology={t}" for t in topologies), "--train-on=v5e:2x2",
-                              *(f"--schedule={s}" for s in MIN_TRAIN_CALLS))
+def check_compiles(tmp_path, topologies: list[str], train_on: str, min_train_calls: dict[str, int]) -> str:
+  """Every kernel compiled for each topology, and each schedule's train step for ``train_on`` with at least its
+  count of kernel calls; the script's stdout."""
+  proc, results = aot_compile(tmp_path, *(f"--topology={t}" for t in topologies), f"--train-on={train_on}",
+                              *(f"--schedule={s}" for s in min_train_calls))
   assert proc.returncode == 0, proc.stderr[-3000:]
   for topology in topologies:
     check_kernels(results[topology], topology)
-  train = {r["name"]: r for r in results["v5e:2x2"] if r["name"].startswith("train_step")}
-  for schedule, least in MIN_TRAIN_CALLS.items():
+  train = {r["name"]: r for r in results[train_on] if r["name"].startswith("train_step")}
+  for schedule, least in min_train_calls.items():
     assert train[f"train_step[{schedule}]"]["custom_calls"] >= least, train
+  return proc.stdout
+
+
+@needs_libtpu
+def test_kernels_and_train_steps_compile_for_tpu(tmp_path):
+  assert "Mosaic calls" in check_compiles(tmp_path, ["v5e:2x2", "v5p:2x2x1", "v6e:2x2"], "v5e:2x2", MIN_TRAIN_CALLS)
 
 
 @needs_cuda_plugin
 def test_kernels_compile_for_gpus_and_train_steps_for_an_h100_node(tmp_path):
-  topologies = ["h100:8", "a100:8", "b200:8"]
-  proc, results = aot_compile(tmp_path, *(f"--topology={t}" for t in topologies), "--train-on=h100:8",
-                              *(f"--schedule={s}" for s in MIN_GPU_TRAIN_CALLS))
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  for topology in topologies:
-    check_kernels(results[topology], topology)
-  train = {r["name"]: r for r in results["h100:8"] if r["name"].startswith("train_step")}
-  for schedule, least in MIN_GPU_TRAIN_CALLS.items():
-    assert train[f"train_step[{schedule}]"]["custom_calls"] >= least, train
-  assert "Triton calls" in proc.stdout and "Mosaic" not in proc.stdout
+  out = check_compiles(tmp_path, ["h100:8", "a100:8", "b200:8"], "h100:8", MIN_GPU_TRAIN_CALLS)
+  assert "Triton calls" in out and "Mosaic" not in out
 
 
 @needs_cuda_plugin
