@@ -9,6 +9,10 @@ AdamW with clipping, the same thread count (every core) for XLA and PyTorch.
   python scripts/bench_train.py --shapes default --schedules dense,cla2,mlkv,sa,uniattn,lisa_plus
   python scripts/bench_train.py --shapes default --nanogpt ~/src/nanoGPT   # calibrate against nanoGPT itself
 
+``--end-to-end`` adds a row for ``train.py`` itself at each shape (dense, the real corpus, its data pipeline, logging
+and checkpoints; validation off): its own tokens/s over its log intervals after the first, which holds compilation,
+against the shape's first peer training the same number of steps, the two alternating for ``--rounds`` rounds.
+
 ``--nanogpt CHECKOUT`` also races nanoGPT's own model and optimizer (``model.py`` of that checkout, run, not copied) at
 the shapes whose peer is the nanoGPT-style model, and prints that model's speed relative to it: a calibration of the
 contestant, which trains jaxshare's Llama layer in nanoGPT's structure.
@@ -261,6 +265,51 @@ def bench_shape(name: str, schedules: list[str], variants: list[list[str]], tree
   return rows
 
 
+# train.py's cadence for the end-to-end row: a log line every 25 steps (the default experiment's) and a checkpoint
+# every 50 (4x the default experiment's density: the row errs towards overhead), validation off.
+E2E_STEPS = 100
+E2E = ["train.log_every=25", "train.checkpoint_every=50", "train.keep_checkpoints=2", "train.eval_every=0",
+       "train.warmup_steps=10", "train.progress_bar=false", f"train.steps={E2E_STEPS}"]
+
+
+def train_py_tokens_per_sec(shape: dict, run_dir: Path) -> float:
+  """``train.py``'s throughput at ``shape`` (dense, fp32, the corpus of ``configs/base.yaml``): tokens over the time
+  of its log intervals after the first (which holds compilation); data, transfers, logging and checkpoint writes
+  fall inside them."""
+  cmd = [sys.executable, str(ROOT / "train.py"), "--no-eval", "--config", str(ROOT / "configs" / "base.yaml"),
+         *jax_overrides(shape, "dense"), *E2E, f"train.run_dir={run_dir}"]
+  proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+  if proc.returncode:
+    raise RuntimeError(f"train.py exited {proc.returncode}:\n{proc.stderr[-3000:]}")
+  records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+  records = [r for r in records if "tokens_per_sec" in r][1:]
+  tokens = [shape["batch"] * shape["seq_len"] * 25 for _ in records]
+  return sum(tokens) / sum(n / r["tokens_per_sec"] for n, r in zip(tokens, records))
+
+
+def end_to_end(name: str, rounds: int) -> dict:
+  """``train.py`` against the shape's first peer, alternating (each first in every other round); tokens/s of both
+  (median over rounds) and their ratio (median, range)."""
+  import tempfile
+
+  shape = SHAPES[name]
+  peer = Worker(shape["peers"][0], name, "dense")
+  tokens = shape["batch"] * shape["seq_len"] * E2E_STEPS
+  ours, theirs = [], []
+  with tempfile.TemporaryDirectory() as tmp:
+    for r in range(rounds):
+      for which in (("train.py", "peer") if r % 2 == 0 else ("peer", "train.py")):
+        if which == "peer":
+          theirs.append(tokens / peer.run(E2E_STEPS))
+        else:
+          ours.append(train_py_tokens_per_sec(shape, Path(tmp) / f"round{r}"))
+  peer.close()
+  ratios = [a / b for a, b in zip(ours, theirs)]
+  return {"shape": name, "contestant": "jaxshare train.py (end to end)", "tokens_per_sec": statistics.median(ours),
+          "peer": peer.label, "peer_tokens_per_sec": statistics.median(theirs), "ratio": statistics.median(ratios),
+          "ratio_range": (min(ratios), max(ratios))}
+
+
 def report(rows: list[dict]) -> str:
   lines = ["| shape | contestant | params | tok/s | ms/step | speed vs peer (median, range over rounds) | "
            "model GFLOP/s (% of its matmul roofline) | matmul roofline GFLOP/s |",
@@ -293,6 +342,9 @@ def main() -> None:
                       help="also race jax_minimal.py, a bare pure-JAX Llama step (llama shapes): the compiler's floor")
   parser.add_argument("--nanogpt", type=Path, metavar="CHECKOUT",
                       help="a nanoGPT checkout: also race nanoGPT itself where the nanoGPT-style model races")
+  parser.add_argument("--end-to-end", action="store_true",
+                      help=f"also race train.py itself ({E2E_STEPS} steps of the real corpus, logging, checkpoints) "
+                      "against each shape's first peer")
   parser.add_argument("--json", type=Path, help="also write the rows as JSON here")
   parser.add_argument("--worker", help=argparse.SUPPRESS)
   args = parser.parse_args()
@@ -323,7 +375,15 @@ def main() -> None:
     rows += bench_shape(name, schedules, variants, [ROOT, *args.compare_tree], args.steps, args.rounds,
                         args.minimal and SHAPES[name]["flavor"] == "llama", args.nanogpt is not None)
     print(report([r for r in rows if r["shape"] == name]), flush=True)
-  print("\n" + report(rows))
+  if args.end_to_end:
+    e2e = [end_to_end(name, args.rounds) for name in shapes]
+    rows += e2e
+    print("\n| shape | train.py end to end, tok/s | peer, tok/s (same steps) | train.py vs peer (median, range) |")
+    print("|---|---|---|---|")
+    for r in e2e:
+      print(f"| {r['shape']} | {r['tokens_per_sec']:,.0f} | {r['peer']} {r['peer_tokens_per_sec']:,.0f} | "
+            f"{r['ratio']:.2f}x ({r['ratio_range'][0]:.2f}-{r['ratio_range'][1]:.2f}) |")
+  print("\n" + report([r for r in rows if "ms_per_step" in r]))
   if args.json:
     args.json.write_text(json.dumps(rows, indent=1))
 
