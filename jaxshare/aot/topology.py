@@ -46,9 +46,10 @@ _host_compiler = False  # use_host_compiler() has run in this process
 
 
 def use_host_compiler() -> None:
-  """Make JAX compile on this host's CPU with libtpu only describing TPU topologies: ``JAX_PLATFORMS=cpu`` (forced:
-  no TPU is touched, even on a TPU VM), several processes may load libtpu, and ``.libtpu/`` (kept outside the venv,
-  see the Makefile) on ``sys.path``.
+  """Make JAX compile on this host's CPU with libtpu and jax's CUDA plugin only describing TPU topologies and GPU
+  clusters: ``JAX_PLATFORMS=cpu`` (forced: no accelerator is touched, even on a TPU VM or a GPU node), several
+  processes may load libtpu, and ``.libtpu/`` and ``.jaxcuda/`` (kept outside the venv, see the Makefile) on
+  ``sys.path``. Idempotent.
 
   Raises:
     ConfigError: JAX is already imported (its platform is then fixed), unless this ran before it was.
