@@ -52,3 +52,10 @@ def test_race_rotates_the_order_every_round():
   slots = [order[i:i + 3] for i in range(0, 18, 3)]
   for c in "abc":
     assert sorted(s.index(c) for s in slots) == [0, 0, 1, 1, 2, 2]
+
+
+def test_nanogpt_itself_is_raced_only_from_a_checkout(monkeypatch, tmp_path):
+  """``--nanogpt`` imports nanoGPT's model.py from a checkout; a directory without one is refused by name."""
+  monkeypatch.setenv("NANOGPT_DIR", str(tmp_path))
+  with pytest.raises(ValueError, match=r"NANOGPT_DIR='.*' is invalid: must be a nanoGPT checkout \(holding model.py\)"):
+    torch_peers.build("nanogpt_upstream", bench_train.SHAPES["default"])
