@@ -25,7 +25,7 @@ from jaxshare.aot.topology import topology_mesh, use_host_compiler
 
 use_host_compiler()  # before JAX is imported: the host compiles, libtpu only describes the topologies
 
-from jaxshare.aot.compile import KERNEL_CALL, compile_kernels, compile_train_step  # noqa: E402
+from jaxshare.aot.compile import compile_kernels, compile_train_step  # noqa: E402
 from jaxshare.config import ConfigError, MeshConfig, load_config  # noqa: E402
 
 TOPOLOGIES = ("v5e:2x2", "v5p:2x2x1", "v6e:2x2", "h100:8", "a100:8")
@@ -68,7 +68,7 @@ def main(argv=None) -> int:
         rows.append(compile_train_step(cfg, topology_mesh(topology, cfg.mesh)))
       results[topology] = [dataclasses.asdict(r) for r in rows]
       device = mesh.devices.flat[0]
-      calls = "Mosaic" if KERNEL_CALL[device.platform] == KERNEL_CALL["tpu"] else "Triton"
+      calls = "Mosaic" if device.platform == "tpu" else "Triton"
       print(f"{topology} ({device.device_kind}, mesh {dict(mesh.shape)}): {time.perf_counter() - start:.1f} s")
       for r in rows:
         mem = r.memory or {}

@@ -3,7 +3,7 @@ named TPU topology or GPU cluster on this host (no accelerator), its HBM per chi
 FLOPs and the bounds they set, printed by :func:`format_report`, and when it does not fit, what to change
 (:func:`advice`).
 
-**GPU.** XLA's GPU compiler refuses nothing for size and reports no peak, so a step fits a GPU when the sum below is
+**GPU.** XLA's GPU compiler reports a peak but refuses nothing for size, so a step fits a GPU when that peak is
 within the memory jax's allocator takes (``XLA_PYTHON_CLIENT_MEM_FRACTION`` of the device's, 0.75 by default: set it
 as the training job will). Triton kernels are counted like Mosaic ones.
 
