@@ -13,9 +13,11 @@ AdamW with clipping, the same thread count (every core) for XLA and PyTorch.
 and checkpoints; validation off): its own tokens/s over its log intervals after the first, which holds compilation,
 against the shape's first peer training the same number of steps, the two alternating for ``--rounds`` rounds.
 
-``--nanogpt CHECKOUT`` also races nanoGPT's own model and optimizer (``model.py`` of that checkout, run, not copied) at
-the shapes whose peer is the nanoGPT-style model, and prints that model's speed relative to it: a calibration of the
-contestant, which trains jaxshare's Llama layer in nanoGPT's structure.
+``--nanogpt CHECKOUT`` calibrates the nanoGPT-style contestant, which trains jaxshare's Llama layer in nanoGPT's
+structure, at the shapes where it races: the same contestant with nanoGPT's GPT-2 layer (``nanogpt_gpt2``: the same
+math as nanoGPT) races nanoGPT's own model and optimizer (``model.py`` of that checkout, run, not copied), and each
+nanoGPT-style row prints its speed relative to nanoGPT's. Built and trained as nanoGPT is, ``nanogpt_gpt2`` should run
+at nanoGPT's speed; the Llama-layer row then says what the layer itself costs.
 
 Prints per shape: tokens/s of each contestant (median over rounds), jaxshare's ratio to each peer (median and range
 over rounds), jaxshare's model GFLOP/s, and the matmul roofline of XLA (jaxshare rows) and of PyTorch (peer rows),
@@ -236,18 +238,19 @@ def bench_shape(name: str, schedules: list[str], variants: list[list[str]], tree
   shape = SHAPES[name]
   tokens = shape["batch"] * shape["seq_len"] * steps
   workers = [Worker("jaxshare", name, s, v, t) for t in trees for s in schedules for v in variants]
-  upstream = ("nanogpt_upstream",) if nanogpt and "nanogpt" in shape["peers"] else ()
+  # the calibration: the nanoGPT-style contestant, with nanoGPT's GPT-2 layer, against nanoGPT itself
+  upstream = ("nanogpt_gpt2", "nanogpt_upstream") if nanogpt and "nanogpt" in shape["peers"] else ()
   workers += [Worker(p, name, "dense") for p in shape["peers"] + upstream + (("jax_minimal",) if minimal else ())]
   times = race(workers, rounds, steps)
   for w in workers:
     w.close()
   rows = []
-  peer_labels = [w.label for w in workers if w.kind != "jaxshare"]
+  peer_labels = [w.label for w in workers if w.kind not in ("jaxshare", "nanogpt_gpt2")]
   for w in workers:
     tps = [tokens / t for t in times[w.label]]
     row = {"shape": name, "contestant": w.label, "params": w.info["params"], "tokens_per_sec": statistics.median(tps),
            "ms_per_step": 1e3 * statistics.median(times[w.label]) / steps}
-    if w.kind == "nanogpt" and upstream:  # the calibration: the nanoGPT-style contestant against nanoGPT itself
+    if w.kind in ("nanogpt", "nanogpt_gpt2") and upstream:
       per_round = [b / a for a, b in zip(times[w.label], times["nanogpt_upstream"])]
       row["vs_nanogpt_upstream"] = statistics.median(per_round)
       row["vs_nanogpt_upstream_range"] = (min(per_round), max(per_round))

@@ -1,7 +1,8 @@
 """PyTorch peers for ``bench_train.py``: a nanoGPT-style minimal Llama and transformers' Llama / GPT-NeoX, each
 trained with AdamW as nanoGPT and HF users would (eager, fp32, decay on matrices, global-norm clipping); and, to
-calibrate the nanoGPT-style one, nanoGPT itself (its ``model.py`` imported from a checkout named by ``NANOGPT_DIR``,
-run as its ``train.py`` runs it: its own loss and ``configure_optimizers``)."""
+calibrate the nanoGPT-style one, the same contestant with nanoGPT's GPT-2 layer raced against nanoGPT itself (its
+``model.py`` imported from a checkout named by ``NANOGPT_DIR``, run as its ``train.py`` runs it: its own loss and
+``configure_optimizers``)."""
 
 from __future__ import annotations
 
@@ -72,6 +73,47 @@ class NanoLlama(nn.Module):
     return self.head(self.norm(x))
 
 
+class _GPT2Block(nn.Module):
+  def __init__(self, d: int, heads: int):
+    super().__init__()
+    self.heads = heads
+    self.norm1, self.norm2 = nn.LayerNorm(d, bias=False), nn.LayerNorm(d, bias=False)
+    self.qkv = nn.Linear(d, 3 * d, bias=False)
+    self.o = nn.Linear(d, d, bias=False)
+    self.up = nn.Linear(d, 4 * d, bias=False)
+    self.down = nn.Linear(4 * d, d, bias=False)
+
+  def forward(self, x: torch.Tensor) -> torch.Tensor:
+    b, t, d = x.shape
+    q, k, v = self.qkv(self.norm1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+    y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    x = x + self.o(y.transpose(1, 2).reshape(b, t, d))
+    return x + self.down(F.gelu(self.up(self.norm2(x))))
+
+
+class NanoGPT2(nn.Module):
+  """The nanoGPT-style contestant's structure (the same fused QKV, SDPA and pre-norm blocks as :class:`NanoLlama`)
+  with the GPT-2 layer nanoGPT trains (LayerNorm without bias, learned positions, exact GELU MLP of 4 x d, head tied
+  to the embedding): the same math as nanoGPT's own model, so that the two run at the same speed if the contestant
+  is built and trained as nanoGPT is. The calibration ``bench_train.py --nanogpt`` measures."""
+
+  def __init__(self, vocab: int, layers: int, d: int, heads: int, seq_len: int):
+    super().__init__()
+    self.embed, self.positions = nn.Embedding(vocab, d), nn.Embedding(seq_len, d)
+    self.blocks = nn.ModuleList(_GPT2Block(d, heads) for _ in range(layers))
+    self.norm = nn.LayerNorm(d, bias=False)
+    self.head = nn.Linear(d, vocab, bias=False)
+    self.head.weight = self.embed.weight
+    for p in self.parameters():
+      nn.init.normal_(p, std=0.02) if p.dim() >= 2 else None
+
+  def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    x = self.embed(tokens) + self.positions(torch.arange(tokens.shape[1], device=tokens.device))
+    for block in self.blocks:
+      x = block(x)
+    return self.head(self.norm(x))
+
+
 def upstream_nanogpt(shape: dict) -> nn.Module:
   """nanoGPT's own GPT (GPT-2 layer: LayerNorm, learned positions, GELU MLP of 4 x d, tied head; no bias, no
   dropout) at the shape's layers, width, heads, sequence length and vocabulary, from the checkout ``NANOGPT_DIR``.
@@ -92,11 +134,13 @@ def upstream_nanogpt(shape: dict) -> nn.Module:
 
 
 def build(kind: str, shape: dict) -> nn.Module:
-  """``kind``: ``nanogpt`` | ``nanogpt_upstream`` | ``hf_llama`` | ``hf_neox``; ``shape``: the benchmark's shape
-  dict."""
+  """``kind``: ``nanogpt`` | ``nanogpt_gpt2`` | ``nanogpt_upstream`` | ``hf_llama`` | ``hf_neox``; ``shape``: the
+  benchmark's shape dict."""
   if kind == "nanogpt":
     return NanoLlama(shape["vocab"], shape["layers"], shape["d"], shape["heads"], shape["mlp"], shape["seq_len"],
                      shape["theta"])
+  if kind == "nanogpt_gpt2":
+    return NanoGPT2(shape["vocab"], shape["layers"], shape["d"], shape["heads"], shape["seq_len"])
   if kind == "nanogpt_upstream":
     return upstream_nanogpt(shape)
   import transformers
@@ -112,7 +156,8 @@ def build(kind: str, shape: dict) -> nn.Module:
                                      use_parallel_residual=True, hidden_act="gelu")
     model = transformers.GPTNeoXForCausalLM(cfg)
   else:
-    raise ValueError(f"peer kind {kind!r} is invalid: must be nanogpt, nanogpt_upstream, hf_llama or hf_neox")
+    raise ValueError(f"peer kind {kind!r} is invalid: must be nanogpt, nanogpt_gpt2, nanogpt_upstream, hf_llama or "
+                     "hf_neox")
   model.config.use_cache = False
   return model
 
@@ -140,7 +185,7 @@ class PeerTrainer:
     if self.kind == "nanogpt_upstream":
       _, loss = self.model(x, y)  # its forward computes the loss when given targets
     else:
-      logits = self.model(x) if self.kind == "nanogpt" else self.model(input_ids=x).logits
+      logits = self.model(x) if self.kind.startswith("nanogpt") else self.model(input_ids=x).logits
       loss = F.cross_entropy(logits.view(-1, logits.shape[-1]), y.view(-1))
     self.opt.zero_grad(set_to_none=True)
     loss.backward()

@@ -59,3 +59,19 @@ def test_nanogpt_itself_is_raced_only_from_a_checkout(monkeypatch, tmp_path):
   monkeypatch.setenv("NANOGPT_DIR", str(tmp_path))
   with pytest.raises(ValueError, match=r"NANOGPT_DIR='.*' is invalid: must be a nanoGPT checkout \(holding model.py\)"):
     torch_peers.build("nanogpt_upstream", bench_train.SHAPES["default"])
+
+
+def test_gpt2_layer_contestant_is_nanogpts_model_in_size_and_learns():
+  """The calibration contestant has nanoGPT's parameter count at the default shape (GPTConfig(block_size=128,
+  vocab_size=256, n_layer=4, n_head=4, n_embd=128, bias=False): 836,736 with the tied head counted once, as nanoGPT's
+  model.py builds it) and trains."""
+  shape = bench_train.SHAPES["default"]
+  d, layers = shape["d"], shape["layers"]
+  nanogpt = shape["vocab"] * d + shape["seq_len"] * d + layers * (2 * d + 12 * d * d) + d
+  assert nanogpt == 836_736
+  assert torch_peers.num_params(torch_peers.build("nanogpt_gpt2", shape)) == nanogpt
+  small = dict(shape, layers=1, batch=2, seq_len=16)
+  trainer = torch_peers.PeerTrainer("nanogpt_gpt2", small, bench_train.synthetic_batches(small, 1))
+  first = trainer.step()
+  assert abs(first - 5.545) < 0.1
+  assert min(trainer.step() for _ in range(20)) < first - 0.5
