@@ -33,6 +33,15 @@ class _Rope(nn.Module):
     return x * self.cos[:, :, :t] + rotated * self.sin[:, :, :t]
 
 
+def _causal_attention(qkv: torch.Tensor, heads: int, rope: _Rope | None = None) -> torch.Tensor:
+  """Causal SDPA of a fused projection ``[B, T, 3 d]`` (q, k, v), RoPE on q and k if given; ``[B, T, d]``."""
+  b, t, d = qkv.shape[0], qkv.shape[1], qkv.shape[2] // 3
+  q, k, v = qkv.view(b, t, 3, heads, d // heads).permute(2, 0, 3, 1, 4)
+  if rope is not None:
+    q, k = rope(q), rope(k)
+  return F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, d)
+
+
 class _Block(nn.Module):
   def __init__(self, d: int, heads: int, mlp: int, rope: _Rope):
     super().__init__()
@@ -44,10 +53,7 @@ class _Block(nn.Module):
     self.down = nn.Linear(mlp, d, bias=False)
 
   def forward(self, x: torch.Tensor) -> torch.Tensor:
-    b, t, d = x.shape
-    q, k, v = self.qkv(self.norm1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
-    y = F.scaled_dot_product_attention(self.rope(q), self.rope(k), v, is_causal=True)
-    x = x + self.o(y.transpose(1, 2).reshape(b, t, d))
+    x = x + self.o(_causal_attention(self.qkv(self.norm1(x)), self.heads, self.rope))
     gate, up = self.gate_up(self.norm2(x)).chunk(2, dim=-1)
     return x + self.down(F.silu(gate) * up)
 
@@ -84,10 +90,7 @@ class _GPT2Block(nn.Module):
     self.down = nn.Linear(4 * d, d, bias=False)
 
   def forward(self, x: torch.Tensor) -> torch.Tensor:
-    b, t, d = x.shape
-    q, k, v = self.qkv(self.norm1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
-    y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    x = x + self.o(y.transpose(1, 2).reshape(b, t, d))
+    x = x + self.o(_causal_attention(self.qkv(self.norm1(x)), self.heads))
     return x + self.down(F.gelu(self.up(self.norm2(x))))
 
 
