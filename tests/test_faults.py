@@ -202,8 +202,8 @@ def test_sigterm_before_training_exits_as_interrupted(tmp_path):
   run = Run(tmp_path)
   # train.py re-executes itself first (allocator), and Python's default for SIGTERM is to die: wait for its handler
   assert run.wait_until(lambda: run.catches(SIGNALS["SIGTERM"]), timeout=120)
-  # at once: the handler is installed before the config, jax and the training code are even imported. (Half a second
-  # later, a start-up compiled from a warm cache had already reached the loop.)
+  # at once: between the handler and the loop lie reading the config and the corpus, building the model and compiling,
+  # about a second with the suite's compilation cache warm (half a second later was once too late)
   assert run.last_step == 0
   run.signal(SIGNALS["SIGTERM"])
   assert run.finish() == INTERRUPTED, run.output[-3000:]
