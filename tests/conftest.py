@@ -71,6 +71,7 @@ import xla_cache_site.sitecustomize  # noqa: E402,F401  (this process, started w
 # What jaxshare caches (tokenizer backends) goes to a directory of this run, not the user's ~/.cache.
 os.environ["JAXSHARE_CACHE_DIR"] = __import__("tempfile").mkdtemp(prefix="jaxshare-test-cache-")
 import functools  # noqa: E402
+import importlib.util  # noqa: E402
 import json  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -84,6 +85,14 @@ REPO = Path(__file__).resolve().parent.parent
 OPTIMIZED_ENV = cpu_env(8, optimized=True)
 
 CORPUS = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
+
+# The ahead-of-time compile tests need libtpu (TPU topologies) or jax's CUDA plugin (GPU clusters); `make test`
+# installs both beside the venv.
+needs_libtpu = pytest.mark.skipif(
+  not (REPO / ".libtpu" / "libtpu").is_dir() and importlib.util.find_spec("libtpu") is None,
+  reason="libtpu is not installed (make .libtpu/.installed)")
+needs_cuda_plugin = pytest.mark.skipif(not (REPO / ".jaxcuda" / "jax_plugins").is_dir(),
+                                       reason="jax's CUDA plugin is not installed (make .jaxcuda/.installed)")
 
 
 # A very small model (fast to compile) on the real corpus, as command-line overrides.

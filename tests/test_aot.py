@@ -6,7 +6,6 @@ CLA + UniAttn, LISA_plus. A kernel asking a GPU for more shared memory than it h
 un-fits the tiles sees it). Runs ``scripts/aot_compile.py`` in a child process: libtpu and jax's CUDA plugin are
 initialised there, not in the test workers."""
 
-import importlib.util
 import json
 import re
 import subprocess
@@ -14,13 +13,8 @@ import sys
 
 import pytest
 
-from conftest import OPTIMIZED_ENV, REPO
+from conftest import OPTIMIZED_ENV, REPO, needs_cuda_plugin, needs_libtpu
 
-needs_libtpu = pytest.mark.skipif(
-  not (REPO / ".libtpu" / "libtpu").is_dir() and importlib.util.find_spec("libtpu") is None,
-  reason="libtpu is not installed (make .libtpu/.installed)")
-needs_cuda_plugin = pytest.mark.skipif(not (REPO / ".jaxcuda" / "jax_plugins").is_dir(),
-                                       reason="jax's CUDA plugin is not installed (make .jaxcuda/.installed)")
 KERNEL_CALLS = {"flash_attention": 3, "kv_consumer": 6, "probability_reuse": 3, "lisa_plus_features": 3, "decode": 1}
 
 # Attention calls per train step, forward and backward: 3 kernels per flash attention (forward, dQ, dK/dV) and per

@@ -4,7 +4,6 @@ model's train step compiles for a TPU topology (and two slices of it) or a node 
 batch is refused with advice and exit code 3. Those cases run train.py in a child process: libtpu and the plugin are
 initialised there, not in the test workers."""
 
-import importlib.util
 import re
 import subprocess
 import sys
@@ -15,15 +14,10 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, PartitionSpec as P
 
-from conftest import OPTIMIZED_ENV, REPO
+from conftest import OPTIMIZED_ENV, REPO, needs_cuda_plugin, needs_libtpu
 from jaxshare.config import ConfigError
 from jaxshare.aot.topology import GPUS, gpu_topology, hbm_bytes, topology_name
 
-needs_libtpu = pytest.mark.skipif(
-  not (REPO / ".libtpu" / "libtpu").is_dir() and importlib.util.find_spec("libtpu") is None,
-  reason="libtpu is not installed (make .libtpu/.installed)")
-needs_cuda_plugin = pytest.mark.skipif(not (REPO / ".jaxcuda" / "jax_plugins").is_dir(),
-                                       reason="jax's CUDA plugin is not installed (make .jaxcuda/.installed)")
 
 SMALL = ["model.num_layers=2", "model.d_model=128", "model.num_heads=4", "model.mlp_dim=256", "data.seq_len=256",
          "mesh.fsdp=-1"]
