@@ -41,17 +41,20 @@ BACKENDS = ("mosaic_tpu", "triton", "interpret")
 _DEFAULT_BACKEND = {"tpu": "mosaic_tpu", "gpu": "triton"}
 
 
+def _target_device():
+  """The device being compiled for: the ambient mesh's (``jax.set_mesh``; a TPU topology mesh on a CPU host compiles
+  for TPU), else the default device."""
+  return jax.sharding.get_abstract_mesh().abstract_device or jax.devices()[0]
+
+
 def platform() -> str:
-  """The platform being compiled for: the ambient mesh's devices (``jax.set_mesh``; a TPU topology mesh on a CPU
-  host compiles for TPU), else ``jax.default_backend()``."""
-  device = jax.sharding.get_abstract_mesh().abstract_device
-  return device.platform if device else jax.default_backend()
+  """The platform being compiled for (``tpu``, ``gpu``, ``cpu``; see :func:`_target_device`)."""
+  return _target_device().platform
 
 
 def device_kind() -> str:
-  """The ``device_kind`` of the device being compiled for (as :func:`platform` finds it; ``NVIDIA H100 80GB HBM3``)."""
-  device = jax.sharding.get_abstract_mesh().abstract_device
-  return device.device_kind if device else jax.devices()[0].device_kind
+  """The ``device_kind`` of the device being compiled for (``NVIDIA H100 80GB HBM3``; see :func:`_target_device`)."""
+  return _target_device().device_kind
 
 
 def default_backend() -> str:
