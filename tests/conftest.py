@@ -191,6 +191,17 @@ metric_list:
 """)
 
 
+@pytest.fixture
+def keep_signal_handlers():
+  """train.py's main installs SIGINT/SIGTERM handlers for its run; give the test process its own back."""
+  import signal
+
+  saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+  yield
+  for s, handler in saved.items():
+    signal.signal(s, handler)
+
+
 def read_metrics(run_dir) -> list[dict]:
   """The records of a run's ``metrics.jsonl``."""
   return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]

@@ -4,6 +4,8 @@ bad input named (or skipped and counted), and corrupt, truncated or missing shar
 
 import gzip
 import json
+import os
+import re
 import subprocess
 import sys
 
@@ -285,3 +287,91 @@ def test_cli_prepares_and_reports_bad_input_in_one_line(tmp_path, corpus_dir, ca
   assert main(["prepare", "--out", str(tmp_path / "bad"), str(tmp_path / "nothing.txt"), "--no-progress"]) == 2
   err = capsys.readouterr().err.strip().splitlines()
   assert len(err) == 1 and err[0].startswith("error: input ") and "does not exist" in err[0]
+
+
+# -- what a new user runs into (issue 43) ---------------------------------------------------------------------------
+
+def test_a_validation_split_is_held_out_by_default_and_zero_holds_out_nothing(tmp_path, corpus, capsys):
+  """Without --val-docs or --val-fraction, the share train.py holds out of a text file (so the prepared corpus has the
+  splits the text has); --val-fraction 0 holds out nothing, and the CLI says what that means for training."""
+  assert main(["prepare", "--out", str(tmp_path / "default"), str(corpus), "--no-progress"]) == 0
+  captured = capsys.readouterr()
+  split = read_manifest(tmp_path / "default").splits
+  total = split["validation"][1]
+  assert split["validation"][1] - split["validation"][0] == round(total * 0.1) and "warning" not in captured.err
+  assert main(["prepare", "--out", str(tmp_path / "none"), str(corpus), "--val-fraction", "0", "--no-progress"]) == 0
+  err = capsys.readouterr().err.strip().splitlines()
+  assert read_manifest(tmp_path / "none").splits["validation"] == (total, total)
+  assert len(err) == 1 and err[0].startswith("warning: no validation split") and "validation off" in err[0]
+
+
+def _refused(args: list[str], capsys) -> str:
+  """The one stderr line of a prepare command that must exit 2."""
+  assert main(["prepare", *args, "--no-progress"]) == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1 and err[0].startswith("error: "), err
+  return err[0]
+
+
+def test_out_that_is_a_file_or_a_directory_of_other_files_is_refused_and_left_as_it_was(tmp_path, corpus, capsys):
+  (tmp_path / "notes.txt").write_text("mine")
+  assert "is a file, not a directory" in _refused(["--out", str(tmp_path / "notes.txt"), str(corpus)], capsys)
+  assert (tmp_path / "notes.txt").read_text() == "mine"
+  (tmp_path / "papers").mkdir()
+  (tmp_path / "papers" / "draft.tex").write_text("x")
+  line = _refused(["--out", str(tmp_path / "papers"), str(corpus)], capsys)
+  assert "is not empty and holds no preparation (draft.tex)" in line
+  assert sorted(p.name for p in (tmp_path / "papers").iterdir()) == ["draft.tex"]
+
+
+def test_a_finished_preparation_is_recognised_by_content_not_modification_time(tmp_path, corpus, capsys):
+  src = tmp_path / "play.txt"
+  src.write_bytes(corpus.read_bytes())
+  args = ["prepare", "--out", str(tmp_path / "out"), str(src), "--no-progress"]
+  assert main(args) == 0
+  before, first = files_of(tmp_path / "out"), capsys.readouterr().out
+  src.touch()  # a new modification time, the same bytes
+  os.utime(src, (1, 1))
+  assert main(args) == 0 and capsys.readouterr().out == first
+  assert files_of(tmp_path / "out") == before
+  src.write_text(corpus.read_text()[:-1] + "!")  # same size, other content
+  assert "holds a finished preparation of other inputs or options" in _refused(args[1:-1], capsys)
+
+
+def test_a_resumed_preparation_says_what_it_kept_and_an_error_prints_below_the_bar(tmp_path, corpus_dir, monkeypatch,
+                                                                                   capsys):
+  real_write, written = prepare_module.write_shard, []
+
+  def crash_after_two(directory, name, *args):
+    if len(written) == 2:
+      raise KeyboardInterrupt
+    written.append(name)
+    return real_write(directory, name, *args)
+
+  args = ["prepare", "--out", str(tmp_path / "out"), str(corpus_dir), "--shard-tokens", "20000",
+          "--document-separator", "\n\n"]
+  monkeypatch.setattr(prepare_module, "write_shard", crash_after_two)
+  with pytest.raises(KeyboardInterrupt):
+    main([*args, "--no-progress"])
+  monkeypatch.setattr(prepare_module, "write_shard", real_write)
+  capsys.readouterr()
+  assert main([*args, "--no-progress"]) == 0
+  err = capsys.readouterr().err.strip().splitlines()
+  assert err[0].startswith("resumed: 2 of 2 shards kept in ") and "tokenizing the rest" in err[0]
+  (corpus_dir / "books" / "part9.txt").write_bytes(b"\xff\xfe not utf-8")  # a bad file after good ones
+  assert main(["prepare", "--out", str(tmp_path / "bad"), str(corpus_dir / "books")]) == 2  # with the bar
+  err = capsys.readouterr().err
+  assert re.search(r"(^|\n)error: input .*part9.txt' is not valid UTF-8", err), err
+
+
+def test_a_failed_split_keeps_its_shards_for_the_corrected_command(tmp_path, corpus_dir, monkeypatch):
+  """--val-docs larger than the corpus fails after tokenizing: the same command with a valid split finishes from the
+  shards it wrote (the split options are not part of the shards' fingerprint)."""
+  with pytest.raises(DataError, match="the tokenized shards are kept"):
+    prepare([str(corpus_dir / "web.jsonl")], tmp_path / "out", PrepareOptions(val_docs=500), progress=False)
+  encoded = []
+  real_encode = prepare_module._encode
+  monkeypatch.setattr(prepare_module, "_encode", lambda docs, *a: encoded.append(len(docs)) or real_encode(docs, *a))
+  m = prepare([str(corpus_dir / "web.jsonl")], tmp_path / "out", PrepareOptions(val_docs=5), progress=False)
+  assert not encoded and m == prepare([str(corpus_dir / "web.jsonl")], tmp_path / "fresh",
+                                      PrepareOptions(val_docs=5), progress=False)

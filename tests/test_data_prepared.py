@@ -213,3 +213,33 @@ def test_gs_inputs_and_outputs_prepare_and_train_like_local_ones(fake_gcs, corpu
   local = Datasets(DataConfig(source="prepared", path=str(prepared_shakespeare), seq_len=64), 8)
   assert_batches_equal(take(remote.train_iter(), 3), take(local.train_iter(), 3))
   assert remote.bytes_per_token == local.bytes_per_token
+
+
+def test_data_prepared_without_a_validation_split_trains_with_validation_off_and_says_so(tmp_path, corpus, capsys,
+                                                                                         keep_signal_handlers):
+  """issue 43: it used to exit 2 ("the validation split split has 0 tokens ... data.val_fraction"), even with
+  --no-eval and train.eval_every=0, naming a field prepared data does not read."""
+  import eval as eval_py
+  import train as train_py
+  from jaxshare.data.__main__ import main as data_main
+
+  assert data_main(["prepare", "--out", str(tmp_path / "all"), str(corpus), "--val-fraction", "0", "--no-progress"]) == 0
+  capsys.readouterr()
+  run = tmp_path / "run"
+  assert train_py.main([*TINY, "train.steps=4", "train.eval_every=2", f"train.run_dir={run}", "data.source=prepared",
+                        f"data.path={tmp_path / 'all'}"]) == 0
+  out = capsys.readouterr().out
+  warnings = [line for line in out.splitlines() if "warning" in line]
+  assert len(warnings) == 1 and "has no validation split: training runs with validation off" in warnings[0]
+  assert "--val-docs N" in warnings[0]
+  assert all("val_loss" not in r for r in read_metrics(run))
+  assert "val loss          none: the data has no validation split" in out  # train.py's closing evaluation
+  assert eval_py.main([str(run), "--json", "--sample-tokens", "0"]) == 0
+  assert json.loads(capsys.readouterr().out)["val_loss"] is None
+
+
+def test_a_validation_split_smaller_than_a_batch_names_the_prepare_flag(tmp_path, corpus):
+  prepare([str(corpus)], tmp_path / "out", PrepareOptions(val_fraction=0.001), progress=False)
+  with pytest.raises(DataError, match=r"fewer than one batch of 32: lower train.batch_size or hold out more: "
+                                      r"a validation split prepared with python -m jaxshare.data prepare --val-docs N"):
+    Datasets(DataConfig(source="prepared", path=str(tmp_path / "out")), 32)

@@ -15,7 +15,6 @@ import contextlib
 import io
 import json
 import shutil
-import signal
 from pathlib import Path
 
 import numpy as np
@@ -47,15 +46,7 @@ UPTRAIN_KINDS = [k for k in KINDS if k not in ("dense", "postshare")]
 STEPS = ["train.steps=4", "train.checkpoint_every=2", "train.log_every=1", "train.eval_every=4",
          "train.eval_batches=1", "train.warmup_steps=1"]
 PROMPT = "ROMEO:"
-
-
-@pytest.fixture(autouse=True)
-def _keep_signal_handlers():
-  """train.py's main installs SIGINT/SIGTERM handlers for its run; give the test process its own back."""
-  saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-  yield
-  for s, handler in saved.items():
-    signal.signal(s, handler)
+pytestmark = pytest.mark.usefixtures("keep_signal_handlers")
 
 
 def cli(main, *argv: str) -> str:

@@ -20,7 +20,7 @@ import importlib
 _EXPORTS = {
   "DataError": "errors",
   "Tokenizer": "tokenizers", "ByteTokenizer": "tokenizers", "HFTokenizer": "tokenizers", "make_tokenizer": "tokenizers",
-  "load_documents": "documents", "resolve_path": "documents",
+  "load_documents": "documents", "resolve_path": "paths",
   "Datasets": "pipeline", "TokenStream": "pipeline", "WindowSource": "pipeline", "batch_rows": "pipeline",
   "prepare_source": "pipeline", "token_cache_dir": "pipeline",
 }

@@ -15,6 +15,8 @@ from jaxshare.cli_args import parse_anywhere
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
+  from jaxshare.data.prepare import DEFAULT_VAL_FRACTION
+
   parser = argparse.ArgumentParser(prog="python -m jaxshare.data", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   sub = parser.add_subparsers(dest="command", required=True)
@@ -25,9 +27,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   prep.add_argument("--tokenizer", default="byte", help="byte, or a local Hugging Face tokenizer directory")
   prep.add_argument("--workers", type=int, default=1, help="tokenizer processes for a Hugging Face tokenizer (the "
                     "output does not depend on it; byte-level tokenization is a copy and stays in one process)")
-  prep.add_argument("--val-docs", type=int, default=0, help="hold out the last N documents for validation")
-  prep.add_argument("--val-fraction", type=float, default=0.0,
-                    help="hold out the last documents making up this share of the tokens for validation")
+  prep.add_argument("--val-docs", type=int, default=0, help="hold out the last N documents for validation (on a "
+                    "large corpus: a held-out set of a fixed size)")
+  prep.add_argument("--val-fraction", type=float, default=None,
+                    help="hold out the last documents making up this share of the tokens for validation (default: "
+                    f"{DEFAULT_VAL_FRACTION}, the share train.py holds out of a text file, unless --val-docs is given; "
+                    "0: no validation split, and training runs without validation)")
   prep.add_argument("--document-separator", default="", help="split text files into documents at this string")
   prep.add_argument("--text-field", default="text", help="text field of JSONL records, parquet/datasets columns, TFDS")
   prep.add_argument("--tfds-data-dir", default="", help="where tfds: inputs are prepared (default: TFDS's)")
@@ -52,7 +57,11 @@ def main(argv: list[str] | None = None) -> int:
   except DataError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
-  print(f"prepared {args.out}: {json.dumps(manifest_summary(manifest))}")
+  summary = manifest_summary(manifest)
+  print(f"prepared {args.out}: {json.dumps(summary)}")
+  if not summary["validation_tokens"]:
+    print("warning: no validation split (--val-fraction 0): train.py trains on it with validation off; hold some "
+          "out with --val-docs N or --val-fraction F into a new --out", file=sys.stderr)
   return 0
 
 

@@ -13,18 +13,9 @@ from typing import Iterator
 
 from etils import epath
 
-from jaxshare.config import DataConfig, resolve_data_dir
+from jaxshare.config import DataConfig
 from jaxshare.data.errors import DataError
-
-
-def resolve_path(cfg: DataConfig) -> Path:
-  p = Path(cfg.path).expanduser()
-  return p if p.is_absolute() else resolve_data_dir(cfg) / p
-
-
-def resolve_location(cfg: DataConfig) -> str:
-  """``data.path`` as :func:`resolve_path` resolves a local one; a URL (gs://...) as it is."""
-  return cfg.path if "://" in cfg.path else str(resolve_path(cfg))
+from jaxshare.data.paths import source_file
 
 
 def _read_text(path: Path, what: str) -> str:
@@ -91,10 +82,10 @@ def load_documents(cfg: DataConfig) -> list[str]:
     DataError: the source is missing, empty, binary, unreadable or malformed.
   """
   if cfg.source == "text":
-    text = _read_text(resolve_path(cfg), "text file")
+    text = _read_text(source_file(cfg), "text file")
     docs = text.split(cfg.document_separator) if cfg.document_separator else [text]
   elif cfg.source == "jsonl":
-    docs = _jsonl_documents(resolve_path(cfg), cfg.text_field)
+    docs = _jsonl_documents(source_file(cfg), cfg.text_field)
   elif cfg.source == "tfds":
     docs = _tfds_documents(cfg)
   else:
@@ -144,7 +135,7 @@ def expand_inputs(specs: list[str | Input]) -> list[Input]:
       if (path / "dataset_info.json").exists() and (path / "state.json").exists():
         found.append(Input("hf_datasets", str(path)))
       else:
-        files = _files_below(path)
+        files = files_below(path)
         if not files:
           raise DataError(f"input directory {spec!r} holds no file")
         found.extend(_input_of(p) for p in files)
@@ -155,13 +146,13 @@ def expand_inputs(specs: list[str | Input]) -> list[Input]:
   return found
 
 
-def _files_below(directory: epath.Path) -> list[epath.Path]:
+def files_below(directory: epath.Path) -> list[epath.Path]:
   """Every file below ``directory`` (hidden ones excluded), sorted by path (epath has no recursive glob)."""
   found = []
   for p in sorted(directory.iterdir()):
     if p.name.startswith("."):
       continue
-    found.extend(_files_below(p) if p.is_dir() else [p])
+    found.extend(files_below(p) if p.is_dir() else [p])
   return found
 
 

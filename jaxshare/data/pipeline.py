@@ -17,7 +17,8 @@ import jax
 import numpy as np
 
 from jaxshare.config import TOKEN_CACHE_ENV, DataConfig, mixture_name
-from jaxshare.data.documents import Input, resolve_location, resolve_path
+from jaxshare.data.documents import Input
+from jaxshare.data.paths import prepared_location, source_file
 from jaxshare.data.errors import DataError
 from jaxshare.data.prepare import PrepareOptions, prepare, preparation_fingerprint
 from jaxshare.data.prepared import PreparedTokens
@@ -62,21 +63,6 @@ def token_cache_dir(cfg: DataConfig) -> Path | None:
   return Path(os.environ.get(TOKEN_CACHE_ENV) or Path.home() / ".cache" / "jaxshare" / "tokens")
 
 
-def _check_source_file(cfg: DataConfig) -> Path:
-  """The local text/JSONL file of ``cfg``, refused up front with a message naming ``data.path`` when it is missing,
-  not a file or empty (its content is checked as it is read)."""
-  path, what = resolve_path(cfg), "JSONL file" if cfg.source == "jsonl" else "text file"
-  if not path.exists():
-    raise DataError(f"data.path: {what} {str(path)!r} does not exist (expected a UTF-8 {what}; set data.path, "
-                    "data.data_dir or $JAXSHARE_DATA_DIR)")
-  if not path.is_file():
-    raise DataError(f"data.path: {what} {str(path)!r} is not a regular file")
-  with open(path, "rb") as f:
-    if not f.read(1 << 20).strip() and path.stat().st_size <= 1 << 20:
-      raise DataError(f"data.path: {what} {str(path)!r} is empty (expected UTF-8 text)")
-  return path
-
-
 def prepare_source(cfg: DataConfig) -> tuple[Path, tempfile.TemporaryDirectory | None]:
   """The prepared directory of a text, JSONL or TFDS source: prepared on first use (:func:`~jaxshare.data.prepare.
   prepare`, one worker) under :func:`token_cache_dir`, keyed by the preparation's fingerprint (the source by path,
@@ -95,7 +81,7 @@ def prepare_source(cfg: DataConfig) -> tuple[Path, tempfile.TemporaryDirectory |
   if cfg.source == "tfds":
     source = Input("tfds", f"{cfg.tfds_name}/{cfg.tfds_split}")
   else:
-    source = Input(cfg.source, str(_check_source_file(cfg).resolve()))
+    source = Input(cfg.source, str(source_file(cfg).resolve()))
   options = PrepareOptions(tokenizer=cfg.tokenizer, separator=cfg.document_separator if cfg.source == "text" else "",
                            text_field=cfg.text_field, tfds_data_dir=cfg.tfds_data_dir, val_fraction=cfg.val_fraction)
   progress = jax.process_index() == 0 and sys.stderr.isatty()
@@ -123,12 +109,13 @@ class WindowSource:
   (1-based, per window) and ``loss_mask`` (0 where the target belongs to the next document).
   """
 
-  def __init__(self, stream: TokenStream | PreparedTokens, span: slice, seq_len: int, name: str):
+  def __init__(self, stream: TokenStream | PreparedTokens, span: slice, seq_len: int, name: str,
+               fix: str = "another data.val_fraction"):
     self.stream, self.start, self.seq_len = stream, span.start, seq_len
     self.n = (span.stop - span.start - 1) // seq_len
     if self.n < 1:
-      raise DataError(f"the {name} split has {span.stop - span.start} tokens, fewer than data.seq_len + 1 = "
-                      f"{seq_len + 1}: use a larger corpus, a smaller data.seq_len or another data.val_fraction")
+      raise DataError(f"the {name} has {span.stop - span.start} tokens, fewer than data.seq_len + 1 = "
+                      f"{seq_len + 1}: use a larger corpus, a smaller data.seq_len or {fix}")
 
   def __len__(self) -> int:
     return self.n
@@ -165,13 +152,29 @@ READ_OPTIONS = grain.ReadOptions(num_threads=4, prefetch_buffer_size=8)
 
 @dataclasses.dataclass(frozen=True)
 class Component:
-  """One prepared corpus of a run's data: its name and mixture weight, its stream and window sources."""
+  """One prepared corpus of a run's data: its name and mixture weight, its stream and window sources (``val`` None:
+  prepared without a validation split)."""
 
   name: str
   weight: float
   stream: PreparedTokens
   train: WindowSource
-  val: WindowSource
+  val: WindowSource | None
+
+
+# How to hold out (more) validation data: of a prepared directory, and of a corpus train.py prepares itself.
+_PREPARE_FIX = "a validation split prepared with python -m jaxshare.data prepare --val-docs N (or --val-fraction F)"
+
+
+def _component(name: str, weight: float, location: str, cfg: DataConfig, prepared: bool) -> Component:
+  stream = PreparedTokens(location, cfg.tokenizer)
+  where = f" of {name}" if name else (f" of {location}" if prepared else "")
+  fix = _PREPARE_FIX if prepared else "another data.val_fraction"
+  val_span = stream.split("validation")
+  val = (None if prepared and val_span.stop == val_span.start else
+         WindowSource(stream, val_span, cfg.seq_len, f"validation split{where}", fix))
+  return Component(name, weight, stream, WindowSource(stream, stream.split("train"), cfg.seq_len,
+                                                      f"training split{where}", fix), val)
 
 
 class Datasets:
@@ -190,39 +193,44 @@ class Datasets:
     self.batch_size = batch_size
     self.tokenizer = tokenizer or make_tokenizer(cfg)
     if cfg.mixture:
-      entries = [(mixture_name(e), float(e["weight"]), str(e["path"])) for e in cfg.mixture]
+      entries = [(mixture_name(e), float(e["weight"]),
+                  prepared_location(cfg, str(e["path"]), f"data.mixture[{n}].path")) for n, e in enumerate(cfg.mixture)]
     elif cfg.source == "prepared":
-      entries = [("", 1.0, resolve_location(cfg))]
+      entries = [("", 1.0, prepared_location(cfg, cfg.path, "data.path"))]
     else:  # text, JSONL and TFDS sources are prepared into the token cache on first use: one pipeline for all
       prepared, self._scratch = prepare_source(cfg)
       entries = [("", 1.0, str(prepared))]
-    self.components = []
-    for name, weight, location in entries:
-      stream = PreparedTokens(location, cfg.tokenizer)
-      where = f" of {name}" if name else ""
-      self.components.append(Component(
-        name, weight, stream, WindowSource(stream, stream.split("train"), cfg.seq_len, f"training split{where}"),
-        WindowSource(stream, stream.split("validation"), cfg.seq_len, f"validation split{where}")))
+    prepared = cfg.source == "prepared"
+    self.components = [_component(name, weight, location, cfg, prepared) for name, weight, location in entries]
     self.weights = weights = [c.weight for c in self.components]
-    self.train_source = self._mixed([c.train for c in self.components])
-    self.val_source = self._mixed([c.val for c in self.components])
+    self.train_source = self._mixed([c.train for c in self.components], weights)
+    validated = [c for c in self.components if c.val is not None]
+    # None: no component was prepared with a validation split, and the run trains without validation
+    self.val_source = self._mixed([c.val for c in validated], [c.weight for c in validated]) if validated else None
     # UTF-8 bytes per validation token (bits per byte for any tokenizer), counted when the data was prepared
-    self.bytes_per_token = sum(w * c.stream.validation_bytes_per_token
-                               for w, c in zip(weights, self.components)) / sum(weights)
+    self.bytes_per_token = (sum(c.weight * c.stream.validation_bytes_per_token for c in validated)
+                            / sum(c.weight for c in validated)) if validated else float("nan")
     # which component each sequence of the mixed order comes from (grain's schedule, read through the same mix)
     self._schedule = grain.MapDataset.mix([grain.MapDataset.source([k]).repeat(None)
                                            for k in range(len(self.components))], weights)
     self._counted, self._counts = 0, np.zeros(len(self.components), np.int64)
     self.rows = batch_rows(jax.process_index() if process_index is None else process_index,
                            jax.process_count() if process_count is None else process_count, batch_size)
-    if len(self.val_source) < batch_size:
+    if self.val_source is not None and len(self.val_source) < batch_size:
       raise DataError(f"the validation split has {len(self.val_source)} sequences, fewer than one batch of "
-                      f"{batch_size}: raise data.val_fraction or lower train.batch_size")
+                      f"{batch_size}: lower train.batch_size or hold out more: "
+                      + (_PREPARE_FIX if prepared else "raise data.val_fraction"))
 
-  def _mixed(self, sources: list[WindowSource]) -> WindowSource | grain.MapDataset:
+  @property
+  def has_validation(self) -> bool:
+    """Whether the data has a validation split (a directory prepared with ``--val-fraction 0`` has none)."""
+    return self.val_source is not None
+
+  @staticmethod
+  def _mixed(sources: list[WindowSource], weights: list[float]) -> WindowSource | grain.MapDataset:
     if len(sources) == 1:
       return sources[0]
-    return grain.MapDataset.mix([grain.MapDataset.source(s) for s in sources], self.weights)
+    return grain.MapDataset.mix([grain.MapDataset.source(s) for s in sources], weights)
 
   @property
   def stream(self) -> PreparedTokens:
@@ -263,7 +271,13 @@ class Datasets:
 
   def val_batches(self, max_batches: int = 0) -> Iterator[dict[str, np.ndarray]]:
     """The validation split in order, in global batches (this process's :attr:`rows` of each); ``max_batches`` 0
-    means all."""
+    means all.
+
+    Raises:
+      DataError: the data has no validation split (:attr:`has_validation`).
+    """
+    if self.val_source is None:
+      raise DataError(f"{self.cfg.path} has no validation split: {_PREPARE_FIX}")
     rows = self.rows
     total = len(self.val_source) // self.batch_size
     n = total if not max_batches else min(max_batches, total)

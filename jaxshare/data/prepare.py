@@ -19,6 +19,8 @@ import itertools
 import json
 import multiprocessing
 import os
+import re
+import sys
 import time
 from typing import Iterable, Iterator, Sequence
 
@@ -26,15 +28,20 @@ import numpy as np
 from etils import epath
 from tqdm import tqdm
 
-from jaxshare.data.documents import Input, expand_inputs, iter_documents
+from jaxshare.data.documents import Input, expand_inputs, files_below, iter_documents
 from jaxshare.data.errors import DataError
-from jaxshare.data.shards import (FORMAT_VERSION, MANIFEST, Manifest, Shard, read_manifest, read_shard, token_dtype,
-                                  write_manifest, write_shard)
+from jaxshare.data.shards import (DOCS, FORMAT_VERSION, MANIFEST, TOKENS, Manifest, Shard, read_manifest, read_shard,
+                                  token_dtype, write_manifest, write_shard)
 from jaxshare.data.tokenizers import (BackendTokenizer, ByteTokenizer, HFTokenizer, Tokenizer, encoding_tokenizer,
                                      make_tokenizer, tokenizer_fingerprint)
 
 STATE = ".prepare-state.json"
 DEFAULT_SHARD_TOKENS = 1 << 27  # 256 MB of uint16 tokens per shard
+# The validation share held out when neither --val-docs nor --val-fraction is given: the share train.py holds out of a
+# text file (data.val_fraction's default), so a file prepared with the defaults has the splits train.py gives it read
+# as text. (Megatron-LM holds out 3% by default, nanoGPT 10% of Shakespeare; on a large corpus --val-docs N keeps the
+# held-out set a fixed size.)
+DEFAULT_VAL_FRACTION = 0.1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,7 +56,8 @@ class PrepareOptions:
     val_docs: hold out the last ``val_docs`` documents for validation; or
     val_fraction: hold out the last documents that make up this share of the tokens. The cut falls on the document
       boundary nearest to it, or inside a document when that boundary would leave a split empty (one document:
-      the tail of the stream, as the token cache splits it).
+      the tail of the stream, as the token cache splits it). None (the default): :data:`DEFAULT_VAL_FRACTION`
+      unless ``val_docs`` is given; 0 holds out nothing (training then runs without validation).
     shard_tokens: a shard closes after the document that brings it to this many tokens.
     batch_docs: documents per tokenization batch.
     skip_bad_docs: skip unreadable, non-UTF-8 or malformed documents and files, counting them, instead of stopping.
@@ -60,18 +68,26 @@ class PrepareOptions:
   text_field: str = "text"
   tfds_data_dir: str = ""
   val_docs: int = 0
-  val_fraction: float = 0.0
+  val_fraction: float | None = None
   shard_tokens: int = DEFAULT_SHARD_TOKENS
   batch_docs: int = 1024
   skip_bad_docs: bool = False
 
-  def check(self) -> None:
-    """Raises DataError naming a field that is out of range."""
-    if self.val_docs < 0 or not 0.0 <= self.val_fraction < 1.0 or (self.val_docs and self.val_fraction):
+  def resolved(self) -> "PrepareOptions":
+    """These options with the default validation share filled in (what the output depends on).
+
+    Raises:
+      DataError: a field out of range, naming it.
+    """
+    fraction = self.val_fraction
+    if fraction is None:
+      fraction = 0.0 if self.val_docs else DEFAULT_VAL_FRACTION
+    if self.val_docs < 0 or not 0.0 <= fraction < 1.0 or (self.val_docs and fraction):
       raise DataError(f"--val-docs={self.val_docs} / --val-fraction={self.val_fraction}: give at most one, "
                       "--val-docs >= 0 or 0 <= --val-fraction < 1")
     if self.shard_tokens < 1 or self.batch_docs < 1:
       raise DataError(f"--shard-tokens={self.shard_tokens} and --batch-docs={self.batch_docs} must be >= 1")
+    return dataclasses.replace(self, val_fraction=fraction)
 
 
 _worker_tokenizer: Tokenizer | None = None
@@ -116,25 +132,39 @@ def _encode_in_worker(args: tuple[list[str | DataError], str]) -> tuple[np.ndarr
 
 
 def preparation_fingerprint(inputs: Sequence[str | Input], options: PrepareOptions) -> str:
-  """What a preparation's output depends on: the inputs (local files by path, size and modification time; others by
-  name), the options and the tokenizer's files (24 hex digits).
+  """What a preparation's output depends on: the inputs (files and directories by path, size and content hash;
+  ``tfds:`` inputs by name), the options and the tokenizer's files (24 hex digits). Content, not modification times:
+  an input that was only touched (or copied with new times) is the same input.
 
   Raises:
     DataError: an input that does not exist, or a tokenizer that is neither ``byte`` nor a directory.
   """
+  options = options.resolved()
   return _fingerprint(expand_inputs(list(inputs)), options, tokenizer_fingerprint(options.tokenizer))
 
 
-def _fingerprint(inputs: Sequence[Input], options: PrepareOptions, tok_fingerprint: str) -> str:
-  described = []
-  for i in inputs:
-    p = epath.Path(i.path)
-    try:
-      st = p.stat()
-      described.append([i.kind, i.path, st.length, st.mtime])
-    except (OSError, FileNotFoundError, ValueError):
-      described.append([i.kind, i.path])
-  settings = {k: v for k, v in dataclasses.asdict(options).items() if k != "batch_docs"}  # batches change no byte
+def _content(path: epath.Path) -> list:
+  """``[size, SHA-256]`` of a file, or of every file below a directory (a saved ``datasets`` directory), by name."""
+  if path.is_dir():
+    files = [_content(p) + [str(p)[len(str(path)):]] for p in files_below(path)]
+    return [sum(size for size, _, _ in files), [[name, digest] for _, digest, name in files]]
+  digest = hashlib.sha256()
+  with path.open("rb") as f:
+    while chunk := f.read(1 << 24):
+      digest.update(chunk)
+  return [path.stat().length, digest.hexdigest()]
+
+
+_SPLIT_OPTIONS = ("val_docs", "val_fraction")  # where the validation split starts: no shard's bytes depend on it
+
+
+def _fingerprint(inputs: Sequence[Input], options: PrepareOptions, tok_fingerprint: str, *, shards_only: bool = False
+                 ) -> str:
+  """The preparation's fingerprint, or with ``shards_only`` its shards' (the split options left out: a preparation
+  whose split failed, e.g. ``--val-docs`` larger than the corpus, resumes its shards under a corrected split)."""
+  described = [[i.kind, i.path] + ([] if i.kind == "tfds" else _content(epath.Path(i.path))) for i in inputs]
+  left_out = ("batch_docs", *(_SPLIT_OPTIONS if shards_only else ()))  # batches change no byte
+  settings = {k: v for k, v in dataclasses.asdict(options).items() if k not in left_out}
   blob = json.dumps([FORMAT_VERSION, described, settings, tok_fingerprint], default=str)
   return hashlib.sha256(blob.encode()).hexdigest()[:24]
 
@@ -189,18 +219,60 @@ class _State:
     tmp.replace(directory / STATE)
 
   @classmethod
-  def read(cls, directory: epath.Path, fingerprint: str) -> "_State":
+  def read(cls, directory: epath.Path) -> "_State | None":
+    """The state an earlier run left in ``directory`` (None: none, or unreadable: a kill before its first write)."""
     path = directory / STATE
-    if path.exists():
-      try:
-        d = json.loads(path.read_text())
-        state = cls(d["fingerprint"], [Shard(**s) for s in d["shards"]], int(d["documents"]), int(d["skipped"]))
-      except (json.JSONDecodeError, KeyError, TypeError, ValueError):
-        state = None
-      if state is not None and state.fingerprint == fingerprint and all(
-          (directory / f"{s.name}.tokens").exists() for s in state.shards):
-        return state
-    return cls(fingerprint, [], 0, 0)
+    if not path.exists():
+      return None
+    try:
+      d = json.loads(path.read_text())
+      return cls(d["fingerprint"], [Shard(**s) for s in d["shards"]], int(d["documents"]), int(d["skipped"]))
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+      return None
+
+
+# What a preparation writes into its directory (temporary files included): anything else there is someone else's.
+_OWN_FILE = re.compile(rf"\.?(shard-\d+\.(tokens|docs)|{re.escape(MANIFEST)}|{re.escape(STATE)})(\.\d+\.\d+)?(\.tmp)?")
+
+
+def _resumable(out: epath.Path, fingerprint: str, shards_fingerprint: str) -> tuple[Manifest | None, _State | None]:
+  """What ``out`` already holds of this preparation: ``(its manifest, None)`` when it is finished, ``(None, the
+  state of its finished shards)`` when it was interrupted, ``(None, None)`` when ``out`` is new or empty (or a
+  kill came before the first shard). Reads nothing but the manifest or state.
+
+  Raises:
+    DataError: ``out`` is a file, holds a preparation of other inputs or options (finished, or interrupted with other
+      shards), or holds files a preparation does not write.
+  """
+  if not out.exists():
+    return None, None
+  if not out.is_dir():
+    raise DataError(f"--out {out} is a file, not a directory: choose a new directory")
+  if (out / MANIFEST).exists():
+    manifest = read_manifest(out)
+    if manifest.preparation == fingerprint:
+      return manifest, None
+    raise DataError(f"--out {out} holds a finished preparation of other inputs or options: choose another --out, or "
+                    "delete it to prepare these inputs there")
+  foreign = sorted(p.name for p in out.iterdir() if not _OWN_FILE.fullmatch(p.name))
+  if foreign:
+    raise DataError(f"--out {out} is not empty and holds no preparation ({', '.join(foreign[:3])}"
+                    f"{', ...' if len(foreign) > 3 else ''}): choose a new or empty directory")
+  state = _State.read(out)
+  if state is None:
+    return None, None
+  if state.fingerprint != shards_fingerprint:
+    raise DataError(f"--out {out} holds an unfinished preparation of other inputs or options: run it again with "
+                    "the inputs and options it was started with to finish it, or choose another --out")
+  kept = [s for s in state.shards if (out / f"{s.name}{TOKENS}").exists() and (out / f"{s.name}{DOCS}").exists()]
+  if len(kept) < len(state.shards):  # a shard file removed by hand: the documents after the last whole one again
+    return None, None
+  return None, state
+
+
+def _say(message: str) -> None:
+  """``message`` on a line of its own on standard error, above the progress bar (never glued onto its line)."""
+  tqdm.write(message, file=sys.stderr)
 
 
 def _split_point(out: epath.Path, shards: list[Shard], dtype: np.dtype, options: PrepareOptions) -> int:
@@ -212,7 +284,8 @@ def _split_point(out: epath.Path, shards: list[Shard], dtype: np.dtype, options:
   if options.val_docs:
     if options.val_docs >= num_docs:
       raise DataError(f"--val-docs={options.val_docs} holds out every one of the corpus's {num_docs} documents: "
-                      "lower it")
+                      "lower it (the tokenized shards are kept: the same command with a lower --val-docs, or with "
+                      "--val-fraction, finishes from them)")
     first = num_docs - options.val_docs  # the first validation document, and the shard holding it
     k = int(np.searchsorted(np.cumsum([s.documents for s in shards]), first, side="right"))
     return int(offsets[k] + read_shard(out, shards[k], dtype, verify=False)[1][first - sum(
@@ -243,21 +316,24 @@ def prepare(inputs: Sequence[str | Input], out: str | os.PathLike, options: Prep
     DataError: bad options, inputs that do not exist or (without ``skip_bad_docs``) a bad document, no documents,
       or ``out`` holding a finished preparation of other inputs or options.
   """
-  options.check()
+  options = options.resolved()
   out = epath.Path(out)
   found = expand_inputs(list(inputs))
   tok_fingerprint = tokenizer_fingerprint(options.tokenizer)
   fingerprint = _fingerprint(found, options, tok_fingerprint)
-  if (out / MANIFEST).exists():
-    manifest = read_manifest(out)
-    if manifest.preparation == fingerprint:
-      return manifest
-    raise DataError(f"{out} holds a finished preparation of other inputs or options: choose another --out or "
-                    "delete it")
+  shards_fingerprint = _fingerprint(found, options, tok_fingerprint, shards_only=True)
+  manifest, state = _resumable(out, fingerprint, shards_fingerprint)
+  if manifest is not None:
+    return manifest
   out.mkdir(parents=True, exist_ok=True)
   tokenizer = encoding_tokenizer(options.tokenizer, tok_fingerprint)
   dtype = token_dtype(tokenizer.vocab_size)
-  state = _State.read(out, fingerprint)
+  if state is not None:
+    present = len(list(out.glob(f"shard-*{TOKENS}")))
+    _say(f"resumed: {len(state.shards)} of {present} shards kept in {out} (the finished ones, {state.documents:,} "
+         "documents); tokenizing the rest")
+  else:
+    state = _State(shards_fingerprint, [], 0, 0)
 
   def documents() -> Iterator[str | DataError]:
     for source in found:
@@ -282,31 +358,33 @@ def prepare(inputs: Sequence[str | Input], out: str | os.PathLike, options: Prep
     state.write(out)
     pieces, lengths, shard_bytes, shard_tokens = [], [], 0, 0
 
-  for batch, tokens, counts, sizes in _ordered_map(_batched(stream, options.batch_docs), dtype, workers, tokenizer,
-                                                   options.tokenizer):
-    start = end = 0  # the batch's tokens not yet in a closed shard: tokens[start:end]
-    for item, n, size in zip(batch, counts, sizes):
-      consumed += 1
-      if not isinstance(item, str):
-        skipped += 1
-        tqdm.write(f"skipped: {item}")
-        continue
-      lengths.append(n)
-      shard_bytes += size
-      shard_tokens += n
-      end += n
-      if shard_tokens >= options.shard_tokens:
+  try:
+    for batch, tokens, counts, sizes in _ordered_map(_batched(stream, options.batch_docs), dtype, workers, tokenizer,
+                                                     options.tokenizer):
+      start = end = 0  # the batch's tokens not yet in a closed shard: tokens[start:end]
+      for item, n, size in zip(batch, counts, sizes):
+        consumed += 1
+        if not isinstance(item, str):
+          skipped += 1
+          _say(f"skipped: {item}")
+          continue
+        lengths.append(n)
+        shard_bytes += size
+        shard_tokens += n
+        end += n
+        if shard_tokens >= options.shard_tokens:
+          pieces.append(tokens[start:end])
+          close_shard()
+          start = end
+      if end > start:
         pieces.append(tokens[start:end])
-        close_shard()
-        start = end
-    if end > start:
-      pieces.append(tokens[start:end])
-    tokens_done += len(tokens)
-    bar.update(sum(sizes))
-    bar.set_postfix(tokens_per_s=f"{tokens_done / max(time.perf_counter() - t0, 1e-9):,.0f}", refresh=False)
-  if lengths:
-    close_shard()
-  bar.close()
+      tokens_done += len(tokens)
+      bar.update(sum(sizes))
+      bar.set_postfix(tokens_per_s=f"{tokens_done / max(time.perf_counter() - t0, 1e-9):,.0f}", refresh=False)
+    if lengths:
+      close_shard()
+  finally:  # an error then prints below the bar, not onto its line
+    bar.close()
   if not state.shards:
     raise DataError(f"the inputs {list(inputs)} hold no non-empty document")
   manifest = _manifest(out, state, options, tokenizer, dtype, inputs, tok_fingerprint, fingerprint)

@@ -24,7 +24,8 @@ def evaluate_run(path: str | Path, *, max_batches: int = 0, prompt: str = "ROMEO
   """Evaluate the latest (or given) checkpoint of a run on its validation split, on one device.
 
   Returns:
-    ``step``, ``val_loss`` (nats/token), ``perplexity``, ``bits_per_byte``, ``num_params``,
+    ``step``, ``val_loss`` (nats/token), ``perplexity``, ``bits_per_byte`` (these three None when the data has no
+    validation split), ``num_params``,
     ``kv_bytes_per_token`` (cache in the compute dtype), ``kv_bytes_per_token_bf16``, ``sample``.
 
   Raises:
@@ -33,9 +34,10 @@ def evaluate_run(path: str | Path, *, max_batches: int = 0, prompt: str = "ROMEO
   run = load_run(path)
   cfg = run.cfg
   data = Datasets(cfg.data, cfg.train.batch_size, process_index=0, process_count=1)
-  eval_fn = jax.jit(make_eval_step(run.graphdef))
-  with jax.set_mesh(run.mesh):
-    loss = evaluate_loss(eval_fn, run.batch_sharding, run.params, data, max_batches)
+  loss = None  # data prepared without a validation split
+  if data.has_validation:
+    with jax.set_mesh(run.mesh):
+      loss = evaluate_loss(jax.jit(make_eval_step(run.graphdef)), run.batch_sharding, run.params, data, max_batches)
   sample_ids = []
   if sample_tokens:
     generator = Generator(run.model(), cfg.model, run.schedule)
@@ -43,7 +45,8 @@ def evaluate_run(path: str | Path, *, max_batches: int = 0, prompt: str = "ROMEO
   kv_dtype_bytes = 2 if cfg.model.dtype == "bfloat16" else 4
   return {
     "run_dir": str(run.directory), "step": run.step, "schedule": run.schedule.describe(),
-    "val_loss": loss, "perplexity": math.exp(loss), "bits_per_byte": loss / math.log(2) / data.bytes_per_token,
+    "val_loss": loss, "perplexity": None if loss is None else math.exp(loss),
+    "bits_per_byte": None if loss is None else loss / math.log(2) / data.bytes_per_token,
     "num_params": run.num_params,
     "kv_bytes_per_token": accounting.kv_cache_bytes_per_token(cfg.model, run.schedule, kv_dtype_bytes),
     "kv_bytes_per_token_bf16": accounting.kv_cache_bytes_per_token(cfg.model, run.schedule, 2),
@@ -53,12 +56,13 @@ def evaluate_run(path: str | Path, *, max_batches: int = 0, prompt: str = "ROMEO
 
 def format_report(r: dict[str, Any]) -> str:
   """Human-readable evaluation summary."""
+  scores = [f"  val loss          {r['val_loss']:.4f} nats/token", f"  perplexity        {r['perplexity']:.3f}",
+            f"  bits per byte     {r['bits_per_byte']:.4f}"] if r["val_loss"] is not None else [
+    "  val loss          none: the data has no validation split (python -m jaxshare.data prepare --val-docs N)"]
   return "\n".join([
     f"evaluation of {r['run_dir']} at step {r['step']}",
     f"  schedule          {r['schedule']}",
-    f"  val loss          {r['val_loss']:.4f} nats/token",
-    f"  perplexity        {r['perplexity']:.3f}",
-    f"  bits per byte     {r['bits_per_byte']:.4f}",
+    *scores,
     f"  parameters        {r['num_params']:,}",
     f"  KV cache          {r['kv_bytes_per_token']:,} B/token ({r['kv_bytes_per_token_bf16']:,} in bf16)",
     "  greedy sample:",

@@ -254,12 +254,16 @@ class _Trainer:
     for report in self.fallbacks:
       log.print(f"warning: {report} Resuming from checkpoint {self.latest}, the newest one that restored and "
                 "verified.")
+    val_seqs = f"{len(self.data.val_source):,}" if self.data.has_validation else "no"
     log.print(f"params {setup.num_params:,} ({setup.num_trainable:,} trainable) | KV cache {kv_bytes:,} B/token | "
               f"mesh {dict(setup.mesh.shape)} ({n_dev} {jax.devices()[0].platform}) | train "
-              f"{len(self.data.train_source):,} seqs, val {len(self.data.val_source):,} seqs of {cfg.data.seq_len} | "
+              f"{len(self.data.train_source):,} seqs, val {val_seqs} seqs of {cfg.data.seq_len} | "
               + (f"resumed at step {self.step}" if self.latest is not None else
                  f"initialised from {tcfg.init_from}" if self.source is not None else "fresh start")
               + (f" | recipe {tcfg.recipe}, stage {self.stage}" if self.two_stage else ""))
+    if not self.data.has_validation:
+      log.print(f"warning: {cfg.data.path} has no validation split: training runs with validation off (prepare the "
+                "data with python -m jaxshare.data prepare --val-docs N, or --val-fraction F, to validate)")
     if len(self.data.components) > 1:
       total = sum(c.weight for c in self.data.components)
       log.print("mixture: " + ", ".join(f"{c.name} {100 * c.weight / total:.0f}% ({len(c.train):,} train seqs)"
@@ -291,7 +295,7 @@ class _Trainer:
         if self.stage == 1 and bool(metrics["finite"]) and self.monitor.update(float(metrics["loss"])):
           self._begin_stage2()
         is_last = self.step == tcfg.steps
-        is_eval = bool(tcfg.eval_every and self.step % tcfg.eval_every == 0) or is_last
+        is_eval = self.data.has_validation and (bool(tcfg.eval_every and self.step % tcfg.eval_every == 0) or is_last)
         if self.step % tcfg.log_every == 0 or is_eval or self.step == end:
           self._log_interval(is_eval)
         if self.step % tcfg.checkpoint_every == 0 or is_last:
