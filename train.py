@@ -54,7 +54,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
   args = parse_args(argv)
 
-  from jaxshare.config import ConfigError, describe_fields, load_config
+  from jaxshare.config import ConfigError, describe_fields
 
   if args.help_config:
     print(describe_fields())
@@ -69,7 +69,9 @@ def main(argv: list[str] | None = None) -> int:
 
   interrupt_outside_loop()  # SIGTERM outside the training loop, which handles it itself
   try:
-    cfg = load_config(args.config, args.overrides)
+    from jaxshare.init.source import load_train_config
+
+    cfg = load_train_config(args.config, args.overrides)  # train.init_from: on that run's model and schedule
     from jaxshare.distributed import initialize, is_primary
 
     multi_process = initialize(cfg.distributed)  # before any other JAX call: the processes join here
@@ -115,11 +117,13 @@ def _compile_only(args) -> int:
   """The fit check: the host compiles (JAX_PLATFORMS=cpu, set before JAX is imported) and jax.distributed is never
   started: there is no TPU and no cluster."""
   from jaxshare.aot import topology
-  from jaxshare.config import ConfigError, load_config
+  from jaxshare.config import ConfigError
 
   try:
     topology.use_host_compiler()
-    cfg = load_config(args.config, args.overrides)
+    from jaxshare.init.source import load_train_config  # imports JAX: after the compiler is chosen
+
+    cfg = load_train_config(args.config, args.overrides)
     from jaxshare.aot import fit
 
     return fit.main(cfg, args.topology, args.num_slices, args.max_batch)

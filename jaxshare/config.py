@@ -269,10 +269,13 @@ class DataConfig:
                    "tfds: a TFDS dataset read through tfds.data_source (no TensorFlow); prepared: a directory written "
                    "by python -m jaxshare.data prepare (local or gs://; its manifest sets the splits).",
                    ("text", "jsonl", "tfds", "prepared"))
-  path: str = _f("tinyshakespeare.txt", "text/jsonl file or prepared directory; a relative path is resolved against "
-                 "data_dir.")
-  data_dir: str = _f("", f"Folder for relative paths. Empty: ${DATA_DIR_ENV} if set, else ../shared/data "
-                     "relative to the repository root.")
+  path: str = _f("tinyshakespeare.txt", "text/jsonl file or prepared directory (local or gs://). A relative path is "
+                 "looked for in the working directory first (what you typed, e.g. the --out of a prepare run from "
+                 "there), then in the data directory (data_dir), where corpus names such as tinyshakespeare.txt are "
+                 "found; a missing path's error names both places.")
+  data_dir: str = _f("", f"The data directory: where a relative data.path (or mixture path) not found in the working "
+                     f"directory is looked for. Empty: ${DATA_DIR_ENV} if set, else ../shared/data relative to the "
+                     "repository root.")
   text_field: str = _f("text", "jsonl/tfds: name of the text field of each record.")
   tfds_name: str = _f("", "tfds: dataset name, e.g. tiny_shakespeare.")
   tfds_split: str = _f("train", "tfds: split to read; the validation split is carved from it.")
@@ -364,7 +367,10 @@ class TrainConfig:
   init_from: str = _f("", "Uptraining: initialise from this run directory or checkpoint (e.g. a dense model): "
                       "every parameter with the same layer, name and shape is copied, each K/V producer's "
                       "projections are pooled from the source (train.init_kv_pool), new modules keep their "
-                      "initialisation; the log lists which rule built each. Empty: train from scratch.")
+                      "initialisation; the log lists which rule built each. The run takes the source's model, "
+                      "schedule and data.tokenizer unless the experiment file or an override sets them (a run made by "
+                      "convert uptrain trains as the schedule it was converted into); a model whose weight shapes "
+                      "or tokenizer differ from the source's is refused. Empty: train from scratch.")
   init_lisa: str = _f("ds", "Uptraining into LISA: how a LISA layer's low-rank Q/K start. ds: k_lr = 0 (A_delta = "
                       "0; with the aligners' initial sum the layer starts as DS, exact reuse of the previous layer's "
                       "logits); fit: the rank-r truncated SVD of the difference between the source layer's own W_q "
@@ -465,23 +471,53 @@ def _field_type(dotted: str) -> Any:
   return ftype
 
 
-def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+# What a run started from another run (train.init_from) takes from that run's config unless the experiment file or
+# an override sets it: the model the weights belong to, its sharing schedule, and the tokenizer its embedding indexes.
+INHERITED = ("model", "schedule", "data.tokenizer")
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tuple[str, ...] = (),
+                inherit: Config | None = None) -> Config:
   """Compose a :class:`Config` from a YAML file (with its includes) and dotted overrides, then validate it.
 
   Args:
     path: experiment YAML file, or None for the defaults.
     overrides: ``["train.steps=500", "schedule.kind=mlkv"]``.
+    inherit: a run's config whose :data:`INHERITED` fields come after the defaults and before the file and the
+      overrides (the config of a run started from that run: ``train.init_from``).
 
   Raises:
     ConfigError: unreadable file, unknown key, wrongly typed value or invalid combination.
   """
   merged = _structured(Config)
   try:
+    if inherit is not None:
+      merged = OmegaConf.merge(merged, _inherited(inherit))
     for node in _expand(Path(path)) if path is not None else []:
       merged = OmegaConf.merge(merged, node)
   except OmegaConfBaseException as e:
     raise ConfigError(_friendly(e)) from None
   return _with_overrides(merged, overrides)
+
+
+def _inherited(cfg: Config):
+  """The :data:`INHERITED` fields of ``cfg`` as a partial config tree."""
+  tree: dict = {}
+  for dotted in INHERITED:
+    *groups, name = dotted.split(".")
+    node = tree
+    for group in groups:
+      node = node.setdefault(group, {})
+    node[name] = get_field(cfg, dotted)
+  return OmegaConf.create(tree)
+
+
+def get_field(cfg: Config, dotted: str) -> Any:
+  """The value of a dotted field of ``cfg`` (``"data.path"``); a group (``"model"``) as a dict."""
+  obj = cfg
+  for part in dotted.split("."):
+    obj = getattr(obj, part)
+  return dataclasses.asdict(obj) if dataclasses.is_dataclass(obj) else obj
 
 
 def apply_overrides(cfg: Config, overrides: list[str] | tuple[str, ...]) -> Config:
@@ -711,7 +747,8 @@ def mixture_name(entry: dict) -> str:
 
 
 def resolve_data_dir(cfg: DataConfig) -> Path:
-  """The folder relative data paths are read from: config, then $JAXSHARE_DATA_DIR, then ../shared/data."""
+  """The data directory, where relative data paths not found in the working directory are read from: data.data_dir,
+  then $JAXSHARE_DATA_DIR, then ../shared/data beside the repository."""
   if cfg.data_dir:
     return Path(cfg.data_dir).expanduser()
   if os.environ.get(DATA_DIR_ENV):

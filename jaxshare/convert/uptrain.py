@@ -14,7 +14,8 @@ from jaxshare.init.compensation import calibrate_compensation, format_fits
 from jaxshare.init.headwise import compute_ties
 from jaxshare.init.lisa import calibrate_low_rank, fittable_lisa_layers
 from jaxshare.init.report import init_report
-from jaxshare.init.source import init_kv_pool, initial_params, params_from_source, with_match_reference
+from jaxshare.init.source import (check_loadable, init_kv_pool, initial_params, params_from_source,
+                                  with_match_reference)
 from jaxshare.schedule import compile_schedule
 
 
@@ -38,6 +39,7 @@ def uptrain_run(src_run, out_run, overrides, *, calibration_batches: int = 8, wc
   # the source's own reference (if it was matched) is not the target's: the target is matched to the source
   cfg = with_match_reference(apply_overrides(src.cfg, ["schedule.match_reference_params=0", *overrides,
                                                        f"train.init_from={src_run}"]))
+  check_loadable(src.cfg, cfg, str(src_run))
   start = "fit" if cfg.train.init_lisa == "calibrated" else cfg.train.init_lisa  # calibrated starts from fit
   start_cfg = apply_overrides(cfg, [f"train.init_lisa={start}"])
   schedule = compile_schedule(cfg.model, cfg.schedule)

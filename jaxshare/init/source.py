@@ -5,11 +5,14 @@ uptrain`` share)."""
 from __future__ import annotations
 
 import dataclasses
+import os
 
 from flax import nnx
 
 from jaxshare import accounting, runs
-from jaxshare.config import Config
+from jaxshare.config import Config, ConfigError, load_config
+from jaxshare.data.errors import DataError
+from jaxshare.data.tokenizers import tokenizer_fingerprint
 from jaxshare.init.headwise import dense_counterpart, tied_params_from_dense
 from jaxshare.init.kv import convert_kv
 from jaxshare.init.lisa import init_low_rank
@@ -24,6 +27,55 @@ def init_kv_pool(cfg: Config) -> str:
   if cfg.train.init_kv_pool != "auto":
     return cfg.train.init_kv_pool
   return "producer" if "cla" in cfg.schedule.kind.split("+") else "mean"
+
+
+def load_train_config(path: str | os.PathLike | None, overrides: list[str] | tuple[str, ...]) -> Config:
+  """The config ``train.py --config path overrides`` runs. With ``train.init_from`` (set in the file or an override)
+  it is composed on the source run's own model, schedule and tokenizer (:data:`~jaxshare.config.INHERITED`), which
+  the file and the overrides may still set: a run made by ``convert uptrain`` trains as the schedule it was
+  converted into, and an imported model with its own tokenizer, without repeating them.
+
+  Raises:
+    ConfigError: as :func:`~jaxshare.config.load_config`, or ``train.init_from`` is not a run directory (or
+      checkpoint) with a readable config.
+  """
+  cfg = load_config(path, overrides)
+  if not cfg.train.init_from:
+    return cfg
+  return load_config(path, overrides, inherit=runs.read_config(runs.locate(cfg.train.init_from)[0]))
+
+
+# The model fields a parameter's shape or presence depends on: a run started from another run must share them (the
+# schedule may change: that is what uptraining converts).
+_WEIGHT_FIELDS = ("flavor", "vocab_size", "num_layers", "d_model", "num_heads", "resolved_head_dim", "mlp_dim",
+                  "tie_embeddings", "qkv_bias")
+
+
+def check_loadable(src: Config, cfg: Config, source: str) -> None:
+  """Refuse a config that cannot start from the weights of the run ``source`` whose config is ``src``: a model field
+  of :data:`_WEIGHT_FIELDS` that differs, or another tokenizer (its ids index the source's embedding).
+
+  Raises:
+    ConfigError: one line naming every such field, its value here and in the source.
+  """
+  diffs = [f"model.{f.replace('resolved_', '')}={getattr(cfg.model, f)!r} (the source has {getattr(src.model, f)!r})"
+           for f in _WEIGHT_FIELDS if getattr(cfg.model, f) != getattr(src.model, f)]
+  if not _same_tokenizer(cfg.data.tokenizer, src.data.tokenizer):
+    diffs.append(f"data.tokenizer={cfg.data.tokenizer!r} (the source has {src.data.tokenizer!r})")
+  if diffs:
+    raise ConfigError(f"train.init_from={source!r} cannot load that run's weights into this model: "
+                      + "; ".join(diffs) + ". Leave these fields out (a run started from another takes its model, "
+                      "schedule and tokenizer unless told otherwise) or give the source's values")
+
+
+def _same_tokenizer(a: str, b: str) -> bool:
+  """Whether two ``data.tokenizer`` values name the same tokenizer (the same name, or directories of the same files)."""
+  if a == b:
+    return True
+  try:
+    return tokenizer_fingerprint(a) == tokenizer_fingerprint(b)
+  except DataError:  # one of them is gone
+    return False
 
 
 def with_match_reference(cfg: Config) -> Config:

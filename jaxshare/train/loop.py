@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import time
 from typing import Any
 
@@ -12,12 +11,12 @@ import numpy as np
 
 from jaxshare import accounting, distributed, parallel, runs
 from jaxshare.checkpoint import PARAMS_ONLY, Checkpointer, absolute
-from jaxshare.config import Config, ConfigError
+from jaxshare.config import Config, ConfigError, get_field
 from jaxshare.data import Datasets
 from jaxshare.evaluation.val_loss import evaluate_loss, make_eval_step
 from jaxshare.init.headwise import compute_ties
 from jaxshare.init.report import init_report
-from jaxshare.init.source import init_kv_pool, with_match_reference
+from jaxshare.init.source import check_loadable, init_kv_pool, with_match_reference
 from jaxshare.schedule import compile_schedule
 from jaxshare.train.interrupts import Interrupts
 from jaxshare.train.metrics import MetricsLogger, resolve_peak
@@ -40,13 +39,6 @@ _OPTIMIZER_STRUCTURE = {
 }
 
 
-def _get(cfg: Config, dotted: str) -> Any:
-  obj = cfg
-  for part in dotted.split("."):
-    obj = getattr(obj, part)
-  return dataclasses.asdict(obj) if dataclasses.is_dataclass(obj) else obj
-
-
 class DivergenceError(RuntimeError):
   """Training produced a non-finite loss or gradient norm under ``train.nan_policy=stop`` (exit code 3)."""
 
@@ -55,12 +47,12 @@ def check_resume_compatible(saved: Config, cfg: Config) -> None:
   """Raise ConfigError naming every field that differs from the checkpointed run's and may not change."""
   diffs = []
   for key in _RESUME_FIXED:
-    a, b = _get(saved, key), _get(cfg, key)
+    a, b = get_field(saved, key), get_field(cfg, key)
     if isinstance(a, dict):
       diffs += [f"{key}.{k}: {a[k]!r} -> {b[k]!r}" for k in a if a[k] != b[k]]
     elif a != b:
       diffs.append(f"{key}: {a!r} -> {b!r}")
-  diffs += [f"{key}: {_get(saved, key)!r} -> {_get(cfg, key)!r} (changes the optimizer state's structure)"
+  diffs += [f"{key}: {get_field(saved, key)!r} -> {get_field(cfg, key)!r} (changes the optimizer state's structure)"
             for key, structure in _OPTIMIZER_STRUCTURE.items() if structure(saved.train) != structure(cfg.train)]
   if diffs:
     raise ConfigError("the run directory holds checkpoints of a different experiment; these fields changed: "
@@ -102,11 +94,14 @@ def train(cfg: Config, *, mesh=None, stop_after: int | None = None) -> dict[str,
     run after saving, e.g. ``"SIGTERM"``; None). See :class:`~jaxshare.train.interrupts.Interrupts`.
 
   Raises:
-    ConfigError / DataError / CheckpointError: bad config, data or run directory (before any training).
+    ConfigError / DataError / CheckpointError: bad config, data or run directory, or a ``train.init_from`` run
+      whose weights this model cannot load (before any training).
     DivergenceError: a non-finite step under ``train.nan_policy=stop``.
     KeyboardInterrupt: a third SIGINT/SIGTERM (the last finished checkpoint is kept).
   """
   cfg = with_match_reference(cfg)
+  if cfg.train.init_from:
+    check_loadable(runs.read_config(runs.locate(cfg.train.init_from)[0]), cfg, cfg.train.init_from)
   mesh = mesh or parallel.make_mesh(cfg.mesh)
   # Nothing is created in the run directory until the config, data and checkpoint have all been accepted.
   data = _open_data(cfg)
@@ -247,7 +242,10 @@ class _Trainer:
     kv_bytes = accounting.kv_cache_bytes_per_token(cfg.model, setup.schedule,
                                                    2 if cfg.model.dtype == "bfloat16" else 4)
     self.log = log = MetricsLogger(self.run_dir, tcfg.steps, self.step, tcfg.progress_bar)
-    log.print(f"jaxshare | {setup.schedule.describe()}")
+    start = (f"resumed at step {self.step}" if self.latest is not None else
+             f"weights from {tcfg.init_from} (step {self.source.step})" if self.source is not None else
+             f"fresh start (seed {tcfg.seed})")
+    log.print(f"jaxshare | {setup.schedule.describe()} | {start}")
     if self.ckpt.cleaned:
       log.print(f"removed {len(self.ckpt.cleaned)} unfinished checkpoint write(s) an interrupted run left: "
                 + ", ".join(self.ckpt.cleaned))
@@ -257,9 +255,7 @@ class _Trainer:
     val_seqs = f"{len(self.data.val_source):,}" if self.data.has_validation else "no"
     log.print(f"params {setup.num_params:,} ({setup.num_trainable:,} trainable) | KV cache {kv_bytes:,} B/token | "
               f"mesh {dict(setup.mesh.shape)} ({n_dev} {jax.devices()[0].platform}) | train "
-              f"{len(self.data.train_source):,} seqs, val {val_seqs} seqs of {cfg.data.seq_len} | "
-              + (f"resumed at step {self.step}" if self.latest is not None else
-                 f"initialised from {tcfg.init_from}" if self.source is not None else "fresh start")
+              f"{len(self.data.train_source):,} seqs, val {val_seqs} seqs of {cfg.data.seq_len}"
               + (f" | recipe {tcfg.recipe}, stage {self.stage}" if self.two_stage else ""))
     if not self.data.has_validation:
       log.print(f"warning: {cfg.data.path} has no validation split: training runs with validation off (prepare the "
