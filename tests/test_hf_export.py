@@ -77,7 +77,7 @@ def test_import_export_reproduces_the_checkpoint_bit_for_bit(tmp_path, case):
 
 @pytest.mark.parametrize("overrides,why", [
   (("schedule.kind=mlkv", "schedule.kv_layers=2", "schedule.kv_heads=2"), "another layer's K/V"),
-  (("schedule.kind=uniattn",), "reuse attention scores"),
+  (("schedule.kind=uniattn", "schedule.uniattn.block_size=2"), "reuse attention scores"),
   (("schedule.kind=gqa", "schedule.kv_heads_per_layer=[4,2,2,1]"), "different K/V head counts"),
   (("model.flavor=neox", "schedule.kind=gqa", "schedule.kv_heads=2"), "GPT-NeoX has neither GQA"),
   (("model.residual=parallel",), "Llama has no parallel residual"),
@@ -139,3 +139,58 @@ def test_sharded_export_loads_and_reimports_exactly(tmp_path, corpus, overrides)
     with torch.no_grad():
       want = model(torch.from_numpy(tokens).long()).logits.numpy()
     np.testing.assert_allclose(want, np.asarray(nnx.merge(setup.graphdef, params)(tokens)), atol=1e-5, rtol=0)
+
+
+TOKENIZER_TEXT = "ROMEO:\nBut soft, what light through yonder window breaks?  Élan, naïve — 🌹\x00 end\n"
+
+
+@pytest.mark.parametrize("overrides,arch", [
+  ((), "LlamaForCausalLM"),
+  (("model.flavor=neox", "model.rotary_pct=0.5"), "GPTNeoXForCausalLM"),
+  (("schedule.kind=cla",), "JaxshareForCausalLM"),
+], ids=["llama", "neox", "remote-code"])
+def test_every_export_of_a_byte_run_loads_its_tokenizer_and_imports_back_as_bytes(tmp_path, overrides, arch):
+  """issue 43: dense exports had no tokenizer files (AutoTokenizer: "Couldn't instantiate the backend tokenizer")."""
+  from jaxshare.convert.__main__ import main as convert_main
+  from jaxshare.data import ByteTokenizer
+  from jaxshare.runs import read_config, write_run
+
+  cfg = tiny_config(*overrides)
+  write_run(tmp_path / "run", cfg, _random_params(cfg)[1])
+  assert export_run(tmp_path / "run", tmp_path / "hf")[0] == arch
+  tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+  ids = tok(TOKENIZER_TEXT)["input_ids"]
+  assert ids == ByteTokenizer().encode(TOKENIZER_TEXT) and tok.decode(ids) == TOKENIZER_TEXT
+  assert tok.eos_token_id == 0 == ByteTokenizer().eos_id
+  assert convert_main(["import", str(tmp_path / "hf"), str(tmp_path / "back")]) == 0
+  assert read_config(tmp_path / "back").data.tokenizer == "byte" and not (tmp_path / "back" / "tokenizer").exists()
+
+
+@pytest.mark.parametrize("overrides", [(), ("schedule.kind=cla",)], ids=["llama", "remote-code"])
+def test_every_export_of_a_run_with_a_hf_tokenizer_carries_it(tmp_path, corpus, overrides):
+  from conftest import write_bpe_tokenizer
+  from jaxshare.data import HFTokenizer
+  from jaxshare.runs import write_run
+
+  tokenizer = write_bpe_tokenizer(tmp_path / "tk", corpus.read_text()[:20000])
+  cfg = tiny_config("model.vocab_size=300", *overrides)
+  write_run(tmp_path / "run", cfg, _random_params(cfg)[1], tokenizer_files=sorted(tokenizer.iterdir()))
+  export_run(tmp_path / "run", tmp_path / "hf")
+  ids = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")(TOKENIZER_TEXT)["input_ids"]
+  assert ids == HFTokenizer(str(tokenizer)).encode(TOKENIZER_TEXT)
+
+
+def test_the_byte_tokenizer_json_is_what_the_tokenizers_library_writes(tmp_path):
+  """write_byte_tokenizer writes the JSON by hand (exporting needs no tokenizers install): the library's own save of
+  the same model must be the same document."""
+  from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+  from jaxshare.convert.byte_tokenizer import byte_alphabet, is_byte_tokenizer, write_byte_tokenizer
+
+  write_byte_tokenizer(tmp_path, 128)
+  alphabet = byte_alphabet()
+  tok = Tokenizer(models.BPE(vocab={alphabet[b]: b for b in range(256)}, merges=[]))
+  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+  tok.decoder = decoders.ByteLevel()
+  assert json.loads(tok.to_str()) == json.loads((tmp_path / "tokenizer.json").read_text())
+  assert is_byte_tokenizer(tmp_path) and not is_byte_tokenizer(tmp_path / "nothing")

@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
   from jaxshare.data import DataError
   from jaxshare.convert.hf_checkpoint import HFCheckpoint, HFCheckpointError
   from jaxshare.convert.hf_export import export_run
-  from jaxshare.convert import remote
+  from jaxshare.convert.byte_tokenizer import is_byte_tokenizer
   from jaxshare.convert.hf_import import load_hf_model
   from jaxshare.convert.mapping import UnsupportedModelError
   from jaxshare.checkpoint import CheckpointError
@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
       with tempfile.TemporaryDirectory(prefix=".import-", dir=out.parent) as scratch:  # disk-backed parameters
         model = load_hf_model(ckpt, args.overrides, progress=True, scratch_dir=scratch)
         # a jaxshare export of a byte-tokenizer run carries that tokenizer for transformers; the run keeps "byte"
-        byte_run = ckpt.architecture == remote.ARCHITECTURE and model.cfg.data.tokenizer == "byte"
+        byte_run = is_byte_tokenizer(ckpt.directory)
         run = write_run(out, model.cfg, model.params, ties=model.ties,
                         tokenizer_files=[] if byte_run else ckpt.tokenizer_files(),
                         meta={"imported_from": str(args.hf_dir), "architecture": ckpt.architecture})

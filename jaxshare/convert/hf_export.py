@@ -1,7 +1,8 @@
 """A jaxshare run as a Hugging Face directory.
 
 Dense and GQA models of the llama and neox flavours become ``LlamaForCausalLM`` / ``GPTNeoXForCausalLM`` directories
-(``config.json``, ``model.safetensors`` or shards with an index, the run's tokenizer files) that ``transformers.AutoModelForCausalLM
+(``config.json``, ``model.safetensors`` or shards with an index, the run's tokenizer files: a byte-level run's as
+:mod:`jaxshare.convert.byte_tokenizer` writes them) that ``transformers.AutoModelForCausalLM
 .from_pretrained`` loads offline. Any other schedule becomes a remote-code directory (:mod:`jaxshare.convert.remote`)
 that transformers loads with ``trust_remote_code=True`` and jaxshare reads back bit-exactly.
 """
@@ -18,6 +19,7 @@ from safetensors.numpy import save_file
 
 from jaxshare.config import Config
 from jaxshare.convert import remote
+from jaxshare.convert.byte_tokenizer import write_byte_tokenizer
 from jaxshare.convert.hf_checkpoint import INDEX_FILE, SINGLE_FILE, TOKENIZER_FILES
 from jaxshare.convert.hf_import import dims
 from jaxshare.convert.llama import LLAMA
@@ -88,8 +90,8 @@ def export_params(cfg: Config, schedule: Schedule, params: dict, out_dir: str | 
                           progress=progress)
     config = remote.config_json(cfg, schedule, ties)
     remote.copy_code(out)
-    if tokenizer_dir is None:
-      remote.write_byte_tokenizer(out, cfg.data.seq_len)
+  if tokenizer_dir is None:  # every export loads its tokenizer: AutoTokenizer.from_pretrained(out)
+    write_byte_tokenizer(out, cfg.data.seq_len)
   write_shards(groups, out, max_shard_bytes)
   (out / "config.json").write_text(json.dumps(config, indent=2))
   if tokenizer_dir is not None:

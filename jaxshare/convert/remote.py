@@ -81,30 +81,6 @@ def copy_code(out: Path) -> None:
     shutil.copyfile(CODE_DIR / name, out / name)
 
 
-def write_byte_tokenizer(out: Path, max_length: int) -> None:
-  """jaxshare's byte tokenizer (UTF-8 bytes as ids 0..255, EOS = 0) as ``tokenizer.json`` +
-  ``tokenizer_config.json``, so that ``AutoTokenizer`` loads the directory: a byte-level BPE without merges whose
-  vocabulary maps each byte's GPT-2 character to the byte's value."""
-  from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-  alphabet = _byte_characters()
-  tok = Tokenizer(models.BPE(vocab={alphabet[b]: b for b in range(256)}, merges=[]))
-  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-  tok.decoder = decoders.ByteLevel()
-  tok.save(str(out / "tokenizer.json"))
-  eos = alphabet[0]
-  (out / "tokenizer_config.json").write_text(json.dumps(
-    {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos, "pad_token": eos,
-     "model_max_length": max_length, "clean_up_tokenization_spaces": False}, indent=2))
-
-
-def _byte_characters() -> list[str]:
-  """GPT-2's printable character for each byte value (the ``ByteLevel`` pre-tokenizer's alphabet)."""
-  printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-  extra = iter(range(256, 512))
-  return [chr(b) if b in printable else chr(next(extra)) for b in range(256)]
-
-
 def _bias(hf: str, path: str, heads, width) -> Rule:
   """A ``[heads·width]`` projection bias <-> jaxshare's ``[heads, width]`` (``heads``, ``width``: of the layer's
   dimensions)."""
