@@ -83,6 +83,15 @@ def _root_cause(e: BaseException) -> str:
   return f"{type(e).__name__}: {text[:300]}"
 
 
+def finished_steps(directory: str | os.PathLike) -> list[int]:
+  """The steps of the finished checkpoints in ``directory``, ascending (an unfinished write's temporary directory
+  is not one); ``[]`` when it does not exist. Creates nothing."""
+  directory = absolute(directory)
+  if not directory.is_dir():
+    return []
+  return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit() and p.is_dir())
+
+
 PARAMS_ONLY = "params_only"  # meta key of a checkpoint holding only the parameters (a converted model at step 0)
 
 

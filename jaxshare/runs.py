@@ -28,7 +28,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jaxshare import accounting, parallel
-from jaxshare.checkpoint import CheckpointError, Checkpointer, absolute, save_params
+from jaxshare.checkpoint import CheckpointError, Checkpointer, absolute, finished_steps, save_params
 from jaxshare.config import Config, ConfigError, MeshConfig, config_from_yaml_text, to_yaml
 from jaxshare.data import Tokenizer, make_tokenizer
 from jaxshare.files import write_atomic
@@ -182,19 +182,37 @@ def load_run(path: str | os.PathLike, mesh: Mesh | None = None) -> Run:
     cfg = dataclasses.replace(cfg, mesh=MeshConfig() if jax.process_count() == 1 else MeshConfig(fsdp=-1))
     mesh = parallel.make_mesh(cfg.mesh, jax.devices()[:1] if jax.process_count() == 1 else None)
   schedule = compile_schedule(cfg.model, cfg.schedule)
-  ckpt = Checkpointer(run_dir / "checkpoints", cfg.train.keep_checkpoints)
-  step = ckpt.latest_step() if step is None else step
-  if step is None:
-    raise CheckpointError(f"run directory {str(run_dir)!r} has no checkpoint yet")
+  step = _existing_step(run_dir, step, cfg.train.keep_checkpoints)
   ties = read_ties(run_dir, cfg, schedule)
   graphdef, target = abstract_params(cfg, schedule, ties, mesh)
-  params = ckpt.restore_params(step, target)
-  ckpt.close()
+  ckpt = Checkpointer(run_dir / "checkpoints", cfg.train.keep_checkpoints)
+  try:  # closed either way: an open manager's threads at interpreter exit printed a traceback after the error
+    params = ckpt.restore_params(step, target)
+  finally:
+    ckpt.close()
   if not bool(_all_finite(params)):
     raise CheckpointError(f"checkpoint {run_dir / 'checkpoints' / str(step)} holds non-finite parameters (NaN or inf): "
                           "its run diverged before it was saved; use an earlier checkpoint "
                           f"({run_dir / 'checkpoints'}/<step>)")
   return Run(run_dir, cfg, schedule, ties, graphdef, params, int(step), mesh)
+
+
+def _existing_step(run_dir: epath.Path, step: int | None, keep: int) -> int:
+  """``step`` (None: the latest), once the run is known to have that finished checkpoint; nothing is created.
+
+  Raises:
+    CheckpointError: the run has no checkpoint, or none at ``step`` (naming the steps it has).
+  """
+  steps = finished_steps(run_dir / "checkpoints")
+  if not steps:
+    raise CheckpointError(f"run directory {str(run_dir)!r} has no checkpoint: no finished step in "
+                          f"{str(run_dir / 'checkpoints')!r} (deleted, or the run has not saved one yet)")
+  if step is None:
+    return steps[-1]
+  if step not in steps:
+    raise CheckpointError(f"run {str(run_dir)!r} has no checkpoint at step {step}: its checkpoints are at steps "
+                          f"{', '.join(map(str, steps))} (a run keeps its last train.keep_checkpoints={keep})")
+  return step
 
 
 @jax.jit
