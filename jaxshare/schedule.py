@@ -361,6 +361,10 @@ def score_plans(model: ModelConfig, sched: ScheduleConfig, preset: str, plans: l
     end = _span(c.end, L, "schedule.uniattn.end", start + 1, L)
     if c.block_size < 1:
       raise ScheduleError(f"schedule.uniattn.block_size={c.block_size!r} is invalid: must be >= 1")
+    if c.block_size > end - start:  # it would silently become one superblock of the whole, shorter range
+      raise ScheduleError(f"schedule.uniattn.block_size={c.block_size!r} is invalid: the unified range is layers "
+                          f"{start}..{end - 1} ({end - start} of model.num_layers={L}; schedule.uniattn.start/end), "
+                          f"so a superblock holds at most {end - start} layers")
     updates = {}
     for bottom in range(start, end, c.block_size):
       for i in range(bottom + 1, min(bottom + c.block_size, end)):

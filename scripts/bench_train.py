@@ -58,7 +58,7 @@ SCHEDULES = {
   "cla2": ["schedule.kind=cla", "schedule.factor=2"],
   "mlkv": ["schedule.kind=mlkv", "schedule.kv_layers=2", "schedule.kv_heads=2"],
   "sa": ["schedule.kind=sa", "schedule.sa.start=2", "schedule.sa.end=3"],
-  "uniattn": ["schedule.kind=uniattn"],
+  "uniattn": ["schedule.kind=uniattn", "schedule.uniattn.start=2", "schedule.uniattn.block_size=2"],
   "lisa_plus": ["schedule.kind=lisa_plus", "schedule.lisa.layers=[1,2]", "schedule.lisa.rank=8"],
 }
 

@@ -20,7 +20,7 @@ from test_model_pallas import CASES
 COMPOSED = {
   "explicit+lisa_plus": ["model.num_layers=6", "schedule.kind=explicit+lisa_plus", "schedule.sources=0_0_2_3_4_4",
                          "schedule.lisa.layers=[2,3]"],
-  "gqa+uniattn_normed": ["schedule.kind=gqa+uniattn", "schedule.kv_heads=2", "schedule.uniattn.block_size=3",
+  "gqa+uniattn_normed": ["schedule.kind=gqa+uniattn", "schedule.kv_heads=2", "schedule.uniattn.block_size=2",
                          "schedule.uniattn.wc_input=normed"],
   "lisa_groups": ["model.num_layers=6", "schedule.kind=lisa", "schedule.lisa.hidden=8", "schedule.lisa.rope=true",
                   "schedule.lisa.groups=[{layers: [1, 2], integrator: ffn}, {layers: [4], integrator: linear}]"],

@@ -312,7 +312,8 @@ def score_rules(v: dict[str, Any], preset: str, out: Verdict) -> dict[int, tuple
     if out.bad(start is not None, "schedule.uniattn.start"):
       return {}
     end = span(v["schedule.uniattn.end"], L, start + 1, L)
-    if out.bad(end is not None, "schedule.uniattn.end") or out.bad(b >= 1, "schedule.uniattn.block_size"):
+    if out.bad(end is not None, "schedule.uniattn.end") or out.bad(1 <= b <= end - start,  # a superblock within
+                                                                   "schedule.uniattn.block_size"):  # the range
       return {}
     return {i: ("probs", bottom, "") for bottom in range(start, end, b) for i in range(bottom + 1,
                                                                                         min(bottom + b, end))}

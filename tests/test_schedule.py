@@ -153,3 +153,13 @@ def test_invalid_lisa_settings_raise_clear_errors(kw, needle):
   with pytest.raises(ScheduleError) as e:
     compile_schedule(M, sched(**kw))
   assert needle in str(e.value)
+
+
+def test_a_uniattn_superblock_larger_than_its_range_is_refused():
+  """issue 43: block_size=8 on 4 layers silently became one 2-layer superblock."""
+  four = ModelConfig(num_layers=4, num_heads=4, d_model=32)
+  with pytest.raises(ScheduleError, match=r"schedule.uniattn.block_size=8 is invalid: the unified range is layers "
+                                          r"2..3 \(2 of model.num_layers=4; .*at most 2 layers"):
+    compile_schedule(four, sched(kind="uniattn", uniattn=UniAttnConfig(block_size=8)))
+  fits = compile_schedule(four, sched(kind="uniattn", uniattn=UniAttnConfig(block_size=2)))
+  assert [p.score_source for p in fits.layers] == [0, 1, 2, 2] and fits.layers[3].score_reuse == "probs"

@@ -89,7 +89,7 @@ def test_report_names_every_rule_and_the_new_tensors():
                        "layer 2 k_proj/v_proj: running pairwise mean over layers [2, 3], 4 -> 2 heads (mean of groups)"]
   assert lines[0] == f"{_per_layer_leaves(dst, setup.schedule) - 4} tensors copied (same layer, name and shape)"
 
-  cfg = tiny_config("schedule.kind=gqa+uniattn", "schedule.kv_heads=2")
+  cfg = tiny_config("schedule.kind=gqa+uniattn", "schedule.kv_heads=2", "schedule.uniattn.block_size=2")
   setup = setup_training(cfg)
   dst = init_state(setup, from_params=(src, src_setup.schedule))["params"]
   lines = init_report(src, src_setup.schedule, dst, setup.schedule, "mean")
