@@ -129,10 +129,12 @@ def _ppl(args) -> int:
 
 
 def _efficiency(args) -> int:
+  from jaxshare import smoke
   from jaxshare.evaluation.efficiency import format_table, measure_run
 
-  r = measure_run(args.path, budget_gib=args.budget_gib, max_batch_context=args.max_batch_context,
-                  contexts=(args.context,), prefill_context=args.context, batch=args.batch, steps=args.steps)
+  budget, big_context, (context,) = smoke.cache_sizes(args.budget_gib, args.max_batch_context, [args.context])
+  r = measure_run(args.path, budget_gib=budget, max_batch_context=big_context, contexts=(context,),
+                  prefill_context=context, batch=args.batch, steps=args.steps)
   print(json.dumps(r) if args.json else format_table([r]))
   return 0
 

@@ -123,7 +123,7 @@ def _compile_only(args) -> int:
     topology.use_host_compiler()
     from jaxshare.init.source import load_train_config  # imports JAX: after the compiler is chosen
 
-    cfg = load_train_config(args.config, args.overrides)
+    cfg = load_train_config(args.config, args.overrides, fit_check=True)
     from jaxshare.aot import fit
 
     return fit.main(cfg, args.topology, args.num_slices, args.max_batch)

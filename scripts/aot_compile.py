@@ -25,10 +25,12 @@ from jaxshare.aot.topology import topology_mesh, use_host_compiler
 
 use_host_compiler()  # before JAX is imported: the host compiles, libtpu only describes the topologies
 
+from jaxshare import smoke  # noqa: E402
 from jaxshare.aot.compile import compile_kernels, compile_train_step  # noqa: E402
 from jaxshare.config import ConfigError, MeshConfig, load_config  # noqa: E402
 
 TOPOLOGIES = ("v5e:2x2", "v5p:2x2x1", "v6e:2x2", "h100:8", "a100:8")
+SMOKE_TOPOLOGIES = ("v5e:2x2", "h100:8")  # JAXSHARE_SMOKE: one TPU, one GPU
 # Train-step schedules: flash attention (dense), K/V consumers (CLA2, MLKV), probability reuse (UniAttn), both at once
 # (CLA + UniAttn), concatenated-feature attention (LISA_plus).
 SCHEDULES = {
@@ -58,12 +60,14 @@ def main(argv=None) -> int:
   ap.add_argument("overrides", nargs="*", help="config overrides for the train step (key=value)")
   args = ap.parse_intermixed_args(argv)
   results: dict = {}
+  topologies = args.topology or (SMOKE_TOPOLOGIES if smoke.enabled() else TOPOLOGIES)
+  schedules = args.schedule or smoke.first(list(SCHEDULES))  # JAXSHARE_SMOKE: a quick check of the script
   try:
-    for topology in args.topology or TOPOLOGIES:
+    for topology in topologies:
       start = time.perf_counter()
       mesh = topology_mesh(topology, MeshConfig(data=2, fsdp=1, tensor=-1))
       rows = compile_kernels(mesh)
-      for name in (args.schedule or SCHEDULES) if topology in (args.train_on or [topology]) else ():
+      for name in schedules if topology in (args.train_on or [topology]) else ():
         cfg = load_config(None, SMALL_MODEL + SCHEDULES[name] + list(args.overrides))
         rows.append(compile_train_step(cfg, topology_mesh(topology, cfg.mesh)))
       results[topology] = [dataclasses.asdict(r) for r in rows]

@@ -214,6 +214,12 @@ def main(argv=None) -> int:
   ap.add_argument("--torch-new-tokens", type=int, default=32)
   ap.add_argument("--out", default="bench/decode")
   args = ap.parse_args(argv)
+  from jaxshare import smoke
+
+  args.schedules = smoke.first(args.schedules)  # JAXSHARE_SMOKE: a quick check of the script, on small caches
+  args.budget_gib, args.max_batch_context, args.contexts = smoke.cache_sizes(args.budget_gib, args.max_batch_context,
+                                                                             args.contexts)
+  args.prefill = min(args.prefill, args.contexts[-1]) if smoke.enabled() else args.prefill
   if args.torch:
     return _torch_main(args)
 

@@ -35,7 +35,8 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # run as a script from anywhere: jaxshare is importable without an install
   sys.path.insert(0, str(REPO))
 
-from jaxshare.sweep.results import mean_std  # noqa: E402  (after the path fix above)
+from jaxshare import smoke  # noqa: E402  (after the path fix above)
+from jaxshare.sweep.results import mean_std  # noqa: E402
 
 EXPERIMENT = "configs/experiments/uptrain_neox.yaml"
 MATCHED = ["schedule.match_params=true"]
@@ -184,10 +185,12 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--only", nargs="*", default=None, choices=list(SCHEDULES), metavar="NAME",
                       help=f"run only these schedules ({', '.join(SCHEDULES)}); dense is always run, as the control")
   args = parser.parse_args(argv)
-  out = (REPO / args.out).resolve()
+  out = Path(args.out).resolve()  # relative to the working directory, as typed
   os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(out / "xla_cache"))
   imported_eval = dense_round_trip(out, args.dense_steps)
-  names = [n for n in SCHEDULES if n == "dense" or not args.only or n in args.only]
+  # JAXSHARE_SMOKE: the first seed of dense and the first other schedule (jaxshare/smoke.py)
+  names = smoke.first([n for n in SCHEDULES if n == "dense" or not args.only or n in args.only])
+  args.seeds = smoke.first(args.seeds, 1)
 
   budget = [f"train.warmup_steps={max(1, args.steps // 10)}",
             f"train.eval_every={args.steps}", f"train.checkpoint_every={args.steps}"]

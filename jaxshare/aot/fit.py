@@ -11,6 +11,7 @@ import dataclasses
 import sys
 from typing import Callable
 
+from jaxshare import smoke
 from jaxshare.aot import topology
 from jaxshare.aot.report import Fit, advice, batch_unit, check, format_report, gib
 from jaxshare.config import Config
@@ -50,7 +51,8 @@ def max_batch(cfg: Config, target: str, num_slices: int | None = None,
   fit = probe(batch)
   if fit.fits:
     good = fit
-    while bad is None and good.batch < _MAX_BATCH_UNITS * unit:
+    most = 2 * batch if smoke.enabled() else _MAX_BATCH_UNITS * unit  # JAXSHARE_SMOKE: a quick check of the search
+    while bad is None and good.batch < most:
       fit = probe(good.batch * 2)
       good, bad = (fit, None) if fit.fits else (good, fit.batch)
     if bad is None:

@@ -9,8 +9,8 @@ import os
 
 from flax import nnx
 
-from jaxshare import accounting, runs
-from jaxshare.config import Config, ConfigError, load_config
+from jaxshare import accounting, runs, smoke
+from jaxshare.config import Config, ConfigError, apply_overrides, load_config
 from jaxshare.data.errors import DataError
 from jaxshare.data.tokenizers import tokenizer_fingerprint
 from jaxshare.init.headwise import dense_counterpart, tied_params_from_dense
@@ -29,20 +29,26 @@ def init_kv_pool(cfg: Config) -> str:
   return "producer" if "cla" in cfg.schedule.kind.split("+") else "mean"
 
 
-def load_train_config(path: str | os.PathLike | None, overrides: list[str] | tuple[str, ...]) -> Config:
+def load_train_config(path: str | os.PathLike | None, overrides: list[str] | tuple[str, ...],
+                      fit_check: bool = False) -> Config:
   """The config ``train.py --config path overrides`` runs. With ``train.init_from`` (set in the file or an override)
   it is composed on the source run's own model, schedule and tokenizer (:data:`~jaxshare.config.INHERITED`), which
   the file and the overrides may still set: a run made by ``convert uptrain`` trains as the schedule it was
   converted into, and an imported model with its own tokenizer, without repeating them.
+
+  Under ``JAXSHARE_SMOKE`` the model is the narrow one :mod:`jaxshare.smoke` trains, on its short sequences and small
+  batches (a ``fit_check``, ``train.py --compile-only``, keeps the configured batch).
 
   Raises:
     ConfigError: as :func:`~jaxshare.config.load_config`, or ``train.init_from`` is not a run directory (or
       checkpoint) with a readable config.
   """
   cfg = load_config(path, overrides)
-  if not cfg.train.init_from:
-    return cfg
-  return load_config(path, overrides, inherit=runs.read_config(runs.locate(cfg.train.init_from)[0]))
+  if cfg.train.init_from:
+    cfg = load_config(path, overrides, inherit=runs.read_config(runs.locate(cfg.train.init_from)[0]))
+  if smoke.enabled():
+    cfg = apply_overrides(cfg, smoke.overrides(cfg.model.num_heads, cfg.train.grad_accum_steps, fit_check))
+  return cfg
 
 
 # The model fields a parameter's shape or presence depends on: a run started from another run must share them (the

@@ -11,6 +11,7 @@ from typing import Any
 
 import yaml
 
+from jaxshare import smoke
 from jaxshare.config import REPO_ROOT, load_config
 from jaxshare.schedule import compile_schedule
 
@@ -66,7 +67,8 @@ class Sweep:
   series: dict[str, str]
 
   def runs(self, only: list[str] | None = None) -> list[Trial]:
-    """Every run (variants in file order, seeds inner), or those of the variants named in ``only``.
+    """Every run (variants in file order, seeds inner), or those of the variants named in ``only``; under
+    ``JAXSHARE_SMOKE`` the first seed of the first two (:mod:`jaxshare.smoke`).
 
     Raises:
       SweepError: a name in ``only`` that is not a variant of the sweep (listing the known ones).
@@ -77,10 +79,9 @@ class Sweep:
         raise SweepError(f"--only {' '.join(unknown)}: no such variant in {self.path}; known: "
                          f"{', '.join(self.variants)}")
     runs = []
-    for name, overrides in self.variants.items():
-      if only and name not in only:
-        continue
-      for seed in self.seeds or [None]:
+    for name in smoke.first([name for name in self.variants if not only or name in only]):
+      overrides = self.variants[name]
+      for seed in smoke.first(self.seeds or [None], 1):
         seed_ov = [] if seed is None else [f"train.seed={seed}"]
         run_dir = self.run_root / name if seed is None else self.run_root / name / f"seed{seed}"
         runs.append(Trial(name, seed, tuple(self.base + overrides + seed_ov), run_dir, self.series.get(name, "")))
