@@ -223,7 +223,8 @@ def test_data_prepared_without_a_validation_split_trains_with_validation_off_and
   import train as train_py
   from jaxshare.data.__main__ import main as data_main
 
-  assert data_main(["prepare", "--out", str(tmp_path / "all"), str(corpus), "--val-fraction", "0", "--no-progress"]) == 0
+  assert data_main(["prepare", "--out", str(tmp_path / "all"), str(corpus), "--val-fraction", "0",
+                    "--no-progress"]) == 0
   capsys.readouterr()
   run = tmp_path / "run"
   assert train_py.main([*TINY, "train.steps=4", "train.eval_every=2", f"train.run_dir={run}", "data.source=prepared",

@@ -47,8 +47,9 @@ def source_file(cfg: DataConfig) -> Path:
   """
   path, what = resolve_path(cfg), "JSONL file" if cfg.source == "jsonl" else "text file"
   if not path.exists():
+    rule = "" if Path(cfg.path).expanduser().is_absolute() else _RULE
     raise DataError(f"data.path={cfg.path!r}: the {what} does not exist (looked for {places_tried(cfg)}; expected "
-                    f"a UTF-8 {what}){_RULE if not Path(cfg.path).expanduser().is_absolute() else ''}")
+                    f"a UTF-8 {what}){rule}")
   if (path / MANIFEST).is_file():
     raise DataError(f"data.path={cfg.path!r}: {str(path)!r} is a prepared directory (python -m jaxshare.data "
                     f"prepare), not a {what}: add data.source=prepared")
@@ -76,8 +77,9 @@ def prepared_location(cfg: DataConfig, path: str, field: str) -> str:
     return path
   local = resolve_path(cfg, path)
   if not local.exists():
+    rule = "" if Path(path).expanduser().is_absolute() else _RULE
     raise DataError(f"{field}={path!r}: the prepared directory does not exist (looked for {places_tried(cfg, path)}; "
-                    f"python -m jaxshare.data prepare --out DIR writes one){_RULE if not Path(path).is_absolute() else ''}")
+                    f"python -m jaxshare.data prepare --out DIR writes one){rule}")
   if local.is_file():
     raise DataError(f"{field}={path!r}: {str(local)!r} is a file, not a prepared directory: train on a text file with "
                     "data.source=text (JSONL: data.source=jsonl), or prepare it with python -m jaxshare.data prepare")

@@ -66,7 +66,7 @@ def token_cache_dir(cfg: DataConfig) -> Path | None:
 def prepare_source(cfg: DataConfig) -> tuple[Path, tempfile.TemporaryDirectory | None]:
   """The prepared directory of a text, JSONL or TFDS source: prepared on first use (:func:`~jaxshare.data.prepare.
   prepare`, one worker) under :func:`token_cache_dir`, keyed by the preparation's fingerprint (the source by path,
-  size and modification time or TFDS name, the tokenizer's files, the separator, text field and validation share),
+  size and content hash or TFDS name, the tokenizer's files, the separator, text field and validation share),
   and reused after. The first process to take the entry's lock prepares it; the others on the same filesystem (a
   GPU node's processes, hosts sharing NFS) wait and read the same files. With ``data.token_cache=off``, or a cache
   that is not writable, the corpus is prepared into a temporary directory, returned too: it lasts as long as the
