@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 EXPERIMENT ?= configs/experiments/shakespeare_cla2.yaml
 ARGS ?=
 
-.PHONY: install install-dev train test clean
+.PHONY: install install-dev install-aot train test clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -37,13 +37,15 @@ $(JAXCUDA)/.installed: $(VENV)/.installed
 
 install: $(VENV)/.installed
 install-dev: $(VENV)/.installed-dev
+## libtpu and jax's CUDA plugin beside the venv: compile for TPU slices and GPU clusters on this host (--compile-only).
+install-aot: $(LIBTPU)/.installed $(JAXCUDA)/.installed
 
 ## Train the default experiment on ../shared/data/tinyshakespeare.txt, then print the evaluation summary.
 train: install
 	$(PY) train.py --config $(EXPERIMENT) $(ARGS)
 
 ## Run the whole test suite (slow real-corpus runs included).
-test: install-dev $(LIBTPU)/.installed $(JAXCUDA)/.installed
+test: install-dev install-aot
 	$(PY) -m pytest -n 2 -q --durations=25 $(ARGS)
 
 clean:

@@ -95,6 +95,12 @@ needs_cuda_plugin = pytest.mark.skipif(not (REPO / ".jaxcuda" / "jax_plugins").i
                                        reason="jax's CUDA plugin is not installed (make .jaxcuda/.installed)")
 
 
+def pytest_collection_modifyitems(items):
+  """Tests marked ``longest`` first (stable otherwise): xdist hands tests out in this order, and one that runs for
+  minutes, started last, would leave a single process running it while the others idle."""
+  items.sort(key=lambda item: item.get_closest_marker("longest") is None)
+
+
 # A very small model (fast to compile) on the real corpus, as command-line overrides.
 TINY = ["model.num_layers=4", "model.d_model=32", "model.num_heads=4", "model.mlp_dim=64",
         "data.seq_len=32", "train.batch_size=8", "train.steps=20", "train.warmup_steps=2",
