@@ -64,8 +64,11 @@ def check_loadable(src: Config, cfg: Config, source: str) -> None:
   Raises:
     ConfigError: one line naming every such field, its value here and in the source.
   """
+  differ = [f for f in _WEIGHT_FIELDS if getattr(cfg.model, f) != getattr(src.model, f)]
+  if "d_model" in differ or "num_heads" in differ:  # the head width follows from them unless set: name what was set
+    differ = [f for f in differ if f != "resolved_head_dim" or cfg.model.head_dim]
   diffs = [f"model.{f.replace('resolved_', '')}={getattr(cfg.model, f)!r} (the source has {getattr(src.model, f)!r})"
-           for f in _WEIGHT_FIELDS if getattr(cfg.model, f) != getattr(src.model, f)]
+           for f in differ]
   if not _same_tokenizer(cfg.data.tokenizer, src.data.tokenizer):
     diffs.append(f"data.tokenizer={cfg.data.tokenizer!r} (the source has {src.data.tokenizer!r})")
   if diffs:
