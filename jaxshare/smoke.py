@@ -8,9 +8,9 @@ Under it:
   and schedule (:data:`HEAD_DIM` dimensions per head, an MLP twice the width) on sequences of :data:`SEQ_LEN` tokens,
   training on batches of :data:`BATCH` for the configured number of steps: every step number, checkpoint, file and
   directory a command names exists as it would in the full run (:func:`overrides`); a fit check keeps its batch,
-  and ``--max-batch`` stops doubling at twice it;
+  and ``--max-batch`` compiles it alone;
 - experiment drivers (sweeps, the uptraining experiment, ``scripts/aot_compile.py``, ``scripts/bench_decode.py``) run
-  their first seed of their first two variants (:func:`first`);
+  their first variant at their first seed (:func:`first`);
 - decode measurements (``eval.py efficiency``, ``scripts/bench_decode.py``) time caches of at most :data:`CONTEXT`
   tokens in a :data:`BUDGET_GIB` budget (:func:`cache_sizes`).
 """
@@ -25,7 +25,7 @@ ENV = "JAXSHARE_SMOKE"
 HEAD_DIM = 8
 SEQ_LEN = 32
 BATCH = 8
-VARIANTS = 2  # of an experiment driver: its first two variants, at its first seed
+VARIANTS = 1  # of an experiment driver: its first variant, at its first seed
 CONTEXT = 256  # decode measurements: the longest cache timed
 BUDGET_GIB = 1 / 64  # decode measurements: the cache budget of the largest-batch figure
 

@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
   out = Path(args.out).resolve()  # relative to the working directory, as typed
   os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(out / "xla_cache"))
   imported_eval = dense_round_trip(out, args.dense_steps)
-  # JAXSHARE_SMOKE: the first seed of dense and the first other schedule (jaxshare/smoke.py)
+  # JAXSHARE_SMOKE: dense alone (the control: converted, uptrained and trained from scratch) at the first seed
   names = smoke.first([n for n in SCHEDULES if n == "dense" or not args.only or n in args.only])
   args.seeds = smoke.first(args.seeds, 1)
 

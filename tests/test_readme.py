@@ -6,7 +6,7 @@ variables); a server command (``tensorboard``) must serve a page, then is stoppe
 
 The only change is ``JAXSHARE_SMOKE=1`` (jaxshare/smoke.py, documented in the README): every training run trains a
 narrow model on small batches for the same steps (so every checkpoint and path the docs name exists), and experiment
-drivers run one seed of two variants. What is not run: ``make test`` (this suite), and blocks marked
+drivers run one seed of one variant. What is not run: ``make test`` (this suite), and blocks marked
 ``<!-- not run here: REASON -->`` on the line before them (a GPU, a cloud bucket, a cluster): NOT_HERE lists the
 reasons a block may give.
 """

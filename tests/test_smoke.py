@@ -1,6 +1,6 @@
 """JAXSHARE_SMOKE (jaxshare/smoke.py), which tests/test_readme.py runs every documented command under: the narrow
 model keeps what commands and docs name (steps, checkpoints, depth, heads, schedule, vocabulary) and changes only
-widths, sequence length and the training batch; a fit check keeps its batch; drivers cut to their first variants."""
+widths, sequence length and the training batch; a fit check keeps its batch; drivers cut to their first variant."""
 
 import pytest
 
@@ -35,5 +35,5 @@ def test_drivers_and_measurements_are_cut_only_under_smoke(monkeypatch):
     monkeypatch.setenv(smoke.ENV, off)
     assert not smoke.enabled()
   monkeypatch.setenv(smoke.ENV, "1")
-  assert smoke.first([1, 2, 3]) == [1, 2] and smoke.first([1, 2, 3], 1) == [1]
+  assert smoke.first([1, 2, 3]) == [1] and smoke.first([1, 2, 3], 2) == [1, 2]
   assert smoke.cache_sizes(4.0, 8192, [512, 2048]) == (smoke.BUDGET_GIB, smoke.CONTEXT, [smoke.CONTEXT])

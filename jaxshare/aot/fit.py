@@ -51,7 +51,7 @@ def max_batch(cfg: Config, target: str, num_slices: int | None = None,
   fit = probe(batch)
   if fit.fits:
     good = fit
-    most = 2 * batch if smoke.enabled() else _MAX_BATCH_UNITS * unit  # JAXSHARE_SMOKE: a quick check of the search
+    most = batch if smoke.enabled() else _MAX_BATCH_UNITS * unit  # JAXSHARE_SMOKE: the configured batch alone
     while bad is None and good.batch < most:
       fit = probe(good.batch * 2)
       good, bad = (fit, None) if fit.fits else (good, fit.batch)

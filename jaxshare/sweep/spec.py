@@ -68,7 +68,7 @@ class Sweep:
 
   def runs(self, only: list[str] | None = None) -> list[Trial]:
     """Every run (variants in file order, seeds inner), or those of the variants named in ``only``; under
-    ``JAXSHARE_SMOKE`` the first seed of the first two (:mod:`jaxshare.smoke`).
+    ``JAXSHARE_SMOKE`` the first seed of the first (:mod:`jaxshare.smoke`).
 
     Raises:
       SweepError: a name in ``only`` that is not a variant of the sweep (listing the known ones).
