@@ -243,14 +243,19 @@ class ScheduleConfig:
 class AttentionConfig:
   """Attention implementation switch and score-sharing memory mode."""
 
-  impl: str = _f("auto", "auto | xla | reference | pallas | pallas_interpret. xla: XLA attention whose backward "
-                 "recomputes the probabilities from the saved log-sum-exp (FlashAttention-2 style, O(T) residuals per "
-                 "layer); reference: plain autodiff (saves [B,H,T,T] probabilities; the numerical source of truth); "
-                 "pallas: fused Pallas kernels (Mosaic on TPU, Triton on GPU; flash attention, probability reuse, "
-                 "LISA_plus/DS features), inside shard_map under a mesh; pallas_interpret: the same kernels in "
-                 "Pallas interpret mode (CPU tests; slow); auto: pallas on GPU/TPU for the shapes it supports (else "
-                 "xla with one warning naming the reason), xla on CPU.",
-                 ("auto", "xla", "reference", "pallas", "pallas_interpret"))
+  impl: str = _f("auto", "auto | xla | reference | pallas | pallas_interpret | splash | splash_interpret | cudnn. xla: "
+                 "XLA attention whose backward recomputes the probabilities from the saved log-sum-exp "
+                 "(FlashAttention-2 style, O(T) residuals per layer); reference: plain autodiff (saves [B,H,T,T] "
+                 "probabilities; the numerical source of truth); pallas: jaxshare's fused Pallas kernels (Mosaic on "
+                 "TPU, Triton on GPU; flash attention, probability reuse, LISA_plus/DS features), inside shard_map "
+                 "under a mesh; pallas_interpret: the same kernels in Pallas interpret mode (CPU tests; slow); "
+                 "splash: jax's splash attention on TPU, cudnn: cuDNN's fused attention on GPU (bf16/fp16, head "
+                 "width <= 128, packed documents), each for every softmax role it can run, probability reuse as "
+                 "attention over the source layer's q and k, jaxshare's kernels for the rest (LISA_plus's float32 "
+                 "features) and for decode; splash_interpret: splash in interpret mode; auto: splash on TPU, pallas "
+                 "on GPU for the shapes it supports (else xla with one warning naming the reason), xla on CPU "
+                 "(docs/kernels.md has the table and the measurements behind it).",
+                 ("auto", "xla", "reference", "pallas", "pallas_interpret", "splash", "splash_interpret", "cudnn"))
   score_sharing: str = _f("recompute", "How layers that reuse attention scores get them. recompute: probability "
                           "reusers recompute exp(scale q k^T - lse) from the producer's own q, k and log-sum-exp (its "
                           "softmax to float32 rounding, in bf16 too); LISA_plus/DS chains attend over concatenated "

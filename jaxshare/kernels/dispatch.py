@@ -10,11 +10,26 @@ from typing import Callable
 import jax
 
 from jaxshare.config import ConfigError
-from jaxshare.kernels import decode, flash, flash_decode, pallas, reference, xla
+from jaxshare.kernels import cudnn, decode, flash, flash_decode, pallas, reference, splash, xla
 
 log = logging.getLogger(__name__)
 
-IMPLEMENTATIONS = ("auto", "xla", "reference", "pallas", "pallas_interpret")
+IMPLEMENTATIONS = ("auto", "xla", "reference", "pallas", "pallas_interpret", "splash", "splash_interpret", "cudnn")
+# attention.impl=auto, by platform and role: (platform, role, what runs, why: the measurement behind the choice).
+# docs/kernels.md shows this table (tests/test_splash.py checks that it does).
+AUTO_TABLE = (
+  ("TPU", "own scores (dense, GQA/MQA, producers), K/V consumers", "splash",
+   "the library kernel MaxText runs on TPUs; compiles here for v5e, v5p and v6e; not yet timed on a TPU"),
+  ("TPU", "probability reuse (SA, UniAttn)", "splash over the source's Q and K",
+   "the same kernel as dense attention, so reuse costs what dense attention does"),
+  ("TPU", "LISA_plus / DS chains", "splash over the concatenated features", "as own scores"),
+  ("TPU", "queries and keys of different lengths", "pallas (Mosaic)", "splash attends a sequence to itself only"),
+  ("TPU", "decode", "pallas decode", "the split-K kernel over the shared cache; no library kernel reads it"),
+  ("GPU", "every role", "pallas (Triton)",
+   "cuDNN without documents ran 1.6-2.5x faster at T >= 4096 on an H100 (docs/gpu.md); attention.impl=cudnn "
+   "carries packed documents in cuDNN's packed layout, which no GPU has timed yet (scripts/bench_gpu.sh does)"),
+  ("CPU", "every role", "xla", "the FlashAttention-style XLA backward: the fastest here"),
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,9 +72,11 @@ def get_attention(impl: str) -> AttentionOps:
   ``xla``: FlashAttention-style backward in XLA; ``reference``: plain autodiff (the numerical source of truth);
   ``pallas``: the fused kernels for the platform being compiled for (Mosaic on TPU, Triton on GPU; inside
   ``shard_map`` under a mesh); ``pallas_interpret``: the same kernels in Pallas interpret mode (any platform, for
-  tests on CPU); ``auto``: ``pallas`` on GPU/TPU for the shapes it supports (else ``xla`` with one warning naming
-  the reason), ``xla`` on CPU. The platform is resolved when the model is traced, so a TPU topology mesh on a CPU
-  host compiles the Mosaic kernels.
+  tests on CPU); ``splash``: jax's splash attention kernel on TPU for every softmax role, probability reuse
+  included (attention over the source's Q and K, see :mod:`jaxshare.kernels.splash`), the Pallas decode kernel for
+  decode steps; ``splash_interpret``: the same in interpret mode; ``auto``: :data:`AUTO_TABLE` (on GPU ``pallas``
+  for the shapes it supports, else ``xla`` with one warning naming the reason). The platform is resolved when the
+  model is traced, so a TPU topology mesh on a CPU host compiles the Mosaic kernels.
 
   Raises:
     ValueError: unknown implementation name.
@@ -78,9 +95,82 @@ def get_attention(impl: str) -> AttentionOps:
     return AttentionOps(_require_accelerator(pallas.attention, _QKV),
                         _require_accelerator(pallas.attention_from_lse, _REUSE_QKV),
                         _require_accelerator(pallas.decode_attention, _DECODE_QKV))
-  return AttentionOps(_auto(pallas.attention, xla.attention, _QKV),
-                      _auto(pallas.attention_from_lse, _checkpointed_reuse, _REUSE_QKV),
+  if impl in _LIBRARIES:  # jaxshare's kernels for what the library cannot run (LISA_plus's float32 features)
+    library = _LIBRARIES[impl]
+    own = get_attention("pallas_interpret" if library.interpret else "pallas")
+    return AttentionOps(_library_or(library, own.attention), _library_reuse_or(library, own.attention_from_lse),
+                        own.decode_attention)
+  flash_attention = _auto(pallas.attention, xla.attention, _QKV)
+  flash_reuse = _auto(pallas.attention_from_lse, _checkpointed_reuse, _REUSE_QKV)
+  splash_library = _LIBRARIES["splash"]
+  return AttentionOps(_on_tpu(_library_or(splash_library, flash_attention), flash_attention),
+                      _on_tpu(_library_reuse_or(splash_library, flash_reuse), flash_reuse),
                       _auto(pallas.decode_attention, decode.attention, _DECODE_QKV))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Library:
+  """A library attention kernel: ``attention`` (the reference contract, ``(out, None)`` for ``return_lse``), the
+  platform it compiles for (None: any, interpret mode) and why it refuses arguments (``unsupported``)."""
+
+  impl: str
+  attention: Callable
+  unsupported: Callable
+  platform: str | None
+  elsewhere: str = ""  # what else to use off its platform, after "Use auto"
+
+  @property
+  def interpret(self) -> bool:
+    return self.platform is None
+
+
+_LIBRARIES = {
+  "splash": _Library("splash", splash.attention, splash.unsupported, "tpu",
+                     ", or splash_interpret to run the kernel in interpret mode"),
+  "splash_interpret": _Library("splash_interpret", functools.partial(splash.attention, interpret=True),
+                               splash.unsupported, None),
+  "cudnn": _Library("cudnn", cudnn.attention, cudnn.unsupported, "gpu"),
+}
+
+
+def _on_tpu(tpu: Callable, other: Callable) -> Callable:
+  """``tpu`` when compiling for a TPU, else ``other`` (the platform is resolved when the model is traced)."""
+  return lambda *args, **kwargs: (tpu if flash.platform() == "tpu" else other)(*args, **kwargs)
+
+
+def _library_or(library: _Library, fallback: Callable) -> Callable:
+  """The library kernel per device; for arguments it refuses ``fallback`` (one warning naming why).
+
+  Raises:
+    ConfigError: the run compiles for another platform than the library's."""
+  def call(q, k, v, q_segment_ids, kv_segment_ids, *, causal=True, scale=None, window=0, return_lse=False):
+    if library.platform and flash.platform() != library.platform:
+      raise ConfigError(f"attention.impl={library.impl} runs on {library.platform.upper()}s; this run compiles for "
+                        f"{flash.platform()}. Use auto{library.elsewhere}")
+    if reason := library.unsupported(q, k, v):
+      if reason not in _warned:
+        _warned.add(reason)
+        log.warning("attention.impl: %s not used (%s); falling back", library.impl, reason)
+      return fallback(
+        q, k, v, q_segment_ids, kv_segment_ids, causal=causal, scale=scale, window=window, return_lse=return_lse)
+    kernel = functools.partial(library.attention, causal=causal, scale=scale, window=window)
+    out = pallas.per_device(kernel, q, k, v, q_segment_ids, kv_segment_ids)
+    return (out, None) if return_lse else out
+  return call
+
+
+def _library_reuse_or(library: _Library, with_lse: Callable) -> Callable:
+  """Probability reuse as attention over the source's Q and K (the library kernel, or XLA where it refuses the
+  arguments) when the source handed on no LSE (it ran the library kernel); ``with_lse`` when it did (it fell back to
+  a kernel that returns one, whose reuse sends the LSE its gradient)."""
+  attention = _library_or(library, xla.attention)
+
+  def call(q, k, lse, v, q_segment_ids, kv_segment_ids, *, scale, causal=True, window=0):
+    if lse is None:
+      return attention(q, k, v, q_segment_ids, kv_segment_ids, causal=causal, scale=scale,
+                       window=window).astype(v.dtype)
+    return with_lse(q, k, lse, v, q_segment_ids, kv_segment_ids, scale=scale, causal=causal, window=window)
+  return call
 
 
 def _reason_not_to_run(args: tuple, check: Callable) -> str | None:

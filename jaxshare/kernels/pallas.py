@@ -40,12 +40,18 @@ def attention(q, k, v, q_segment_ids, kv_segment_ids, *, causal: bool = True, sc
   """:func:`jaxshare.kernels.flash.attention` per device under the ambient mesh (same contract)."""
   kernel = functools.partial(flash.attention, causal=causal, scale=scale, window=window, return_lse=return_lse,
                              backend=backend or flash.default_backend())
+  return per_device(kernel, q, k, v, q_segment_ids, kv_segment_ids, return_lse=return_lse)
+
+
+def per_device(kernel, q, k, v, q_segment_ids, kv_segment_ids, *, return_lse: bool = False):
+  """``kernel(q, k, v, q_segment_ids, kv_segment_ids)`` (any attention of the reference contract, returning the
+  LSE when ``return_lse``) per device under the ambient mesh, unwrapped without one."""
   args = (q, k, v, q_segment_ids, kv_segment_ids)
   if (mesh := _mesh()) is None:
     return kernel(*args)
-  batch, heads, (kv,) = _head_specs(mesh, q.shape, (k.shape[2],))
+  batch, heads, (gk, gv) = _head_specs(mesh, q.shape, (k.shape[2], v.shape[2]))
   out = P(batch, None, heads, None)
-  specs = (out, P(batch, None, kv, None), P(batch, None, kv, None), P(batch, None), P(batch, None))
+  specs = (out, P(batch, None, gk, None), P(batch, None, gv, None), P(batch, None), P(batch, None))
   out_specs = (out, P(batch, heads, None)) if return_lse else out
   return jax.shard_map(kernel, mesh=mesh, in_specs=specs, out_specs=out_specs, check_vma=False)(*args)
 

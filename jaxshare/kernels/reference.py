@@ -44,6 +44,17 @@ def from_heads_major(x: jax.Array, t: int) -> jax.Array:
   return x.reshape(b, g, m // t, t, e).transpose(0, 3, 1, 2, 4).reshape(b, t, g * (m // t), e)
 
 
+def same_kv_heads(k: jax.Array, v: jax.Array, heads: int) -> tuple[jax.Array, jax.Array]:
+  """``k [B,S,Gk,e]`` and ``v [B,S,Gv,d]`` repeated to one head count, for kernels that read both by one K/V head
+  index (a probability reuser's V may have other heads than its source's K): the larger count when it is a multiple
+  of the smaller, else ``heads`` (the query heads, a multiple of both). Query head h reads the same K and V rows."""
+  gk, gv = k.shape[2], v.shape[2]
+  if gk == gv:
+    return k, v
+  g = max(gk, gv) if max(gk, gv) % min(gk, gv) == 0 else heads
+  return jnp.repeat(k, g // gk, axis=2), jnp.repeat(v, g // gv, axis=2)
+
+
 def scores(q: jax.Array, k: jax.Array, scale: float) -> jax.Array:
   """Unmasked logits ``scale * q kᵀ``.
 

@@ -1,0 +1,84 @@
+"""cuDNN flash attention (what MaxText runs on GPUs) behind the attention contract.
+
+jax's cuDNN fused attention takes ``[B, T, N, h]`` bf16/fp16 Q, K, V with fewer K/V heads (GQA without repeating K/V),
+causal and sliding-window masks, and packed documents in its *packed layout*: per row, the offset and length of each
+document (``q_offsets``/``q_seqlen``, ``[B, M+1]``/``[B, M]``, padded with -1; Hopper and later). The public
+``jax.nn.dot_product_attention`` takes only one length per row, so packed rows go through
+``jax._src.cudnn.fused_attention_stablehlo.dot_product_attention``, as the jax docs' own packed-layout example does.
+M, the most documents a row may hold, is static: here it is the row's length, so no row of any data is refused.
+
+Probability reuse runs as attention with the source layer's scores, as in :mod:`jaxshare.kernels.splash`:
+``softmax(s·q_src k_srcᵀ) V_consumer`` (SA Alg. 1, UniAttn Eq. 3), the library's backward giving the source's Q and K
+and the consumer's V their gradients; no LSE is handed on.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax._src.cudnn import fused_attention_stablehlo as cudnn_attention
+
+from jaxshare.kernels import reference
+
+DTYPES = (jnp.bfloat16, jnp.float16)
+MAX_WIDTH = 128  # head widths cuDNN takes on every GPU jaxshare targets (Hopper: 256; Ampere: 128)
+
+
+def unsupported(q, k, v) -> str | None:
+  """Why cuDNN cannot run ``q [B,T,H,e]``, ``k [B,S,Gk,e]``, ``v [B,S,Gv,d]`` (arrays or shape structs), or None."""
+  if q.dtype not in DTYPES:
+    return f"cuDNN flash attention takes bfloat16 or float16, not {jnp.dtype(q.dtype).name}"
+  e, d = q.shape[3], v.shape[3]
+  if e != d or e > MAX_WIDTH or e % 8:
+    return f"head widths {e}/{d}: cuDNN takes equal Q/K and V widths, multiples of 8 up to {MAX_WIDTH}"
+  if q.shape[1] != k.shape[1]:
+    return f"queries ({q.shape[1]}) and keys ({k.shape[1]}) differ in length"
+  if k.shape[2] != v.shape[2] and not (q.shape[2] % k.shape[2] == 0 and q.shape[2] % v.shape[2] == 0):
+    return f"K ({k.shape[2]}) and V ({v.shape[2]}) heads cannot be regrouped to the {q.shape[2]} query heads"
+  return None
+
+
+def packing(segment_ids: jax.Array, max_segments: int) -> tuple[jax.Array, jax.Array]:
+  """cuDNN's packed layout of contiguous documents: ``(lengths [B, M] int32, offsets [B, M+1] int32)``, each
+  document's token count and first position in its row, -1 past the row's last document.
+
+  Args:
+    segment_ids: ``[B, T]`` int32; a document is a run of equal ids.
+    max_segments: M, static; a row's documents beyond the M-th are dropped (callers pass M = T: none are).
+  """
+  b, t = segment_ids.shape
+  start = jnp.concatenate([jnp.ones((b, 1), bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
+  document = jnp.cumsum(start, axis=1) - 1  # [B, T]: each token's document index in its row
+  rows = jnp.arange(b)[:, None]
+  lengths = jnp.zeros((b, max_segments), jnp.int32).at[rows, document].add(1, mode="drop")
+  positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+  offsets = jnp.full((b, max_segments + 1), -1, jnp.int32).at[rows, jnp.where(start, document, max_segments + 1)].set(
+    positions, mode="drop")
+  return jnp.where(lengths > 0, lengths, -1), offsets
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_segment_ids: jax.Array, kv_segment_ids: jax.Array,
+              *, causal: bool = True, scale: float | None = None, window: int = 0,
+              return_lse: bool = False) -> jax.Array | tuple[jax.Array, None]:
+  """Softmax attention by cuDNN; the contract of :func:`jaxshare.kernels.reference.attention` (``q [B,T,H,e]``,
+  ``k [B,S,G,e]``, ``v [B,S,G,d]``, segment ids ``[B,T]`` int32 in contiguous runs; output ``[B,T,H,d]`` in q's
+  dtype), except that ``return_lse`` returns ``(out, None)``: see the module docstring. Lowers only for a GPU
+  (jax raises "cuDNN not found" without NVIDIA's library).
+
+  Raises:
+    ValueError: a shape or dtype :func:`unsupported` names.
+  """
+  if reason := unsupported(q, k, v):
+    raise ValueError(f"cuDNN attention cannot run these arguments: {reason}")
+  scale = q.shape[-1] ** -0.5 if scale is None else scale
+  k, v = reference.same_kv_heads(k, v, q.shape[2])
+  q_lengths, q_offsets = packing(q_segment_ids, q.shape[1])
+  kv_lengths, kv_offsets = packing(kv_segment_ids, k.shape[1])
+  mask = cudnn_attention.MaskType.PADDING_CAUSAL if causal else cudnn_attention.MaskType.PADDING
+  # cuDNN's window counts the query's own key, as attention.window does (Mistral: itself and window - 1 before)
+  out = cudnn_attention.dot_product_attention(q, k, v, None, None, q_lengths, kv_lengths, q_offsets, kv_offsets,
+                                              scale=scale, mask_type=mask, qkv_layout="BTNH",
+                                              sliding_window_length=window or None)
+  out = out.astype(q.dtype)
+  return (out, None) if return_lse else out
+

@@ -1,0 +1,96 @@
+"""cuDNN attention (``attention.impl=cudnn``): the packed layout describes exactly the documents the reference mask
+separates; the arguments handed to cuDNN, read with cuDNN's documented meaning by an XLA stand-in, give the
+reference's values and gradients in every role; off a GPU the implementation is refused by name. That the real cuDNN
+lowers and compiles these calls for an H100 is proven in tests/test_aot.py (no GPU runs here)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxshare.config import ConfigError
+from jaxshare.kernels import cudnn, dispatch, reference
+
+
+def _segments(rows: list[list[int]]) -> jnp.ndarray:
+  """Segment ids of rows given as document lengths (ids counting from 1)."""
+  return jnp.asarray([np.repeat(np.arange(1, len(r) + 1), r) for r in rows], jnp.int32)
+
+
+def _documents(lengths, offsets, t):
+  """Each token's document under cuDNN's packed layout (-1: in none), read back from lengths and offsets."""
+  lengths, offsets = np.asarray(lengths), np.asarray(offsets)
+  doc = np.full((lengths.shape[0], t), -1)
+  for b in range(lengths.shape[0]):
+    for i, n in enumerate(lengths[b]):
+      if n > 0:
+        assert offsets[b, i] >= 0
+        doc[b, offsets[b, i]:offsets[b, i] + n] = i
+  return doc
+
+
+@pytest.mark.parametrize("rows", [[[16], [5, 11]], [[1] * 16, [3, 3, 3, 7]], [[15, 1], [8, 8]]])
+def test_packing_holds_the_documents_the_reference_mask_separates(rows):
+  seg = _segments(rows)
+  lengths, offsets = cudnn.packing(seg, seg.shape[1])
+  assert lengths.shape == (2, 16) and offsets.shape == (2, 17)
+  doc = _documents(lengths, offsets, 16)
+  assert (doc >= 0).all()  # every token is in a document
+  same = doc[:, :, None] == doc[:, None, :]
+  np.testing.assert_array_equal(same, reference.attention_mask(seg, seg, causal=False))
+  for b, row in enumerate(rows):  # -1 past the row's last document
+    assert (np.asarray(lengths[b, len(row):]) == -1).all() and (np.asarray(offsets[b, len(row):]) == -1).all()
+
+
+def _xla_stand_in(q, k, v, bias, mask, q_seqlen, kv_seqlen, q_offsets, kv_offsets, *, scale, mask_type, qkv_layout,
+                  sliding_window_length):
+  """cuDNN's packed-layout contract (jax's fused_attention_stablehlo docstring) in XLA: tokens attend within their
+  document; PADDING_CAUSAL also masks later keys; a sliding window of n keeps keys with t - s < n."""
+  assert bias is None and mask is None and qkv_layout == "BTNH"
+  t, s = q.shape[1], k.shape[1]
+  q_doc, k_doc = _documents(q_seqlen, q_offsets, t), _documents(kv_seqlen, kv_offsets, s)
+  allowed = (q_doc[:, :, None] == k_doc[:, None, :]) & (q_doc[:, :, None] >= 0)
+  offset = np.arange(t)[:, None] - np.arange(s)[None, :]
+  if mask_type == cudnn.cudnn_attention.MaskType.PADDING_CAUSAL:
+    allowed &= offset >= 0
+  if sliding_window_length:
+    allowed &= offset < sliding_window_length
+  return jax.nn.dot_product_attention(q, k, v, mask=jnp.asarray(allowed)[:, None], scale=scale, implementation="xla")
+
+
+# (H, Gk, Gv): MHA, GQA, and a reuser's V heads other than its source's K heads.
+@pytest.mark.parametrize("heads", [(4, 4, 4), (4, 2, 2), (4, 1, 2)])
+@pytest.mark.parametrize("causal,window", [(True, 0), (False, 0), (True, 5)])
+def test_arguments_handed_to_cudnn_mean_the_reference_attention(monkeypatch, heads, causal, window):
+  monkeypatch.setattr(cudnn.cudnn_attention, "dot_product_attention", _xla_stand_in)
+  h, gk, gv = heads
+  keys = jax.random.split(jax.random.key(h * 7 + gk + gv), 4)
+  q, k, v = (jax.random.normal(key, (2, 16, n, 16), jnp.bfloat16).astype(jnp.float32).astype(jnp.bfloat16)
+             for key, n in zip(keys, (h, gk, gv)))
+  w = jax.random.normal(keys[3], (2, 16, h, 16))
+  seg = _segments([[6, 10], [16]])
+  regroup = lambda x: jnp.repeat(x, h // x.shape[2], axis=2)  # noqa: E731
+
+  def loss(fn, q, k, v):
+    return jnp.sum(fn(q, k, v, seg, seg, causal=causal, window=window, scale=0.3).astype(jnp.float32) * w)
+
+  got = jax.grad(lambda *a: loss(cudnn.attention, *a), argnums=(0, 1, 2))(q, k, v)
+  want = jax.grad(lambda q, k, v: loss(reference.attention, q, regroup(k), regroup(v)), argnums=(0, 1, 2))(q, k, v)
+  np.testing.assert_allclose(np.asarray(cudnn.attention(q, k, v, seg, seg, causal=causal, window=window, scale=0.3),
+                                        np.float32),
+                             np.asarray(reference.attention(q, regroup(k), regroup(v), seg, seg, causal=causal,
+                                                            window=window, scale=0.3), np.float32), atol=2e-2)
+  for g, r in zip(got, want):
+    np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(r, np.float32),
+                               atol=3e-2 * float(jnp.abs(r.astype(jnp.float32)).max()))
+
+
+def test_cudnn_refuses_what_it_cannot_run_by_name():
+  f32 = jnp.ones((1, 16, 2, 16))
+  assert cudnn.unsupported(f32, f32, f32) == "cuDNN flash attention takes bfloat16 or float16, not float32"
+  wide = jnp.ones((1, 16, 2, 176), jnp.bfloat16)
+  assert "head widths 176/176" in cudnn.unsupported(wide, wide, wide)
+  x = jnp.ones((1, 16, 2, 16), jnp.bfloat16)
+  seg = jnp.ones((1, 16), jnp.int32)
+  with pytest.raises(ConfigError, match="attention.impl=cudnn runs on GPUs; this run compiles for cpu. Use auto"):
+    dispatch.get_attention("cudnn").attention(x, x, x, seg, seg)
