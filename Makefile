@@ -35,10 +35,17 @@ $(JAXCUDA)/.installed: $(VENV)/.installed
 	  $(PY) -m pip install -q --no-deps --target $(JAXCUDA) "jax-cuda12-plugin==$$v" "jax-cuda12-pjrt==$$v"
 	touch $@
 
+# NVIDIA's cuDNN beside the plugin, which loads it from there: jax lowers its cuDNN attention (attention.impl=cudnn)
+# only when the library loads, even to compile for a GPU this host does not have (716 MB wheel, 1.1 GB unpacked).
+CUDNN := nvidia-cudnn-cu12==9.28.0.42
+$(JAXCUDA)/.cudnn: $(JAXCUDA)/.installed
+	$(PY) -m pip install -q --no-deps --target $(JAXCUDA) "$(CUDNN)"
+	touch $@
+
 install: $(VENV)/.installed
 install-dev: $(VENV)/.installed-dev
-## libtpu and jax's CUDA plugin beside the venv: compile for TPU slices and GPU clusters on this host (--compile-only).
-install-aot: $(LIBTPU)/.installed $(JAXCUDA)/.installed
+## libtpu, jax's CUDA plugin and cuDNN beside the venv: compile for TPU slices and GPU clusters here (--compile-only).
+install-aot: $(LIBTPU)/.installed $(JAXCUDA)/.installed $(JAXCUDA)/.cudnn
 
 ## Train the default experiment on ../shared/data/tinyshakespeare.txt, then print the evaluation summary.
 train: install

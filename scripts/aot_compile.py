@@ -10,7 +10,8 @@ custom calls on TPU and Triton calls on GPU (sm_90 for H100/H200, sm_80 for A100
 ``memory_analysis()`` is recorded. A kernel asking for more on-chip memory than the device has fails here.
 
 Usage: python scripts/aot_compile.py [--topology v5e:2x2 --topology h100:8 ...] [--train-on h100:8] [--schedule dense ...]
-       [--json OUT] [overrides ...]   (overrides apply to the train-step config, e.g. model.num_layers=8)
+       [--no-kernels] [--json OUT] [overrides ...]   (overrides apply to the train-step config, e.g. model.num_layers=8
+       or attention.impl=splash; each row names its kernels by family: splash, pallas, pallas decode)
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ def main(argv=None) -> int:
                   help="topologies to compile the train steps for (repeatable; default every --topology)")
   ap.add_argument("--schedule", action="append", choices=sorted(SCHEDULES),
                   help="train-step schedules to compile (repeatable; default all)")
+  ap.add_argument("--no-kernels", action="store_true", help="compile the train steps only, not each kernel alone")
   ap.add_argument("--json", help="also write the results to this JSON file")
   ap.add_argument("overrides", nargs="*", help="config overrides for the train step (key=value)")
   args = ap.parse_intermixed_args(argv)
@@ -66,7 +68,7 @@ def main(argv=None) -> int:
     for topology in topologies:
       start = time.perf_counter()
       mesh = topology_mesh(topology, MeshConfig(data=2, fsdp=1, tensor=-1))
-      rows = compile_kernels(mesh)
+      rows = [] if args.no_kernels else compile_kernels(mesh)
       for name in schedules if topology in (args.train_on or [topology]) else ():
         cfg = load_config(None, SMALL_MODEL + SCHEDULES[name] + list(args.overrides))
         rows.append(compile_train_step(cfg, topology_mesh(topology, cfg.mesh)))
@@ -77,7 +79,8 @@ def main(argv=None) -> int:
       for r in rows:
         mem = r.memory or {}
         print(f"  {r.name:34s} {r.custom_calls:3d} {calls} calls  args {mem.get('argument_size_in_bytes', 0):>10,} B  "
-              f"temp {mem.get('temp_size_in_bytes', 0):>10,} B  code {mem.get('generated_code_size_in_bytes', 0):>9,} B")
+              f"temp {mem.get('temp_size_in_bytes', 0):>10,} B  code {mem.get('generated_code_size_in_bytes', 0):>9,} B  "
+              f"attention: {r.kernel_summary()}")
   except ConfigError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2

@@ -11,7 +11,7 @@ reuse against full attention). On a CPU there is nothing to time (interpret mode
 script runs the correctness check in interpret mode instead and says so.
 
 Usage: python scripts/bench_attention.py [--lengths 1024 4096 16384] [--widths 64 128] [--batch 4 --heads 16
-       --kv-heads 4] [--dtype bfloat16] [--repeats 10] [--impls pallas cudnn] [--no-check]
+       --kv-heads 4] [--dtype bfloat16] [--repeats 10] [--impls pallas cudnn cudnn_unpacked] [--no-check]
 """
 
 from __future__ import annotations
@@ -57,10 +57,16 @@ def implementations(backend: str) -> dict:
                "reuse": functools.partial(flash.attention_from_lse, backend=backend)},
     "xla_reference": {"attention": xla.attention, "reuse": get_attention("xla").attention_from_lse},
   }
-  if backend == "triton":  # cuDNN flash attention; probability reuse has no cuDNN form
-    def cudnn(q, k, v, qs, ks, **_):
+  if backend == "triton":
+    # attention.impl=cudnn: packed documents (cuDNN's packed layout), probability reuse as attention over the
+    # source's Q and K (no LSE handed on)
+    ops = get_attention("cudnn")
+    impls["cudnn"] = {"attention": ops.attention,
+                      "reuse": lambda q, k, lse, v, qs, ks, **kw: ops.attention_from_lse(q, k, None, v, qs, ks, **kw)}
+
+    def unpacked(q, k, v, qs, ks, **_):  # one document per row: what the packed layout costs
       return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
-    impls["cudnn"] = {"attention": cudnn, "reuse": None}
+    impls["cudnn_unpacked"] = {"attention": unpacked, "reuse": None}
   return impls
 
 
@@ -109,7 +115,8 @@ def bench(args, backend: str) -> None:
   for t in args.lengths:
     for d in args.widths:
       pairs = [(("cudnn", "full"), ("pallas", "full")), (("pallas", "prob_reuse"), ("pallas", "full")),
-               (("xla_reference", "full"), ("pallas", "full"))]
+               (("xla_reference", "full"), ("pallas", "full")), (("cudnn_unpacked", "full"), ("cudnn", "full")),
+               (("cudnn_unpacked", "full"), ("cudnn", "prob_reuse")), (("cudnn", "full"), ("pallas", "prob_reuse"))]
       for (i1, r1), (i2, r2) in pairs:
         a, b = by.get((t, d, i1, r1)), by.get((t, d, i2, r2))
         if a and b:
@@ -163,7 +170,7 @@ def main(argv=None) -> int:
   ap.add_argument("--kv-heads", type=int, default=16)
   ap.add_argument("--dtype", default="bfloat16")
   ap.add_argument("--repeats", type=int, default=10)
-  ap.add_argument("--impls", nargs="+", choices=["pallas", "xla_reference", "cudnn"],
+  ap.add_argument("--impls", nargs="+", choices=["pallas", "xla_reference", "cudnn", "cudnn_unpacked"],
                   help="only these implementations (default: all; the XLA reference at T = 16k needs ~64 GB)")
   ap.add_argument("--no-check", action="store_true", help="skip the correctness check that runs before the timings")
   args = ap.parse_args(argv)

@@ -93,6 +93,8 @@ needs_libtpu = pytest.mark.skipif(
   reason="libtpu is not installed (make .libtpu/.installed)")
 needs_cuda_plugin = pytest.mark.skipif(not (REPO / ".jaxcuda" / "jax_plugins").is_dir(),
                                        reason="jax's CUDA plugin is not installed (make .jaxcuda/.installed)")
+needs_cudnn = pytest.mark.skipif(not (REPO / ".jaxcuda" / "nvidia" / "cudnn").is_dir(),
+                                 reason="NVIDIA's cuDNN is not installed beside the plugin (make .jaxcuda/.cudnn)")
 
 
 def pytest_collection_modifyitems(items):

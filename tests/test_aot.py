@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from conftest import OPTIMIZED_ENV, REPO, needs_cuda_plugin, needs_libtpu
+from conftest import OPTIMIZED_ENV, REPO, needs_cuda_plugin, needs_cudnn, needs_libtpu
 
 KERNEL_CALLS = {"flash_attention": 3, "kv_consumer": 6, "probability_reuse": 3, "lisa_plus_features": 3, "decode": 1}
 
@@ -25,6 +25,10 @@ MIN_TRAIN_CALLS = {"cla+uniattn": 9, "lisa_plus": 6}
 # On GPU (a node of 8 H100s): dense 3; a CLA2 or MLKV body with a producer and a consumer 6; UniAttn (6 layers, a
 # superblock of 2 from layer 2) attention and a probability reuser, 9; LISA_plus 6.
 MIN_GPU_TRAIN_CALLS = {"dense": 3, "cla": 6, "mlkv": 6, "uniattn": 9, "lisa_plus": 6}
+# cuDNN: a forward and a backward call per attention; LISA_plus's producers and plain layers use it too.
+MIN_CUDNN_CALLS = {"dense": 2, "cla": 4, "mlkv": 4, "uniattn": 6, "lisa_plus": 2}
+# Splash has the same three kernels per attention (forward, dQ, dK/dV), a reuser's included.
+MIN_SPLASH_CALLS = MIN_GPU_TRAIN_CALLS
 
 
 def aot_compile(tmp_path, *args: str, code: str = "") -> tuple[subprocess.CompletedProcess, dict]:
@@ -60,6 +64,39 @@ def check_compiles(tmp_path, topologies: list[str], train_on: str, min_train_cal
 @needs_libtpu
 def test_kernels_and_train_steps_compile_for_tpu(tmp_path):
   assert "Mosaic calls" in check_compiles(tmp_path, ["v5e:2x2", "v5p:2x2x1", "v6e:2x2"], "v5e:2x2", MIN_TRAIN_CALLS)
+
+
+@needs_libtpu
+def test_train_steps_compile_with_splash_attention_for_tpu(tmp_path):
+  """``attention.impl=splash``: every schedule's attention roles (dense, K/V consumers, probability reuse over the
+  source's Q and K, LISA_plus features) compile to splash kernels only, on three TPU generations."""
+  topologies = ["v5e:2x2", "v5p:2x2x1", "v6e:2x2"]
+  proc, results = aot_compile(tmp_path, *(f"--topology={t}" for t in topologies), "--no-kernels",
+                              *(f"--schedule={s}" for s in MIN_SPLASH_CALLS), "attention.impl=splash")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  for topology in topologies:
+    kernels = {r["name"]: r["kernels"] for r in results[topology]}
+    for schedule, least in MIN_SPLASH_CALLS.items():
+      assert set(kernels[f"train_step[{schedule}]"]) == {"splash"}, (topology, kernels)
+      assert kernels[f"train_step[{schedule}]"]["splash"] >= least, (topology, kernels)
+  assert "attention: splash x" in proc.stdout
+
+
+@needs_cudnn
+def test_train_steps_compile_with_cudnn_attention_for_an_h100_node(tmp_path):
+  """``attention.impl=cudnn`` in bf16: every standard-attention role (dense, K/V consumers, probability reuse over the
+  source's Q and K) compiles to cuDNN's fused attention, forward and backward, with packed documents; LISA_plus's
+  float32 features, which cuDNN does not take, to jaxshare's Triton kernels."""
+  proc, results = aot_compile(tmp_path, "--topology=h100:8", "--no-kernels",
+                              *(f"--schedule={s}" for s in MIN_CUDNN_CALLS), "attention.impl=cudnn",
+                              "model.dtype=bfloat16")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  kernels = {r["name"]: r["kernels"] for r in results["h100:8"]}
+  for schedule, least in MIN_CUDNN_CALLS.items():
+    assert kernels[f"train_step[{schedule}]"].get("cudnn", 0) >= least, kernels
+  assert set(kernels["train_step[dense]"]) == {"cudnn"}, kernels
+  assert kernels["train_step[lisa_plus]"]["pallas"] >= 3, kernels  # the feature chain's forward, dQ, dK/dV
+  assert "attention: cudnn x" in proc.stdout
 
 
 @needs_cuda_plugin

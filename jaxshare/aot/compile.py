@@ -43,16 +43,50 @@ class Compiled:
   Attributes:
     name: what was compiled. custom_calls: kernel custom calls in the program (:data:`KERNEL_CALL`). memory:
     ``memory_analysis()`` (bytes per device). flops: ``cost_analysis()`` FLOPs (None where XLA gives none: GPU).
+    kernels: the custom calls by kernel family (:func:`kernel_families`).
   """
 
   name: str
   custom_calls: int
   memory: dict | None = None
   flops: float | None = None
+  kernels: dict[str, int] = dataclasses.field(default_factory=dict)
+
+  def kernel_summary(self) -> str:
+    """``splash x6, pallas x3``: the kernel custom calls by family (:func:`kernel_families`)."""
+    return ", ".join(f"{family} x{n}" for family, n in sorted(self.kernels.items())) or "none"
 
 
 MEMORY_FIELDS = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes", "temp_size_in_bytes",
                  "generated_code_size_in_bytes", "peak_memory_in_bytes")
+
+
+# A Pallas kernel call is named after its kernel: on TPU the instruction (``%splash_mha_dq_segmented_no_residuals.1 =
+# ... custom-call``), on GPU its backend config (``jaxshare_flash_dq``); jaxshare's own kernels are
+# ``jaxshare_flash_*``, the decode kernel has its function's name. cuDNN's attention calls target ``__cudnn$fmha*``.
+_CALL = re.compile(r"%([A-Za-z_][\w.-]*?)(?:\.\d+)? = .*custom-call\(.*custom_call_target=\"([^\"]+)\"")
+_FAMILIES = (("splash", "splash"), ("jaxshare_flash", "pallas"))
+CUDNN_CALL = "__cudnn$fmha"
+
+
+def kernel_families(text: str) -> dict[str, int]:
+  """Attention kernel calls in a compiled program's ``text``, by family: ``splash`` (jax's splash attention),
+  ``cudnn`` (cuDNN's fused attention, forward and backward), ``pallas`` (jaxshare's flash kernels), ``pallas
+  decode`` (any other Pallas kernel: the decode kernel)."""
+  counts: dict[str, int] = {}
+  for line in text.splitlines():
+    if not (m := _CALL.search(line)):
+      continue
+    name, target = m.groups()
+    if target.startswith(CUDNN_CALL):
+      family = "cudnn"
+    elif target in (MOSAIC_CALL, TRITON_CALL):  # named by the instruction (Mosaic) or in its config (Triton)
+      config = line[m.start(2):]
+      family = next((f for prefix, f in _FAMILIES if name.startswith(prefix) or prefix in config), "pallas decode")
+    else:
+      continue
+    counts[family] = counts.get(family, 0) + 1
+  return counts
 
 
 def summarize(name: str, compiled, text: str, marker: str) -> Compiled:
@@ -62,7 +96,7 @@ def summarize(name: str, compiled, text: str, marker: str) -> Compiled:
   memory = {f: getattr(mem, f) for f in MEMORY_FIELDS if hasattr(mem, f)} if mem is not None else None
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, list) else cost
-  return Compiled(name, text.count(marker), memory, (cost or {}).get("flops"))
+  return Compiled(name, text.count(marker), memory, (cost or {}).get("flops"), kernel_families(text))
 
 
 def kernel_programs(batch: int = 2, length: int = 512, heads: int = 8, kv_heads: int = 2, width: int = 128,

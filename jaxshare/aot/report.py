@@ -68,6 +68,7 @@ class Fit:
     kernel_calls: Pallas kernel calls in the traced step. xla_flops_per_chip: raw ``cost_analysis()`` flops.
     peak_flops: the chip's dense bf16 peak FLOP/s (None: unknown). compile_s: seconds to trace and compile.
     usable_note: where ``usable`` comes from (the TPU compiler, or jax's share of a GPU).
+    kernels: the compiled step's kernel calls by family (``splash x6, pallas decode x0``; "" when refused).
   """
 
   topology: str
@@ -91,6 +92,7 @@ class Fit:
   peak_flops: float | None
   compile_s: float
   usable_note: str = "the compiler's limit"
+  kernels: str = ""
 
   @property
   def limit(self) -> int:
@@ -205,7 +207,7 @@ def check(cfg: Config, target: str, num_slices: int | None = None) -> Fit:
     ctx = (cfg.data.seq_len + 1) / 2
     executed += 3 * tokens * (accounting.forward_flops_per_token(model, schedule, ctx, match)
                               - accounting.forward_flops_per_token(model, schedule, 0, match))
-  memory, error, xla_flops = None, "", None
+  memory, error, xla_flops, kernel_families = None, "", None, ""
   try:
     compiled = compile_traced(step, f"train_step[{cfg.schedule.kind}]")
   except jax.errors.JaxRuntimeError as e:
@@ -215,11 +217,11 @@ def check(cfg: Config, target: str, num_slices: int | None = None) -> Fit:
     hbm, said = compiler_oom(str(e))
     usable = said or usable
   else:
-    memory, xla_flops = compiled.memory, compiled.flops
+    memory, xla_flops, kernel_families = compiled.memory, compiled.flops, compiled.kernel_summary()
     hbm = memory.get("peak_memory_in_bytes") or _sum_bytes(memory)
   return Fit(name, kind, mesh.devices.size, cfg.mesh.num_slices, dict(mesh.shape), cfg.train.batch_size,
              cfg.data.seq_len, unit, capacity, _state_bytes(step.state), hbm, usable, memory, error, model_flops,
-             executed, kernels, xla_flops, _peak_flops(kind), time.perf_counter() - start, note)
+             executed, kernels, xla_flops, _peak_flops(kind), time.perf_counter() - start, note, kernel_families)
 
 
 def gib(n: int | None) -> str:
@@ -254,6 +256,8 @@ def format_report(fit: Fit, target: str) -> str:
   else:
     lines.append(f"  HBM per chip: the compiler needs {gib(fit.hbm)} of {_capacity(fit)}: {fit.compiler_error}")
   padding = ", before TPU tile padding" if fit.device_kind.startswith("TPU") else ""
+  if fit.kernels:
+    lines.append(f"  attention kernels in the compiled step: {fit.kernels}")
   lines.append(f"  train state per chip: {gib(fit.state_bytes)} (parameters and optimizer moments{padding})")
   per_chip = fit.executed_flops / fit.chips
   kernels = f"; {fit.kernel_calls} Pallas kernel calls, counted as the model's attention" if fit.kernel_calls else ""

@@ -174,11 +174,13 @@ def topology_devices(topology: str, num_slices: int = 1) -> list:
       raise ConfigError(f"--topology {topology!r}: GPU clusters have no slices (mesh.dcn_* / --num-slices "
                         f"{num_slices}); name the nodes instead, e.g. {gpu[0]}:{num_slices}x{gpu[2]}")
     try:
-      return list(topologies.get_topology_desc(platform="cuda", topology=f"1x{gpu[1]}x{gpu[2]}",
-                                               target_config=gpu_target_config(gpu[0])).devices)
+      devices = list(topologies.get_topology_desc(platform="cuda", topology=f"1x{gpu[1]}x{gpu[2]}",
+                                                  target_config=gpu_target_config(gpu[0])).devices)
     except Exception as e:  # the plugin missing or refusing the target: generic runtime errors
       raise ConfigError(f"--topology {topology!r}: cannot describe this GPU cluster ({e}); the CUDA plugin must be "
                         f"importable (make .jaxcuda/.installed puts it in {JAXCUDA})") from e
+    _cudnn_compiles_for(devices[0])
+    return devices
   # v4's default description has a device per TensorCore; JAX on a v4 VM drives each chip as one megacore device
   megacore = {"chip_config_name": "megacore"} if topology.startswith("v4:") else {}
   try:
@@ -187,6 +189,22 @@ def topology_devices(topology: str, num_slices: int = 1) -> list:
   except Exception as e:  # libtpu missing or unknown name: both surface as generic runtime errors
     raise ConfigError(f"--topology {topology!r}: cannot describe this TPU topology ({e}); name one like v5e:2x2, "
                       "v5p:2x2x1 or v6e:2x2, with libtpu importable (make .libtpu/.installed)") from e
+
+
+def _cudnn_compiles_for(device) -> None:
+  """Make jax's cuDNN attention lower for ``device``, a compile-only GPU. Before lowering it asks the *local* GPU for
+  its compute capability (packed documents and head widths above 128 need Hopper), and a host with none answers as an
+  old GPU would, refusing what the target runs. jax has no public switch for this (0.10.2), so its two private
+  checks are answered for the target: a compile here then holds what the real GPU compiles."""
+  from jax._src.cudnn import fused_attention_stablehlo as cudnn_attention
+
+  target = _capability(device.compute_capability)
+  cudnn_attention.check_compute_capability = lambda c: target >= _capability(c)
+  cudnn_attention.is_cuda_compute_capability_equal = lambda c: target == _capability(c)
+
+
+def _capability(text: str) -> tuple[int, ...]:
+  return tuple(int(x) for x in text.split("."))
 
 
 def topology_mesh(topology: str, mesh_cfg: MeshConfig) -> jax.sharding.Mesh:
