@@ -50,9 +50,9 @@ def _loss_and_grads(graphdef, params, batch=2):
   return jax.jit(jax.value_and_grad(loss))(params)
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
-def test_pallas_interpret_equals_xla(name):
-  _, graphdef, params = randomized(tiny_config(*CASES[name], "attention.impl=pallas_interpret"))
+def assert_model_equals_xla(name: str, impl: str) -> None:
+  """The model of ``CASES[name]`` under ``attention.impl=impl`` has xla's loss and gradients."""
+  _, graphdef, params = randomized(tiny_config(*CASES[name], f"attention.impl={impl}"))
   la, ga = _loss_and_grads(graphdef, params)
   lb, gb = _loss_and_grads(_graphdef(tiny_config(*CASES[name], "attention.impl=xla")), params)
   tol = 2e-2 if name.startswith("bf16") else 1e-5
@@ -60,6 +60,11 @@ def test_pallas_interpret_equals_xla(name):
   for (path, u), v in zip(jax.tree_util.tree_leaves_with_path(ga), jax.tree.leaves(gb)):
     u, v = np.asarray(u, np.float32), np.asarray(v, np.float32)
     np.testing.assert_allclose(u, v, atol=tol * max(np.abs(v).max(), 1e-3), err_msg=jax.tree_util.keystr(path))
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_pallas_interpret_equals_xla(name):
+  assert_model_equals_xla(name, "pallas_interpret")
 
 
 def test_dispatch_by_platform():

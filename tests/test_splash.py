@@ -14,7 +14,7 @@ from jaxshare import parallel
 from jaxshare.config import ConfigError, MeshConfig
 from jaxshare.kernels import dispatch, flash, reference, splash
 from test_model import randomized
-from test_model_pallas import CASES, _graphdef, _loss_and_grads
+from test_model_pallas import CASES, _graphdef, _loss_and_grads, assert_model_equals_xla
 
 # (B, T, H, Gk, Gv, e, d): MHA; GQA; MQA with a length off the 128-token tile; LISA_plus's wider features (e != d);
 # a consumer whose V heads differ from its source's K heads (UniAttn over GQA).
@@ -103,14 +103,7 @@ MODEL_CASES = ["dense", "cla2", "mlkv_m3", "uniattn", "cla+uniattn", "lisa_plus"
 
 @pytest.mark.parametrize("name", MODEL_CASES)
 def test_model_with_splash_equals_xla(name):
-  _, graphdef, params = randomized(tiny_config(*CASES[name], "attention.impl=splash_interpret"))
-  la, ga = _loss_and_grads(graphdef, params)
-  lb, gb = _loss_and_grads(_graphdef(tiny_config(*CASES[name], "attention.impl=xla")), params)
-  tol = 2e-2 if name.startswith("bf16") else 1e-5
-  np.testing.assert_allclose(float(la), float(lb), rtol=tol)
-  for (path, u), v in zip(jax.tree_util.tree_leaves_with_path(ga), jax.tree.leaves(gb)):
-    u, v = np.asarray(u, np.float32), np.asarray(v, np.float32)
-    np.testing.assert_allclose(u, v, atol=tol * max(np.abs(v).max(), 1e-3), err_msg=jax.tree_util.keystr(path))
+  assert_model_equals_xla(name, "splash_interpret")
 
 
 def test_splash_per_device_under_a_mesh_matches_single_device_xla():
