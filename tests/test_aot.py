@@ -124,3 +124,19 @@ def test_unknown_topology_is_refused_by_name():
                         capture_output=True, text=True, timeout=300)
   assert proc.returncode == 2
   assert "--topology 'v9z:1x1': cannot describe this TPU topology" in proc.stderr
+
+
+@needs_cuda_plugin
+def test_fit_table_finds_each_schedules_largest_batch_and_its_cache(tmp_path):
+  """scripts/fit_table.py for one H100 at T = 16k: a row per schedule with the largest batch the compiler fits, and
+  CLA2's decode cache half the dense model's."""
+  proc = subprocess.run([sys.executable, "scripts/fit_table.py", "--topology", "h100:1", "--lengths", "16384",
+                         "--schedules", "dense", "cla2"], cwd=REPO, capture_output=True, text=True, timeout=900,
+                        env=OPTIMIZED_ENV)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  rows = {r[2]: r for r in (line.split(" | ") for line in proc.stdout.splitlines() if line.startswith("| h100:1"))}
+  assert set(rows) == {"dense", "cla2"}, proc.stdout
+  for row in rows.values():
+    assert row[3].isdigit() or row[3].startswith("none"), row
+  dense, cla2 = (float(rows[s][5].split()[0]) for s in ("dense", "cla2"))
+  assert dense == 2 * cla2 > 0, proc.stdout
