@@ -34,6 +34,7 @@ COMMAND_TESTS = {
   "scripts/sweep.py": [("tests/test_scripts.py", _IMPORTED), ("tests/test_sweep.py", '"jaxshare.sweep"')],
   "scripts/uptrain_experiment.py": [("tests/test_uptrain_experiment.py", "uptrain_experiment.py")],
   "scripts/aot_compile.py": [("tests/test_aot.py", "scripts/aot_compile.py")],
+  "scripts/fit_table.py": [("tests/test_aot.py", "scripts/fit_table.py")],
   "scripts/bench_train.py": [("tests/test_bench.py", "bench_train")],
   "scripts/bench_loop.py": [("tests/test_scripts.py", _IMPORTED)],
   "scripts/bench_compile.py": [("tests/test_scripts.py", _IMPORTED)],
