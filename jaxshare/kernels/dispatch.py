@@ -74,12 +74,15 @@ def get_attention(impl: str) -> AttentionOps:
   ``shard_map`` under a mesh); ``pallas_interpret``: the same kernels in Pallas interpret mode (any platform, for
   tests on CPU); ``splash``: jax's splash attention kernel on TPU for every softmax role, probability reuse
   included (attention over the source's Q and K, see :mod:`jaxshare.kernels.splash`), the Pallas decode kernel for
-  decode steps; ``splash_interpret``: the same in interpret mode; ``auto``: :data:`AUTO_TABLE` (on GPU ``pallas``
-  for the shapes it supports, else ``xla`` with one warning naming the reason). The platform is resolved when the
-  model is traced, so a TPU topology mesh on a CPU host compiles the Mosaic kernels.
+  decode steps; ``splash_interpret``: the same in interpret mode; ``cudnn``: cuDNN's fused attention on GPU likewise
+  (:mod:`jaxshare.kernels.cudnn`); ``auto``: :data:`AUTO_TABLE` (on GPU ``pallas`` for the shapes it supports,
+  else ``xla`` with one warning naming the reason). A library implementation runs jaxshare's kernels, with one
+  warning, for arguments the library refuses. The platform is resolved when the model is traced, so a TPU topology
+  mesh on a CPU host compiles the Mosaic kernels.
 
   Raises:
-    ValueError: unknown implementation name.
+    ValueError: unknown implementation name. When called, the ops raise :class:`ConfigError` where the run compiles
+      for another platform than ``pallas``, ``splash`` or ``cudnn`` need.
   """
   if impl not in IMPLEMENTATIONS:
     raise ValueError(f"attention.impl={impl!r} is invalid: must be one of {list(IMPLEMENTATIONS)}")
