@@ -3,6 +3,9 @@ separates; the arguments handed to cuDNN, read with cuDNN's documented meaning b
 reference's values and gradients in every role; off a GPU the implementation is refused by name. That the real cuDNN
 lowers and compiles these calls for an H100 is proven in tests/test_aot.py (no GPU runs here)."""
 
+import dataclasses
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,6 +13,7 @@ import pytest
 
 from jaxshare.config import ConfigError
 from jaxshare.kernels import cudnn, dispatch, reference
+from test_model_pallas import assert_model_equals_xla
 
 
 def _segments(rows: list[list[int]]) -> jnp.ndarray:
@@ -18,15 +22,13 @@ def _segments(rows: list[list[int]]) -> jnp.ndarray:
 
 
 def _documents(lengths, offsets, t):
-  """Each token's document under cuDNN's packed layout (-1: in none), read back from lengths and offsets."""
-  lengths, offsets = np.asarray(lengths), np.asarray(offsets)
-  doc = np.full((lengths.shape[0], t), -1)
-  for b in range(lengths.shape[0]):
-    for i, n in enumerate(lengths[b]):
-      if n > 0:
-        assert offsets[b, i] >= 0
-        doc[b, offsets[b, i]:offsets[b, i] + n] = i
-  return doc
+  """Each token's document ``[B, T]`` under cuDNN's packed layout (-1: in none), read back from lengths and offsets
+  (traceable, so that the stand-in below runs under jit and lax.cond)."""
+  lengths, offsets = jnp.asarray(lengths), jnp.asarray(offsets)
+  position = jnp.arange(t)[None, None, :]
+  start, n = offsets[:, :-1, None], lengths[:, :, None]
+  inside = (n > 0) & (start >= 0) & (position >= start) & (position < start + n)  # [B, M, T]
+  return jnp.max(jnp.where(inside, jnp.arange(lengths.shape[1])[None, :, None], -1), axis=1)
 
 
 @pytest.mark.parametrize("rows", [[[16], [5, 11]], [[1] * 16, [3, 3, 3, 7]], [[15, 1], [8, 8]]])
@@ -34,7 +36,7 @@ def test_packing_holds_the_documents_the_reference_mask_separates(rows):
   seg = _segments(rows)
   lengths, offsets = cudnn.packing(seg, seg.shape[1])
   assert lengths.shape == (2, 16) and offsets.shape == (2, 17)
-  doc = _documents(lengths, offsets, 16)
+  doc = np.asarray(_documents(lengths, offsets, 16))
   assert (doc >= 0).all()  # every token is in a document
   same = doc[:, :, None] == doc[:, None, :]
   np.testing.assert_array_equal(same, reference.attention_mask(seg, seg, causal=False))
@@ -50,12 +52,12 @@ def _xla_stand_in(q, k, v, bias, mask, q_seqlen, kv_seqlen, q_offsets, kv_offset
   t, s = q.shape[1], k.shape[1]
   q_doc, k_doc = _documents(q_seqlen, q_offsets, t), _documents(kv_seqlen, kv_offsets, s)
   allowed = (q_doc[:, :, None] == k_doc[:, None, :]) & (q_doc[:, :, None] >= 0)
-  offset = np.arange(t)[:, None] - np.arange(s)[None, :]
+  offset = jnp.arange(t)[:, None] - jnp.arange(s)[None, :]
   if mask_type == cudnn.cudnn_attention.MaskType.PADDING_CAUSAL:
     allowed &= offset >= 0
   if sliding_window_length:
     allowed &= offset < sliding_window_length
-  return jax.nn.dot_product_attention(q, k, v, mask=jnp.asarray(allowed)[:, None], scale=scale, implementation="xla")
+  return jax.nn.dot_product_attention(q, k, v, mask=allowed[:, None], scale=scale, implementation="xla")
 
 
 # (H, Gk, Gv): MHA, GQA, and a reuser's V heads other than its source's K heads.
@@ -94,3 +96,45 @@ def test_cudnn_refuses_what_it_cannot_run_by_name():
   seg = jnp.ones((1, 16), jnp.int32)
   with pytest.raises(ConfigError, match="attention.impl=cudnn runs on GPUs; this run compiles for cpu. Use auto"):
     dispatch.get_attention("cudnn").attention(x, x, x, seg, seg)
+
+
+def test_documents_fit_counts_each_rows_documents():
+  seg = _segments([[4, 4, 8], [16]])
+  assert bool(cudnn.documents_fit(seg, 3)) and not bool(cudnn.documents_fit(seg, 2))
+  assert bool(cudnn.documents_fit(_segments([[1] * 16, [16]]), 16))
+
+
+def test_a_batch_with_more_documents_than_the_packed_layout_holds_runs_the_fallback(monkeypatch):
+  """cuDNN's packed layout holds M documents per row (cudnn.MAX_DOCUMENTS; here M = 2): a batch with a row of more
+  runs the fallback kernel, decided on device under jit, and both give the reference's values and gradients."""
+  monkeypatch.setattr(cudnn.cudnn_attention, "dot_product_attention", _xla_stand_in)
+  monkeypatch.setattr(dispatch.flash, "platform", lambda: "gpu")
+  library = dispatch._Library("cudnn", functools.partial(cudnn.attention, max_documents=2), cudnn.unsupported, "gpu",
+                              documents_fit=functools.partial(cudnn.documents_fit, max_documents=2))
+  keys = jax.random.split(jax.random.key(3), 4)
+  q, k, v = (jax.random.normal(key, (2, 16, 4, 16), jnp.bfloat16) for key in keys[:3])
+  w = jax.random.normal(keys[3], (2, 16, 4, 16))
+  marked = lambda *a, **kw: jnp.full(a[0].shape, 7.0, a[0].dtype)  # noqa: E731  (which branch ran)
+  for rows, fits in (([[6, 10], [16]], True), ([[6, 10], [4, 4, 8]], False)):
+    seg = _segments(rows)
+    out = jax.jit(lambda q, k, v: dispatch._library_or(library, marked)(q, k, v, seg, seg))(q, k, v)
+    assert bool(jnp.all(out == 7.0)) != fits, rows
+
+    def loss(fn, q, k, v):
+      return jnp.sum(fn(q, k, v, seg, seg).astype(jnp.float32) * w)
+    call = dispatch._library_or(library, reference.attention)
+    got = jax.jit(jax.value_and_grad(lambda *a: loss(call, *a), argnums=(0, 1, 2)))(q, k, v)
+    want = jax.value_and_grad(lambda *a: loss(reference.attention, *a), argnums=(0, 1, 2))(q, k, v)
+    for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+      np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(r, np.float32),
+                                 atol=3e-2 * float(jnp.abs(r.astype(jnp.float32)).max()))
+
+
+# Every attention role in a bf16 model: dense, K/V consumers (CLA2), probability reuse as attention over the source's
+# Q and K (UniAttn with compensation; SA with a window), and LISA_plus's float32 features falling back.
+@pytest.mark.parametrize("name", ["dense", "cla2", "uniattn", "mistral_window+sa", "bf16_lisa_plus"])
+def test_model_with_cudnn_equals_xla(monkeypatch, name):
+  """The stand-in for cuDNN, the interpret-mode Pallas kernels for the fallbacks (no GPU here)."""
+  monkeypatch.setattr(cudnn.cudnn_attention, "dot_product_attention", _xla_stand_in)
+  monkeypatch.setitem(dispatch._LIBRARIES, "cudnn", dataclasses.replace(dispatch._LIBRARIES["cudnn"], platform=None))
+  assert_model_equals_xla(name, "cudnn", "model.dtype=bfloat16")

@@ -50,12 +50,13 @@ def _loss_and_grads(graphdef, params, batch=2):
   return jax.jit(jax.value_and_grad(loss))(params)
 
 
-def assert_model_equals_xla(name: str, impl: str) -> None:
-  """The model of ``CASES[name]`` under ``attention.impl=impl`` has xla's loss and gradients."""
-  _, graphdef, params = randomized(tiny_config(*CASES[name], f"attention.impl={impl}"))
+def assert_model_equals_xla(name: str, impl: str, *overrides: str) -> None:
+  """The model of ``CASES[name]`` (and ``overrides``) under ``attention.impl=impl`` has xla's loss and gradients."""
+  case = [*CASES[name], *overrides]
+  _, graphdef, params = randomized(tiny_config(*case, f"attention.impl={impl}"))
   la, ga = _loss_and_grads(graphdef, params)
-  lb, gb = _loss_and_grads(_graphdef(tiny_config(*CASES[name], "attention.impl=xla")), params)
-  tol = 2e-2 if name.startswith("bf16") else 1e-5
+  lb, gb = _loss_and_grads(_graphdef(tiny_config(*case, "attention.impl=xla")), params)
+  tol = 2e-2 if name.startswith("bf16") or "model.dtype=bfloat16" in overrides else 1e-5
   np.testing.assert_allclose(float(la), float(lb), rtol=tol)
   for (path, u), v in zip(jax.tree_util.tree_leaves_with_path(ga), jax.tree.leaves(gb)):
     u, v = np.asarray(u, np.float32), np.asarray(v, np.float32)

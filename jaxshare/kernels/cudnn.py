@@ -5,7 +5,10 @@ causal and sliding-window masks, and packed documents in its *packed layout*: pe
 document (``q_offsets``/``q_seqlen``, ``[B, M+1]``/``[B, M]``, padded with -1; Hopper and later). The public
 ``jax.nn.dot_product_attention`` takes only one length per row, so packed rows go through
 ``jax._src.cudnn.fused_attention_stablehlo.dot_product_attention``, as the jax docs' own packed-layout example does.
-M, the most documents a row may hold, is static: here it is the row's length, so no row of any data is refused.
+M, the most documents a row may hold, is static, and cuDNN sizes its work by it: it treats the B·M documents as a
+batch of length-T sequences, so its backward's fp32 workspace is B·M·N·T·d·4 bytes (M = T asked 4.1 TiB at
+T = 16384 on an H200). M is therefore :data:`MAX_DOCUMENTS` (MaxText's ``max_segments_per_seq``), and a batch with a
+row of more documents runs jaxshare's own kernel instead (:func:`documents_fit`, checked on device each step).
 
 Probability reuse runs as attention with the source layer's scores, as in :mod:`jaxshare.kernels.splash`:
 ``softmax(s·q_src k_srcᵀ) V_consumer`` (SA Alg. 1, UniAttn Eq. 3), the library's backward giving the source's Q and K
@@ -21,6 +24,7 @@ from jax._src.cudnn import fused_attention_stablehlo as cudnn_attention
 from jaxshare.kernels import reference
 
 DTYPES = (jnp.bfloat16, jnp.float16)
+MAX_DOCUMENTS = 16  # M: documents per row in cuDNN's packed layout (see the module docstring)
 MAX_WIDTH = 128  # head widths cuDNN takes on every GPU jaxshare targets (Hopper: 256; Ampere: 128)
 
 
@@ -44,7 +48,7 @@ def packing(segment_ids: jax.Array, max_segments: int) -> tuple[jax.Array, jax.A
 
   Args:
     segment_ids: ``[B, T]`` int32; a document is a run of equal ids.
-    max_segments: M, static; a row's documents beyond the M-th are dropped (callers pass M = T: none are).
+    max_segments: M, static; a row's documents beyond the M-th are dropped.
   """
   b, t = segment_ids.shape
   start = jnp.concatenate([jnp.ones((b, 1), bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
@@ -57,13 +61,21 @@ def packing(segment_ids: jax.Array, max_segments: int) -> tuple[jax.Array, jax.A
   return jnp.where(lengths > 0, lengths, -1), offsets
 
 
+def documents_fit(segment_ids: jax.Array, max_documents: int = MAX_DOCUMENTS) -> jax.Array:
+  """Whether every row of ``segment_ids`` (``[B, T]`` int32, documents in contiguous runs) holds at most
+  ``max_documents`` documents: a traced scalar bool."""
+  documents = 1 + jnp.sum(segment_ids[:, 1:] != segment_ids[:, :-1], axis=1)
+  return jnp.all(documents <= max_documents)
+
+
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_segment_ids: jax.Array, kv_segment_ids: jax.Array,
-              *, causal: bool = True, scale: float | None = None, window: int = 0,
-              return_lse: bool = False) -> jax.Array | tuple[jax.Array, None]:
+              *, causal: bool = True, scale: float | None = None, window: int = 0, return_lse: bool = False,
+              max_documents: int = MAX_DOCUMENTS) -> jax.Array | tuple[jax.Array, None]:
   """Softmax attention by cuDNN; the contract of :func:`jaxshare.kernels.reference.attention` (``q [B,T,H,e]``,
   ``k [B,S,G,e]``, ``v [B,S,G,d]``, segment ids ``[B,T]`` int32 in contiguous runs; output ``[B,T,H,d]`` in q's
-  dtype), except that ``return_lse`` returns ``(out, None)``: see the module docstring. Lowers only for a GPU
-  (jax raises "cuDNN not found" without NVIDIA's library).
+  dtype), except that ``return_lse`` returns ``(out, None)``: see the module docstring. Documents past a row's
+  ``max_documents``-th are dropped (their output is undefined): callers check :func:`documents_fit` first. Lowers only
+  for a GPU (jax raises "cuDNN not found" without NVIDIA's library).
 
   Raises:
     ValueError: a shape or dtype :func:`unsupported` names.
@@ -72,8 +84,8 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_segment_ids: jax.Array
     raise ValueError(f"cuDNN attention cannot run these arguments: {reason}")
   scale = q.shape[-1] ** -0.5 if scale is None else scale
   k, v = reference.same_kv_heads(k, v, q.shape[2])
-  q_lengths, q_offsets = packing(q_segment_ids, q.shape[1])
-  kv_lengths, kv_offsets = packing(kv_segment_ids, k.shape[1])
+  q_lengths, q_offsets = packing(q_segment_ids, max_documents)
+  kv_lengths, kv_offsets = packing(kv_segment_ids, max_documents)
   mask = cudnn_attention.MaskType.PADDING_CAUSAL if causal else cudnn_attention.MaskType.PADDING
   # cuDNN's window counts the query's own key, as attention.window does (Mistral: itself and window - 1 before)
   out = cudnn_attention.dot_product_attention(q, k, v, None, None, q_lengths, kv_lengths, q_offsets, kv_offsets,

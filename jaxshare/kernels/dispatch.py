@@ -26,8 +26,9 @@ AUTO_TABLE = (
   ("TPU", "queries and keys of different lengths", "pallas (Mosaic)", "splash attends a sequence to itself only"),
   ("TPU", "decode", "pallas decode", "the split-K kernel over the shared cache; no library kernel reads it"),
   ("GPU", "every role", "pallas (Triton)",
-   "cuDNN without documents ran 1.6-2.5x faster at T >= 4096 on an H100 (docs/gpu.md); attention.impl=cudnn "
-   "carries packed documents in cuDNN's packed layout, which no GPU has timed yet (scripts/bench_gpu.sh does)"),
+   "attention.impl=cudnn (packed documents) ran the 1.2B step at T = 2048 3-6% faster on an H200, but its "
+   "fallback for rows of more than 16 documents (lax.cond) adds 5-7 GiB (dense) and 16-17 GiB (UniAttn) of "
+   "temporaries, and its packed layout runs 1.4x slower than cuDNN without documents (docs/gpu.md)"),
   ("CPU", "every role", "xla", "the FlashAttention-style XLA backward: the fastest here"),
 )
 
@@ -121,6 +122,8 @@ class _Library:
   unsupported: Callable
   platform: str | None
   elsewhere: str = ""  # what else to use off its platform, after "Use auto"
+  # segment ids [B, T] -> traced bool: whether the kernel takes these documents (else the fallback runs, on device)
+  documents_fit: Callable | None = None
 
   @property
   def interpret(self) -> bool:
@@ -132,7 +135,7 @@ _LIBRARIES = {
                      ", or splash_interpret to run the kernel in interpret mode"),
   "splash_interpret": _Library("splash_interpret", functools.partial(splash.attention, interpret=True),
                                splash.unsupported, None),
-  "cudnn": _Library("cudnn", cudnn.attention, cudnn.unsupported, "gpu"),
+  "cudnn": _Library("cudnn", cudnn.attention, cudnn.unsupported, "gpu", documents_fit=cudnn.documents_fit),
 }
 
 
@@ -142,7 +145,9 @@ def _on_tpu(tpu: Callable, other: Callable) -> Callable:
 
 
 def _library_or(library: _Library, fallback: Callable) -> Callable:
-  """The library kernel per device; for arguments it refuses ``fallback`` (one warning naming why).
+  """The library kernel per device; for arguments it refuses ``fallback`` (one warning naming why), and for
+  batches whose documents it cannot take (``documents_fit``, decided on device by ``lax.cond``) ``fallback`` without
+  the LSE, so that the caller sees the library's ``(out, None)`` either way.
 
   Raises:
     ConfigError: the run compiles for another platform than the library's."""
@@ -157,7 +162,14 @@ def _library_or(library: _Library, fallback: Callable) -> Callable:
       return fallback(
         q, k, v, q_segment_ids, kv_segment_ids, causal=causal, scale=scale, window=window, return_lse=return_lse)
     kernel = functools.partial(library.attention, causal=causal, scale=scale, window=window)
-    out = pallas.per_device(kernel, q, k, v, q_segment_ids, kv_segment_ids)
+    args = (q, k, v, q_segment_ids, kv_segment_ids)
+    if library.documents_fit is None:
+      out = pallas.per_device(kernel, *args)
+    else:
+      out = jax.lax.cond(
+        library.documents_fit(q_segment_ids) & library.documents_fit(kv_segment_ids),
+        lambda: pallas.per_device(kernel, *args),
+        lambda: fallback(*args, causal=causal, scale=scale, window=window).astype(q.dtype))
     return (out, None) if return_lse else out
   return call
 
