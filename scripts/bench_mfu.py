@@ -83,8 +83,9 @@ def main(argv=None) -> int:
   args = ap.parse_args(argv)
   device = jax.devices()[0]
   print(f"{len(jax.devices())} x {device.device_kind} ({device.platform}), jax {jax.__version__}", flush=True)
-  for impl in args.impls:
-    for name in args.schedules:
+  # schedule by schedule, every implementation of one schedule together: a time limit cuts whole schedules
+  for name in args.schedules:
+    for impl in args.impls:
       overrides = SCHEDULES[name] + [f"attention.impl={impl}", f"train.batch_size={args.batch}",
                                      f"data.seq_len={args.seq_len}", "mesh.fsdp=-1", "train.grad_accum_steps=1"]
       try:
