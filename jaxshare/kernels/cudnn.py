@@ -35,11 +35,7 @@ def unsupported(q, k, v) -> str | None:
   e, d = q.shape[3], v.shape[3]
   if e != d or e > MAX_WIDTH or e % 8:
     return f"head widths {e}/{d}: cuDNN takes equal Q/K and V widths, multiples of 8 up to {MAX_WIDTH}"
-  if q.shape[1] != k.shape[1]:
-    return f"queries ({q.shape[1]}) and keys ({k.shape[1]}) differ in length"
-  if k.shape[2] != v.shape[2] and not (q.shape[2] % k.shape[2] == 0 and q.shape[2] % v.shape[2] == 0):
-    return f"K ({k.shape[2]}) and V ({v.shape[2]}) heads cannot be regrouped to the {q.shape[2]} query heads"
-  return None
+  return reference.self_attention_unsupported(q, k, v)
 
 
 def packing(segment_ids: jax.Array, max_segments: int) -> tuple[jax.Array, jax.Array]:

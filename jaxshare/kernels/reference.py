@@ -44,6 +44,17 @@ def from_heads_major(x: jax.Array, t: int) -> jax.Array:
   return x.reshape(b, g, m // t, t, e).transpose(0, 3, 1, 2, 4).reshape(b, t, g * (m // t), e)
 
 
+def self_attention_unsupported(q, k, v) -> str | None:
+  """Why a library kernel that attends a sequence to itself (T = S: the training and prefill roles) and reads K and V
+  by one head index (after :func:`same_kv_heads`) cannot take ``q [B,T,H,e]``, ``k [B,S,Gk,e]``, ``v [B,S,Gv,d]``
+  (arrays or shape structs), or None."""
+  if q.shape[1] != k.shape[1]:
+    return f"queries ({q.shape[1]}) and keys ({k.shape[1]}) differ in length"
+  if k.shape[2] != v.shape[2] and not (q.shape[2] % k.shape[2] == 0 and q.shape[2] % v.shape[2] == 0):
+    return f"K ({k.shape[2]}) and V ({v.shape[2]}) heads cannot be regrouped to the {q.shape[2]} query heads"
+  return None
+
+
 def same_kv_heads(k: jax.Array, v: jax.Array, heads: int) -> tuple[jax.Array, jax.Array]:
   """``k [B,S,Gk,e]`` and ``v [B,S,Gv,d]`` repeated to one head count, for kernels that read both by one K/V head
   index (a probability reuser's V may have other heads than its source's K): the larger count when it is a multiple

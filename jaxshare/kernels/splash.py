@@ -28,11 +28,7 @@ def unsupported(q, k, v) -> str | None:
   """Why splash cannot run ``q [B,T,H,e]``, ``k [B,S,Gk,e]``, ``v [B,S,Gv,d]`` (arrays or shape structs), or None.
 
   Splash attends a sequence to itself (T = S: the training and prefill roles) with K and V of one head count."""
-  if q.shape[1] != k.shape[1]:
-    return f"queries ({q.shape[1]}) and keys ({k.shape[1]}) differ in length"
-  if k.shape[2] != v.shape[2] and not (q.shape[2] % k.shape[2] == 0 and q.shape[2] % v.shape[2] == 0):
-    return f"K ({k.shape[2]}) and V ({v.shape[2]}) heads cannot be regrouped to the {q.shape[2]} query heads"
-  return None
+  return reference.self_attention_unsupported(q, k, v)
 
 
 def _mask(length: int, heads: int, causal: bool, window: int) -> mask_lib.MultiHeadMask:
