@@ -13,6 +13,7 @@ import pytest
 
 from jaxshare.config import ConfigError
 from jaxshare.kernels import cudnn, dispatch, reference
+from conftest import tiny_config
 from test_model_pallas import assert_model_equals_xla
 
 
@@ -138,3 +139,39 @@ def test_model_with_cudnn_equals_xla(monkeypatch, name):
   monkeypatch.setattr(cudnn.cudnn_attention, "dot_product_attention", _xla_stand_in)
   monkeypatch.setitem(dispatch._LIBRARIES, "cudnn", dataclasses.replace(dispatch._LIBRARIES["cudnn"], platform=None))
   assert_model_equals_xla(name, "cudnn", "model.dtype=bfloat16")
+
+
+def test_the_train_step_checks_documents_once_per_micro_batch(monkeypatch, batches):
+  """``attention.impl=cudnn`` in the train step: one ``lax.cond`` per micro-batch around its forward and backward
+  (cuDNN alone, or jaxshare's kernels alone with the LSE handed on), none per attention call, and xla's loss and
+  gradient norm both for rows that fit cuDNN's packed layout and for rows of more than MAX_DOCUMENTS documents
+  (a UniAttn model: producers, probability reuse and plain layers)."""
+  from jaxshare import parallel
+  from jaxshare.config import MeshConfig
+  from jaxshare.parallel import shard_batch
+  from jaxshare.train.loop import jit_train_step
+  from jaxshare.train.state import init_state, setup_training
+  from jaxshare.train.step import Objective
+
+  monkeypatch.setattr(cudnn.cudnn_attention, "dot_product_attention", _xla_stand_in)
+  monkeypatch.setitem(dispatch._LIBRARIES, "cudnn", dataclasses.replace(dispatch._LIBRARIES["cudnn"], platform=None))
+  fits = batches[0]
+  b, t = fits["segment_ids"].shape
+  many = {**fits, "segment_ids": np.broadcast_to(np.arange(t, dtype=np.int32) + 1, (b, t)).copy()}
+  assert bool(cudnn.documents_fit(fits["segment_ids"])) and not bool(cudnn.documents_fit(many["segment_ids"]))
+  mesh = parallel.make_mesh(MeshConfig(), jax.devices()[:1])
+  results = {}
+  for impl in ("cudnn", "xla"):
+    setup = setup_training(tiny_config("schedule.kind=uniattn", "schedule.uniattn.block_size=2",
+                                       "model.dtype=bfloat16", f"attention.impl={impl}"), mesh)
+    step = jit_train_step(setup, Objective(), None)
+    with jax.set_mesh(setup.mesh):
+      state = init_state(setup)
+      if impl == "cudnn":
+        jaxpr = str(jax.make_jaxpr(step)(state, shard_batch(setup.batch_sharding, fits), None))
+        assert jaxpr.count("cond[") == 1, "one documents check per micro-batch, none per attention call"
+      results[impl] = [jax.device_get(step(init_state(setup), shard_batch(setup.batch_sharding, batch), None)[1])
+                       for batch in (fits, many)]
+  for got, want in zip(results["cudnn"], results["xla"]):
+    for name in ("loss", "grad_norm"):
+      np.testing.assert_allclose(float(got[name]), float(want[name]), rtol=2e-2, err_msg=name)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
 import logging
@@ -26,9 +28,9 @@ AUTO_TABLE = (
   ("TPU", "queries and keys of different lengths", "pallas (Mosaic)", "splash attends a sequence to itself only"),
   ("TPU", "decode", "pallas decode", "the split-K kernel over the shared cache; no library kernel reads it"),
   ("GPU", "every role", "pallas (Triton)",
-   "attention.impl=cudnn (packed documents) ran the 1.2B step at T = 2048 3-6% faster on an H200, but its "
-   "fallback for rows of more than 16 documents (lax.cond) adds 5-7 GiB (dense) and 16-17 GiB (UniAttn) of "
-   "temporaries, and its packed layout runs 1.4x slower than cuDNN without documents (docs/gpu.md)"),
+   "attention.impl=cudnn (packed documents) ran the 1.2B step at T = 2048 3-6% faster on an H200 with a "
+   "documents check per attention call, which cost 5-17 GiB; its check is now one per micro-batch, compiled "
+   "for an H100 to no more memory than Pallas, and not yet timed on a GPU (scripts/bench_gpu.sh does)"),
   ("CPU", "every role", "xla", "the FlashAttention-style XLA backward: the fastest here"),
 )
 
@@ -59,6 +61,9 @@ def _checkpointed_reuse(q, k, lse, v, q_segment_ids, kv_segment_ids, **kwargs):
 _XLA = AttentionOps(xla.attention, _checkpointed_reuse)
 _REFERENCE = AttentionOps(reference.attention, _checkpointed_reuse)
 _warned: set[str] = set()
+# Whether the rows of the batch being traced fit every library kernel's document limit: None (unknown: each call
+# decides on device), True (the library kernels alone) or False (the fallbacks alone). See documents_known.
+_DOCUMENTS_FIT: contextvars.ContextVar[bool | None] = contextvars.ContextVar("documents_fit", default=None)
 # Why a kernel cannot run a contract's arguments on a backend (None: it can).
 _QKV = lambda args, backend: flash.unsupported(*args[:3], backend=backend)  # noqa: E731
 _REUSE_QKV = lambda args, backend: flash.unsupported(args[0], args[1], args[3], backend=backend)  # noqa: E731
@@ -139,6 +144,28 @@ _LIBRARIES = {
 }
 
 
+def documents_limit(impl: str) -> Callable | None:
+  """``attention.impl=impl``'s check that a batch's documents fit its library kernel (segment ids ``[B, T]`` ->
+  traced bool; cuDNN: :func:`jaxshare.kernels.cudnn.documents_fit`), or None where nothing limits them."""
+  library = _LIBRARIES.get(impl)
+  return None if library is None else library.documents_fit
+
+
+@contextlib.contextmanager
+def documents_known(fit: bool):
+  """Within this context, attention traced for a library with a document limit (cuDNN's packed layout,
+  :func:`jaxshare.kernels.cudnn.documents_fit`) runs the library kernel alone (``fit``) or its fallback alone
+  (producers then hand on the LSE and probability reuse runs jaxshare's reuse kernel: the computation of
+  ``attention.impl=pallas``), instead of choosing per call with ``lax.cond``. A caller that checks the batch once
+  and traces its whole computation under each answer (:func:`jaxshare.train.step.make_train_step`) keeps the
+  per-call conds' cost out of the backward (5-17 GiB of temporaries in the 1.2B step)."""
+  token = _DOCUMENTS_FIT.set(fit)
+  try:
+    yield
+  finally:
+    _DOCUMENTS_FIT.reset(token)
+
+
 def _on_tpu(tpu: Callable, other: Callable) -> Callable:
   """``tpu`` when compiling for a TPU, else ``other`` (the platform is resolved when the model is traced)."""
   return lambda *args, **kwargs: (tpu if flash.platform() == "tpu" else other)(*args, **kwargs)
@@ -146,8 +173,9 @@ def _on_tpu(tpu: Callable, other: Callable) -> Callable:
 
 def _library_or(library: _Library, fallback: Callable) -> Callable:
   """The library kernel per device; for arguments it refuses ``fallback`` (one warning naming why), and for
-  batches whose documents it cannot take (``documents_fit``, decided on device by ``lax.cond``) ``fallback`` without
-  the LSE, so that the caller sees the library's ``(out, None)`` either way.
+  batches whose documents it cannot take (``documents_fit``) ``fallback``: decided on device by ``lax.cond``, the
+  fallback then returning no LSE, so that the caller sees the library's ``(out, None)`` either way; or by the caller
+  (:func:`documents_known`), the fallback then handing on its LSE.
 
   Raises:
     ConfigError: the run compiles for another platform than the library's."""
@@ -163,13 +191,16 @@ def _library_or(library: _Library, fallback: Callable) -> Callable:
         q, k, v, q_segment_ids, kv_segment_ids, causal=causal, scale=scale, window=window, return_lse=return_lse)
     kernel = functools.partial(library.attention, causal=causal, scale=scale, window=window)
     args = (q, k, v, q_segment_ids, kv_segment_ids)
-    if library.documents_fit is None:
-      out = pallas.per_device(kernel, *args)
+    known = _DOCUMENTS_FIT.get()
+    if library.documents_fit is not None and known is False:  # jaxshare's kernels throughout, LSE handed on
+      return fallback(*args, causal=causal, scale=scale, window=window, return_lse=return_lse)
+    library_call = lambda: pallas.per_device(kernel, *args)  # noqa: E731
+    fallback_call = lambda: fallback(*args, causal=causal, scale=scale, window=window).astype(q.dtype)  # noqa: E731
+    if library.documents_fit is None or known is True:
+      out = library_call()
     else:
-      out = jax.lax.cond(
-        library.documents_fit(q_segment_ids) & library.documents_fit(kv_segment_ids),
-        lambda: pallas.per_device(kernel, *args),
-        lambda: fallback(*args, causal=causal, scale=scale, window=window).astype(q.dtype))
+      out = jax.lax.cond(library.documents_fit(q_segment_ids) & library.documents_fit(kv_segment_ids),
+                         library_call, fallback_call)
     return (out, None) if return_lse else out
   return call
 

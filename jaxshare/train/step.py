@@ -11,6 +11,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from jaxshare.kernels.dispatch import documents_known
 from jaxshare.model.ties import MATRICES
 from jaxshare.kernels.reference import attention_mask
 from jaxshare.model.loss import Batch, masked_cross_entropy
@@ -74,8 +75,24 @@ def distillation_loss(student: jax.Array, teacher: jax.Array, segment_ids: jax.A
   return jnp.sum(huber * mask) / (jnp.sum(mask) * student.shape[0] * student.shape[2])
 
 
+def _by_documents(grad_fn: Callable, documents_fit: Callable) -> Callable:
+  """``grad_fn(params, mb, ...)`` traced under both answers of :func:`documents_known`, chosen by ``lax.cond`` on
+  whether ``mb``'s documents fit."""
+  def traced_knowing(fit: bool) -> Callable:
+    def call(*args):
+      with documents_known(fit):
+        return grad_fn(*args)
+    return call
+
+  def call(params, mb, *rest):
+    return jax.lax.cond(documents_fit(mb["segment_ids"]), traced_knowing(True), traced_knowing(False),
+                        params, mb, *rest)
+  return call
+
+
 def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, lr_schedule: optax.Schedule,
-                    grad_accum_steps: int, objective: Objective = Objective()
+                    grad_accum_steps: int, objective: Objective = Objective(),
+                    documents_fit: Callable[[jax.Array], jax.Array] | None = None
                     ) -> Callable[..., tuple[TrainState, dict]]:
   """A pure train step ``(state, batch[, teacher_params]) -> (state, metrics)``, to be wrapped in ``jax.jit``.
 
@@ -85,6 +102,11 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, lr
   ``tokens``, ``finite`` (the objective and the gradient norm are finite), and ``kd_loss`` / ``postshare_loss`` when
   enabled. A step whose objective or gradient norm is not finite leaves the parameters and optimizer state as they
   were (only the step counter advances): a diverged batch never poisons the state, whatever the loop then does.
+
+  ``documents_fit`` (segment ids ``[B, T]`` -> traced bool; :func:`jaxshare.kernels.cudnn.documents_fit` for
+  ``attention.impl=cudnn``): each micro-batch's forward and backward are traced twice, with the library kernels alone
+  and with their fallbacks alone (:func:`jaxshare.kernels.dispatch.documents_known`), and ``lax.cond`` runs the one
+  the micro-batch's documents allow, so no attention call carries a cond of its own through the backward.
   """
   kd = objective.kd_beta > 0
   lm_weight = 1.0 - objective.kd_beta
@@ -106,6 +128,8 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, lr
     return value, (lm_sum, kd_loss)
 
   grad_fn = jax.value_and_grad(micro_objective, has_aux=True)
+  if documents_fit is not None:
+    grad_fn = _by_documents(grad_fn, documents_fit)
 
   def step(state: TrainState, batch: Batch, teacher_params: dict | None = None) -> tuple[TrainState, dict]:
     params = state["params"]
