@@ -11,7 +11,8 @@ reuse against full attention). On a CPU there is nothing to time (interpret mode
 script runs the correctness check in interpret mode instead and says so.
 
 Usage: python scripts/bench_attention.py [--lengths 1024 4096 16384] [--widths 64 128] [--batch 4 --heads 16
-       --kv-heads 4] [--dtype bfloat16] [--repeats 10] [--impls pallas cudnn cudnn_unpacked] [--no-check | --check-only]
+       --kv-heads 4] [--dtype bfloat16] [--repeats 10] [--impls pallas cudnn cudnn_packed cudnn_unpacked]
+       [--no-check | --check-only]
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxshare.kernels import cudnn, flash, reference, xla
-from jaxshare.kernels.dispatch import get_attention
+from jaxshare.kernels.dispatch import documents_known, get_attention
 
 
 def _inputs(b, t, h, g, d, dtype, seed=0, backend="interpret"):
@@ -51,6 +52,14 @@ def roles(impl: dict) -> dict:
   }
 
 
+def _knowing(bound: int | None, fn):
+  """``fn`` traced as the train step traces it for rows of at most ``bound`` documents (None: each call decides)."""
+  def call(*args, **kwargs):
+    with documents_known(bound):
+      return fn(*args, **kwargs)
+  return call
+
+
 def implementations(backend: str) -> dict:
   impls = {
     "pallas": {"attention": functools.partial(flash.attention, backend=backend),
@@ -58,13 +67,16 @@ def implementations(backend: str) -> dict:
     "xla_reference": {"attention": xla.attention, "reuse": get_attention("xla").attention_from_lse},
   }
   if backend == "triton":
-    # attention.impl=cudnn: packed documents (cuDNN's packed layout), probability reuse as attention over the
-    # source's Q and K (no LSE handed on)
+    # attention.impl=cudnn as the train step runs it for these rows (one document each: no packed layout), and with
+    # cuDNN's packed layout (rows of up to MAX_DOCUMENTS documents); probability reuse as attention over the source's
+    # Q and K (no LSE handed on)
     ops = get_attention("cudnn")
-    impls["cudnn"] = {"attention": ops.attention,
-                      "reuse": lambda q, k, lse, v, qs, ks, **kw: ops.attention_from_lse(q, k, None, v, qs, ks, **kw)}
+    for name, bound in (("cudnn", 1), ("cudnn_packed", cudnn.MAX_DOCUMENTS)):
+      impls[name] = {"attention": _knowing(bound, ops.attention),
+                     "reuse": _knowing(bound, lambda q, k, lse, v, qs, ks, **kw: ops.attention_from_lse(
+                       q, k, None, v, qs, ks, **kw))}
 
-    def unpacked(q, k, v, qs, ks, **_):  # one document per row: what the packed layout costs
+    def unpacked(q, k, v, qs, ks, **_):  # jax's public cuDNN attention: what the library does without documents
       return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
     impls["cudnn_unpacked"] = {"attention": unpacked, "reuse": None}
   return impls
@@ -116,7 +128,8 @@ def bench(args, backend: str) -> None:
     for d in args.widths:
       pairs = [(("cudnn", "full"), ("pallas", "full")), (("pallas", "prob_reuse"), ("pallas", "full")),
                (("xla_reference", "full"), ("pallas", "full")), (("cudnn_unpacked", "full"), ("cudnn", "full")),
-               (("cudnn_unpacked", "full"), ("cudnn", "prob_reuse")), (("cudnn", "full"), ("pallas", "prob_reuse"))]
+               (("cudnn", "full"), ("cudnn_packed", "full")), (("cudnn", "full"), ("cudnn", "cla_consumer")),
+               (("cudnn", "full"), ("cudnn", "prob_reuse")), (("cudnn", "full"), ("pallas", "prob_reuse"))]
       for (i1, r1), (i2, r2) in pairs:
         a, b = by.get((t, d, i1, r1)), by.get((t, d, i2, r2))
         if a and b:
@@ -175,13 +188,16 @@ def cudnn_sweep() -> bool:
                                    (300, 8, 2, 64, 1, 96)):
     q, k, v, v2, _, _ = _inputs(2, t, h, g, d, jnp.bfloat16)
     seg = jnp.broadcast_to((jnp.arange(t) * docs // t + 1).astype(jnp.int32), (2, t))
-    path = "cudnn" if bool(cudnn.documents_fit(seg)) else "fallback"  # more documents than the packed layout holds
+    # one document per row: cuDNN without the packed layout, as the train step runs it; else the per-call choice
+    bound = 1 if docs == 1 else None
+    path = ("cudnn M=1" if bound == 1 else "cudnn") if bool(cudnn.documents_fit(seg)) else "fallback"
     w = jax.random.normal(jax.random.PRNGKey(1), q.shape, jnp.float32)
     scale = d ** -0.5
     cases = {
-      "full": (lambda q, k, v, v2: ops.attention(q, k, v, seg, seg, window=window),
+      "full": (_knowing(bound, lambda q, k, v, v2: ops.attention(q, k, v, seg, seg, window=window)),
                lambda q, k, v, v2: reference.attention(q, k, v, seg, seg, window=window)),
-      "prob_reuse": (lambda q, k, v, v2: ops.attention_from_lse(q, k, None, v2, seg, seg, scale=scale, window=window),
+      "prob_reuse": (_knowing(bound, lambda q, k, v, v2: ops.attention_from_lse(q, k, None, v2, seg, seg, scale=scale,
+                                                                              window=window)),
                      lambda q, k, v, v2: reference.attention(q, k, v2, seg, seg, scale=scale, window=window)),
     }
     for role, (mine, want) in cases.items():
@@ -191,14 +207,14 @@ def cudnn_sweep() -> bool:
         got = (jax.jit(mine)(q, k, v, v2), *jax.jit(jax.grad(loss_mine, argnums=(0, 1, 2, 3)))(q, k, v, v2))
       except Exception as e:  # a shape cuDNN refuses at run time: the message is the finding
         ok = False
-        print(f"  T={t:4d} H={h} G={g} d={d:4d} docs={docs:2d} window={window:3d} {role:11s} {path:8s} FAILED "
+        print(f"  T={t:4d} H={h} G={g} d={d:4d} docs={docs:2d} window={window:3d} {role:11s} {path:9s} FAILED "
               f"{type(e).__name__}: {str(e)[:300]}", flush=True)
         continue
       ref = (jax.jit(want)(q, k, v, v2), *jax.jit(jax.grad(loss_want, argnums=(0, 1, 2, 3)))(q, k, v, v2))
       err = max(float(np.max(np.abs(np.asarray(a, np.float32) - np.asarray(b, np.float32))) /
                       max(float(np.max(np.abs(np.asarray(b, np.float32)))), 1e-30)) for a, b in zip(got, ref))
       ok &= err <= 3e-2
-      print(f"  T={t:4d} H={h} G={g} d={d:4d} docs={docs:2d} window={window:3d} {role:11s} {path:8s} error {err:.1e} "
+      print(f"  T={t:4d} H={h} G={g} d={d:4d} docs={docs:2d} window={window:3d} {role:11s} {path:9s} error {err:.1e} "
             f"{'ok' if err <= 3e-2 else 'ABOVE 3e-02'}", flush=True)
   return ok
 
@@ -212,7 +228,7 @@ def main(argv=None) -> int:
   ap.add_argument("--kv-heads", type=int, default=16)
   ap.add_argument("--dtype", default="bfloat16")
   ap.add_argument("--repeats", type=int, default=10)
-  ap.add_argument("--impls", nargs="+", choices=["pallas", "xla_reference", "cudnn", "cudnn_unpacked"],
+  ap.add_argument("--impls", nargs="+", choices=["pallas", "xla_reference", "cudnn", "cudnn_packed", "cudnn_unpacked"],
                   help="only these implementations (default: all; the XLA reference at T = 16k needs ~64 GB)")
   ap.add_argument("--no-check", action="store_true", help="skip the correctness check that runs before the timings")
   ap.add_argument("--check-only", action="store_true", help="run the correctness check alone, without timings")

@@ -48,13 +48,20 @@ def test_packing_holds_the_documents_the_reference_mask_separates(rows):
 def _xla_stand_in(q, k, v, bias, mask, q_seqlen, kv_seqlen, q_offsets, kv_offsets, *, scale, mask_type, qkv_layout,
                   sliding_window_length):
   """cuDNN's packed-layout contract (jax's fused_attention_stablehlo docstring) in XLA: tokens attend within their
-  document; PADDING_CAUSAL also masks later keys; a sliding window of n keeps keys with t - s < n."""
+  document (without lengths and offsets, the row is one document); (PADDING_)CAUSAL also masks later keys; a sliding
+  window of n keeps keys with t - s < n."""
   assert bias is None and mask is None and qkv_layout == "BTNH"
-  t, s = q.shape[1], k.shape[1]
-  q_doc, k_doc = _documents(q_seqlen, q_offsets, t), _documents(kv_seqlen, kv_offsets, s)
-  allowed = (q_doc[:, :, None] == k_doc[:, None, :]) & (q_doc[:, :, None] >= 0)
+  kinds = cudnn.cudnn_attention.MaskType
+  b, t, s = q.shape[0], q.shape[1], k.shape[1]
+  if q_seqlen is None:
+    assert mask_type in (kinds.CAUSAL, kinds.NO_MASK) and kv_seqlen is None and q_offsets is None
+    allowed = jnp.ones((b, t, s), bool)
+  else:
+    assert mask_type in (kinds.PADDING_CAUSAL, kinds.PADDING)
+    q_doc, k_doc = _documents(q_seqlen, q_offsets, t), _documents(kv_seqlen, kv_offsets, s)
+    allowed = (q_doc[:, :, None] == k_doc[:, None, :]) & (q_doc[:, :, None] >= 0)
   offset = jnp.arange(t)[:, None] - jnp.arange(s)[None, :]
-  if mask_type == cudnn.cudnn_attention.MaskType.PADDING_CAUSAL:
+  if mask_type in (kinds.PADDING_CAUSAL, kinds.CAUSAL):
     allowed &= offset >= 0
   if sliding_window_length:
     allowed &= offset < sliding_window_length
@@ -101,6 +108,7 @@ def test_cudnn_refuses_what_it_cannot_run_by_name():
 
 def test_documents_fit_counts_each_rows_documents():
   seg = _segments([[4, 4, 8], [16]])
+  np.testing.assert_array_equal(reference.documents_per_row(seg), [3, 1])
   assert bool(cudnn.documents_fit(seg, 3)) and not bool(cudnn.documents_fit(seg, 2))
   assert bool(cudnn.documents_fit(_segments([[1] * 16, [16]]), 16))
 
@@ -110,8 +118,7 @@ def test_a_batch_with_more_documents_than_the_packed_layout_holds_runs_the_fallb
   runs the fallback kernel, decided on device under jit, and both give the reference's values and gradients."""
   monkeypatch.setattr(cudnn.cudnn_attention, "dot_product_attention", _xla_stand_in)
   monkeypatch.setattr(dispatch.flash, "platform", lambda: "gpu")
-  library = dispatch._Library("cudnn", functools.partial(cudnn.attention, max_documents=2), cudnn.unsupported, "gpu",
-                              documents_fit=functools.partial(cudnn.documents_fit, max_documents=2))
+  library = dispatch._Library("cudnn", cudnn.attention, cudnn.unsupported, "gpu", max_documents=2)
   keys = jax.random.split(jax.random.key(3), 4)
   q, k, v = (jax.random.normal(key, (2, 16, 4, 16), jnp.bfloat16) for key in keys[:3])
   w = jax.random.normal(keys[3], (2, 16, 4, 16))
@@ -142,10 +149,10 @@ def test_model_with_cudnn_equals_xla(monkeypatch, name):
 
 
 def test_the_train_step_checks_documents_once_per_micro_batch(monkeypatch, batches):
-  """``attention.impl=cudnn`` in the train step: one ``lax.cond`` per micro-batch around its forward and backward
-  (cuDNN alone, or jaxshare's kernels alone with the LSE handed on), none per attention call, and xla's loss and
-  gradient norm both for rows that fit cuDNN's packed layout and for rows of more than MAX_DOCUMENTS documents
-  (a UniAttn model: producers, probability reuse and plain layers)."""
+  """``attention.impl=cudnn`` in the train step: one ``lax.switch`` per micro-batch around its forward and backward
+  (cuDNN without the packed layout when every row is one document, cuDNN's packed layout for up to MAX_DOCUMENTS,
+  else jaxshare's kernels alone with the LSE handed on), none per attention call, and xla's loss and gradient norm
+  in all three cases (a UniAttn model: producers, probability reuse and plain layers)."""
   from jaxshare import parallel
   from jaxshare.config import MeshConfig
   from jaxshare.parallel import shard_batch
@@ -155,10 +162,11 @@ def test_the_train_step_checks_documents_once_per_micro_batch(monkeypatch, batch
 
   monkeypatch.setattr(cudnn.cudnn_attention, "dot_product_attention", _xla_stand_in)
   monkeypatch.setitem(dispatch._LIBRARIES, "cudnn", dataclasses.replace(dispatch._LIBRARIES["cudnn"], platform=None))
-  fits = batches[0]
-  b, t = fits["segment_ids"].shape
-  many = {**fits, "segment_ids": np.broadcast_to(np.arange(t, dtype=np.int32) + 1, (b, t)).copy()}
-  assert bool(cudnn.documents_fit(fits["segment_ids"])) and not bool(cudnn.documents_fit(many["segment_ids"]))
+  b, t = batches[0]["segment_ids"].shape
+  rows = {"one": np.ones(t, np.int32), "packed": np.arange(t, dtype=np.int32) // 5 + 1,  # 7 documents
+          "many": np.arange(t, dtype=np.int32) + 1}  # one-token documents, more than MAX_DOCUMENTS
+  assert t > cudnn.MAX_DOCUMENTS >= 7
+  cases = {name: {**batches[0], "segment_ids": np.broadcast_to(row, (b, t)).copy()} for name, row in rows.items()}
   mesh = parallel.make_mesh(MeshConfig(), jax.devices()[:1])
   results = {}
   for impl in ("cudnn", "xla"):
@@ -168,10 +176,11 @@ def test_the_train_step_checks_documents_once_per_micro_batch(monkeypatch, batch
     with jax.set_mesh(setup.mesh):
       state = init_state(setup)
       if impl == "cudnn":
-        jaxpr = str(jax.make_jaxpr(step)(state, shard_batch(setup.batch_sharding, fits), None))
+        jaxpr = str(jax.make_jaxpr(step)(state, shard_batch(setup.batch_sharding, cases["one"]), None))
         assert jaxpr.count("cond[") == 1, "one documents check per micro-batch, none per attention call"
-      results[impl] = [jax.device_get(step(init_state(setup), shard_batch(setup.batch_sharding, batch), None)[1])
-                       for batch in (fits, many)]
-  for got, want in zip(results["cudnn"], results["xla"]):
-    for name in ("loss", "grad_norm"):
-      np.testing.assert_allclose(float(got[name]), float(want[name]), rtol=2e-2, err_msg=name)
+      results[impl] = {name: jax.device_get(step(init_state(setup), shard_batch(setup.batch_sharding, batch), None)[1])
+                       for name, batch in cases.items()}
+  for name in cases:
+    for metric in ("loss", "grad_norm"):
+      np.testing.assert_allclose(float(results["cudnn"][name][metric]), float(results["xla"][name][metric]),
+                                 rtol=2e-2, err_msg=f"{name} {metric}")

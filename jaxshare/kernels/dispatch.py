@@ -10,6 +10,7 @@ import logging
 from typing import Callable
 
 import jax
+import jax.numpy as jnp
 
 from jaxshare.config import ConfigError
 from jaxshare.kernels import cudnn, decode, flash, flash_decode, pallas, reference, splash, xla
@@ -61,9 +62,9 @@ def _checkpointed_reuse(q, k, lse, v, q_segment_ids, kv_segment_ids, **kwargs):
 _XLA = AttentionOps(xla.attention, _checkpointed_reuse)
 _REFERENCE = AttentionOps(reference.attention, _checkpointed_reuse)
 _warned: set[str] = set()
-# Whether the rows of the batch being traced fit every library kernel's document limit: None (unknown: each call
-# decides on device), True (the library kernels alone) or False (the fallbacks alone). See documents_known.
-_DOCUMENTS_FIT: contextvars.ContextVar[bool | None] = contextvars.ContextVar("documents_fit", default=None)
+# The most documents a row of the batch being traced holds, as its caller bounded it (None: unknown, each call
+# decides on device). See documents_known.
+_DOCUMENTS: contextvars.ContextVar[int | None] = contextvars.ContextVar("documents", default=None)
 # Why a kernel cannot run a contract's arguments on a backend (None: it can).
 _QKV = lambda args, backend: flash.unsupported(*args[:3], backend=backend)  # noqa: E731
 _REUSE_QKV = lambda args, backend: flash.unsupported(args[0], args[1], args[3], backend=backend)  # noqa: E731
@@ -127,8 +128,8 @@ class _Library:
   unsupported: Callable
   platform: str | None
   elsewhere: str = ""  # what else to use off its platform, after "Use auto"
-  # segment ids [B, T] -> traced bool: whether the kernel takes these documents (else the fallback runs, on device)
-  documents_fit: Callable | None = None
+  # the most documents per row its kernel takes (``attention`` then takes ``max_documents``); None: any number
+  max_documents: int | None = None
 
   @property
   def interpret(self) -> bool:
@@ -140,30 +141,32 @@ _LIBRARIES = {
                      ", or splash_interpret to run the kernel in interpret mode"),
   "splash_interpret": _Library("splash_interpret", functools.partial(splash.attention, interpret=True),
                                splash.unsupported, None),
-  "cudnn": _Library("cudnn", cudnn.attention, cudnn.unsupported, "gpu", documents_fit=cudnn.documents_fit),
+  "cudnn": _Library("cudnn", cudnn.attention, cudnn.unsupported, "gpu", max_documents=cudnn.MAX_DOCUMENTS),
 }
 
 
-def documents_limit(impl: str) -> Callable | None:
-  """``attention.impl=impl``'s check that a batch's documents fit its library kernel (segment ids ``[B, T]`` ->
-  traced bool; cuDNN: :func:`jaxshare.kernels.cudnn.documents_fit`), or None where nothing limits them."""
+def document_bounds(impl: str) -> tuple[int, ...] | None:
+  """The bounds on documents per row for which ``attention.impl=impl``'s library kernel is worth tracing apart
+  (cuDNN: ``(1, 16)``: one document, no packed layout; up to 16, packed), or None where the documents do not change
+  the kernel. A caller traces its computation once per bound and once past the last (:func:`documents_known`)."""
   library = _LIBRARIES.get(impl)
-  return None if library is None else library.documents_fit
+  return None if library is None or library.max_documents is None else tuple(sorted({1, library.max_documents}))
 
 
 @contextlib.contextmanager
-def documents_known(fit: bool):
-  """Within this context, attention traced for a library with a document limit (cuDNN's packed layout,
-  :func:`jaxshare.kernels.cudnn.documents_fit`) runs the library kernel alone (``fit``) or its fallback alone
-  (producers then hand on the LSE and probability reuse runs jaxshare's reuse kernel: the computation of
-  ``attention.impl=pallas``), instead of choosing per call with ``lax.cond``. A caller that checks the batch once
-  and traces its whole computation under each answer (:func:`jaxshare.train.step.make_train_step`) keeps the
-  per-call conds' cost out of the backward (5-17 GiB of temporaries in the 1.2B step)."""
-  token = _DOCUMENTS_FIT.set(fit)
+def documents_known(bound: int):
+  """Within this context the caller guarantees that no row of the batch holds more than ``bound`` documents, and
+  attention traced for a library with a document limit (cuDNN's packed layout) runs the library kernel alone, sized
+  to ``bound``, or, past the library's limit, jaxshare's kernels alone (producers then hand on the LSE and
+  probability reuse runs jaxshare's reuse kernel: the computation of ``attention.impl=pallas``), instead of choosing
+  per call with ``lax.cond``. A caller that checks the batch once and traces its whole computation under each bound
+  (:func:`jaxshare.train.step.make_train_step`) keeps the per-call conds' cost out of the backward (5-17 GiB of
+  temporaries in the 1.2B step)."""
+  token = _DOCUMENTS.set(bound)
   try:
     yield
   finally:
-    _DOCUMENTS_FIT.reset(token)
+    _DOCUMENTS.reset(token)
 
 
 def _on_tpu(tpu: Callable, other: Callable) -> Callable:
@@ -173,9 +176,9 @@ def _on_tpu(tpu: Callable, other: Callable) -> Callable:
 
 def _library_or(library: _Library, fallback: Callable) -> Callable:
   """The library kernel per device; for arguments it refuses ``fallback`` (one warning naming why), and for
-  batches whose documents it cannot take (``documents_fit``) ``fallback``: decided on device by ``lax.cond``, the
-  fallback then returning no LSE, so that the caller sees the library's ``(out, None)`` either way; or by the caller
-  (:func:`documents_known`), the fallback then handing on its LSE.
+  batches whose documents it cannot take (more per row than ``library.max_documents``) ``fallback``: decided on
+  device by ``lax.cond``, the fallback then returning no LSE, so that the caller sees the library's ``(out, None)``
+  either way; or by the caller (:func:`documents_known`), the fallback then handing on its LSE.
 
   Raises:
     ConfigError: the run compiles for another platform than the library's."""
@@ -191,16 +194,18 @@ def _library_or(library: _Library, fallback: Callable) -> Callable:
         q, k, v, q_segment_ids, kv_segment_ids, causal=causal, scale=scale, window=window, return_lse=return_lse)
     kernel = functools.partial(library.attention, causal=causal, scale=scale, window=window)
     args = (q, k, v, q_segment_ids, kv_segment_ids)
-    known = _DOCUMENTS_FIT.get()
-    if library.documents_fit is not None and known is False:  # jaxshare's kernels throughout, LSE handed on
+    limit, bound = library.max_documents, _DOCUMENTS.get()
+    if limit is None:
+      out = pallas.per_device(kernel, *args)
+    elif bound is None:
+      fit = jnp.all(reference.documents_per_row(q_segment_ids) <= limit) & jnp.all(
+        reference.documents_per_row(kv_segment_ids) <= limit)
+      out = jax.lax.cond(fit, lambda: pallas.per_device(functools.partial(kernel, max_documents=limit), *args),
+                         lambda: fallback(*args, causal=causal, scale=scale, window=window).astype(q.dtype))
+    elif bound > limit:  # jaxshare's kernels throughout, the LSE handed on
       return fallback(*args, causal=causal, scale=scale, window=window, return_lse=return_lse)
-    library_call = lambda: pallas.per_device(kernel, *args)  # noqa: E731
-    fallback_call = lambda: fallback(*args, causal=causal, scale=scale, window=window).astype(q.dtype)  # noqa: E731
-    if library.documents_fit is None or known is True:
-      out = library_call()
     else:
-      out = jax.lax.cond(library.documents_fit(q_segment_ids) & library.documents_fit(kv_segment_ids),
-                         library_call, fallback_call)
+      out = pallas.per_device(functools.partial(kernel, max_documents=bound), *args)
     return (out, None) if return_lse else out
   return call
 

@@ -44,6 +44,12 @@ def from_heads_major(x: jax.Array, t: int) -> jax.Array:
   return x.reshape(b, g, m // t, t, e).transpose(0, 3, 1, 2, 4).reshape(b, t, g * (m // t), e)
 
 
+def documents_per_row(segment_ids: jax.Array) -> jax.Array:
+  """The number of documents in each row of ``segment_ids`` (``[B, T]`` int32, documents in contiguous runs of one
+  id): ``[B]`` int32."""
+  return 1 + jnp.sum(segment_ids[:, 1:] != segment_ids[:, :-1], axis=1, dtype=jnp.int32)
+
+
 def self_attention_unsupported(q, k, v) -> str | None:
   """Why a library kernel that attends a sequence to itself (T = S: the training and prefill roles) and reads K and V
   by one head index (after :func:`same_kv_heads`) cannot take ``q [B,T,H,e]``, ``k [B,S,Gk,e]``, ``v [B,S,Gv,d]``

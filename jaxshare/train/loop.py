@@ -15,7 +15,7 @@ from jaxshare.config import Config, ConfigError, get_field
 from jaxshare.data import Datasets
 from jaxshare.evaluation.val_loss import evaluate_loss, make_eval_step
 from jaxshare.init.headwise import compute_ties
-from jaxshare.kernels.dispatch import documents_limit
+from jaxshare.kernels.dispatch import document_bounds
 from jaxshare.init.report import init_report
 from jaxshare.init.source import check_loadable, init_kv_pool, with_match_reference
 from jaxshare.schedule import compile_schedule
@@ -76,9 +76,9 @@ def _writes_finished_on_error(ckpt: Checkpointer):
 
 def jit_train_step(setup: TrainSetup, objective: Objective, teacher_shardings):
   """The run's train step jitted as training runs it: state and batch sharded by ``setup``, the state donated."""
-  # cuDNN's packed layout holds a bounded number of documents per row: decide once per micro-batch, not per layer
+  # cuDNN's packed layout holds a bounded number of documents per row: decided once per micro-batch, not per call
   fn = make_train_step(setup.graphdef, setup.tx, setup.lr_schedule, setup.cfg.train.grad_accum_steps, objective,
-                       documents_limit(setup.cfg.attention.impl))
+                       document_bounds(setup.cfg.attention.impl))
   return jax.jit(fn, in_shardings=(setup.state_shardings, setup.batch_sharding, teacher_shardings),
                  out_shardings=(setup.state_shardings, None), donate_argnums=0)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import sys
 from typing import Any, Callable
 
 import jax
@@ -12,8 +13,8 @@ import optax
 from flax import nnx
 
 from jaxshare.kernels.dispatch import documents_known
+from jaxshare.kernels.reference import attention_mask, documents_per_row
 from jaxshare.model.ties import MATRICES
-from jaxshare.kernels.reference import attention_mask
 from jaxshare.model.loss import Batch, masked_cross_entropy
 from jaxshare.model.params import layer_params
 from jaxshare.schedule import Schedule
@@ -75,24 +76,26 @@ def distillation_loss(student: jax.Array, teacher: jax.Array, segment_ids: jax.A
   return jnp.sum(huber * mask) / (jnp.sum(mask) * student.shape[0] * student.shape[2])
 
 
-def _by_documents(grad_fn: Callable, documents_fit: Callable) -> Callable:
-  """``grad_fn(params, mb, ...)`` traced under both answers of :func:`documents_known`, chosen by ``lax.cond`` on
-  whether ``mb``'s documents fit."""
-  def traced_knowing(fit: bool) -> Callable:
+def _by_documents(grad_fn: Callable, bounds: tuple[int, ...]) -> Callable:
+  """``grad_fn(params, mb, ...)`` traced under each bound on documents per row (:func:`documents_known`) and once
+  past the last, run by ``lax.switch`` on the most documents a row of ``mb`` holds."""
+  def traced_knowing(bound: int) -> Callable:
     def call(*args):
-      with documents_known(fit):
+      with documents_known(bound):
         return grad_fn(*args)
     return call
 
+  branches = [traced_knowing(bound) for bound in bounds] + [traced_knowing(sys.maxsize)]
+
   def call(params, mb, *rest):
-    return jax.lax.cond(documents_fit(mb["segment_ids"]), traced_knowing(True), traced_knowing(False),
-                        params, mb, *rest)
+    most = jnp.max(documents_per_row(mb["segment_ids"]))
+    return jax.lax.switch(jnp.sum(most > jnp.asarray(bounds)), branches, params, mb, *rest)
   return call
 
 
 def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, lr_schedule: optax.Schedule,
                     grad_accum_steps: int, objective: Objective = Objective(),
-                    documents_fit: Callable[[jax.Array], jax.Array] | None = None
+                    document_bounds: tuple[int, ...] | None = None
                     ) -> Callable[..., tuple[TrainState, dict]]:
   """A pure train step ``(state, batch[, teacher_params]) -> (state, metrics)``, to be wrapped in ``jax.jit``.
 
@@ -103,10 +106,11 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, lr
   enabled. A step whose objective or gradient norm is not finite leaves the parameters and optimizer state as they
   were (only the step counter advances): a diverged batch never poisons the state, whatever the loop then does.
 
-  ``documents_fit`` (segment ids ``[B, T]`` -> traced bool; :func:`jaxshare.kernels.cudnn.documents_fit` for
-  ``attention.impl=cudnn``): each micro-batch's forward and backward are traced twice, with the library kernels alone
-  and with their fallbacks alone (:func:`jaxshare.kernels.dispatch.documents_known`), and ``lax.cond`` runs the one
-  the micro-batch's documents allow, so no attention call carries a cond of its own through the backward.
+  ``document_bounds`` (:func:`jaxshare.kernels.dispatch.document_bounds`; for ``attention.impl=cudnn`` (1, 16)):
+  each micro-batch's forward and backward are traced under each bound on documents per row and once past the last
+  (:func:`jaxshare.kernels.dispatch.documents_known`: cuDNN sized to the bound, or jaxshare's kernels alone), and
+  ``lax.switch`` runs the one the micro-batch's documents allow, so no attention call carries a cond of its own
+  through the backward.
   """
   kd = objective.kd_beta > 0
   lm_weight = 1.0 - objective.kd_beta
@@ -128,8 +132,8 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, lr
     return value, (lm_sum, kd_loss)
 
   grad_fn = jax.value_and_grad(micro_objective, has_aux=True)
-  if documents_fit is not None:
-    grad_fn = _by_documents(grad_fn, documents_fit)
+  if document_bounds:
+    grad_fn = _by_documents(grad_fn, document_bounds)
 
   def step(state: TrainState, batch: Batch, teacher_params: dict | None = None) -> tuple[TrainState, dict]:
     params = state["params"]
