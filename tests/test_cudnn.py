@@ -106,6 +106,16 @@ def test_cudnn_refuses_what_it_cannot_run_by_name():
     dispatch.get_attention("cudnn").attention(x, x, x, seg, seg)
 
 
+def test_document_bounds_name_the_traces_worth_making():
+  """cuDNN in bf16/fp16: one document (no packed layout), up to MAX_DOCUMENTS (packed); in float32 cuDNN refuses
+  every call, and implementations without a document limit need no bounds: no extra traces."""
+  assert dispatch.document_bounds("cudnn", "bfloat16") == (1, cudnn.MAX_DOCUMENTS)
+  assert dispatch.document_bounds("cudnn", "float16") == (1, cudnn.MAX_DOCUMENTS)
+  assert dispatch.document_bounds("cudnn", "float32") is None
+  for impl in ("auto", "pallas", "xla", "splash"):
+    assert dispatch.document_bounds(impl, "bfloat16") is None
+
+
 def test_documents_fit_counts_each_rows_documents():
   seg = _segments([[4, 4, 8], [16]])
   np.testing.assert_array_equal(reference.documents_per_row(seg), [3, 1])

@@ -130,6 +130,10 @@ class _Library:
   elsewhere: str = ""  # what else to use off its platform, after "Use auto"
   # the most documents per row its kernel takes (``attention`` then takes ``max_documents``); None: any number
   max_documents: int | None = None
+  dtypes: tuple | None = None  # the compute dtypes it takes (None: any)
+
+  def unsupported_dtype(self, dtype) -> bool:
+    return self.dtypes is not None and jnp.dtype(dtype) not in self.dtypes
 
   @property
   def interpret(self) -> bool:
@@ -141,16 +145,21 @@ _LIBRARIES = {
                      ", or splash_interpret to run the kernel in interpret mode"),
   "splash_interpret": _Library("splash_interpret", functools.partial(splash.attention, interpret=True),
                                splash.unsupported, None),
-  "cudnn": _Library("cudnn", cudnn.attention, cudnn.unsupported, "gpu", max_documents=cudnn.MAX_DOCUMENTS),
+  "cudnn": _Library("cudnn", cudnn.attention, cudnn.unsupported, "gpu", max_documents=cudnn.MAX_DOCUMENTS,
+                    dtypes=cudnn.DTYPES),
 }
 
 
-def document_bounds(impl: str) -> tuple[int, ...] | None:
-  """The bounds on documents per row for which ``attention.impl=impl``'s library kernel is worth tracing apart
-  (cuDNN: ``(1, 16)``: one document, no packed layout; up to 16, packed), or None where the documents do not change
-  the kernel. A caller traces its computation once per bound and once past the last (:func:`documents_known`)."""
+def document_bounds(impl: str, dtype: str) -> tuple[int, ...] | None:
+  """The bounds on documents per row for which ``attention.impl=impl``'s library kernel, computing in ``dtype``
+  (``model.dtype``), is worth tracing apart (cuDNN in bf16: ``(1, 16)``: one document, no packed layout; up to 16,
+  packed), or None where the documents do not change the kernel (no limit, or a dtype the library refuses, whose
+  calls all fall back). A caller traces its computation once per bound and once past the last
+  (:func:`documents_known`)."""
   library = _LIBRARIES.get(impl)
-  return None if library is None or library.max_documents is None else tuple(sorted({1, library.max_documents}))
+  if library is None or library.max_documents is None or library.unsupported_dtype(dtype):
+    return None
+  return tuple(sorted({1, library.max_documents}))
 
 
 @contextlib.contextmanager
