@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxshare.kernels import cudnn, flash, reference, xla
-from jaxshare.kernels.dispatch import documents_known, get_attention
+from jaxshare.kernels.dispatch import get_attention, knowing
 
 
 def _inputs(b, t, h, g, d, dtype, seed=0, backend="interpret"):
@@ -52,14 +52,6 @@ def roles(impl: dict) -> dict:
   }
 
 
-def _knowing(bound: int | None, fn):
-  """``fn`` traced as the train step traces it for rows of at most ``bound`` documents (None: each call decides)."""
-  def call(*args, **kwargs):
-    with documents_known(bound):
-      return fn(*args, **kwargs)
-  return call
-
-
 def implementations(backend: str) -> dict:
   impls = {
     "pallas": {"attention": functools.partial(flash.attention, backend=backend),
@@ -72,8 +64,8 @@ def implementations(backend: str) -> dict:
     # Q and K (no LSE handed on)
     ops = get_attention("cudnn")
     for name, bound in (("cudnn", 1), ("cudnn_packed", cudnn.MAX_DOCUMENTS)):
-      impls[name] = {"attention": _knowing(bound, ops.attention),
-                     "reuse": _knowing(bound, lambda q, k, lse, v, qs, ks, **kw: ops.attention_from_lse(
+      impls[name] = {"attention": knowing(bound, ops.attention),
+                     "reuse": knowing(bound, lambda q, k, lse, v, qs, ks, **kw: ops.attention_from_lse(
                        q, k, None, v, qs, ks, **kw))}
 
     def unpacked(q, k, v, qs, ks, **_):  # jax's public cuDNN attention: what the library does without documents
@@ -190,13 +182,14 @@ def cudnn_sweep() -> bool:
     seg = jnp.broadcast_to((jnp.arange(t) * docs // t + 1).astype(jnp.int32), (2, t))
     # one document per row: cuDNN without the packed layout, as the train step runs it; else the per-call choice
     bound = 1 if docs == 1 else None
-    path = ("cudnn M=1" if bound == 1 else "cudnn") if bool(cudnn.documents_fit(seg)) else "fallback"
+    fits = bool(reference.documents_fit(seg, cudnn.MAX_DOCUMENTS))
+    path = ("cudnn M=1" if bound == 1 else "cudnn") if fits else "fallback"
     w = jax.random.normal(jax.random.PRNGKey(1), q.shape, jnp.float32)
     scale = d ** -0.5
     cases = {
-      "full": (_knowing(bound, lambda q, k, v, v2: ops.attention(q, k, v, seg, seg, window=window)),
+      "full": (knowing(bound, lambda q, k, v, v2: ops.attention(q, k, v, seg, seg, window=window)),
                lambda q, k, v, v2: reference.attention(q, k, v, seg, seg, window=window)),
-      "prob_reuse": (_knowing(bound, lambda q, k, v, v2: ops.attention_from_lse(q, k, None, v2, seg, seg, scale=scale,
+      "prob_reuse": (knowing(bound, lambda q, k, v, v2: ops.attention_from_lse(q, k, None, v2, seg, seg, scale=scale,
                                                                               window=window)),
                      lambda q, k, v, v2: reference.attention(q, k, v2, seg, seg, scale=scale, window=window)),
     }

@@ -119,8 +119,8 @@ def test_document_bounds_name_the_traces_worth_making():
 def test_documents_fit_counts_each_rows_documents():
   seg = _segments([[4, 4, 8], [16]])
   np.testing.assert_array_equal(reference.documents_per_row(seg), [3, 1])
-  assert bool(cudnn.documents_fit(seg, 3)) and not bool(cudnn.documents_fit(seg, 2))
-  assert bool(cudnn.documents_fit(_segments([[1] * 16, [16]]), 16))
+  assert bool(reference.documents_fit(seg, 3)) and not bool(reference.documents_fit(seg, 2))
+  assert bool(reference.documents_fit(_segments([[1] * 16, [16]]), 16))
 
 
 def test_a_batch_with_more_documents_than_the_packed_layout_holds_runs_the_fallback(monkeypatch):

@@ -59,21 +59,15 @@ def packing(segment_ids: jax.Array, max_segments: int) -> tuple[jax.Array, jax.A
   return jnp.where(lengths > 0, lengths, -1), offsets
 
 
-def documents_fit(segment_ids: jax.Array, max_documents: int = MAX_DOCUMENTS) -> jax.Array:
-  """Whether every row of ``segment_ids`` (``[B, T]`` int32, documents in contiguous runs) holds at most
-  ``max_documents`` documents: a traced scalar bool."""
-  return jnp.all(reference.documents_per_row(segment_ids) <= max_documents)
-
-
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_segment_ids: jax.Array, kv_segment_ids: jax.Array,
               *, causal: bool = True, scale: float | None = None, window: int = 0, return_lse: bool = False,
               max_documents: int = MAX_DOCUMENTS) -> jax.Array | tuple[jax.Array, None]:
   """Softmax attention by cuDNN; the contract of :func:`jaxshare.kernels.reference.attention` (``q [B,T,H,e]``,
   ``k [B,S,G,e]``, ``v [B,S,G,d]``, segment ids ``[B,T]`` int32 in contiguous runs; output ``[B,T,H,d]`` in q's
   dtype), except that ``return_lse`` returns ``(out, None)``: see the module docstring. Documents past a row's
-  ``max_documents``-th are dropped (their output is undefined): callers check :func:`documents_fit` first; with
-  ``max_documents=1`` the segment ids are not read. Lowers only for a GPU (jax raises "cuDNN not found" without
-  NVIDIA's library).
+  ``max_documents``-th are dropped (their output is undefined): callers check
+  :func:`jaxshare.kernels.reference.documents_fit` first; with ``max_documents=1`` the segment ids are not read.
+  Lowers only for a GPU (jax raises "cuDNN not found" without NVIDIA's library).
 
   Raises:
     ValueError: a shape or dtype :func:`unsupported` names.

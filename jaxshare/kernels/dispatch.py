@@ -163,7 +163,7 @@ def document_bounds(impl: str, dtype: str) -> tuple[int, ...] | None:
 
 
 @contextlib.contextmanager
-def documents_known(bound: int):
+def documents_known(bound: int | None):
   """Within this context the caller guarantees that no row of the batch holds more than ``bound`` documents, and
   attention traced for a library with a document limit (cuDNN's packed layout) runs the library kernel alone, sized
   to ``bound``, or, past the library's limit, jaxshare's kernels alone (producers then hand on the LSE and
@@ -176,6 +176,14 @@ def documents_known(bound: int):
     yield
   finally:
     _DOCUMENTS.reset(token)
+
+
+def knowing(bound: int | None, fn: Callable) -> Callable:
+  """``fn`` traced under :func:`documents_known` ``(bound)`` (None: each attention call decides on device)."""
+  def call(*args, **kwargs):
+    with documents_known(bound):
+      return fn(*args, **kwargs)
+  return call
 
 
 def _on_tpu(tpu: Callable, other: Callable) -> Callable:
@@ -207,8 +215,7 @@ def _library_or(library: _Library, fallback: Callable) -> Callable:
     if limit is None:
       out = pallas.per_device(kernel, *args)
     elif bound is None:
-      fit = jnp.all(reference.documents_per_row(q_segment_ids) <= limit) & jnp.all(
-        reference.documents_per_row(kv_segment_ids) <= limit)
+      fit = reference.documents_fit(q_segment_ids, limit) & reference.documents_fit(kv_segment_ids, limit)
       out = jax.lax.cond(fit, lambda: pallas.per_device(functools.partial(kernel, max_documents=limit), *args),
                          lambda: fallback(*args, causal=causal, scale=scale, window=window).astype(q.dtype))
     elif bound > limit:  # jaxshare's kernels throughout, the LSE handed on

@@ -50,6 +50,12 @@ def documents_per_row(segment_ids: jax.Array) -> jax.Array:
   return 1 + jnp.sum(segment_ids[:, 1:] != segment_ids[:, :-1], axis=1, dtype=jnp.int32)
 
 
+def documents_fit(segment_ids: jax.Array, max_documents: int) -> jax.Array:
+  """Whether every row of ``segment_ids`` (``[B, T]`` int32, documents in contiguous runs) holds at most
+  ``max_documents`` documents: a traced scalar bool."""
+  return jnp.all(documents_per_row(segment_ids) <= max_documents)
+
+
 def self_attention_unsupported(q, k, v) -> str | None:
   """Why a library kernel that attends a sequence to itself (T = S: the training and prefill roles) and reads K and V
   by one head index (after :func:`same_kv_heads`) cannot take ``q [B,T,H,e]``, ``k [B,S,Gk,e]``, ``v [B,S,Gv,d]``

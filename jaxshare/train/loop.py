@@ -15,9 +15,9 @@ from jaxshare.config import Config, ConfigError, get_field
 from jaxshare.data import Datasets
 from jaxshare.evaluation.val_loss import evaluate_loss, make_eval_step
 from jaxshare.init.headwise import compute_ties
-from jaxshare.kernels.dispatch import document_bounds
 from jaxshare.init.report import init_report
 from jaxshare.init.source import check_loadable, init_kv_pool, with_match_reference
+from jaxshare.kernels.dispatch import document_bounds
 from jaxshare.schedule import compile_schedule
 from jaxshare.train.interrupts import Interrupts
 from jaxshare.train.metrics import MetricsLogger, resolve_peak

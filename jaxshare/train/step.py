@@ -12,7 +12,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jaxshare.kernels.dispatch import documents_known
+from jaxshare.kernels.dispatch import knowing
 from jaxshare.kernels.reference import attention_mask, documents_per_row
 from jaxshare.model.ties import MATRICES
 from jaxshare.model.loss import Batch, masked_cross_entropy
@@ -77,15 +77,9 @@ def distillation_loss(student: jax.Array, teacher: jax.Array, segment_ids: jax.A
 
 
 def _by_documents(grad_fn: Callable, bounds: tuple[int, ...]) -> Callable:
-  """``grad_fn(params, mb, ...)`` traced under each bound on documents per row (:func:`documents_known`) and once
+  """``grad_fn(params, mb, ...)`` traced under each bound on documents per row (:func:`knowing`) and once
   past the last, run by ``lax.switch`` on the most documents a row of ``mb`` holds."""
-  def traced_knowing(bound: int) -> Callable:
-    def call(*args):
-      with documents_known(bound):
-        return grad_fn(*args)
-    return call
-
-  branches = [traced_knowing(bound) for bound in bounds] + [traced_knowing(sys.maxsize)]
+  branches = [knowing(bound, grad_fn) for bound in (*bounds, sys.maxsize)]
 
   def call(params, mb, *rest):
     most = jnp.max(documents_per_row(mb["segment_ids"]))
