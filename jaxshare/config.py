@@ -250,11 +250,11 @@ class AttentionConfig:
                  "TPU, Triton on GPU; flash attention, probability reuse, LISA_plus/DS features), inside shard_map "
                  "under a mesh; pallas_interpret: the same kernels in Pallas interpret mode (CPU tests; slow); "
                  "splash: jax's splash attention on TPU, cudnn: cuDNN's fused attention on GPU (bf16/fp16, head "
-                 "width <= 128, packed documents: up to 16 per row, a batch with more runs pallas), each for every "
-                 "softmax role it can run, probability reuse as attention over the source layer's q and k, "
-                 "jaxshare's kernels for the rest (LISA_plus's float32 "
-                 "features) and for decode; splash_interpret: splash in interpret mode; auto: splash on TPU, pallas "
-                 "on GPU for the shapes it supports (else xla with one warning naming the reason), xla on CPU "
+                 "width <= 128, packed documents: up to 16 per row on Hopper, one before it; a batch with more runs "
+                 "pallas), each for every softmax role it can run, probability reuse as attention over the source "
+                 "layer's q and k, jaxshare's kernels for the rest (LISA_plus's float32 features) and for decode; "
+                 "splash_interpret: splash in interpret mode; auto: splash on TPU, cudnn on GPU, pallas for what "
+                 "they refuse and the shapes it supports (else xla with one warning naming the reason), xla on CPU "
                  "(docs/kernels.md has the table and the measurements behind it).",
                  ("auto", "xla", "reference", "pallas", "pallas_interpret", "splash", "splash_interpret", "cudnn"))
   score_sharing: str = _f("recompute", "How layers that reuse attention scores get them. recompute: probability "

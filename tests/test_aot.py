@@ -84,12 +84,13 @@ def test_train_steps_compile_with_splash_attention_for_tpu(tmp_path):
 
 @needs_cudnn
 def test_train_steps_compile_with_cudnn_attention_for_an_h100_node(tmp_path):
-  """``attention.impl=cudnn`` in bf16: every standard-attention role (dense, K/V consumers, probability reuse over the
-  source's Q and K) compiles to cuDNN's fused attention, forward and backward, with packed documents, beside the
-  Triton kernels a batch with more documents per row than cuDNN's packed layout holds runs (lax.cond); LISA_plus's
-  float32 features, which cuDNN does not take, to jaxshare's Triton kernels."""
+  """``attention.impl=auto`` (the default) in bf16 on H100s runs cuDNN: every standard-attention role (dense, K/V
+  consumers, probability reuse over the source's Q and K) compiles to cuDNN's fused attention, forward and backward,
+  with packed documents, beside the Triton kernels a batch with more documents per row than cuDNN's packed layout
+  holds runs (lax.switch per micro-batch); LISA_plus's float32 features, which cuDNN does not take, to jaxshare's
+  Triton kernels."""
   proc, results = aot_compile(tmp_path, "--topology=h100:8", "--no-kernels",
-                              *(f"--schedule={s}" for s in MIN_CUDNN_CALLS), "attention.impl=cudnn",
+                              *(f"--schedule={s}" for s in MIN_CUDNN_CALLS), "attention.impl=auto",
                               "model.dtype=bfloat16")
   assert proc.returncode == 0, proc.stderr[-3000:]
   kernels = {r["name"]: r["kernels"] for r in results["h100:8"]}
@@ -98,6 +99,18 @@ def test_train_steps_compile_with_cudnn_attention_for_an_h100_node(tmp_path):
   assert set(kernels["train_step[dense]"]) == {"cudnn", "pallas"}, kernels
   assert kernels["train_step[lisa_plus]"]["pallas"] >= 3, kernels  # the feature chain's forward, dQ, dK/dV
   assert "attention: cudnn x" in proc.stdout
+
+
+@needs_cudnn
+def test_cudnn_compiles_without_the_packed_layout_for_an_a100_node(tmp_path):
+  """Before Hopper cuDNN has no packed layout (jax refuses it for an A100): ``attention.impl=cudnn`` there runs cuDNN
+  on rows of one document and the Triton kernels on packed rows, and the train step compiles."""
+  proc, results = aot_compile(tmp_path, "--topology=a100:8", "--no-kernels", "--schedule=dense",
+                              "attention.impl=cudnn", "model.dtype=bfloat16")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  kernels = {r["name"]: r["kernels"] for r in results["a100:8"]}
+  assert kernels["train_step[dense]"].get("cudnn", 0) >= MIN_CUDNN_CALLS["dense"], kernels
+  assert kernels["train_step[dense]"].get("pallas", 0) >= 3, kernels
 
 
 @needs_cuda_plugin

@@ -106,14 +106,54 @@ def test_cudnn_refuses_what_it_cannot_run_by_name():
     dispatch.get_attention("cudnn").attention(x, x, x, seg, seg)
 
 
-def test_document_bounds_name_the_traces_worth_making():
-  """cuDNN in bf16/fp16: one document (no packed layout), up to MAX_DOCUMENTS (packed); in float32 cuDNN refuses
-  every call, and implementations without a document limit need no bounds: no extra traces."""
+def test_document_bounds_name_the_traces_worth_making(monkeypatch):
+  """cuDNN in bf16/fp16 (``cudnn``, and ``auto`` compiling for a GPU): one document (no packed layout), up to
+  MAX_DOCUMENTS (packed) on Hopper, one alone before it (no packed layout there); in float32 cuDNN refuses every
+  call, and implementations without a document limit need no bounds: no extra traces."""
   assert dispatch.document_bounds("cudnn", "bfloat16") == (1, cudnn.MAX_DOCUMENTS)
   assert dispatch.document_bounds("cudnn", "float16") == (1, cudnn.MAX_DOCUMENTS)
   assert dispatch.document_bounds("cudnn", "float32") is None
   for impl in ("auto", "pallas", "xla", "splash"):
     assert dispatch.document_bounds(impl, "bfloat16") is None
+  assert dispatch.document_bounds("auto", "bfloat16", "tpu") is None
+  for capability, packed in (("9.0", True), ("8.0", False)):  # what jax's own check answers for an H100, an A100
+    monkeypatch.setattr(cudnn.cudnn_attention, "check_compute_capability",
+                        lambda c, have=capability: tuple(map(int, have.split("."))) >= tuple(map(int, c.split("."))))
+    want = (1, cudnn.MAX_DOCUMENTS) if packed else (1,)
+    assert dispatch.document_bounds("auto", "bfloat16", "gpu") == dispatch.document_bounds("cudnn", "bfloat16",
+                                                                                           "gpu") == want
+    assert dispatch.document_bounds("auto", "float32", "gpu") is None
+
+
+def test_auto_runs_cudnn_on_gpus_and_splash_on_tpus(monkeypatch):
+  """``attention.impl=auto`` compiling for a GPU runs cuDNN for every role it takes (a bf16 model's attention and
+  probability reuse over the source's Q and K), jaxshare's kernels for what it refuses (float32 features); on a TPU
+  splash; on a CPU XLA. Which kernel ran is read from stand-ins that mark their outputs."""
+  marks = {"cudnn": 3.0, "splash": 5.0, "pallas": 7.0, "pallas_reuse": 9.0}
+  marked = lambda name: lambda q, *a, **kw: jnp.full(q.shape, marks[name], q.dtype)  # noqa: E731  (widths equal here)
+  for name in ("cudnn", "splash"):
+    monkeypatch.setitem(dispatch._LIBRARIES, name, dataclasses.replace(dispatch._LIBRARIES[name],
+                                                                       attention=marked(name)))
+  monkeypatch.setattr(dispatch.pallas, "attention", marked("pallas"))
+  monkeypatch.setattr(dispatch.pallas, "attention_from_lse", marked("pallas_reuse"))
+  monkeypatch.setattr(dispatch.flash, "default_backend", lambda: "triton")
+  monkeypatch.setattr(dispatch.pallas, "per_device", lambda kernel, *args: kernel(*args))
+  bf16, f32 = jnp.ones((1, 16, 2, 16), jnp.bfloat16), jnp.ones((1, 16, 2, 16), jnp.float32)
+  seg = jnp.ones((1, 16), jnp.int32)
+  lse = jnp.zeros((1, 2, 16), jnp.float32)
+  ops = dispatch.get_attention("auto")
+  for platform, want, want_f32 in (("gpu", "cudnn", "pallas"), ("tpu", "splash", "splash")):
+    monkeypatch.setattr(dispatch.flash, "platform", lambda p=platform: p)
+    with dispatch.documents_known(1):
+      assert float(ops.attention(bf16, bf16, bf16, seg, seg)[0, 0, 0, 0]) == marks[want], platform
+      assert float(ops.attention_from_lse(bf16, bf16, None, bf16, seg, seg, scale=0.25)[0, 0, 0, 0]) == marks[want]
+      assert float(ops.attention_from_lse(bf16, bf16, lse, bf16, seg, seg, scale=0.25)[0, 0, 0, 0]) == \
+        marks["pallas_reuse"]  # a source that handed on its LSE ran jaxshare's kernel: its reuse kernel follows
+      assert float(ops.attention(f32, f32, f32, seg, seg)[0, 0, 0, 0]) == marks[want_f32], platform
+  monkeypatch.setattr(dispatch.flash, "platform", lambda: "cpu")
+  monkeypatch.setattr(dispatch.flash, "default_backend", lambda: "interpret")
+  np.testing.assert_allclose(ops.attention(bf16, bf16, bf16, seg, seg).astype(jnp.float32),
+                             reference.attention(bf16, bf16, bf16, seg, seg).astype(jnp.float32), atol=1e-2)
 
 
 def test_documents_fit_counts_each_rows_documents():
@@ -128,7 +168,7 @@ def test_a_batch_with_more_documents_than_the_packed_layout_holds_runs_the_fallb
   runs the fallback kernel, decided on device under jit, and both give the reference's values and gradients."""
   monkeypatch.setattr(cudnn.cudnn_attention, "dot_product_attention", _xla_stand_in)
   monkeypatch.setattr(dispatch.flash, "platform", lambda: "gpu")
-  library = dispatch._Library("cudnn", cudnn.attention, cudnn.unsupported, "gpu", max_documents=2)
+  library = dispatch._Library("cudnn", cudnn.attention, cudnn.unsupported, "gpu", max_documents=lambda _: 2)
   keys = jax.random.split(jax.random.key(3), 4)
   q, k, v = (jax.random.normal(key, (2, 16, 4, 16), jnp.bfloat16) for key in keys[:3])
   w = jax.random.normal(keys[3], (2, 16, 4, 16))

@@ -10,7 +10,8 @@ batch of length-T sequences, so its backward's fp32 workspace is B·M·N·T·d·
 T = 16384 on an H200). M is therefore at most :data:`MAX_DOCUMENTS` (MaxText's ``max_segments_per_seq``), and a
 batch with a row of more documents runs jaxshare's own kernel instead (the caller checks, on device:
 :func:`jaxshare.kernels.dispatch.documents_known`). With M = 1 (every row one document) no packed layout is built:
-the packed layout took 1.4x the time of plain causal cuDNN attention at T = 4096, d = 128 on an H200.
+the packed layout took 1.2-1.4x the time of plain causal cuDNN attention at T = 4096, d = 128 on an H200. Before
+Hopper there is no packed layout: M is 1 (:func:`max_documents`).
 
 Probability reuse runs as attention with the source layer's scores, as in :mod:`jaxshare.kernels.splash`:
 ``softmax(s·q_src k_srcᵀ) V_consumer`` (SA Alg. 1, UniAttn Eq. 3), the library's backward giving the source's Q and K
@@ -28,6 +29,18 @@ from jaxshare.kernels import reference
 DTYPES = (jnp.bfloat16, jnp.float16)
 MAX_DOCUMENTS = 16  # M: documents per row in cuDNN's packed layout (see the module docstring)
 MAX_WIDTH = 128  # head widths cuDNN takes on every GPU jaxshare targets (Hopper: 256; Ampere: 128)
+PACKED_CAPABILITY = "9.0"  # jax: "Packed layout requires a GPU with at least Hopper architecture"
+
+
+def max_documents(platform: str) -> int:
+  """The most documents per row cuDNN takes when compiling for ``platform``: :data:`MAX_DOCUMENTS` where the packed
+  layout runs (compute capability 9.0 and later, as jax's own check answers: the local GPU's, or a compile-only
+  target's, see :func:`jaxshare.aot.topology.topology_devices`), else 1 (an A100 runs cuDNN on rows of one document and
+  jaxshare's kernels on packed rows). Off GPUs :data:`MAX_DOCUMENTS`: the caller refuses to run cuDNN there, or a test
+  stands in for it."""
+  if platform != "gpu":
+    return MAX_DOCUMENTS
+  return MAX_DOCUMENTS if cudnn_attention.check_compute_capability(PACKED_CAPABILITY) else 1
 
 
 def unsupported(q, k, v) -> str | None:

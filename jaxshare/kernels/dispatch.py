@@ -28,10 +28,16 @@ AUTO_TABLE = (
   ("TPU", "LISA_plus / DS chains", "splash over the concatenated features", "as own scores"),
   ("TPU", "queries and keys of different lengths", "pallas (Mosaic)", "splash attends a sequence to itself only"),
   ("TPU", "decode", "pallas decode", "the split-K kernel over the shared cache; no library kernel reads it"),
-  ("GPU", "every role", "pallas (Triton)",
-   "attention.impl=cudnn (packed documents) ran the 1.2B step at T = 2048 3-6% faster on an H200 with a "
-   "documents check per attention call, which cost 5-17 GiB; its check is now one per micro-batch, compiled "
-   "for an H100 to no more memory than Pallas, and not yet timed on a GPU (scripts/bench_gpu.sh does)"),
+  ("GPU", "own scores (dense, GQA/MQA, producers), K/V consumers", "cudnn (bf16/fp16)",
+   "one H200, ~1.2B step: dense 63,045 tok/s against 58,399 with Pallas at T = 2048 (1.08x), 51,671 against 41,415 at "
+   "T = 8192 (1.25x); fwd+bwd at T = 4096, d = 128: 2.285 ms against 4.091 ms"),
+  ("GPU", "probability reuse (SA, UniAttn)", "cudnn over the source's Q and K",
+   "2.292 ms fwd+bwd at T = 4096, d = 128: as dense, and 1.29x faster than the Pallas reuse kernel (2.949 ms)"),
+  ("GPU", "rows of more than 16 documents (one before Hopper: no packed layout)", "pallas (Triton)",
+   "cuDNN's packed layout sizes its work by the documents per row (M = T asked 4.1 TiB at T = 16k); chosen once "
+   "per micro-batch"),
+  ("GPU", "LISA_plus / DS chains (float32 features), float32 models", "pallas (Triton)",
+   "cuDNN takes bf16/fp16 only"),
   ("CPU", "every role", "xla", "the FlashAttention-style XLA backward: the fastest here"),
 )
 
@@ -82,8 +88,8 @@ def get_attention(impl: str) -> AttentionOps:
   tests on CPU); ``splash``: jax's splash attention kernel on TPU for every softmax role, probability reuse
   included (attention over the source's Q and K, see :mod:`jaxshare.kernels.splash`), the Pallas decode kernel for
   decode steps; ``splash_interpret``: the same in interpret mode; ``cudnn``: cuDNN's fused attention on GPU likewise
-  (:mod:`jaxshare.kernels.cudnn`); ``auto``: :data:`AUTO_TABLE` (on GPU ``pallas`` for the shapes it supports,
-  else ``xla`` with one warning naming the reason). A library implementation runs jaxshare's kernels, with one
+  (:mod:`jaxshare.kernels.cudnn`); ``auto``: :data:`AUTO_TABLE` (splash on TPU and cuDNN on GPU where they take
+  the arguments, else ``pallas`` for the shapes it supports, else ``xla``, with one warning naming the reason). A library implementation runs jaxshare's kernels, with one
   warning, for arguments the library refuses. The platform is resolved when the model is traced, so a TPU topology
   mesh on a CPU host compiles the Mosaic kernels.
 
@@ -110,12 +116,14 @@ def get_attention(impl: str) -> AttentionOps:
     own = get_attention("pallas_interpret" if library.interpret else "pallas")
     return AttentionOps(_library_or(library, own.attention), _library_reuse_or(library, own.attention_from_lse),
                         own.decode_attention)
-  flash_attention = _auto(pallas.attention, xla.attention, _QKV)
-  flash_reuse = _auto(pallas.attention_from_lse, _checkpointed_reuse, _REUSE_QKV)
-  splash_library = _LIBRARIES["splash"]
-  return AttentionOps(_on_tpu(_library_or(splash_library, flash_attention), flash_attention),
-                      _on_tpu(_library_reuse_or(splash_library, flash_reuse), flash_reuse),
-                      _auto(pallas.decode_attention, decode.attention, _DECODE_QKV))
+  own = AttentionOps(_auto(pallas.attention, xla.attention, _QKV),
+                     _auto(pallas.attention_from_lse, _checkpointed_reuse, _REUSE_QKV),
+                     _auto(pallas.decode_attention, decode.attention, _DECODE_QKV))
+  libraries = {platform: _LIBRARIES[name] for platform, name in _AUTO_LIBRARIES.items()}
+  return AttentionOps(_by_platform({p: _library_or(lib, own.attention) for p, lib in libraries.items()}, own.attention),
+                      _by_platform({p: _library_reuse_or(lib, own.attention_from_lse) for p, lib in libraries.items()},
+                                   own.attention_from_lse),
+                      own.decode_attention)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,8 +136,8 @@ class _Library:
   unsupported: Callable
   platform: str | None
   elsewhere: str = ""  # what else to use off its platform, after "Use auto"
-  # the most documents per row its kernel takes (``attention`` then takes ``max_documents``); None: any number
-  max_documents: int | None = None
+  # the most documents per row its kernel takes for a platform (``attention`` then takes ``max_documents``); None: any
+  max_documents: Callable[..., int] | None = None
   dtypes: tuple | None = None  # the compute dtypes it takes (None: any)
 
   def unsupported_dtype(self, dtype) -> bool:
@@ -145,21 +153,30 @@ _LIBRARIES = {
                      ", or splash_interpret to run the kernel in interpret mode"),
   "splash_interpret": _Library("splash_interpret", functools.partial(splash.attention, interpret=True),
                                splash.unsupported, None),
-  "cudnn": _Library("cudnn", cudnn.attention, cudnn.unsupported, "gpu", max_documents=cudnn.MAX_DOCUMENTS,
+  "cudnn": _Library("cudnn", cudnn.attention, cudnn.unsupported, "gpu", max_documents=cudnn.max_documents,
                     dtypes=cudnn.DTYPES),
 }
+# the library attention.impl=auto runs, by platform
+_AUTO_LIBRARIES = {"tpu": "splash", "gpu": "cudnn"}
 
 
-def document_bounds(impl: str, dtype: str) -> tuple[int, ...] | None:
+def library_for(impl: str, platform: str) -> _Library | None:
+  """The library kernel ``attention.impl=impl`` runs when compiling for ``platform`` (``gpu``, ``tpu``, ``cpu``), or
+  None where it runs jaxshare's kernels or XLA."""
+  return _LIBRARIES.get(_AUTO_LIBRARIES.get(platform, "") if impl == "auto" else impl)
+
+
+def document_bounds(impl: str, dtype: str, platform: str | None = None) -> tuple[int, ...] | None:
   """The bounds on documents per row for which ``attention.impl=impl``'s library kernel, computing in ``dtype``
-  (``model.dtype``), is worth tracing apart (cuDNN in bf16: ``(1, 16)``: one document, no packed layout; up to 16,
-  packed), or None where the documents do not change the kernel (no limit, or a dtype the library refuses, whose
-  calls all fall back). A caller traces its computation once per bound and once past the last
-  (:func:`documents_known`)."""
-  library = _LIBRARIES.get(impl)
+  (``model.dtype``) for ``platform`` (default: the one being compiled for), is worth tracing apart (cuDNN in bf16
+  on Hopper: ``(1, 16)``: one document, no packed layout; up to 16, packed; before Hopper ``(1,)``), or None where
+  the documents do not change the kernel (no limit, or a dtype the library refuses, whose calls all fall back). A
+  caller traces its computation once per bound and once past the last (:func:`documents_known`)."""
+  platform = flash.platform() if platform is None else platform
+  library = library_for(impl, platform)
   if library is None or library.max_documents is None or library.unsupported_dtype(dtype):
     return None
-  return tuple(sorted({1, library.max_documents}))
+  return tuple(sorted({1, library.max_documents(platform)}))
 
 
 @contextlib.contextmanager
@@ -186,9 +203,9 @@ def knowing(bound: int | None, fn: Callable) -> Callable:
   return call
 
 
-def _on_tpu(tpu: Callable, other: Callable) -> Callable:
-  """``tpu`` when compiling for a TPU, else ``other`` (the platform is resolved when the model is traced)."""
-  return lambda *args, **kwargs: (tpu if flash.platform() == "tpu" else other)(*args, **kwargs)
+def _by_platform(fns: dict[str, Callable], other: Callable) -> Callable:
+  """``fns[platform]`` for the platform being compiled for, else ``other`` (resolved when the model is traced)."""
+  return lambda *args, **kwargs: fns.get(flash.platform(), other)(*args, **kwargs)
 
 
 def _library_or(library: _Library, fallback: Callable) -> Callable:
@@ -211,7 +228,8 @@ def _library_or(library: _Library, fallback: Callable) -> Callable:
         q, k, v, q_segment_ids, kv_segment_ids, causal=causal, scale=scale, window=window, return_lse=return_lse)
     kernel = functools.partial(library.attention, causal=causal, scale=scale, window=window)
     args = (q, k, v, q_segment_ids, kv_segment_ids)
-    limit, bound = library.max_documents, _DOCUMENTS.get()
+    limit = library.max_documents(flash.platform()) if library.max_documents else None
+    bound = _DOCUMENTS.get()
     if limit is None:
       out = pallas.per_device(kernel, *args)
     elif bound is None:

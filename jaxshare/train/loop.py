@@ -78,7 +78,8 @@ def jit_train_step(setup: TrainSetup, objective: Objective, teacher_shardings):
   """The run's train step jitted as training runs it: state and batch sharded by ``setup``, the state donated."""
   # cuDNN's packed layout holds a bounded number of documents per row: decided once per micro-batch, not per call
   fn = make_train_step(setup.graphdef, setup.tx, setup.lr_schedule, setup.cfg.train.grad_accum_steps, objective,
-                       document_bounds(setup.cfg.attention.impl, setup.cfg.model.dtype))
+                       document_bounds(setup.cfg.attention.impl, setup.cfg.model.dtype,
+                                       setup.mesh.devices.flat[0].platform))
   return jax.jit(fn, in_shardings=(setup.state_shardings, setup.batch_sharding, teacher_shardings),
                  out_shardings=(setup.state_shardings, None), donate_argnums=0)
 
