@@ -265,6 +265,12 @@ class AttentionConfig:
                           "aligner weights and recompute their logits in query chunks of 128 rows (never [B,H,T,T] for "
                           "the whole sequence). materialize: hand the probabilities / logits tensors on. Same numbers.",
                           ("recompute", "materialize"))
+  chain_dtype: str = _f("float32", "What a LISA_plus/DS chain's attention reads its features [q/sqrt(d), q_LR/sqrt(r), "
+                        "...] as (with score_sharing=recompute). float32: its logits equal the materialised sum of "
+                        "logits to float32 rounding; on GPUs the chain runs jaxshare's Triton kernels (cuDNN takes "
+                        "bf16/fp16 only; splash on TPUs takes either). compute: model.dtype, rounded as a bf16 layer's "
+                        "own q and k are; on Hopper GPUs cuDNN then runs the chain, its Q/K wider than V (jax's MLA "
+                        "path; docs/kernels.md).", ("float32", "compute"))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -107,7 +107,8 @@ def build_model(cfg: Config, schedule: Schedule, seed: int, ties: HeadTies | Non
   """The NNX model of ``cfg`` with parameters drawn from ``seed`` (``ties``: head-wise sharing's head map)."""
   return Transformer(cfg.model, schedule, mlp_dim=accounting.mlp_dim(cfg.model, schedule,
                                                                     accounting.param_match(cfg.schedule)),
-                     attention_impl=cfg.attention.impl, score_sharing=cfg.attention.score_sharing, ties=ties,
+                     attention_impl=cfg.attention.impl, score_sharing=cfg.attention.score_sharing,
+                     chain_dtype=cfg.attention.chain_dtype, ties=ties,
                      rngs=nnx.Rngs(seed))
 
 

@@ -186,9 +186,16 @@ def cudnn_sweep() -> bool:
     path = ("cudnn M=1" if bound == 1 else "cudnn") if fits else "fallback"
     w = jax.random.normal(jax.random.PRNGKey(1), q.shape, jnp.float32)
     scale = d ** -0.5
+    # a bf16 LISA_plus chain: Q/K features wider than V (d + 44, as 11 layers of rank 4 add), the scale folded in
+    extra = jax.random.normal(jax.random.PRNGKey(2), (2, t, h + g, 44), jnp.bfloat16)
+    widen = lambda q, k: (jnp.concatenate([(q * d ** -0.5).astype(q.dtype), extra[:, :, :h]], axis=-1),  # noqa: E731
+                          jnp.concatenate([k, extra[:, :, h:]], axis=-1))
     cases = {
       "full": (knowing(bound, lambda q, k, v, v2: ops.attention(q, k, v, seg, seg, window=window)),
                lambda q, k, v, v2: reference.attention(q, k, v, seg, seg, window=window)),
+      "wide_qk": (knowing(bound, lambda q, k, v, v2: ops.attention(*widen(q, k), v, seg, seg, scale=1.0,
+                                                                   window=window)),
+                  lambda q, k, v, v2: reference.attention(*widen(q, k), v, seg, seg, scale=1.0, window=window)),
       "prob_reuse": (knowing(bound, lambda q, k, v, v2: ops.attention_from_lse(q, k, None, v2, seg, seg, scale=scale,
                                                                               window=window)),
                      lambda q, k, v, v2: reference.attention(q, k, v2, seg, seg, scale=scale, window=window)),

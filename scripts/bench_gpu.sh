@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # The GPU measurements in one command (issues 30 and 44, at most 9 minutes): the Triton kernels' and cuDNN's values
-# and gradients against the XLA reference; the attention kernels timed per role (full / K/V consumer / probability
-# reuse, fwd and fwd+bwd) for Pallas, cuDNN (one document per row, as training runs it for the bench's rows; with
-# the packed layout; at 16k also jax's public cuDNN attention) and XLA at T = 1k, 4k, 16k and
-# d = 64, 128; and the train step of the ~1.2B Llama and its CLA2 / MLKV / UniAttn / LISA_plus variants at T = 2048
-# with attention.impl=auto and =cudnn, and dense / UniAttn / CLA2 at T = 8192 likewise. Each part has a time limit so that one slow part
-# leaves the others' figures (on an H200 a correctness check and its timings did not fit in 130 s together).
+# and gradients against the XLA reference (cuDNN's with Q/K wider than V too, as a bf16 LISA_plus chain); the
+# attention kernels timed per role (full / K/V consumer / probability reuse, fwd and fwd+bwd) for Pallas, cuDNN (one
+# document per row, as training runs it; at 16k also with the packed layout and jax's public cuDNN attention) and XLA
+# at T = 1k, 4k, 16k and d = 64, 128; and the train step of the ~1.2B Llama and its CLA2 / MLKV / UniAttn / LISA_plus
+# variants (LISA_plus's chain in float32 and in bf16, attention.chain_dtype=compute) with attention.impl=auto (cuDNN)
+# at T = 2048 and T = 8192, and dense with pallas at both for the ratio. Each part has a time limit so that one slow
+# part leaves the others' figures (on an H200 a correctness check and its timings did not fit in 130 s together).
 # Logs go to $1 (default runs/bench_gpu).
 #   bash scripts/bench_gpu.sh [OUT_DIR]
 set -u
@@ -17,12 +18,14 @@ quiet() { grep -v "^W1\|^WARNING\|Warning\|fragmentation\|allocation summary"; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/device.txt"
 $py -c "import jax, flax, optax; print('jax', jax.__version__, 'flax', flax.__version__, 'optax', optax.__version__, jax.devices())" \
   | tee -a "$out/device.txt"
-timeout "${CHECK_LIMIT:-100}" $py scripts/bench_attention.py --check-only 2>&1 | quiet | tee "$out/check.txt"
-timeout "${ATTN_LIMIT:-100}" $py scripts/bench_attention.py --lengths 1024 4096 --widths 64 128 --repeats 3 \
-  --impls pallas cudnn cudnn_packed xla_reference --no-check 2>&1 | quiet | tee "$out/attention.txt"
+timeout "${CHECK_LIMIT:-120}" $py scripts/bench_attention.py --check-only 2>&1 | quiet | tee "$out/check.txt"
+timeout "${ATTN_LIMIT:-80}" $py scripts/bench_attention.py --lengths 1024 4096 --widths 64 128 --repeats 3 \
+  --impls pallas cudnn xla_reference --no-check 2>&1 | quiet | tee "$out/attention.txt"
 timeout "${ATTN_LONG_LIMIT:-50}" $py scripts/bench_attention.py --lengths 16384 --widths 64 128 --repeats 2 \
   --impls pallas cudnn cudnn_packed cudnn_unpacked --no-check 2>&1 | quiet | tee "$out/attention_16k.txt"
-timeout "${MFU_LIMIT:-170}" $py scripts/bench_mfu.py --schedules dense uniattn lisa_plus cla2 mlkv --impls auto cudnn \
-  --steps 5 --batch 8 --seq-len 2048 2>&1 | quiet | tee "$out/mfu_2k.txt"
-timeout "${MFU_LONG_LIMIT:-120}" $py scripts/bench_mfu.py --schedules dense uniattn cla2 --impls auto cudnn \
-  --steps 5 --batch 2 --seq-len 8192 2>&1 | quiet | tee "$out/mfu_8k.txt"
+timeout "${MFU_LIMIT:-140}" $py scripts/bench_mfu.py --schedules dense lisa_plus_bf16 uniattn mlkv cla2 lisa_plus \
+  --impls auto --steps 3 --batch 8 --seq-len 2048 2>&1 | quiet | tee "$out/mfu_2k.txt"
+timeout "${MFU_LONG_LIMIT:-110}" $py scripts/bench_mfu.py --schedules dense uniattn mlkv lisa_plus_bf16 cla2 \
+  --impls auto --steps 3 --batch 2 --seq-len 8192 2>&1 | quiet | tee "$out/mfu_8k.txt"
+timeout "${MFU_PALLAS_LIMIT:-40}" $py scripts/bench_mfu.py --schedules dense --impls pallas --steps 3 --batch 8 \
+  --seq-len 2048 2>&1 | quiet | tee "$out/mfu_pallas.txt"

@@ -41,6 +41,7 @@ SCHEDULES = {
   "mlkv": ["schedule.kind=mlkv", "schedule.kv_layers=4", "schedule.kv_heads=8"],
   "uniattn": ["schedule.kind=uniattn", "schedule.uniattn.block_size=4", "schedule.uniattn.start=8"],
   "lisa_plus": ["schedule.kind=lisa_plus"],
+  "lisa_plus_bf16": ["schedule.kind=lisa_plus", "attention.chain_dtype=compute"],  # the chain on cuDNN (Hopper)
 }
 
 

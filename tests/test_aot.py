@@ -88,7 +88,7 @@ def test_train_steps_compile_with_cudnn_attention_for_an_h100_node(tmp_path):
   consumers, probability reuse over the source's Q and K) compiles to cuDNN's fused attention, forward and backward,
   with packed documents, beside the Triton kernels a batch with more documents per row than cuDNN's packed layout
   holds runs (lax.switch per micro-batch); LISA_plus's float32 features, which cuDNN does not take, to jaxshare's
-  Triton kernels."""
+  Triton kernels, and the same features read in bf16 to cuDNN."""
   proc, results = aot_compile(tmp_path, "--topology=h100:8", "--no-kernels",
                               *(f"--schedule={s}" for s in MIN_CUDNN_CALLS), "attention.impl=auto",
                               "model.dtype=bfloat16")
@@ -99,6 +99,13 @@ def test_train_steps_compile_with_cudnn_attention_for_an_h100_node(tmp_path):
   assert set(kernels["train_step[dense]"]) == {"cudnn", "pallas"}, kernels
   assert kernels["train_step[lisa_plus]"]["pallas"] >= 3, kernels  # the feature chain's forward, dQ, dK/dV
   assert "attention: cudnn x" in proc.stdout
+  # read in bf16 (attention.chain_dtype=compute), the chain is attention with Q/K wider than V: cuDNN's MLA path
+  proc, results = aot_compile(tmp_path, "--topology=h100:8", "--no-kernels", "--schedule=lisa_plus",
+                              "attention.impl=auto", "model.dtype=bfloat16", "attention.chain_dtype=compute")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  bf16_chain = results["h100:8"][0]["kernels"]
+  assert bf16_chain["cudnn"] > kernels["train_step[lisa_plus]"]["cudnn"], (bf16_chain, kernels)
+  assert bf16_chain["pallas"] < kernels["train_step[lisa_plus]"]["pallas"], (bf16_chain, kernels)
 
 
 @needs_cudnn

@@ -51,6 +51,7 @@ def _xla_stand_in(q, k, v, bias, mask, q_seqlen, kv_seqlen, q_offsets, kv_offset
   document (without lengths and offsets, the row is one document); (PADDING_)CAUSAL also masks later keys; a sliding
   window of n keeps keys with t - s < n."""
   assert bias is None and mask is None and qkv_layout == "BTNH"
+  assert q.shape[-1] % 8 == 0 and v.shape[-1] % 8 == 0, "jax's check: head widths are multiples of 8"
   kinds = cudnn.cudnn_attention.MaskType
   b, t, s = q.shape[0], q.shape[1], k.shape[1]
   if q_seqlen is None:
@@ -65,7 +66,11 @@ def _xla_stand_in(q, k, v, bias, mask, q_seqlen, kv_seqlen, q_offsets, kv_offset
     allowed &= offset >= 0
   if sliding_window_length:
     allowed &= offset < sliding_window_length
-  return jax.nn.dot_product_attention(q, k, v, mask=allowed[:, None], scale=scale, implementation="xla")
+  # jax.nn.dot_product_attention's own XLA path takes no V narrower than Q/K (cuDNN's MLA path does)
+  k, v = (jnp.repeat(x, q.shape[2] // x.shape[2], axis=2) for x in (k, v))
+  logits = jnp.einsum("bthe,bshe->bhts", q, k, preferred_element_type=jnp.float32) * scale
+  probs = jax.nn.softmax(jnp.where(allowed[:, None], logits, -1e30), axis=-1)
+  return jnp.einsum("bhts,bshd->bthd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32).astype(q.dtype)
 
 
 # (H, Gk, Gv): MHA, GQA, and a reuser's V heads other than its source's K heads.
@@ -93,6 +98,55 @@ def test_arguments_handed_to_cudnn_mean_the_reference_attention(monkeypatch, hea
   for g, r in zip(got, want):
     np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(r, np.float32),
                                atol=3e-2 * float(jnp.abs(r.astype(jnp.float32)).max()))
+
+
+def test_queries_wider_than_values_run_on_hopper_zero_padded(monkeypatch):
+  """A LISA_plus chain read in bf16 is attention with Q/K wider than V (64 + 44 = 108 over 64): cuDNN runs it where
+  jax's MLA path exists (Hopper, cuDNN >= 9.10), its features zero-padded to a multiple of 8 (jax's check, which the
+  stand-in asserts), with the reference's values and gradients; elsewhere it is refused by name."""
+  monkeypatch.setattr(cudnn.cudnn_attention, "dot_product_attention", _xla_stand_in)
+  keys = jax.random.split(jax.random.key(5), 4)
+  q, k = (jax.random.normal(key, (2, 16, 4, 108), jnp.bfloat16) for key in keys[:2])
+  v = jax.random.normal(keys[2], (2, 16, 2, 64), jnp.bfloat16)
+  assert "Q/K up to 256 over V of a multiple of 8 on Hopper" in cudnn.unsupported(q, k[:, :, :2], v)  # no GPU here
+  monkeypatch.setattr(cudnn, "wide_queries", lambda: True)
+  assert cudnn.unsupported(q, k[:, :, :2], v) is None
+  assert "head widths 264/64" in cudnn.unsupported(jnp.ones((1, 16, 4, 264), jnp.bfloat16),
+                                                   jnp.ones((1, 16, 2, 264), jnp.bfloat16), v[:1])
+  seg = _segments([[6, 10], [16]])
+  w = jax.random.normal(keys[3], (2, 16, 4, 64))
+  regroup = lambda x: jnp.repeat(x, 2, axis=2)  # noqa: E731
+
+  def loss(fn, q, k, v):
+    return jnp.sum(fn(q, k, v, seg, seg, scale=1.0).astype(jnp.float32) * w)
+  got = jax.value_and_grad(lambda *a: loss(cudnn.attention, *a), argnums=(0, 1, 2))(q, k[:, :, :2], v)
+  want = jax.value_and_grad(lambda q, k, v: loss(reference.attention, q, regroup(k), regroup(v)),
+                            argnums=(0, 1, 2))(q, k[:, :, :2], v)
+  for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(r, np.float32),
+                               atol=3e-2 * float(jnp.abs(r.astype(jnp.float32)).max()))
+
+
+def test_a_bf16_lisa_plus_chain_runs_cudnn_and_equals_xla(monkeypatch):
+  """``attention.chain_dtype=compute`` in a bf16 LISA_plus model: on Hopper (as jax's checks would answer) cuDNN runs
+  the chain's attention, Q/K wider than V, and the model has xla's loss and gradients in the same dtype, and, to
+  bf16 rounding, the loss of the float32 chain."""
+  widths = []
+
+  def stand_in(q, k, v, *args, **kwargs):
+    widths.append((q.shape[-1], v.shape[-1]))
+    return _xla_stand_in(q, k, v, *args, **kwargs)
+  monkeypatch.setattr(cudnn.cudnn_attention, "dot_product_attention", stand_in)
+  monkeypatch.setattr(cudnn, "wide_queries", lambda: True)
+  monkeypatch.setitem(dispatch._LIBRARIES, "cudnn", dataclasses.replace(dispatch._LIBRARIES["cudnn"], platform=None))
+  assert_model_equals_xla("bf16_lisa_plus", "cudnn", "attention.chain_dtype=compute")
+  assert any(e > d for e, d in widths), widths  # the chain ran on cuDNN
+  from test_model_pallas import CASES, _graphdef, _loss_and_grads, randomized
+  _, _, params = randomized(tiny_config(*CASES["bf16_lisa_plus"], "attention.impl=xla"))
+  losses = [float(_loss_and_grads(_graphdef(tiny_config(*CASES["bf16_lisa_plus"], "attention.impl=xla",
+                                                        f"attention.chain_dtype={dtype}")), params)[0])
+            for dtype in ("float32", "compute")]
+  np.testing.assert_allclose(*losses, rtol=2e-2)
 
 
 def test_cudnn_refuses_what_it_cannot_run_by_name():

@@ -15,7 +15,9 @@ Hopper there is no packed layout: M is 1 (:func:`max_documents`).
 
 Probability reuse runs as attention with the source layer's scores, as in :mod:`jaxshare.kernels.splash`:
 ``softmax(s·q_src k_srcᵀ) V_consumer`` (SA Alg. 1, UniAttn Eq. 3), the library's backward giving the source's Q and K
-and the consumer's V their gradients; no LSE is handed on.
+and the consumer's V their gradients; no LSE is handed on. A LISA_plus chain read in bf16 (``attention.chain_dtype=
+compute``) is attention with Q/K wider than V, which jax runs through cuDNN's "MLA" path on Hopper (cuDNN >= 9.10),
+its features zero-padded to a multiple of 8.
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ from jaxshare.kernels import reference
 DTYPES = (jnp.bfloat16, jnp.float16)
 MAX_DOCUMENTS = 16  # M: documents per row in cuDNN's packed layout (see the module docstring)
 MAX_WIDTH = 128  # head widths cuDNN takes on every GPU jaxshare targets (Hopper: 256; Ampere: 128)
-PACKED_CAPABILITY = "9.0"  # jax: "Packed layout requires a GPU with at least Hopper architecture"
+PACKED_CAPABILITY = "9.0"  # jax: "Packed layout requires a GPU with at least Hopper architecture" (and Q/K wider than V)
+MLA_MAX_WIDTH = 256  # Q/K widths cuDNN takes on Hopper
 
 
 def max_documents(platform: str) -> int:
@@ -44,13 +47,33 @@ def max_documents(platform: str) -> int:
 
 
 def unsupported(q, k, v) -> str | None:
-  """Why cuDNN cannot run ``q [B,T,H,e]``, ``k [B,S,Gk,e]``, ``v [B,S,Gv,d]`` (arrays or shape structs), or None."""
+  """Why cuDNN cannot run ``q [B,T,H,e]``, ``k [B,S,Gk,e]``, ``v [B,S,Gv,d]`` (arrays or shape structs), or None.
+  Widths: equal, multiples of 8 up to :data:`MAX_WIDTH`; or, where :func:`wide_queries` (Hopper), Q/K of any width up
+  to :data:`MLA_MAX_WIDTH` (zero-padded to a multiple of 8) over V of a multiple of 8 (a LISA_plus chain's features)."""
   if q.dtype not in DTYPES:
     return f"cuDNN flash attention takes bfloat16 or float16, not {jnp.dtype(q.dtype).name}"
   e, d = q.shape[3], v.shape[3]
+  if e != d and d % 8 == 0 and d <= MLA_MAX_WIDTH and _padded(e) <= MLA_MAX_WIDTH and wide_queries():
+    return reference.self_attention_unsupported(q, k, v)
   if e != d or e > MAX_WIDTH or e % 8:
-    return f"head widths {e}/{d}: cuDNN takes equal Q/K and V widths, multiples of 8 up to {MAX_WIDTH}"
+    return (f"head widths {e}/{d}: cuDNN takes equal Q/K and V widths, multiples of 8 up to {MAX_WIDTH} (Q/K up to "
+            f"{MLA_MAX_WIDTH} over V of a multiple of 8 on Hopper with cuDNN >= 9.10)")
   return reference.self_attention_unsupported(q, k, v)
+
+
+def wide_queries() -> bool:
+  """Whether cuDNN takes Q/K wider than V here (jax's "MLA" path: compute capability 9.0 and cuDNN 9.10 or later, as
+  jax's own checks answer for the local GPU or a compile-only target)."""
+  if not cudnn_attention.check_compute_capability(PACKED_CAPABILITY):
+    return False
+  try:
+    return cudnn_attention.check_cudnn_version() >= 91000
+  except RuntimeError:  # no cuDNN library: the call would not lower
+    return False
+
+
+def _padded(width: int) -> int:
+  return -(-width // 8) * 8
 
 
 def packing(segment_ids: jax.Array, max_segments: int) -> tuple[jax.Array, jax.Array]:
@@ -88,6 +111,9 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_segment_ids: jax.Array
   if reason := unsupported(q, k, v):
     raise ValueError(f"cuDNN attention cannot run these arguments: {reason}")
   scale = q.shape[-1] ** -0.5 if scale is None else scale
+  if pad := _padded(q.shape[-1]) - q.shape[-1]:  # zero features leave q kᵀ as it is
+    widen = lambda x: jnp.pad(x, ((0, 0),) * 3 + ((0, pad),))  # noqa: E731
+    q, k = widen(q), widen(k)
   k, v = reference.same_kv_heads(k, v, q.shape[2])
   kinds = cudnn_attention.MaskType
   if max_documents == 1:

@@ -37,7 +37,9 @@ AUTO_TABLE = (
    "cuDNN's packed layout sizes its work by the documents per row (M = T asked 4.1 TiB at T = 16k); chosen once "
    "per micro-batch"),
   ("GPU", "LISA_plus / DS chains (float32 features), float32 models", "pallas (Triton)",
-   "cuDNN takes bf16/fp16 only"),
+   "cuDNN takes bf16/fp16 only; the ~1.2B LISA_plus step ran at 0.61x dense's tokens/s on an H200"),
+  ("GPU", "LISA_plus chains read in bf16 (attention.chain_dtype=compute)", "cudnn, Q/K wider than V (Hopper)",
+   "jax's MLA path (cuDNN >= 9.10); compiles for an H100 here, not yet timed on a GPU"),
   ("CPU", "every role", "xla", "the FlashAttention-style XLA backward: the fastest here"),
 )
 

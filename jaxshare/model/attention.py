@@ -101,6 +101,9 @@ class Attention(nnx.Module):
       features; nothing ``[B,H,T,T]`` is kept per reusing layer) or ``materialize`` (hand on the probabilities or
       logits). Both give the same numbers; with recompute full LISA's aligner chains hand on an
       :class:`~jaxshare.model.scores.AlignerChain` and attend in query chunks.
+    chain_dtype: what a LISA_plus/DS chain's attention reads its float32 features as: ``float32`` (its logits
+      equal the materialised sum to float32 rounding) or ``compute`` (``cfg.dtype``, rounded as a bf16 layer's own
+      Q and K are, so that library kernels that take bf16/fp16 alone run the chain: cuDNN on Hopper).
 
   Parameters (absent when the role does not need them): ``q_proj [D,H,d]``, ``k_proj``/``v_proj [D,G,d]``,
   ``o_proj [H,d,D]``; LISA ``q_lr [D,H,r]``, ``k_lr [D,G,r]``, aligner ``align_in [2H,hidden]`` +
@@ -108,7 +111,8 @@ class Attention(nnx.Module):
   also keeps ``q_proj``/``k_proj``, marked not trainable.
   """
 
-  def __init__(self, cfg: ModelConfig, role: LayerRole, *, attention_impl: str, score_sharing: str, rngs: nnx.Rngs):
+  def __init__(self, cfg: ModelConfig, role: LayerRole, *, attention_impl: str, score_sharing: str,
+               chain_dtype: str = "float32", rngs: nnx.Rngs):
     D, H, d, g = cfg.d_model, cfg.num_heads, cfg.resolved_head_dim, role.num_kv_heads
     dtype, pdtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
     qkv_bias, out_bias = cfg.features.qkv_biases, cfg.features.dense_biases
@@ -116,6 +120,7 @@ class Attention(nnx.Module):
     self.role, self.head_dim, self.dtype = role, d, dtype
     self.theta, self.rotary_dim, self.rope_scaling = cfg.rope_theta, int(d * cfg.rotary_pct), RopeScaling.of(cfg)
     self.recompute = score_sharing == "recompute"
+    self.chain_dtype = dtype if chain_dtype == "compute" else None
     self.window = cfg.sliding_window
     ops = get_attention(attention_impl)
     self.attend = functools.partial(ops.attention, window=self.window)
@@ -221,8 +226,10 @@ class Attention(nnx.Module):
       state = score_in
       if role.has_low_rank:
         state = scores.add_low_rank(state, *self._low_rank(x, positions), slot)
-      out = self.attend(state.q, state.k, scores.regroup(v, state.k.shape[2]), segment_ids, segment_ids,
-                        causal=True, scale=state.scale)
+      q, k = state.q, state.k
+      if self.chain_dtype is not None:
+        q, k = q.astype(self.chain_dtype), k.astype(self.chain_dtype)
+      out = self.attend(q, k, scores.regroup(v, k.shape[2]), segment_ids, segment_ids, causal=True, scale=state.scale)
     else:
       a = score_in.logits
       if role.has_low_rank:

@@ -61,12 +61,13 @@ class DecoderLayer(nnx.Module):
   """
 
   def __init__(self, cfg: ModelConfig, role: LayerRole, *, mlp_dim: int, attention_impl: str, score_sharing: str,
-               rngs: nnx.Rngs):
+               chain_dtype: str = "float32", rngs: nnx.Rngs):
     pdtype = jnp.dtype(cfg.param_dtype)
     features = cfg.features
     self.parallel_residual, self.wc_normed = features.parallel_residual, role.wc_normed
     self.norm1 = make_norm(features.norm, cfg.d_model, cfg.norm_eps, pdtype)
-    self.attn = Attention(cfg, role, attention_impl=attention_impl, score_sharing=score_sharing, rngs=rngs)
+    self.attn = Attention(cfg, role, attention_impl=attention_impl, score_sharing=score_sharing,
+                          chain_dtype=chain_dtype, rngs=rngs)
     self.compensation = DenseGeneral(
       "btd,de->bte", (cfg.d_model, cfg.d_model), ("embed", None), std=None, bias_shape=None,
       dtype=jnp.dtype(cfg.dtype), param_dtype=pdtype, rngs=rngs) if role.compensation else None
@@ -114,7 +115,7 @@ class LayerRun(nnx.Module):
   """
 
   def __init__(self, cfg: ModelConfig, run: RunPlan, *, mlp_dim: int, attention_impl: str, score_sharing: str,
-               rngs: nnx.Rngs):
+               chain_dtype: str = "float32", rngs: nnx.Rngs):
     self.length, self.role, self.scan = run.length, run.role, cfg.scan_layers
     self.recompute = score_sharing == "recompute"
 
@@ -122,7 +123,7 @@ class LayerRun(nnx.Module):
     @nnx.vmap(in_axes=(0,), out_axes=0)
     def make(rngs: nnx.Rngs) -> DecoderLayer:
       return DecoderLayer(cfg, run.role, mlp_dim=mlp_dim, attention_impl=attention_impl, score_sharing=score_sharing,
-                          rngs=rngs)
+                          chain_dtype=chain_dtype, rngs=rngs)
 
     self.layers = make(rngs)
 
@@ -222,10 +223,10 @@ class Superblock(nnx.Module):
   """
 
   def __init__(self, cfg: ModelConfig, runs: tuple[RunPlan, ...], *, mlp_dim: int, attention_impl: str,
-               score_sharing: str, rngs: nnx.Rngs):
+               score_sharing: str, chain_dtype: str = "float32", rngs: nnx.Rngs):
     self.plan = tuple(runs)
     self.runs = nnx.List([LayerRun(cfg, run, mlp_dim=mlp_dim, attention_impl=attention_impl,
-                                   score_sharing=score_sharing, rngs=rngs) for run in runs])
+                                   score_sharing=score_sharing, chain_dtype=chain_dtype, rngs=rngs) for run in runs])
 
   def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array, capture: str | None = None,
                head_kernels: dict | None = None) -> tuple[jax.Array, tuple]:

@@ -21,14 +21,14 @@ class Stack(nnx.Module):
   """``count`` structurally identical superblocks with parameters stacked on a leading ``layers`` axis."""
 
   def __init__(self, cfg: ModelConfig, plan: StackPlan, *, mlp_dim: int, attention_impl: str, score_sharing: str,
-               rngs: nnx.Rngs):
+               chain_dtype: str = "float32", rngs: nnx.Rngs):
     self.count, self.scan, self.remat = plan.count, cfg.scan_layers, cfg.remat == "full"
 
     @nnx.split_rngs(splits=plan.count)
     @nnx.vmap(in_axes=(0,), out_axes=0)
     def make(rngs: nnx.Rngs) -> Superblock:
       return Superblock(cfg, plan.runs, mlp_dim=mlp_dim, attention_impl=attention_impl,
-                        score_sharing=score_sharing, rngs=rngs)
+                        score_sharing=score_sharing, chain_dtype=chain_dtype, rngs=rngs)
 
     self.blocks = make(rngs)
 
@@ -85,6 +85,7 @@ class Transformer(nnx.Module):
     mlp_dim: MLP width (``accounting.mlp_dim``: the config's, or widened to match parameters).
     attention_impl: ``attention.impl``.
     score_sharing: ``attention.score_sharing`` (see :class:`~jaxshare.model.attention.Attention`).
+    chain_dtype: ``attention.chain_dtype`` (see :class:`~jaxshare.model.attention.Attention`).
     ties: head-wise sharing's head map, exactly when the schedule ties heads.
 
   Raises:
@@ -92,8 +93,8 @@ class Transformer(nnx.Module):
   """
 
   def __init__(self, cfg: ModelConfig, schedule: Schedule, *, mlp_dim: int | None = None,
-               attention_impl: str = "auto", score_sharing: str = "recompute", ties: HeadTies | None = None,
-               rngs: nnx.Rngs):
+               attention_impl: str = "auto", score_sharing: str = "recompute", chain_dtype: str = "float32",
+               ties: HeadTies | None = None, rngs: nnx.Rngs):
     if len(schedule.layers) != cfg.num_layers:
       raise ValueError(f"schedule has {len(schedule.layers)} layers, model.num_layers={cfg.num_layers}")
     pdtype, self.dtype = jnp.dtype(cfg.param_dtype), jnp.dtype(cfg.dtype)
@@ -106,7 +107,7 @@ class Transformer(nnx.Module):
     # the stacks; "segments" is their key in the parameter tree, which checkpoints store
     self.segments = nnx.List([
       Stack(cfg, plan, mlp_dim=mlp_dim or cfg.mlp_dim, attention_impl=attention_impl, score_sharing=score_sharing,
-            rngs=rngs)
+            chain_dtype=chain_dtype, rngs=rngs)
       for plan in schedule.stacks])
     self.stack_plans = schedule.stacks
     self.final_norm = make_norm(cfg.features.norm, cfg.d_model, cfg.norm_eps, pdtype)
