@@ -108,7 +108,8 @@ def test_queries_wider_than_values_run_on_hopper_zero_padded(monkeypatch):
   keys = jax.random.split(jax.random.key(5), 4)
   q, k = (jax.random.normal(key, (2, 16, 4, 108), jnp.bfloat16) for key in keys[:2])
   v = jax.random.normal(keys[2], (2, 16, 2, 64), jnp.bfloat16)
-  assert "Q/K up to 256 over V of a multiple of 8 on Hopper" in cudnn.unsupported(q, k[:, :, :2], v)  # no GPU here
+  monkeypatch.setattr(cudnn, "wide_queries", lambda: False)
+  assert "Q/K up to 256 over V of a multiple of 8 on Hopper" in cudnn.unsupported(q, k[:, :, :2], v)
   monkeypatch.setattr(cudnn, "wide_queries", lambda: True)
   assert cudnn.unsupported(q, k[:, :, :2], v) is None
   assert "head widths 264/64" in cudnn.unsupported(jnp.ones((1, 16, 4, 264), jnp.bfloat16),
@@ -117,14 +118,15 @@ def test_queries_wider_than_values_run_on_hopper_zero_padded(monkeypatch):
   w = jax.random.normal(keys[3], (2, 16, 4, 64))
   regroup = lambda x: jnp.repeat(x, 2, axis=2)  # noqa: E731
 
-  def loss(fn, q, k, v):
-    return jnp.sum(fn(q, k, v, seg, seg, scale=1.0).astype(jnp.float32) * w)
-  got = jax.value_and_grad(lambda *a: loss(cudnn.attention, *a), argnums=(0, 1, 2))(q, k[:, :, :2], v)
-  want = jax.value_and_grad(lambda q, k, v: loss(reference.attention, q, regroup(k), regroup(v)),
-                            argnums=(0, 1, 2))(q, k[:, :, :2], v)
-  for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-    np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(r, np.float32),
-                               atol=3e-2 * float(jnp.abs(r.astype(jnp.float32)).max()))
+  for scale in (1.0, None):  # None: 1/√108, the unpadded width's
+    def loss(fn, q, k, v):
+      return jnp.sum(fn(q, k, v, seg, seg, scale=scale).astype(jnp.float32) * w)
+    got = jax.value_and_grad(lambda *a: loss(cudnn.attention, *a), argnums=(0, 1, 2))(q, k[:, :, :2], v)
+    want = jax.value_and_grad(lambda q, k, v: loss(reference.attention, q, regroup(k), regroup(v)),
+                              argnums=(0, 1, 2))(q, k[:, :, :2], v)
+    for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+      np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(r, np.float32),
+                                 atol=3e-2 * float(jnp.abs(r.astype(jnp.float32)).max()), err_msg=str(scale))
 
 
 def test_a_bf16_lisa_plus_chain_runs_cudnn_and_equals_xla(monkeypatch):
@@ -164,16 +166,16 @@ def test_document_bounds_name_the_traces_worth_making(monkeypatch):
   """cuDNN in bf16/fp16 (``cudnn``, and ``auto`` compiling for a GPU): one document (no packed layout), up to
   MAX_DOCUMENTS (packed) on Hopper, one alone before it (no packed layout there); in float32 cuDNN refuses every
   call, and implementations without a document limit need no bounds: no extra traces."""
-  assert dispatch.document_bounds("cudnn", "bfloat16") == (1, cudnn.MAX_DOCUMENTS)
-  assert dispatch.document_bounds("cudnn", "float16") == (1, cudnn.MAX_DOCUMENTS)
-  assert dispatch.document_bounds("cudnn", "float32") is None
+  assert dispatch.document_bounds("cudnn", "bfloat16", "cpu") == (1, cudnn.MAX_DOCUMENTS)
+  assert dispatch.document_bounds("cudnn", "float16", "cpu") == (1, cudnn.MAX_DOCUMENTS)
+  assert dispatch.document_bounds("cudnn", "float32", "cpu") is None
   for impl in ("auto", "pallas", "xla", "splash"):
-    assert dispatch.document_bounds(impl, "bfloat16") is None
+    assert dispatch.document_bounds(impl, "bfloat16", "cpu") is None
   assert dispatch.document_bounds("auto", "bfloat16", "tpu") is None
-  for capability, packed in (("9.0", True), ("8.0", False)):  # what jax's own check answers for an H100, an A100
+  monkeypatch.setattr(cudnn.cudnn_attention, "check_cudnn_version", lambda: 92800)
+  for capability, want in (("9.0", (1, cudnn.MAX_DOCUMENTS)), ("8.0", (1,)), ("7.0", None)):  # H100, A100, V100
     monkeypatch.setattr(cudnn.cudnn_attention, "check_compute_capability",
                         lambda c, have=capability: tuple(map(int, have.split("."))) >= tuple(map(int, c.split("."))))
-    want = (1, cudnn.MAX_DOCUMENTS) if packed else (1,)
     assert dispatch.document_bounds("auto", "bfloat16", "gpu") == dispatch.document_bounds("cudnn", "bfloat16",
                                                                                            "gpu") == want
     assert dispatch.document_bounds("auto", "float32", "gpu") is None
@@ -181,8 +183,9 @@ def test_document_bounds_name_the_traces_worth_making(monkeypatch):
 
 def test_auto_runs_cudnn_on_gpus_and_splash_on_tpus(monkeypatch):
   """``attention.impl=auto`` compiling for a GPU runs cuDNN for every role it takes (a bf16 model's attention and
-  probability reuse over the source's Q and K), jaxshare's kernels for what it refuses (float32 features); on a TPU
-  splash; on a CPU XLA. Which kernel ran is read from stand-ins that mark their outputs."""
+  probability reuse over the source's Q and K), jaxshare's kernels for what it refuses (float32 features) and on GPUs
+  without cuDNN flash attention (before Ampere, ROCm): probability reuse too, as tiled attention over the source's Q
+  and K; on a TPU splash; on a CPU XLA. Which kernel ran is read from stand-ins that mark their outputs."""
   marks = {"cudnn": 3.0, "splash": 5.0, "pallas": 7.0, "pallas_reuse": 9.0}
   marked = lambda name: lambda q, *a, **kw: jnp.full(q.shape, marks[name], q.dtype)  # noqa: E731  (widths equal here)
   for name in ("cudnn", "splash"):
@@ -192,6 +195,8 @@ def test_auto_runs_cudnn_on_gpus_and_splash_on_tpus(monkeypatch):
   monkeypatch.setattr(dispatch.pallas, "attention_from_lse", marked("pallas_reuse"))
   monkeypatch.setattr(dispatch.flash, "default_backend", lambda: "triton")
   monkeypatch.setattr(dispatch.pallas, "per_device", lambda kernel, *args: kernel(*args))
+  monkeypatch.setattr(cudnn.cudnn_attention, "check_compute_capability", lambda c: True)  # as on an H100
+  monkeypatch.setattr(cudnn.cudnn_attention, "check_cudnn_version", lambda: 92800)
   bf16, f32 = jnp.ones((1, 16, 2, 16), jnp.bfloat16), jnp.ones((1, 16, 2, 16), jnp.float32)
   seg = jnp.ones((1, 16), jnp.int32)
   lse = jnp.zeros((1, 2, 16), jnp.float32)
@@ -204,6 +209,11 @@ def test_auto_runs_cudnn_on_gpus_and_splash_on_tpus(monkeypatch):
       assert float(ops.attention_from_lse(bf16, bf16, lse, bf16, seg, seg, scale=0.25)[0, 0, 0, 0]) == \
         marks["pallas_reuse"]  # a source that handed on its LSE ran jaxshare's kernel: its reuse kernel follows
       assert float(ops.attention(f32, f32, f32, seg, seg)[0, 0, 0, 0]) == marks[want_f32], platform
+  monkeypatch.setattr(dispatch.flash, "platform", lambda: "gpu")  # a V100, or a ROCm GPU: no cuDNN flash attention
+  monkeypatch.setattr(cudnn.cudnn_attention, "check_compute_capability", lambda c: False)
+  with dispatch.documents_known(1):
+    assert float(ops.attention(bf16, bf16, bf16, seg, seg)[0, 0, 0, 0]) == marks["pallas"]
+    assert float(ops.attention_from_lse(bf16, bf16, None, bf16, seg, seg, scale=0.25)[0, 0, 0, 0]) == marks["pallas"]
   monkeypatch.setattr(dispatch.flash, "platform", lambda: "cpu")
   monkeypatch.setattr(dispatch.flash, "default_backend", lambda: "interpret")
   np.testing.assert_allclose(ops.attention(bf16, bf16, bf16, seg, seg).astype(jnp.float32),

@@ -33,6 +33,7 @@ MAX_DOCUMENTS = 16  # M: documents per row in cuDNN's packed layout (see the mod
 MAX_WIDTH = 128  # head widths cuDNN takes on every GPU jaxshare targets (Hopper: 256; Ampere: 128)
 PACKED_CAPABILITY = "9.0"  # jax: "Packed layout requires a GPU with at least Hopper architecture" (and Q/K wider than V)
 MLA_MAX_WIDTH = 256  # Q/K widths cuDNN takes on Hopper
+FLASH_CAPABILITY = "8.0"  # cuDNN's fused flash attention: Ampere and later
 
 
 def max_documents(platform: str) -> int:
@@ -44,6 +45,19 @@ def max_documents(platform: str) -> int:
   if platform != "gpu":
     return MAX_DOCUMENTS
   return MAX_DOCUMENTS if cudnn_attention.check_compute_capability(PACKED_CAPABILITY) else 1
+
+
+def device_unsupported() -> str | None:
+  """Why cuDNN flash attention cannot run on the GPU being compiled for (jax's own checks: the local GPU's, or a
+  compile-only target's), or None: it needs an NVIDIA GPU of compute capability 8.0 or later (jax does not check
+  that before a compile fails) and the cuDNN library (absent beside a ROCm plugin)."""
+  if not cudnn_attention.check_compute_capability(FLASH_CAPABILITY):
+    return f"cuDNN flash attention needs an NVIDIA GPU of compute capability {FLASH_CAPABILITY} or later"
+  try:
+    cudnn_attention.check_cudnn_version()
+  except RuntimeError as e:
+    return f"no cuDNN library ({e})"
+  return None
 
 
 def unsupported(q, k, v) -> str | None:

@@ -116,14 +116,16 @@ def get_attention(impl: str) -> AttentionOps:
   if impl in _LIBRARIES:  # jaxshare's kernels for what the library cannot run (LISA_plus's float32 features)
     library = _LIBRARIES[impl]
     own = get_attention("pallas_interpret" if library.interpret else "pallas")
-    return AttentionOps(_library_or(library, own.attention), _library_reuse_or(library, own.attention_from_lse),
+    return AttentionOps(_library_or(library, own.attention),
+                        _library_reuse_or(library, own.attention, own.attention_from_lse),
                         own.decode_attention)
   own = AttentionOps(_auto(pallas.attention, xla.attention, _QKV),
                      _auto(pallas.attention_from_lse, _checkpointed_reuse, _REUSE_QKV),
                      _auto(pallas.decode_attention, decode.attention, _DECODE_QKV))
   libraries = {platform: _LIBRARIES[name] for platform, name in _AUTO_LIBRARIES.items()}
   return AttentionOps(_by_platform({p: _library_or(lib, own.attention) for p, lib in libraries.items()}, own.attention),
-                      _by_platform({p: _library_reuse_or(lib, own.attention_from_lse) for p, lib in libraries.items()},
+                      _by_platform({p: _library_reuse_or(lib, own.attention, own.attention_from_lse)
+                                    for p, lib in libraries.items()},
                                    own.attention_from_lse),
                       own.decode_attention)
 
@@ -141,6 +143,7 @@ class _Library:
   # the most documents per row its kernel takes for a platform (``attention`` then takes ``max_documents``); None: any
   max_documents: Callable[..., int] | None = None
   dtypes: tuple | None = None  # the compute dtypes it takes (None: any)
+  device_unsupported: Callable[[], str | None] | None = None  # why its platform's device cannot run it (None: can)
 
   def unsupported_dtype(self, dtype) -> bool:
     return self.dtypes is not None and jnp.dtype(dtype) not in self.dtypes
@@ -156,6 +159,7 @@ _LIBRARIES = {
   "splash_interpret": _Library("splash_interpret", functools.partial(splash.attention, interpret=True),
                                splash.unsupported, None),
   "cudnn": _Library("cudnn", cudnn.attention, cudnn.unsupported, "gpu", max_documents=cudnn.max_documents,
+                    device_unsupported=cudnn.device_unsupported,
                     dtypes=cudnn.DTYPES),
 }
 # the library attention.impl=auto runs, by platform
@@ -178,6 +182,8 @@ def document_bounds(impl: str, dtype: str, platform: str | None = None) -> tuple
   library = library_for(impl, platform)
   if library is None or library.max_documents is None or library.unsupported_dtype(dtype):
     return None
+  if library.platform == platform and library.device_unsupported and library.device_unsupported():
+    return None  # every call falls back
   return tuple(sorted({1, library.max_documents(platform)}))
 
 
@@ -222,7 +228,8 @@ def _library_or(library: _Library, fallback: Callable) -> Callable:
     if library.platform and flash.platform() != library.platform:
       raise ConfigError(f"attention.impl={library.impl} runs on {library.platform.upper()}s; this run compiles for "
                         f"{flash.platform()}. Use auto{library.elsewhere}")
-    if reason := library.unsupported(q, k, v):
+    if reason := (library.platform and library.device_unsupported and library.device_unsupported()) or \
+        library.unsupported(q, k, v):
       if reason not in _warned:
         _warned.add(reason)
         log.warning("attention.impl: %s not used (%s); falling back", library.impl, reason)
@@ -246,11 +253,12 @@ def _library_or(library: _Library, fallback: Callable) -> Callable:
   return call
 
 
-def _library_reuse_or(library: _Library, with_lse: Callable) -> Callable:
-  """Probability reuse as attention over the source's Q and K (the library kernel, or XLA where it refuses the
-  arguments) when the source handed on no LSE (it ran the library kernel); ``with_lse`` when it did (it fell back to
-  a kernel that returns one, whose reuse sends the LSE its gradient)."""
-  attention = _library_or(library, xla.attention)
+def _library_reuse_or(library: _Library, attention: Callable, with_lse: Callable) -> Callable:
+  """Probability reuse as attention over the source's Q and K (the library kernel, or ``attention`` where it refuses
+  the arguments or the batch's documents: jaxshare's tiled kernel, never ``[B, H, T, S]``) when the source handed on
+  no LSE (it ran the library kernel, or a per-call choice did); ``with_lse`` when it did (it fell back to a kernel
+  that returns one, whose reuse sends the LSE its gradient)."""
+  attention = _library_or(library, attention)
 
   def call(q, k, lse, v, q_segment_ids, kv_segment_ids, *, scale, causal=True, window=0):
     if lse is None:
