@@ -32,7 +32,8 @@ AUTO_TABLE = (
    "one H200, ~1.2B step: dense 63,045 tok/s against 58,399 with Pallas at T = 2048 (1.08x), 51,671 against 41,415 at "
    "T = 8192 (1.25x); fwd+bwd at T = 4096, d = 128: 2.285 ms against 4.091 ms"),
   ("GPU", "probability reuse (SA, UniAttn)", "cudnn over the source's Q and K",
-   "2.292 ms fwd+bwd at T = 4096, d = 128: as dense, and 1.29x faster than the Pallas reuse kernel (2.949 ms)"),
+   "2.292 ms fwd+bwd at T = 4096, d = 128: as dense, and 1.29x faster than the Pallas reuse kernel (2.949 ms); "
+   "the UniAttn step needs ~5% more HBM per sequence than with Pallas (docs/scale-out.md)"),
   ("GPU", "rows of more than 16 documents (one before Hopper: no packed layout)", "pallas (Triton)",
    "cuDNN's packed layout sizes its work by the documents per row (M = T asked 4.1 TiB at T = 16k); chosen once "
    "per micro-batch"),
