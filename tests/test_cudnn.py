@@ -73,6 +73,27 @@ def _xla_stand_in(q, k, v, bias, mask, q_seqlen, kv_seqlen, q_offsets, kv_offset
   return jnp.einsum("bhts,bshd->bthd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32).astype(q.dtype)
 
 
+@pytest.fixture
+def stand_in(monkeypatch):
+  """cuDNN as the XLA stand-in, run on any platform (no GPU here); returns the stand-in's calls' (Q/K, V) widths."""
+  widths = []
+
+  def call(q, k, v, *args, **kwargs):
+    widths.append((q.shape[-1], v.shape[-1]))
+    return _xla_stand_in(q, k, v, *args, **kwargs)
+  monkeypatch.setattr(cudnn.cudnn_attention, "dot_product_attention", call)
+  monkeypatch.setitem(dispatch._LIBRARIES, "cudnn", dataclasses.replace(dispatch._LIBRARIES["cudnn"], platform=None))
+  return widths
+
+
+def _as_gpu(monkeypatch, capability: str | None) -> None:
+  """jax's cuDNN checks answer as for a GPU of this compute capability with cuDNN 9.28 (None: no cuDNN GPU)."""
+  have = tuple(map(int, capability.split("."))) if capability else None
+  monkeypatch.setattr(cudnn.cudnn_attention, "check_compute_capability",
+                      lambda c: have is not None and have >= tuple(map(int, c.split("."))))
+  monkeypatch.setattr(cudnn.cudnn_attention, "check_cudnn_version", lambda: 92800)
+
+
 # (H, Gk, Gv): MHA, GQA, and a reuser's V heads other than its source's K heads.
 @pytest.mark.parametrize("heads", [(4, 4, 4), (4, 2, 2), (4, 1, 2)])
 @pytest.mark.parametrize("causal,window", [(True, 0), (False, 0), (True, 5)])
@@ -129,20 +150,13 @@ def test_queries_wider_than_values_run_on_hopper_zero_padded(monkeypatch):
                                  atol=3e-2 * float(jnp.abs(r.astype(jnp.float32)).max()), err_msg=str(scale))
 
 
-def test_a_bf16_lisa_plus_chain_runs_cudnn_and_equals_xla(monkeypatch):
+def test_a_bf16_lisa_plus_chain_runs_cudnn_and_equals_xla(monkeypatch, stand_in):
   """``attention.chain_dtype=compute`` in a bf16 LISA_plus model: on Hopper (as jax's checks would answer) cuDNN runs
   the chain's attention, Q/K wider than V, and the model has xla's loss and gradients in the same dtype, and, to
   bf16 rounding, the loss of the float32 chain."""
-  widths = []
-
-  def stand_in(q, k, v, *args, **kwargs):
-    widths.append((q.shape[-1], v.shape[-1]))
-    return _xla_stand_in(q, k, v, *args, **kwargs)
-  monkeypatch.setattr(cudnn.cudnn_attention, "dot_product_attention", stand_in)
   monkeypatch.setattr(cudnn, "wide_queries", lambda: True)
-  monkeypatch.setitem(dispatch._LIBRARIES, "cudnn", dataclasses.replace(dispatch._LIBRARIES["cudnn"], platform=None))
   assert_model_equals_xla("bf16_lisa_plus", "cudnn", "attention.chain_dtype=compute")
-  assert any(e > d for e, d in widths), widths  # the chain ran on cuDNN
+  assert any(e > d for e, d in stand_in), stand_in  # the chain ran on cuDNN
   from test_model_pallas import CASES, _graphdef, _loss_and_grads, randomized
   _, _, params = randomized(tiny_config(*CASES["bf16_lisa_plus"], "attention.impl=xla"))
   losses = [float(_loss_and_grads(_graphdef(tiny_config(*CASES["bf16_lisa_plus"], "attention.impl=xla",
@@ -172,10 +186,8 @@ def test_document_bounds_name_the_traces_worth_making(monkeypatch):
   for impl in ("auto", "pallas", "xla", "splash"):
     assert dispatch.document_bounds(impl, "bfloat16", "cpu") is None
   assert dispatch.document_bounds("auto", "bfloat16", "tpu") is None
-  monkeypatch.setattr(cudnn.cudnn_attention, "check_cudnn_version", lambda: 92800)
   for capability, want in (("9.0", (1, cudnn.MAX_DOCUMENTS)), ("8.0", (1,)), ("7.0", None)):  # H100, A100, V100
-    monkeypatch.setattr(cudnn.cudnn_attention, "check_compute_capability",
-                        lambda c, have=capability: tuple(map(int, have.split("."))) >= tuple(map(int, c.split("."))))
+    _as_gpu(monkeypatch, capability)
     assert dispatch.document_bounds("auto", "bfloat16", "gpu") == dispatch.document_bounds("cudnn", "bfloat16",
                                                                                            "gpu") == want
     assert dispatch.document_bounds("auto", "float32", "gpu") is None
@@ -195,8 +207,7 @@ def test_auto_runs_cudnn_on_gpus_and_splash_on_tpus(monkeypatch):
   monkeypatch.setattr(dispatch.pallas, "attention_from_lse", marked("pallas_reuse"))
   monkeypatch.setattr(dispatch.flash, "default_backend", lambda: "triton")
   monkeypatch.setattr(dispatch.pallas, "per_device", lambda kernel, *args: kernel(*args))
-  monkeypatch.setattr(cudnn.cudnn_attention, "check_compute_capability", lambda c: True)  # as on an H100
-  monkeypatch.setattr(cudnn.cudnn_attention, "check_cudnn_version", lambda: 92800)
+  _as_gpu(monkeypatch, "9.0")  # an H100
   bf16, f32 = jnp.ones((1, 16, 2, 16), jnp.bfloat16), jnp.ones((1, 16, 2, 16), jnp.float32)
   seg = jnp.ones((1, 16), jnp.int32)
   lse = jnp.zeros((1, 2, 16), jnp.float32)
@@ -210,7 +221,7 @@ def test_auto_runs_cudnn_on_gpus_and_splash_on_tpus(monkeypatch):
         marks["pallas_reuse"]  # a source that handed on its LSE ran jaxshare's kernel: its reuse kernel follows
       assert float(ops.attention(f32, f32, f32, seg, seg)[0, 0, 0, 0]) == marks[want_f32], platform
   monkeypatch.setattr(dispatch.flash, "platform", lambda: "gpu")  # a V100, or a ROCm GPU: no cuDNN flash attention
-  monkeypatch.setattr(cudnn.cudnn_attention, "check_compute_capability", lambda c: False)
+  _as_gpu(monkeypatch, None)
   with dispatch.documents_known(1):
     assert float(ops.attention(bf16, bf16, bf16, seg, seg)[0, 0, 0, 0]) == marks["pallas"]
     assert float(ops.attention_from_lse(bf16, bf16, None, bf16, seg, seg, scale=0.25)[0, 0, 0, 0]) == marks["pallas"]
@@ -255,14 +266,12 @@ def test_a_batch_with_more_documents_than_the_packed_layout_holds_runs_the_fallb
 # Every attention role in a bf16 model: dense, K/V consumers (CLA2), probability reuse as attention over the source's
 # Q and K (UniAttn with compensation; SA with a window), and LISA_plus's float32 features falling back.
 @pytest.mark.parametrize("name", ["dense", "cla2", "uniattn", "mistral_window+sa", "bf16_lisa_plus"])
-def test_model_with_cudnn_equals_xla(monkeypatch, name):
+def test_model_with_cudnn_equals_xla(stand_in, name):
   """The stand-in for cuDNN, the interpret-mode Pallas kernels for the fallbacks (no GPU here)."""
-  monkeypatch.setattr(cudnn.cudnn_attention, "dot_product_attention", _xla_stand_in)
-  monkeypatch.setitem(dispatch._LIBRARIES, "cudnn", dataclasses.replace(dispatch._LIBRARIES["cudnn"], platform=None))
   assert_model_equals_xla(name, "cudnn", "model.dtype=bfloat16")
 
 
-def test_the_train_step_checks_documents_once_per_micro_batch(monkeypatch, batches):
+def test_the_train_step_checks_documents_once_per_micro_batch(stand_in, batches):
   """``attention.impl=cudnn`` in the train step: one ``lax.switch`` per micro-batch around its forward and backward
   (cuDNN without the packed layout when every row is one document, cuDNN's packed layout for up to MAX_DOCUMENTS,
   else jaxshare's kernels alone with the LSE handed on), none per attention call, and xla's loss and gradient norm
@@ -274,8 +283,6 @@ def test_the_train_step_checks_documents_once_per_micro_batch(monkeypatch, batch
   from jaxshare.train.state import init_state, setup_training
   from jaxshare.train.step import Objective
 
-  monkeypatch.setattr(cudnn.cudnn_attention, "dot_product_attention", _xla_stand_in)
-  monkeypatch.setitem(dispatch._LIBRARIES, "cudnn", dataclasses.replace(dispatch._LIBRARIES["cudnn"], platform=None))
   b, t = batches[0]["segment_ids"].shape
   rows = {"one": np.ones(t, np.int32), "packed": np.arange(t, dtype=np.int32) // 5 + 1,  # 7 documents
           "many": np.arange(t, dtype=np.int32) + 1}  # one-token documents, more than MAX_DOCUMENTS

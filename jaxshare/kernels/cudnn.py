@@ -53,11 +53,7 @@ def device_unsupported() -> str | None:
   that before a compile fails) and the cuDNN library (absent beside a ROCm plugin)."""
   if not cudnn_attention.check_compute_capability(FLASH_CAPABILITY):
     return f"cuDNN flash attention needs an NVIDIA GPU of compute capability {FLASH_CAPABILITY} or later"
-  try:
-    cudnn_attention.check_cudnn_version()
-  except RuntimeError as e:
-    return f"no cuDNN library ({e})"
-  return None
+  return None if _cudnn_version() else "no cuDNN library"
 
 
 def unsupported(q, k, v) -> str | None:
@@ -78,12 +74,15 @@ def unsupported(q, k, v) -> str | None:
 def wide_queries() -> bool:
   """Whether cuDNN takes Q/K wider than V here (jax's "MLA" path: compute capability 9.0 and cuDNN 9.10 or later, as
   jax's own checks answer for the local GPU or a compile-only target)."""
-  if not cudnn_attention.check_compute_capability(PACKED_CAPABILITY):
-    return False
+  return cudnn_attention.check_compute_capability(PACKED_CAPABILITY) and _cudnn_version() >= 91000
+
+
+def _cudnn_version() -> int:
+  """jax's answer for the cuDNN library's version (e.g. 92800), 0 without one (beside a ROCm plugin, say)."""
   try:
-    return cudnn_attention.check_cudnn_version() >= 91000
-  except RuntimeError:  # no cuDNN library: the call would not lower
-    return False
+    return cudnn_attention.check_cudnn_version()
+  except RuntimeError:
+    return 0
 
 
 def _padded(width: int) -> int:
