@@ -15,6 +15,12 @@ import argparse
 import sys
 
 
+def output_cache(output):
+  """The cache a transformers model output carries: field ``cache`` from transformers 5.23, ``past_key_values``
+  before (a ``ModelOutput`` holds only the fields that are set)."""
+  return output["cache"] if "cache" in output else output["past_key_values"]
+
+
 def cache_bytes(cache) -> int:
   """Bytes of the tensors a transformers cache holds (keys and values of every layer)."""
   import torch
@@ -44,8 +50,9 @@ def main(argv=None) -> int:
     out = model.generate(**batch, max_new_tokens=args.max_new_tokens, do_sample=False,
                          pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else 0)
   rows, width = batch["input_ids"].shape
-  print(f"{type(model).__name__} from {args.hf_dir}; cache {type(prefill.cache).__name__}: "
-        f"{cache_bytes(prefill.cache) / (rows * width):,.0f} bytes per token ({next(model.parameters()).dtype})")
+  cache = output_cache(prefill)
+  print(f"{type(model).__name__} from {args.hf_dir}; cache {type(cache).__name__}: "
+        f"{cache_bytes(cache) / (rows * width):,.0f} bytes per token ({next(model.parameters()).dtype})")
   for prompt, ids in zip(prompts, out[:, width:]):
     print(f"--- {prompt!r}\n{prompt}{tok.decode(ids, skip_special_tokens=True)}")
   return 0

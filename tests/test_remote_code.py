@@ -24,7 +24,7 @@ from jaxshare.model.cache import init_cache
 
 from conftest import CORPUS, REPO, tiny_config
 from test_entry_points import KINDS
-from scripts.hf_generate import cache_bytes
+from scripts.hf_generate import cache_bytes, output_cache
 from test_hf_export import _random_params
 
 torch = pytest.importorskip("torch")
@@ -93,7 +93,7 @@ def test_remote_code_model_equals_jaxshare(tmp_path, kind):
 
   # the cache stores only what the schedule needs: jaxshare's accounting, fp32
   per_token = accounting.kv_cache_bytes_per_token(cfg.model, setup.schedule, bytes_per_element=4)
-  assert cache_bytes(got.cache) == per_token * ids.size
+  assert cache_bytes(output_cache(got)) == per_token * ids.size
 
   # cached greedy generation, 32 tokens, batched left-padded prompts
   generated = Generator(jax_model, cfg.model, setup.schedule).generate(prompts, NEW_TOKENS)
@@ -120,11 +120,12 @@ def test_generate_reuses_a_cache_and_samples(tmp_path, kind):
     whole = model.generate(ids, attention_mask=mask, max_new_tokens=16, min_new_tokens=16, **greedy)
     first = model.generate(ids, attention_mask=mask, max_new_tokens=8, min_new_tokens=8, return_dict_in_generate=True,
                            **greedy)
-    cache = first.cache
+    cache = output_cache(first)
     assert type(cache).__name__ == "JaxshareCache"
     mask2 = torch.cat([mask, torch.ones(mask.shape[0], 8, dtype=mask.dtype)], 1)
-    second = model.generate(first.sequences, attention_mask=mask2, cache=cache, max_new_tokens=8, min_new_tokens=8,
-                            **greedy)
+    cache_name = "cache" if "cache" in first else "past_key_values"  # renamed in transformers 5.23
+    second = model.generate(first.sequences, attention_mask=mask2, **{cache_name: cache}, max_new_tokens=8,
+                            min_new_tokens=8, **greedy)
     assert second.tolist() == whole.tolist()
 
     def sample():

@@ -25,10 +25,24 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
-from transformers.cache_utils import Cache, DummyLayer, DynamicLayer
+from transformers.cache_utils import Cache, DynamicLayer
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .configuration_jaxshare import JaxshareConfig
+
+try:
+  from transformers.cache_utils import DummyLayer  # transformers >= 5.23: skipped by the cache's offloading
+except ImportError:
+
+  class DummyLayer(DynamicLayer):
+    """A K/V consumer's place in the cache on transformers < 5.23: never written (the layer reads its
+    producer's entry), so the cache's per-layer operations (crop, reorder, reset) find it empty."""
+
+    def update(self, *args, **kwargs):
+      raise NotImplementedError("a K/V consumer layer stores no cache: it reads its producer's entry")
+
+# transformers 5.23 renamed the cache argument and output field `past_key_values` to `cache`.
+_CACHE_NAME = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
 
 _MASK_VALUE = -0.7 * torch.finfo(torch.float32).max  # finite: a fully masked (padding) row stays finite
 
@@ -388,8 +402,8 @@ class JaxshareForCausalLM(JaxsharePreTrainedModel, GenerationMixin):
     self.post_init()
 
   def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
-    if model_kwargs.get("cache") is None and generation_config.use_cache is not False:
-      model_kwargs["cache"] = JaxshareCache(self.config)
+    if model_kwargs.get(_CACHE_NAME) is None and generation_config.use_cache is not False:
+      model_kwargs[_CACHE_NAME] = JaxshareCache(self.config)
     return super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
 
   def forward(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
@@ -408,4 +422,4 @@ class JaxshareForCausalLM(JaxsharePreTrainedModel, GenerationMixin):
     if labels is not None:
       loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1),
                              ignore_index=-100)
-    return CausalLMOutputWithPast(loss=loss, logits=logits, cache=cache)
+    return CausalLMOutputWithPast(loss=loss, logits=logits, **{_CACHE_NAME: cache})
