@@ -23,7 +23,9 @@ def parse_args(argv):
   p.add_argument("dirs", nargs="+", help="export directories (remote code of K/V schedules)")
   p.add_argument("--prompt", action="append", help="prompt text (repeatable; default 'ROMEO:')")
   p.add_argument("--max-new-tokens", type=int, default=32)
-  p.add_argument("--dtype", default="float32", help="vLLM's and transformers' dtype (default float32)")
+  p.add_argument("--dtype", default="bfloat16",
+                 help="vLLM's and transformers' dtype (default bfloat16: vLLM's CUDA backend for float32 at head "
+                      "width < 32, FlexAttention, refuses K/V sharing)")
   p.add_argument("--gpu-memory-utilization", type=float, default=0.5)
   return p.parse_args(argv)
 
@@ -33,7 +35,8 @@ def _vllm_run(directory: str, prompts: list[str], args, queue) -> None:
 
   llm = LLM(model=directory, trust_remote_code=True, dtype=args.dtype, enforce_eager=True,
             gpu_memory_utilization=args.gpu_memory_utilization, tensor_parallel_size=1)
-  outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=args.max_new_tokens))
+  # ignore_eos: the export's config has no eos_token_id, so transformers never stops early either
+  outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=args.max_new_tokens, ignore_eos=True))
   cache = llm.llm_engine.vllm_config.cache_config
   queue.put({"tokens": [list(o.outputs[0].token_ids) for o in outs], "blocks": cache.num_gpu_blocks,
              "block_size": cache.block_size})
@@ -50,7 +53,8 @@ def _transformers_tokens(directory: str, prompts: list[str], args) -> list[list[
   for prompt in prompts:  # one at a time: no padding to differ from vLLM's unpadded requests
     ids = tok(prompt, return_tensors="pt")["input_ids"]
     with torch.no_grad():
-      gen = model.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False)
+      gen = model.generate(ids, max_new_tokens=args.max_new_tokens, min_new_tokens=args.max_new_tokens,
+                           do_sample=False)
     out.append(gen[0, ids.shape[1]:].tolist())
   return out
 

@@ -88,7 +88,7 @@ def _repository_files() -> list[str]:
     return subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=REPO, capture_output=True, text=True,
                           check=True).stdout.splitlines()
   except (OSError, subprocess.CalledProcessError):
-    skip = {".git", ".venv", ".libtpu", ".jaxcuda", "runs", "__pycache__", ".pytest_cache", "bench"}
+    skip = {".git", ".venv", ".libtpu", ".jaxcuda", ".vllm", "runs", "__pycache__", ".pytest_cache", "bench"}
     return [str(p.relative_to(REPO)) for p in REPO.rglob("*") if p.is_file()
             and not skip.intersection(p.relative_to(REPO).parts)]
 

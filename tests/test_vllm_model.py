@@ -1,12 +1,11 @@
-"""jaxshare's vLLM plugin (issue 29 part 5) against a stand-in for vLLM's ``Attention`` and ``ModelRegistry``
-(tests/vllm_stand_in.py; vLLM itself needs CUDA): for every K/V schedule, the model vLLM would build from an export
-gives the transformers remote code's logits at every step of a prefill and a greedy decode, each consumer layer names
-its producer's attention and keeps no K/V of its own (the cache holds exactly the accounting's bytes per token), the
-export's weights load by name, schedules vLLM cannot express are refused, and the entry point registers the model."""
+"""The attention arithmetic of jaxshare's vLLM model, which the released vLLM cannot run on a CPU (its kernels are
+CUDA's, and its CPU kernels need vLLM's CPU build), against a stand-in for vLLM's ``Attention``
+(tests/vllm_stand_in.py): for every K/V schedule, the model gives the transformers remote code's logits at every step
+of a prefill and a greedy decode, and the cache holds exactly the accounting's bytes per token. Everything real vLLM
+runs here (entry point, engine config, loading, KV-cache specs and blocks, refusals) is tested inside it:
+tests/vllm_released_checks.py."""
 
 from __future__ import annotations
-
-import importlib.metadata
 
 import numpy as np
 import pytest
@@ -75,44 +74,24 @@ def test_vllm_model_equals_the_remote_code_and_caches_only_producers(tmp_path, m
   assert all(a.cache_bytes() == 0 for a in attns if a.target is not None)
 
 
-@pytest.mark.parametrize("kind, feature", [("sa", "probability reuse"), ("uniattn", "probability reuse"),
-                                           ("lisa_plus", "logit reuse"), ("directshare", "head-wise weight tying"),
-                                           ("per_layer_gqa", "per-layer K/V head counts")])
-def test_vllm_model_refuses_what_vllm_cannot_express(tmp_path, monkeypatch, kind, feature):
-  from jaxshare.convert.vllm_layers import VLLMUnsupportedError
+@pytest.mark.parametrize("path", ["vllm.model_executor.layers.attention", "vllm.attention.layer", "vllm.attention"])
+def test_attention_is_found_where_each_vllm_release_keeps_it(monkeypatch, path):
+  from jaxshare.convert.vllm_model import _vllm_attention
+
+  vllm_stand_in.install(monkeypatch, path)
+  assert _vllm_attention() is vllm_stand_in.Attention
+
+
+def test_sharing_targets_follow_the_prefix_vllm_gives_the_model(tmp_path, monkeypatch):
+  """A model nested in another (vLLM's ``prefix``, e.g. a multimodal wrapper's ``language_model``) names its
+  producers under that prefix, where vLLM registered their attention."""
   from jaxshare.convert.vllm_model import JaxshareForCausalLM
 
   vllm_stand_in.install(monkeypatch)
-  _, _, _, out = _export(tmp_path, CASES[kind])
+  _, _, _, out = _export(tmp_path, KV_KINDS["cla"])
   hf_config = transformers.AutoConfig.from_pretrained(out, trust_remote_code=True, local_files_only=True)
-  with pytest.raises(VLLMUnsupportedError, match=f"vLLM cannot serve {feature}"):
-    JaxshareForCausalLM(vllm_config=_vllm_config(hf_config))
-
-
-def test_vllm_model_refuses_tensor_parallelism_and_foreign_weights(tmp_path, monkeypatch):
-  from jaxshare.convert.vllm_layers import VLLMUnsupportedError
-  from jaxshare.convert.vllm_model import JaxshareForCausalLM
-
-  vllm_stand_in.install(monkeypatch)
-  _, _, _, out = _export(tmp_path, CASES["cla"])
-  hf_config = transformers.AutoConfig.from_pretrained(out, trust_remote_code=True, local_files_only=True)
-  with pytest.raises(VLLMUnsupportedError, match="tensor_parallel_size=2: .* one GPU"):
-    JaxshareForCausalLM(vllm_config=_vllm_config(hf_config, tensor_parallel_size=2))
-  model = JaxshareForCausalLM(vllm_config=_vllm_config(hf_config))
-  with pytest.raises(ValueError, match=r"'model.layers.1.self_attn.k_proj.weight' has no parameter"):
-    model.load_weights([("model.layers.1.self_attn.k_proj.weight", torch.zeros(8, 32))])
-  with pytest.raises(ValueError, match=r"'model.norm.weight' has shape \(3,\); the model expects \(32,\)"):
-    model.load_weights([("model.norm.weight", torch.zeros(3))])
-
-
-def test_entry_point_registers_the_model_once(monkeypatch):
-  from jaxshare.convert import remote, vllm_plugin
-
-  vllm_stand_in.install(monkeypatch)
-  (entry,) = [e for e in importlib.metadata.entry_points(group="vllm.general_plugins") if e.name == "jaxshare"]
-  assert entry.load() is vllm_plugin.register
-  vllm_plugin.register()
-  vllm_plugin.register()
-  assert vllm_stand_in.ModelRegistry.registered == {remote.ARCHITECTURE: "jaxshare.convert.vllm_model:JaxshareForCausalLM"}
-  module, _, name = vllm_plugin.MODEL_CLASS.partition(":")
-  assert getattr(importlib.import_module(module), name).__name__ == remote.ARCHITECTURE
+  model = JaxshareForCausalLM(vllm_config=_vllm_config(hf_config), prefix="language_model")
+  attns = [layer.self_attn.attn for layer in model.model.layers]
+  assert [a.prefix for a in attns] == [f"language_model.model.layers.{i}.self_attn.attn" for i in range(4)]
+  assert [a.target for a in attns] == [None, "language_model.model.layers.0.self_attn.attn", None,
+                                       "language_model.model.layers.2.self_attn.attn"]

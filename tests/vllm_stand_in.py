@@ -1,10 +1,10 @@
-"""A stand-in for the two vLLM pieces jaxshare's vLLM model uses, for machines without vLLM (it needs CUDA).
+"""A stand-in for vLLM's ``Attention``, for the attention arithmetic the released vLLM runs only with its CUDA or
+CPU-build kernels (tests/test_vllm_model.py).
 
 ``Attention`` keeps its layer's K/V for one sequence, as vLLM's paged cache does for one request, and reads the
 cache of the layer named by ``kv_sharing_target_layer_name`` instead of writing its own (vLLM's rule: a sharing
-layer gets no cache blocks and skips the cache write). ``ModelRegistry`` records registrations. What this proves is
-jaxshare's side: the model's math, its weight loading and the names it hands vLLM; vLLM's own kernels and block
-allocator are run only on a GPU (docs/serving.md).
+layer gets no cache blocks and skips the cache write). What this proves is jaxshare's side: the model's math on
+vLLM's flat token layout; vLLM's own kernels run only on a GPU (docs/serving.md).
 """
 
 from __future__ import annotations
@@ -53,28 +53,14 @@ class Attention(torch.nn.Module):
     return 0 if self.k is None else self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
 
 
-class ModelRegistry:
-  registered: dict[str, str] = {}
-
-  @classmethod
-  def get_supported_archs(cls):
-    return list(cls.registered)
-
-  @classmethod
-  def register_model(cls, arch: str, model_cls: str) -> None:
-    cls.registered[arch] = model_cls
-
-
-def install(monkeypatch) -> None:
-  """Put the stand-in where ``import vllm`` finds it, for one test."""
+def install(monkeypatch, path: str = "vllm.model_executor.layers.attention") -> None:
+  """Put the stand-in where ``from <path> import Attention`` finds it (vLLM 0.33's module by default), for one
+  test."""
   Attention.layers.clear()
-  ModelRegistry.registered.clear()
-  vllm = types.ModuleType("vllm")
-  vllm.ModelRegistry = ModelRegistry
-  attention = types.ModuleType("vllm.attention")
-  layer = types.ModuleType("vllm.attention.layer")
-  layer.Attention = attention.Attention = Attention
-  vllm.attention = attention
-  attention.layer = layer
-  for name, module in (("vllm", vllm), ("vllm.attention", attention), ("vllm.attention.layer", layer)):
-    monkeypatch.setitem(sys.modules, name, module)
+  parts = path.split(".")
+  for i in range(1, len(parts) + 1):
+    module = types.ModuleType(".".join(parts[:i]))
+    if i > 1:
+      setattr(sys.modules[".".join(parts[:i - 1])], parts[i - 1], module)
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+  module.Attention = Attention

@@ -10,8 +10,6 @@ exported ``config.json`` (no vLLM import), so the mapping is tested on any machi
 
 from __future__ import annotations
 
-ATTENTION_NAME = "model.layers.{i}.self_attn.attn"  # vLLM's name of layer i's Attention in a Llama-style model
-
 
 class VLLMUnsupportedError(ValueError):
   """A schedule vLLM's attention cannot express; names the feature and the layer."""
@@ -25,9 +23,11 @@ _REFUSED = (  # (layer_plans key, value that needs it, the feature)
 )
 
 
-def kv_sharing_targets(config: dict) -> list[str | None]:
+def kv_sharing_targets(config: dict, layers_prefix: str = "model.layers") -> list[str | None]:
   """Per layer of a remote-code ``config.json``, vLLM's ``kv_sharing_target_layer_name``: None for a layer that
-  owns its K/V cache, its producer's attention layer name (:data:`ATTENTION_NAME`) for a K/V consumer.
+  owns its K/V cache, its producer's attention layer name (``{layers_prefix}.{i}.self_attn.attn``, vLLM's module
+  path of the layer list under the model's prefix) for a K/V consumer. One K/V head count, head width and window
+  for the model make a consumer's attention match its producer's, which vLLM does not check.
 
   Raises:
     VLLMUnsupportedError: not a jaxshare remote-code config, or a layer uses a feature vLLM has no attention for.
@@ -45,5 +45,5 @@ def kv_sharing_targets(config: dict) -> list[str | None]:
     i = next(i for i, h in enumerate(heads) if h != heads[0])
     raise VLLMUnsupportedError(f"vLLM cannot serve per-layer K/V head counts: layer_plans[{i}].num_kv_heads="
                                f"{heads[i]} but layer 0 has {heads[0]}")
-  return [None if plan["kv_source"] == i else ATTENTION_NAME.format(i=plan["kv_source"])
+  return [None if plan["kv_source"] == i else f"{layers_prefix}.{plan['kv_source']}.self_attn.attn"
           for i, plan in enumerate(plans)]

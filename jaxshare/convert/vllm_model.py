@@ -29,19 +29,43 @@ from jaxshare.convert.vllm_layers import VLLMUnsupportedError, kv_sharing_target
 
 
 def _vllm_attention():
-  """vLLM's ``Attention`` layer class (its module moved between releases)."""
+  """vLLM's ``Attention`` layer class: ``vllm.model_executor.layers.attention`` from vLLM 0.2x (0.33 tested),
+  ``vllm.attention.layer`` or ``vllm.attention`` in older releases."""
   try:
-    from vllm.attention.layer import Attention
+    from vllm.model_executor.layers.attention import Attention
   except ImportError:
-    from vllm.attention import Attention
+    try:
+      from vllm.attention.layer import Attention
+    except ImportError:
+      from vllm.attention import Attention
   return Attention
+
+
+def _build_attention(config, heads: int, kv_heads: int, width: int, target: str | None, cache_config, quant_config,
+                     dtype, prefix: str):
+  """vLLM's ``Attention`` for one layer, with K/V sharing named.
+
+  Raises:
+    VLLMUnsupportedError: the attention backend vLLM picked refuses K/V sharing (on CUDA: FlexAttention, its only
+      backend for float32 at head width < 32); the message names the layer, dtype, width and vLLM's reason.
+  """
+  try:
+    return _vllm_attention()(heads, width, width ** -0.5, num_kv_heads=kv_heads, cache_config=cache_config,
+                             quant_config=quant_config, per_layer_sliding_window=config.sliding_window or None,
+                             prefix=prefix, kv_sharing_target_layer_name=target)
+  except NotImplementedError as err:
+    if target is None:
+      raise
+    raise VLLMUnsupportedError(
+      f"{prefix}: vLLM's attention backend for dtype {dtype} at head width {width} refuses K/V sharing ({err}); "
+      "serve in bfloat16 or float16 (FlashAttention) or export a head width >= 32 (Triton)") from err
 
 
 class JaxshareAttention(nn.Module):
   """One layer's self-attention: a producer projects Q, K, V; a consumer projects Q and attends with its producer's
   K/V through vLLM's shared cache."""
 
-  def __init__(self, config, layer_idx: int, target: str | None, cache_config, quant_config, prefix: str):
+  def __init__(self, config, layer_idx: int, target: str | None, cache_config, quant_config, dtype, prefix: str):
     super().__init__()
     plan = config.layer_plans[layer_idx]
     D, H, d, G, bias = (config.hidden_size, config.num_attention_heads, config.head_dim, plan["num_kv_heads"],
@@ -53,10 +77,7 @@ class JaxshareAttention(nn.Module):
     self.v_proj = nn.Linear(D, G * d, bias=bias) if self.producer else None
     self.o_proj = nn.Linear(H * d, D, bias=config.dense_bias)
     self.register_buffer("inv_freq", inv_frequencies(config, config.rotary_dim), persistent=False)
-    self.attn = _vllm_attention()(H, d, d ** -0.5, num_kv_heads=G, cache_config=cache_config,
-                                  quant_config=quant_config,
-                                  per_layer_sliding_window=config.sliding_window or None, prefix=f"{prefix}.attn",
-                                  kv_sharing_target_layer_name=target)
+    self.attn = _build_attention(config, H, G, d, target, cache_config, quant_config, dtype, f"{prefix}.attn")
 
   def _rope(self, x: torch.Tensor, positions: torch.Tensor, heads: int) -> torch.Tensor:
     """``[T, heads * d]`` rotated at ``positions [T]`` (the remote code's rotate-half RoPE, on one flat row)."""
@@ -76,20 +97,22 @@ class JaxshareAttention(nn.Module):
 class JaxshareDecoderLayer(PreNormResidual):
   """Pre-norm layer, sequential or parallel (GPT-NeoX) residual, as the remote code's ``DecoderLayer``."""
 
-  def __init__(self, config, layer_idx: int, target: str | None, cache_config, quant_config, prefix: str):
+  def __init__(self, config, layer_idx: int, target: str | None, cache_config, quant_config, dtype, prefix: str):
     super().__init__(config)
-    self.self_attn = JaxshareAttention(config, layer_idx, target, cache_config, quant_config, f"{prefix}.self_attn")
+    self.self_attn = JaxshareAttention(config, layer_idx, target, cache_config, quant_config, dtype,
+                                       f"{prefix}.self_attn")
 
   def forward(self, x: torch.Tensor, positions: torch.Tensor, kv: dict[int, tuple]) -> torch.Tensor:
     return self.residual(x, self.self_attn(self.input_layernorm(x), positions, kv))
 
 
 class JaxshareModel(nn.Module):
-  def __init__(self, config, targets: list[str | None], cache_config, quant_config, prefix: str):
+  def __init__(self, config, cache_config, quant_config, dtype, prefix: str):
     super().__init__()
+    targets = kv_sharing_targets(config.to_dict(), f"{prefix}.layers")
     self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
     self.layers = nn.ModuleList(
-      JaxshareDecoderLayer(config, i, targets[i], cache_config, quant_config, f"{prefix}.layers.{i}")
+      JaxshareDecoderLayer(config, i, targets[i], cache_config, quant_config, dtype, f"{prefix}.layers.{i}")
       for i in range(config.num_hidden_layers))
     self.norm = Norm(config)
 
@@ -113,7 +136,8 @@ class JaxshareForCausalLM(nn.Module):
 
   Raises:
     VLLMUnsupportedError: the export uses probability or logit reuse, UniAttn's W_c, head-wise ties or per-layer
-      K/V head counts, or the engine asks for tensor or pipeline parallelism.
+      K/V head counts, the engine asks for tensor or pipeline parallelism, or vLLM's attention backend for the
+      dtype and head width refuses K/V sharing.
   """
 
   def __init__(self, *, vllm_config, prefix: str = ""):
@@ -124,16 +148,18 @@ class JaxshareForCausalLM(nn.Module):
       size = getattr(parallel, field, 1)
       if size != 1:
         raise VLLMUnsupportedError(f"{field}={size}: jaxshare's vLLM model runs on one GPU (set it to 1)")
-    targets = kv_sharing_targets(config.to_dict())
     self.config = config
-    self.model = JaxshareModel(config, targets, vllm_config.cache_config, getattr(vllm_config, "quant_config", None),
-                               f"{prefix}.model" if prefix else "model")
+    self.model = JaxshareModel(config, vllm_config.cache_config, getattr(vllm_config, "quant_config", None),
+                               getattr(vllm_config.model_config, "dtype", None), f"{prefix}.model" if prefix else "model")
     self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
     if config.tie_word_embeddings:
       self.lm_head.weight = self.model.embed_tokens.weight
 
-  def get_input_embeddings(self, input_ids: torch.Tensor) -> torch.Tensor:
+  def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+    """Token embeddings ``[T, D]`` of ``input_ids [T]`` (vLLM's model protocol from 0.2x)."""
     return self.model.embed_tokens(input_ids)
+
+  get_input_embeddings = embed_input_ids  # the name older vLLM releases call
 
   def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, intermediate_tensors=None,
               inputs_embeds: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
