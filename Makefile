@@ -45,13 +45,15 @@ $(JAXCUDA)/.cudnn: $(JAXCUDA)/.installed
 # The released vLLM beside the venv, for tests/vllm_released_checks.py (driven by tests/test_vllm_released.py): its
 # wheel without dependencies and without its CUDA kernels (the checks run vLLM's own Python on the CPU), the pure-Python
 # packages its import path needs, and the lowest transformers the `hf` extra allows (vLLM 0.33's floor, with the
-# huggingface_hub 1.x it needs), so that the remote code is tested there too. ~230 MB.
+# huggingface_hub 1.x it needs), so that the remote code is tested there too. 231 MB installed (the wheel is 336 MB).
+# vLLM pins torch 2.14.0; the checks run on the venv's torch 2.13.0 (CPU), the one this project installs.
 VLLM_ENV := .vllm
 VLLM_PACKAGES := vllm==0.33.0 transformers==5.16.1 huggingface_hub==1.33.0 httpx==0.28.1 httpcore==1.0.9 \
   apache-tvm-ffi==0.1.11 cachetools==8.0.2 cbor2==6.3.0 compressed-tensors==0.17.0 fastapi==0.136.3 \
   llguidance==1.7.6 loguru==0.7.3 msgspec==0.22.0 openai==3.57.0 oss-harmony==0.0.11 partial-json-parser==0.2.1.1.post7 \
   py-cpuinfo==9.0.0 pybase64==1.5.1 pyzmq==27.3.0 sniffio==1.3.1 starlette==1.10.0 xgrammar==0.2.8
-$(VLLM_ENV)/.installed: $(VENV)/.installed-dev
+$(VLLM_ENV)/.installed: $(VENV)/.installed-dev Makefile
+	rm -rf $(VLLM_ENV)
 	$(PY) -m pip install -q --no-deps --no-compile --target $(VLLM_ENV) $(VLLM_PACKAGES)
 	find $(VLLM_ENV)/vllm -name '*.so' -delete && rm -f $(VLLM_ENV)/vllm/vllm-rs
 	touch $@

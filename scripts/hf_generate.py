@@ -15,10 +15,17 @@ import argparse
 import sys
 
 
+def cache_name() -> str:
+  """The name of a transformers model's cache argument and output field: ``cache`` from transformers 5.23,
+  ``past_key_values`` before."""
+  from transformers.modeling_outputs import CausalLMOutputWithPast
+
+  return "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+
+
 def output_cache(output):
-  """The cache a transformers model output carries: field ``cache`` from transformers 5.23, ``past_key_values``
-  before (a ``ModelOutput`` holds only the fields that are set)."""
-  return output["cache"] if "cache" in output else output["past_key_values"]
+  """The cache a transformers model output carries (None without ``use_cache``)."""
+  return getattr(output, cache_name())
 
 
 def cache_bytes(cache) -> int:

@@ -24,7 +24,7 @@ from jaxshare.model.cache import init_cache
 
 from conftest import CORPUS, REPO, tiny_config
 from test_entry_points import KINDS
-from scripts.hf_generate import cache_bytes, output_cache
+from scripts.hf_generate import cache_bytes, cache_name, output_cache
 from test_hf_export import _random_params
 
 torch = pytest.importorskip("torch")
@@ -110,8 +110,8 @@ def test_remote_code_model_equals_jaxshare(tmp_path, kind):
 
 @pytest.mark.parametrize("kind", ["cla", "lisa_plus"])
 def test_generate_reuses_a_cache_and_samples(tmp_path, kind):
-  """``cache`` reuse: 8 greedy tokens, then 8 more from the returned cache, equal 16 at once; seeded sampling is
-  reproducible and differs from greedy."""
+  """``cache`` reuse: 8 greedy tokens, then 8 more from the returned cache, equal 16 at once, and so do 12 more
+  from that cache cropped to 4 fewer tokens; seeded sampling is reproducible and differs from greedy."""
   _, _, _, out = _export(tmp_path, KINDS[kind])
   model = transformers.AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, local_files_only=True).eval()
   ids, mask = (torch.from_numpy(a) for a in _padded(_prompts()))
@@ -123,10 +123,20 @@ def test_generate_reuses_a_cache_and_samples(tmp_path, kind):
     cache = output_cache(first)
     assert type(cache).__name__ == "JaxshareCache"
     mask2 = torch.cat([mask, torch.ones(mask.shape[0], 8, dtype=mask.dtype)], 1)
-    cache_name = "cache" if "cache" in first else "past_key_values"  # renamed in transformers 5.23
-    second = model.generate(first.sequences, attention_mask=mask2, **{cache_name: cache}, max_new_tokens=8,
+    second = model.generate(first.sequences, attention_mask=mask2, **{cache_name(): cache}, max_new_tokens=8,
                             min_new_tokens=8, **greedy)
     assert second.tolist() == whole.tolist()
+
+    # cropped back (as assisted decoding does), consumer layers' places included: the same continuation
+    width = ids.shape[1]
+    first = model.generate(ids, attention_mask=mask, max_new_tokens=8, min_new_tokens=8, return_dict_in_generate=True,
+                           **greedy)
+    cache = output_cache(first)
+    cache.crop(-4)
+    assert cache.get_seq_length() == width + 3
+    third = model.generate(first.sequences[:, :width + 4], attention_mask=mask2[:, :width + 4],
+                           **{cache_name(): cache}, max_new_tokens=12, min_new_tokens=12, **greedy)
+    assert third.tolist() == whole.tolist()
 
     def sample():
       torch.manual_seed(3)

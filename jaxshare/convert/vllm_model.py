@@ -29,8 +29,8 @@ from jaxshare.convert.vllm_layers import VLLMUnsupportedError, kv_sharing_target
 
 
 def _vllm_attention():
-  """vLLM's ``Attention`` layer class: ``vllm.model_executor.layers.attention`` from vLLM 0.2x (0.33 tested),
-  ``vllm.attention.layer`` or ``vllm.attention`` in older releases."""
+  """vLLM's ``Attention`` layer class: in ``vllm.model_executor.layers.attention`` in vLLM 0.33 (the release the
+  ``vllm`` extra pins and the tests run), in ``vllm.attention.layer`` or ``vllm.attention`` in older releases."""
   try:
     from vllm.model_executor.layers.attention import Attention
   except ImportError:
@@ -54,7 +54,7 @@ def _build_attention(config, heads: int, kv_heads: int, width: int, target: str 
                              quant_config=quant_config, per_layer_sliding_window=config.sliding_window or None,
                              prefix=prefix, kv_sharing_target_layer_name=target)
   except NotImplementedError as err:
-    if target is None:
+    if target is None or "kv sharing" not in str(err).lower():
       raise
     raise VLLMUnsupportedError(
       f"{prefix}: vLLM's attention backend for dtype {dtype} at head width {width} refuses K/V sharing ({err}); "
@@ -156,7 +156,7 @@ class JaxshareForCausalLM(nn.Module):
       self.lm_head.weight = self.model.embed_tokens.weight
 
   def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-    """Token embeddings ``[T, D]`` of ``input_ids [T]`` (vLLM's model protocol from 0.2x)."""
+    """Token embeddings ``[T, D]`` of ``input_ids [T]`` (required by vLLM 0.33's model protocol)."""
     return self.model.embed_tokens(input_ids)
 
   get_input_embeddings = embed_input_ids  # the name older vLLM releases call

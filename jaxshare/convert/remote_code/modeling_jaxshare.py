@@ -34,12 +34,33 @@ try:
   from transformers.cache_utils import DummyLayer  # transformers >= 5.23: skipped by the cache's offloading
 except ImportError:
 
-  class DummyLayer(DynamicLayer):
-    """A K/V consumer's place in the cache on transformers < 5.23: never written (the layer reads its
-    producer's entry), so the cache's per-layer operations (crop, reorder, reset) find it empty."""
+  class DummyLayer:
+    """A K/V consumer's place in the cache on transformers < 5.23 (as 5.23's ``DummyLayer``): it holds nothing
+    (the layer reads its producer's entry), and the cache's per-layer operations (crop, reorder, reset, offload)
+    leave it as it is."""
+
+    is_sliding = False
+    is_compileable = True
+
+    def __init__(self):
+      self.is_initialized, self.keys, self.values = True, None, None
 
     def update(self, *args, **kwargs):
       raise NotImplementedError("a K/V consumer layer stores no cache: it reads its producer's entry")
+
+    def get_seq_length(self) -> int:
+      return 0
+
+    def get_max_cache_shape(self) -> int:
+      return -1
+
+    def offload(self): ...
+    def prefetch(self): ...
+    def reset(self): ...
+    def crop(self, max_length: int): ...
+    def reorder_cache(self, beam_idx): ...
+    def batch_repeat_interleave(self, repeats: int): ...
+    def batch_select_indices(self, indices): ...
 
 # transformers 5.23 renamed the cache argument and output field `past_key_values` to `cache`.
 _CACHE_NAME = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
