@@ -26,7 +26,7 @@ def kv_cache_bytes_per_token(model: ModelConfig, schedule: Schedule, bytes_per_e
 
   Only K/V producers store anything (MLKV Table 1 generalised: ``sum 2·G·d·β``). A producer that reuses
   probabilities (SA, UniAttn) or logits without a delta (DS) stores V only; a LISA layer stores V and its low-rank
-  K (``G·(d + r)``, LISA Sec. 1.4).
+  K (``G·(d + r)``; LISA Sec. 5.1 stores K_LR instead of K).
   """
   d, r = model.resolved_head_dim, schedule.lisa_rank
   total = 0
@@ -188,7 +188,7 @@ def forward_flops_per_token(model: ModelConfig, schedule: Schedule, context_len:
 
   Per layer: the O projection and the product of the probabilities with V (``2·H·d·ctx``) always; the V projection
   on K/V producers; the Q projection, the K projection (producers) and QKᵀ (``2·H·d·ctx``) on layers that compute
-  their own scores. K/V consumers skip the K/V projections (MLKV Sec. 1.4); probability reuse skips Q, K and QKᵀ,
+  their own scores. K/V consumers skip the K/V projections (MLKV Sec. 3); probability reuse skips Q, K and QKᵀ,
   halving the context term, and adds W_c (UniAttn Eq. 5); LISA adds rank-r projections, a rank-r QKᵀ and, for the
   ffn/linear integrators, the aligner applied to every score cell (LISA Eq. 3-4).
   """

@@ -171,8 +171,8 @@ class LisaConfig:
   """LISA (Cross-layer Attention Sharing, Eq. 3-4): reuse of the previous layer's pre-softmax logits + a delta."""
 
   layers: list = _f([], "Layers that reuse the adjacent front layer's logits (0-based, >= 1); empty means layers 3 "
-                    "to num_layers - 3, i.e. 1-based 4 to L-2 (the paper never shares layers 1-3 or the last two; "
-                    "LISA(27) on 32 layers is layers 4-30).")
+                    "to num_layers - 3, i.e. 1-based 4 to L-2, the span of LISA(27) on 32 layers (4-30); the "
+                    "paper's other configurations also share layer L-1, Table 4).")
   integrator: str = _f("ffn", "How A_{n-1} and the low-rank delta combine: ffn (head aligner 2H -> hidden -> H, "
                        "ReLU; LISA), linear (2H -> H; LISA_SL), add (LISA_plus), none (direct sharing, DS). ffn and "
                        "linear start as add: A_{n-1} + A_delta (identity blocks; ffn via relu(s) - relu(-s)).",
@@ -185,7 +185,7 @@ class LisaConfig:
                    "as in the paper).")
   rope: bool = _f(False, "Apply RoPE to the low-rank Q/K (unstated in the paper).")
   keep_qk: bool = _f(False, "Keep the full-width W_q/W_k on LISA layers (copied by train.init_from, never trained) "
-                     "for NF decoding, which prefills with the original attention (LISA Sec. 4).")
+                     "for NF decoding, which prefills with the original attention (LISA Sec. 5.1).")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -408,7 +408,7 @@ class TrainConfig:
                       "the LISA layers) + (1 - kd_beta) * LM loss; the teacher is train.init_from, frozen. 0: off; "
                       "the paper uses 0.25.")
   kd_delta: float = _f(1.0, "Huber delta of the distillation loss.")
-  postshare_gamma: float = _f(0.0, "PostShare (Eq. in Sec. 3.3): add gamma * L_w, L_w = mean over the matched head "
+  postshare_gamma: float = _f(0.0, "PostShare (Eq. in Sec. 4.3): add gamma * L_w, L_w = mean over the matched head "
                               "pairs of sum_{q,k,v} ||W_i - W_j||_F, pairs selected by DirectShare at "
                               "train.postshare_ratio on the initial weights (dense MHA models). 0: off; paper 0.5.")
   postshare_ratio: float = _f(0.3, "PostShare: sharing ratio alpha of the pair selection (match: "

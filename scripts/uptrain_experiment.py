@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""The uptraining experiment, end to end through the CLIs: a miniature of the MLKV paper's Tables 2-3.
+"""The uptraining experiment, end to end through the CLIs: a miniature of the MLKV paper's Table 2.
 
   1. train a dense 8-layer Pythia-style (GPT-NeoX) model on Tiny Shakespeare   train.py --config uptrain_neox.yaml
   2. export it to a Hugging Face directory                                     python -m jaxshare.convert export

@@ -30,7 +30,7 @@ class Objective:
     kd_beta / kd_delta / kd_layers / teacher_graphdef: LISA distillation (Eq. 5-7): ``beta * L_KD + (1 - beta) *
       L_LM`` with ``L_KD`` the Huber loss (delta) between the student's and the frozen teacher's pre-softmax
       attention logits on ``kd_layers``, averaged over causal, same-document cells and layers.
-    postshare_gamma / postshare_pairs / schedule: PostShare (Head-wise Shareable Attention, Sec. 3.3): ``gamma *
+    postshare_gamma / postshare_pairs / schedule: PostShare (Head-wise Shareable Attention, Sec. 4.3): ``gamma *
       L_w``, ``L_w = (1/|N|) sum_{(i,j) in N} sum_{m in q,k,v} ||W_i^m - W_j^m||_F`` over the selected head pairs
       (``{"q", "k", "v"}: ((head, matched earlier head), ...)``, flat indices ``layer * H + head``).
     window: the model's sliding attention window (0: none); the distillation ignores cells outside it.
