@@ -227,7 +227,7 @@ def train_flops_per_token(model: ModelConfig, schedule: Schedule, seq_len: int,
 
 def lisa_memory_saving_bytes(model: ModelConfig, schedule: Schedule, seq_len: int, phase: str,
                              heads: str = "paper", bytes_per_element: int = 2) -> int:
-  """LISA's net memory saving for one sequence (LISA Sec. 4 formulas, fp16 by default).
+  """LISA's net memory saving for one sequence (LISA Sec. 5.1 formulas, fp16 by default).
 
   ``prefill``: ``h·l·(N(d_k − r) − l)·β`` — the K-cache shrinks from d_k to r in N LISA layers, but an ``h×l×l``
   logits tensor is carried between layers. ``decode``: ``h·l·(N(d_k − r) − 1)·β`` — only an ``h×l`` row is carried.

@@ -172,7 +172,7 @@ class LisaConfig:
 
   layers: list = _f([], "Layers that reuse the adjacent front layer's logits (0-based, >= 1); empty means layers 3 "
                     "to num_layers - 3, i.e. 1-based 4 to L-2, the span of LISA(27) on 32 layers (4-30); the "
-                    "paper's other configurations also share layer L-1, Table 4).")
+                    "paper's DS(10), DS(17), LISA(17) and LISA_SL(7+10) also share layer L-1 (Table 4).")
   integrator: str = _f("ffn", "How A_{n-1} and the low-rank delta combine: ffn (head aligner 2H -> hidden -> H, "
                        "ReLU; LISA), linear (2H -> H; LISA_SL), add (LISA_plus), none (direct sharing, DS). ffn and "
                        "linear start as add: A_{n-1} + A_delta (identity blocks; ffn via relu(s) - relu(-s)).",
@@ -395,7 +395,7 @@ class TrainConfig:
   init_kv_pool: str = _f("auto", "Uptraining into K/V sharing: how a producer's K/V are built from the source layers "
                          "that read them (heads always mean-pooled into the target's groups, GQA Sec. 2.1). mean: "
                          "uniform mean over the layers (MLKV); running: pythia-mlkv's running pairwise mean; "
-                         "producer: the producer layer's own (CLA); auto: producer for cla, mean otherwise.",
+                         "producer: the producer layer's own (this project's rule: CLA trains from scratch); auto: producer for cla, mean otherwise.",
                          ("auto", *KV_POOLS))
   init_mlp_widen: str = _f("zero", "Uptraining with schedule.match_params: how a widened MLP's new hidden units start. "
                            "zero: fresh input weights, zero output rows (the source's function is kept); duplicate: "

@@ -43,7 +43,7 @@ class LayerPlan:
     integrator: for ``"logits"`` reuse, how the source's logits and the low-rank delta combine: ``none`` (DS),
       ``add`` (LISA_plus), ``linear`` (LISA_SL) or ``ffn`` (LISA's head aligner).
     keep_qk: a logits-reusing layer keeps its (frozen, unused in training) full-width W_q/W_k for LISA's NF
-      decoding, which prefills with the original attention (LISA Sec. 4).
+      decoding, which prefills with the original attention (LISA Sec. 5.1).
   """
 
   index: int
@@ -383,8 +383,8 @@ def score_plans(model: ModelConfig, sched: ScheduleConfig, preset: str, plans: l
 
 
 def default_lisa_layers(num_layers: int) -> list[int]:
-  """LISA's default shared layers, 0-based ``3 .. L-3``: the paper never shares layers 1-3 or the last two
-  (1-based; Table 4, where LISA(27) on 32 layers is layers 4-30)."""
+  """LISA's default shared layers, 0-based ``3 .. L-3`` (1-based 4 to L-2): the span of LISA(27) and DS(27) on 32
+  layers (4-30) in Table 4, where the paper never shares layers 1-3 or the last layer."""
   return list(range(3, num_layers - 2))
 
 
@@ -418,7 +418,7 @@ def lisa_groups(model: ModelConfig, sched: ScheduleConfig, preset: str) -> list[
     layers = list(c.layers) if c.layers else default_lisa_layers(L)
     if not layers:
       raise ScheduleError(f"schedule.lisa.layers=[] is invalid for model.num_layers={L}: the default, layers 3..L-3 "
-                          "(the paper never shares the first three layers or the last two), is empty; list the layers")
+                          "(1-based 4 to L-2, LISA(27)'s span in the paper's Table 4), is empty; list the layers")
     groups = [(layers, integrator)]
     fields = ["schedule.lisa.layers"]
   seen: set = set()

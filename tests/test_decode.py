@@ -105,7 +105,7 @@ def test_window_longer_than_window():
 
 
 def test_nf_prefill_is_the_original_attention():
-  """LISA's NF strategy (LISA Sec. 4): prefill with the kept W_q/W_k is the dense model's forward, whatever the
+  """LISA's NF strategy (LISA Sec. 5.1): prefill with the kept W_q/W_k is the dense model's forward, whatever the
   low-rank deltas; decoding then continues with LISA (its K_LR were written during prefill)."""
   lisa_cfg = tiny_config("schedule.kind=lisa", "schedule.lisa.hidden=8", "schedule.lisa.layers=[1,2]",
                          "schedule.lisa.keep_qk=true")

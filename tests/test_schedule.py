@@ -121,7 +121,7 @@ def test_layers_read_by_position_stay_alone():
 
 
 def test_lisa_default_layers_follow_the_paper():
-  # LISA Table 4: layers 1-3 and the last two are never shared; LISA(27) on 32 layers is 4-30 (1-based)
+  # LISA Table 4: LISA(27) on 32 layers is 4-30 (1-based); layers 1-3 and 32 are never shared
   s = compile_schedule(ModelConfig(num_layers=32, num_heads=4, d_model=32), sched(kind="lisa"))
   assert [p.index + 1 for p in s.layers if p.score_reuse] == list(range(4, 31))
   with pytest.raises(ScheduleError, match=r"schedule.lisa.layers=\[\] is invalid for model.num_layers=5"):

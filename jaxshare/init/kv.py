@@ -7,9 +7,10 @@ Every target layer that projects K/V (a producer) serves a group of reader layer
   2023, Sec. 2.1: "the key and value head for each group is constructed by mean-pooling all the original heads
   within that group"; MQA is G = 1);
 - layers: the group's head-pooled projections combined by ``kv_pool``: ``mean`` (uniform mean over the group, MLKV
-  Sec. 3) or ``running`` (pythia-mlkv's conversion script: a running pairwise mean ``acc = (acc + w_l) / 2`` over the
-  group's layers in order, which weights the last layer by 1/2 and the first by 1/2^(n-1)), or ``producer`` (CLA:
-  the producer layer's own projection, the consumers' dropped).
+  Sec. 4.2) or ``running`` (pythia-mlkv's conversion script: a running pairwise mean ``acc = (acc + w_l) / 2`` over the
+  group's layers in order, which weights the last layer by 1/2 and the first by 1/2^(n-1)), or ``producer`` (this
+  project's rule for CLA, which its paper trains from scratch: the producer layer's own projection, the consumers'
+  dropped).
 """
 
 from __future__ import annotations

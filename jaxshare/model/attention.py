@@ -258,7 +258,7 @@ class Attention(nnx.Module):
       kv_in: a K/V consumer's producer blocks ``((K cache, K new), (V cache, V new))``, heads-major.
       score_in: the rows ``[B, H, n, S + n]`` float32 a score-reusing layer reads.
       head_kernels: head-wise sharing's ``{"q", "k", "v"}`` kernels ``[D, H, d]``.
-      nf: LISA's NF prefill (LISA Sec. 4): a LISA layer attends with its kept original W_q/W_k over the new
+      nf: LISA's NF prefill (LISA Sec. 5.1): a LISA layer attends with its kept original W_q/W_k over the new
         tokens alone (the cache must be empty), and still returns its ``k_lr`` rows for decoding.
 
     Returns:

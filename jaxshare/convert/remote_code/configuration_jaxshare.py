@@ -40,7 +40,7 @@ class JaxshareConfig(PretrainedConfig):
     sliding_window: 0 (full causal attention) or the window W (each query sees itself and W - 1 keys before it).
     layer_plans: one dict per layer with :data:`LAYER_KEYS` (see the module docstring).
     head_index / head_rows: head-wise sharing's table (None without).
-    lisa_nf_prefill: LISA's NF decoding (LISA Sec. 4): prefill with the kept original W_q/W_k.
+    lisa_nf_prefill: LISA's NF decoding (LISA Sec. 5.1): prefill with the kept original W_q/W_k.
     jaxshare_format_version: the export format (:data:`FORMAT_VERSION`).
   """
 

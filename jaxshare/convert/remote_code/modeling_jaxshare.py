@@ -283,7 +283,7 @@ class Attention(nn.Module):
     elif self.reuse == "probs":
       probs = step.handed[self.plan["score_source"]]
     else:
-      if step.nf_prefill:  # LISA Sec. 4: the original attention over the prompt
+      if step.nf_prefill:  # LISA Sec. 5.1: the original attention over the prompt
         if self.q_proj is None or self.k_proj is None:
           raise ValueError("lisa_nf_prefill attends with the LISA layers' original W_q/W_k; this model did not keep "
                            "them (jaxshare's schedule.lisa.keep_qk)")
