@@ -9,7 +9,9 @@
      GQA, MQA, the MLKV ladder (4, 2 and 1 K/V heads over 8 layers), CLA2, each with and without
      schedule.match_params (MLKV Sec. 4's control: equal parameter counts); UniAttn with least-squares W_c, uptrained
      with the standard and the paper's two-stage recipe; LISA from its DS start, the weight fit and the fit
-     calibrated on data (train.init_lisa=ds, fit, calibrated)
+     calibrated on data (train.init_lisa=ds, fit, calibrated); and the papers' recipes beside them: CLA2 from
+     mean-pooled K/V, MLKV-4 matched by duplicated units, W_c fitted to the averages (UniAttn Theorem 3.1), LISA
+     training only its new parameters with distillation (LISA Sec. 5.1, App. B)
   6. uptrain each for the same token budget at every seed, and train the KV schedules from scratch for the same
      tokens at every seed                                                      train.py
   7. tabulate validation loss (mean ± sample std over seeds) against KV bytes per token: results.md, results.json,
@@ -61,9 +63,19 @@ SCHEDULES: dict[str, tuple[list[str], list[str], bool]] = {
   "lisa_ds": ([*_LISA, "train.init_lisa=ds"], [], False),
   "lisa_fit": ([*_LISA, "train.init_lisa=fit"], [], False),
   "lisa_cal": ([*_LISA, "train.init_lisa=calibrated"], [], False),
+  # the papers' recipes and conversion rules beside the rows above (issue 46):
+  "cla2_pool": ([*_KV["cla2"], "train.init_kv_pool=mean"], [], False),  # producers from the mean of their layers
+  "mlkv4_m_dup": ([*_KV["mlkv4"], *MATCHED, "train.init_mlp_widen=duplicate"], [], False),  # pythia-mlkv's widening
+  "uniattn_wcmean": (_UNIATTN, [], False),  # W_c fitted to the averages, as Theorem 3.1 states it
+  # LISA Sec. 5.1 and App. B: only the new parameters trained, distilled from the dense model (beta 0.25), lr 3e-4
+  "lisa_paper": ([*_LISA, "train.init_lisa=ds"], ["train.trainable=sharing", "train.kd_beta=0.25", "train.lr=3e-4"],
+                 False),
 }
-# uniattn_2stage uptrains the conversion of uniattn; the others convert their own
-CONVERSION = {"uniattn_2stage": "uniattn"}
+# uniattn_2stage uptrains the conversion of uniattn, lisa_paper the config of lisa_ds; the others convert their own
+CONVERSION = {"uniattn_2stage": "uniattn", "lisa_paper": "lisa_ds"}
+CONVERSION_FLAGS = {"uniattn_wcmean": ["--wc-fit", "mean"]}  # instead of --wc-fit of the command line
+# uptrained from the imported dense model (the distillation teacher is train.init_from), not from their conversion
+FROM_SOURCE = {"lisa_paper"}
 PROMPT = "ROMEO:\n"
 
 
@@ -155,7 +167,12 @@ def table(rows: list[dict], args: argparse.Namespace) -> list[str]:
                  f"{r['converted']:.4f} | {mean_std(up)} | {delta} | {mean_std(r['scratch'])} | {len(up)} |")
   return lines + ["", "start: the dense model after export to HF and import back (bit-exact); dense: that model "
                   "trained on with the uptraining recipe, the control every schedule is compared with; _m: "
-                  "schedule.match_params (the MLPs resized to the dense model's parameter count)."]
+                  "schedule.match_params (the MLPs resized to the dense model's parameter count, new units with zero "
+                  "output rows; _m_dup: duplicated units, pythia-mlkv's way); cla2 keeps each producer's own K/V, "
+                  "cla2_pool averages its layers'; uniattn fits W_c on every token (--wc-fit), uniattn_wcmean on the "
+                  "averages (Theorem 3.1); lisa_paper trains only LISA's new parameters with distillation from the "
+                  "dense model (beta 0.25, lr 3e-4: LISA Sec. 5.1, App. B), the lisa rows every parameter with the LM "
+                  "loss."]
 
 
 def plot(rows: list[dict], out: Path) -> None:
@@ -165,7 +182,7 @@ def plot(rows: list[dict], out: Path) -> None:
   for r in rows:
     for series, key in (("uptrained", "uptrained"), ("from scratch", "scratch")):
       if r[key]:
-        series = f"{series}, matched" if r["name"].endswith("_m") else series
+        series = f"{series}, matched" if r["name"].endswith(("_m", "_m_dup")) else series
         points.append({"name": r["name"], "series": series, "val_loss": statistics.mean(r[key]),
                        "std": statistics.stdev(r[key]) if len(r[key]) > 1 else 0.0,
                        "kv_bytes_per_token_bf16": r["kv_bytes_per_token_bf16"]})
@@ -200,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     path = out / f"converted_{source}"
     if not path.exists():
       print(run(sys.executable, "-m", "jaxshare.convert", "uptrain", str(out / "imported"), str(path),
-                *SCHEDULES[source][0], "--wc-fit", args.wc_fit), end="")
+                *SCHEDULES[source][0], *CONVERSION_FLAGS.get(source, ["--wc-fit", args.wc_fit])), end="")
     converted[name] = (path, evaluate(path))
   results = {name: {"uptrained": [], "scratch": []} for name in names}
   for seed in args.seeds:
@@ -208,8 +225,9 @@ def main(argv: list[str] | None = None) -> int:
     for name in names:
       path, at_conversion = converted[name]
       config = str(path / "config.yaml")
+      source = out / "imported" if name in FROM_SOURCE else path
       up = run_variant(config, out / f"uptrained_{name}" / f"seed{seed}",
-                       [*seeded, f"train.init_from={path}", f"train.lr={args.uptrain_lr}", *SCHEDULES[name][1]],
+                       [*seeded, f"train.init_from={source}", f"train.lr={args.uptrain_lr}", *SCHEDULES[name][1]],
                        args.steps)
       results[name]["uptrained"].append(up["val_loss"])
       line = f"seed {seed} {name}: converted {at_conversion['val_loss']:.4f}, uptrained {up['val_loss']:.4f}"

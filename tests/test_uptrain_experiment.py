@@ -19,7 +19,8 @@ _spec.loader.exec_module(experiment)
 
 def _cell(name: str):
   conversion, uptraining, _ = experiment.SCHEDULES[experiment.CONVERSION.get(name, name)]
-  cfg = load_config(REPO / experiment.EXPERIMENT, [*conversion, *experiment.SCHEDULES[name][1]])
+  teacher = ["train.init_from=runs/uptrain/imported"] if name in experiment.FROM_SOURCE else []
+  cfg = load_config(REPO / experiment.EXPERIMENT, [*conversion, *experiment.SCHEDULES[name][1], *teacher])
   return cfg, compile_schedule(cfg.model, cfg.schedule)
 
 
@@ -52,3 +53,16 @@ def test_matched_cells_have_the_dense_parameter_count():
     per_neuron = accounting.params_per_mlp_neuron(cfg.model) * cfg.model.num_layers
     assert abs(_params(cfg, schedule) - dense) <= per_neuron / 2, name
     assert _params(*_cell(unmatched)) < dense - per_neuron, unmatched
+
+
+def test_recipe_rows_differ_from_their_twins_only_in_the_recipe():
+  """The papers' recipes (issue 46) change one thing each against the row they are compared with."""
+  rows = experiment.SCHEDULES
+  assert rows["cla2_pool"][0] == [*rows["cla2"][0], "train.init_kv_pool=mean"]
+  assert rows["mlkv4_m_dup"][0] == [*rows["mlkv4_m"][0], "train.init_mlp_widen=duplicate"]
+  assert _params(*_cell("mlkv4_m_dup")) == _params(*_cell("mlkv4_m"))
+  assert rows["uniattn_wcmean"][0] == rows["uniattn"][0]
+  assert experiment.CONVERSION_FLAGS["uniattn_wcmean"] == ["--wc-fit", "mean"]
+  assert experiment.CONVERSION["lisa_paper"] == "lisa_ds" and "lisa_paper" in experiment.FROM_SOURCE
+  cfg, _ = _cell("lisa_paper")
+  assert (cfg.train.trainable, cfg.train.kd_beta, cfg.train.lr) == ("sharing", 0.25, 3e-4)
