@@ -153,10 +153,11 @@ def test_vllm_builds_the_export_and_caches_only_producers(kind):
   dense = 2 * hf.num_hidden_layers * hf.num_attention_heads * hf.head_dim * 4  # a dense model's bytes per token
   assert blocks == SERVED[kind] * (KV_MEMORY // (dense * block_tokens))
 
-  # a profiling-mode forward pass (vLLM's dummy run: no attention metadata, so no attention kernel)
+  # a profiling-mode forward pass through vLLM's forward context (its dummy run). With no attention metadata the
+  # backend returns its output buffer unwritten (torch.empty), so only the shape and dtype are defined.
   with set_current_vllm_config(config):
     hidden, _ = runner._dummy_run(16)
-  assert hidden.shape == (16, hf.hidden_size) and torch.isfinite(hidden).all()
+  assert hidden.shape == (16, hf.hidden_size) and hidden.dtype == torch.float32
 
 
 @pytest.mark.parametrize("kind, feature", [("sa", "probability reuse"), ("uniattn", "probability reuse"),
