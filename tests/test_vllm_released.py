@@ -15,11 +15,12 @@ import pytest
 from conftest import REPO
 
 VLLM_ENV = REPO / ".vllm"
+needs_vllm = pytest.mark.skipif(not (VLLM_ENV / ".installed").is_file(),
+                                reason="vLLM is not installed beside the venv (make .vllm/.installed)")
 
 
 @pytest.mark.longest
-@pytest.mark.skipif(not (VLLM_ENV / ".installed").is_file(), reason="vLLM is not installed beside the venv "
-                    "(make .vllm/.installed)")
+@needs_vllm
 def test_the_plugin_in_released_vllm_and_the_remote_code_on_the_lowest_transformers():
   env = {**os.environ, "PYTHONPATH": str(VLLM_ENV), "VLLM_TARGET_DEVICE": "cpu"}
   env.pop("PYTEST_XDIST_WORKER", None)
@@ -34,8 +35,7 @@ def test_the_plugin_in_released_vllm_and_the_remote_code_on_the_lowest_transform
   assert re.search(r"\d+ passed", summary) and "skipped" not in summary, summary
 
 
-@pytest.mark.skipif(not (VLLM_ENV / ".installed").is_file(), reason="vLLM is not installed beside the venv "
-                    "(make .vllm/.installed)")
+@needs_vllm
 def test_the_hf_and_vllm_extras_admit_the_versions_vllm_pins():
   """``jaxshare[hf,vllm]`` installs together: the ``hf`` extra admits vLLM's torch pin and its transformers floor,
   which is the ``hf`` extra's floor and the transformers ``.vllm/`` tests the remote code on."""

@@ -39,7 +39,8 @@ SERVED = {"cla": 2, "mlkv": 4, "neox_mlkv": 4, "window_tied_cla": 2}
 KV_MEMORY = 64 * 2**20  # bytes given to vLLM's KV-cache allocator
 
 
-_EXPORTS: dict[str, tuple] = {}
+_EXPORTS: dict[str, tuple] = {}  # kind -> (cfg, setup, directory)
+_ROOT: list = []  # pytest's directory for the exports, set by the fixture
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -48,7 +49,7 @@ def exports(tmp_path_factory):
   for one CPU process (gloo), as its CPU worker makes them."""
   from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
 
-  _EXPORTS["root"] = tmp_path_factory.mktemp("vllm_exports")
+  _ROOT[:] = [tmp_path_factory.mktemp("vllm_exports")]
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
@@ -61,7 +62,7 @@ def exports(tmp_path_factory):
 def _export_dir(kind: str):
   """The export directory of ``CASES[kind]`` (``_EXPORTS[kind]`` is ``(cfg, setup, directory)``)."""
   if kind not in _EXPORTS:
-    root = _EXPORTS["root"] / kind
+    root = _ROOT[0] / kind
     root.mkdir()
     cfg, setup, _, out = _export(root, CASES[kind])
     _EXPORTS[kind] = cfg, setup, out
@@ -127,8 +128,9 @@ def test_vllm_builds_the_export_and_caches_only_producers(kind):
   weights = load_file(directory / "model.safetensors")
   params = dict(model.named_parameters())
   assert set(params) == set(weights) - ({"lm_head.weight"} & set(weights) if cfg.model.tie_embeddings else set())
+  state = model.state_dict()
   for name, tensor in weights.items():
-    np.testing.assert_array_equal(dict(model.state_dict())[name].numpy(), tensor.numpy(), err_msg=name)
+    np.testing.assert_array_equal(state[name].numpy(), tensor.numpy(), err_msg=name)
 
   # KV-cache specs for producers only; each consumer reads an earlier producer of the same shape
   name = "model.layers.{}.self_attn.attn".format
