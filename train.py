@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     return exit_codes.INTERRUPTED
   if multi_process:  # the evaluation runs in one process: evaluating here would leave the others out of its collectives
     print(f"evaluate with: python eval.py {cfg.train.run_dir}")
-  elif not args.no_eval and summary["step"] >= cfg.train.steps:
+  elif not args.no_eval and summary["finished"]:
     from jaxshare.evaluation.evaluate import evaluate_run, format_report
 
     print(format_report(evaluate_run(cfg.train.run_dir)))

@@ -415,11 +415,16 @@ class TrainConfig:
                               "schedule.headwise.match).")
   recipe: str = _f("standard", "standard, or uniattn_two_stage: stage 1 trains only W_c until the EMA of the "
                    "training loss stops improving (or train.stage1_max_steps), stage 2 fine-tunes everything with a "
-                   "fresh optimizer and its own warm-up + cosine schedule over the remaining steps.",
+                   "fresh optimizer and its own warm-up + cosine schedule over the remaining steps (or "
+                   "train.stage2_steps).",
                    ("standard", "uniattn_two_stage"))
   stage1_max_steps: int = _f(200, "uniattn_two_stage: most steps of stage 1.")
   stage1_ema: float = _f(0.9, "uniattn_two_stage: decay of the training-loss EMA watched for early stopping.")
   stage1_patience: int = _f(20, "uniattn_two_stage: stop stage 1 after this many steps without a new EMA minimum.")
+  stage2_steps: int = _f(0, "uniattn_two_stage: steps of stage 2, counted from the step stage 1 ended, as the paper "
+                         "gives fine-tuning its own budget after stage 1 (UniAttn Alg. 1, App. D): the run ends at "
+                         "stage 1's length + stage2_steps, and train.steps is only an upper bound (at least "
+                         "stage1_max_steps + stage2_steps). 0: stage 2 takes what remains of train.steps.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -727,6 +732,12 @@ def validate(cfg: Config) -> None:
   for name in ("stage1_max_steps", "stage1_patience"):
     _require(getattr(t, name) > 0, f"train.{name}", getattr(t, name), "must be a positive integer")
   _require(0.0 < t.stage1_ema < 1.0, "train.stage1_ema", t.stage1_ema, "must be in (0, 1)")
+  _require(t.stage2_steps >= 0, "train.stage2_steps", t.stage2_steps, "must be >= 0 (0: the rest of train.steps)")
+  _require(t.stage2_steps == 0 or t.recipe == "uniattn_two_stage", "train.stage2_steps", t.stage2_steps,
+           "needs train.recipe=uniattn_two_stage (or 0)")
+  _require(t.stage2_steps == 0 or t.steps >= t.stage1_max_steps + t.stage2_steps, "train.steps", t.steps,
+           f"must be >= train.stage1_max_steps + train.stage2_steps = {t.stage1_max_steps + t.stage2_steps} (the "
+           "longest the two-stage run can take)")
   _require(t.recipe != "uniattn_two_stage" or t.trainable == "all", "train.trainable", t.trainable,
            "must be all with train.recipe=uniattn_two_stage (stage 1 trains W_c alone, stage 2 fine-tunes everything)")
   for name in ("data", "fsdp", "tensor"):

@@ -8,10 +8,10 @@
   5. convert the imported model into each schedule (SCHEDULES)                 python -m jaxshare.convert uptrain
      GQA, MQA, the MLKV ladder (4, 2 and 1 K/V heads over 8 layers), CLA2, each with and without
      schedule.match_params (MLKV Sec. 4's control: equal parameter counts); UniAttn with least-squares W_c, uptrained
-     with the standard and the paper's two-stage recipe; LISA from its DS start, the weight fit and the fit
-     calibrated on data (train.init_lisa=ds, fit, calibrated); and the papers' recipes beside them: CLA2 from
-     mean-pooled K/V, MLKV-4 matched by duplicated units, W_c fitted to the averages (UniAttn Theorem 3.1), LISA
-     training only its new parameters with distillation (LISA Sec. 5.1, App. B)
+     with the standard and the paper's two-stage recipe (stage 1, then the steps every row gets); LISA from its DS
+     start, the weight fit and the fit calibrated on data (train.init_lisa=ds, fit, calibrated); and the papers'
+     recipes beside them: CLA2 from mean-pooled K/V, MLKV-4 matched by duplicated units, W_c fitted to the averages
+     (UniAttn Theorem 3.1), LISA training only its new parameters with distillation (LISA Sec. 5.1, App. B)
   6. uptrain each for the same token budget at every seed, and train the KV schedules from scratch for the same
      tokens at every seed                                                      train.py
   7. tabulate validation loss (mean ± sample std over seeds) against KV bytes per token: results.md, results.json,
@@ -42,6 +42,7 @@ from jaxshare.sweep.results import mean_std  # noqa: E402
 
 EXPERIMENT = "configs/experiments/uptrain_neox.yaml"
 MATCHED = ["schedule.match_params=true"]
+STAGE1_MAX_STEPS = 50  # the two-stage rows' stage 1 at most; their stage 2 gets --steps (train.stage2_steps)
 # name -> (conversion overrides of the dense model's config, extra uptraining overrides, also trained from scratch).
 # The dense model has 8 layers x 4 heads; the MLKV ladder has 4, 2 and 1 K/V heads in all, fewer than its layers.
 _KV = {
@@ -59,7 +60,9 @@ SCHEDULES: dict[str, tuple[list[str], list[str], bool]] = {
   **{name: (o, [], True) for name, o in _KV.items()},
   **{f"{name}_m": ([*o, *MATCHED], [], False) for name, o in _KV.items()},
   "uniattn": (_UNIATTN, [], True),
-  "uniattn_2stage": (_UNIATTN, ["train.recipe=uniattn_two_stage", "train.stage1_max_steps=50"], False),
+  # UniAttn Alg. 1: stage 1 (W_c alone, early stopping) before the same fine-tuning budget the standard recipe gets
+  "uniattn_2stage": (_UNIATTN, ["train.recipe=uniattn_two_stage", f"train.stage1_max_steps={STAGE1_MAX_STEPS}"],
+                     False),
   "lisa_ds": ([*_LISA, "train.init_lisa=ds"], [], False),
   "lisa_fit": ([*_LISA, "train.init_lisa=fit"], [], False),
   "lisa_cal": ([*_LISA, "train.init_lisa=calibrated"], [], False),
@@ -76,6 +79,7 @@ CONVERSION = {"uniattn_2stage": "uniattn", "lisa_paper": "lisa_ds"}
 CONVERSION_FLAGS = {"uniattn_wcmean": ["--wc-fit", "mean"]}  # instead of --wc-fit of the command line
 # uptrained from the imported dense model (the distillation teacher is train.init_from), not from their conversion
 FROM_SOURCE = {"lisa_paper"}
+TWO_STAGE = {"uniattn_2stage"}
 PROMPT = "ROMEO:\n"
 
 
@@ -104,13 +108,35 @@ def evaluate(run_dir: Path, sample_tokens: int = 0, step: int | None = None) -> 
   return report
 
 
-def run_variant(experiment: str, run_dir: Path, overrides: list[str], steps: int, sample_tokens: int = 0) -> dict:
+def stage1_steps(run_dir: Path) -> int:
+  """Where UniAttn's stage 1 ended in a finished two-stage run: the ``stage_start`` its checkpoints record."""
+  from jaxshare.checkpoint import Checkpointer
+
+  ckpt = Checkpointer(run_dir / "checkpoints", 1)
+  try:
+    return ckpt.read_meta(ckpt.latest_step())["stage_start"]
+  finally:
+    ckpt.close()
+
+
+def run_variant(experiment: str, run_dir: Path, overrides: list[str], steps: int, sample_tokens: int = 0,
+                two_stage: bool = False) -> dict:
   """Train (or resume; a finished run returns at once) one run of ``steps`` steps, then evaluate it: eval.py's
-  JSON report."""
-  if sample_tokens or cached_report(run_dir, steps) is None:
-    run(sys.executable, "train.py", "--config", experiment, "--no-eval", *overrides, f"train.steps={steps}",
+  JSON report. ``two_stage``: UniAttn's stage 1 (at most STAGE1_MAX_STEPS) and then ``steps`` steps of stage 2;
+  the report gains ``stage1_steps``."""
+  final = None if two_stage else steps  # a two-stage run ends where stage 1 did, plus steps
+  if sample_tokens or cached_report(run_dir, final) is None:
+    budget = ([f"train.steps={steps + STAGE1_MAX_STEPS}", f"train.stage2_steps={steps}"] if two_stage else
+              [f"train.steps={steps}"])
+    run(sys.executable, "train.py", "--config", experiment, "--no-eval", *overrides, *budget,
         f"train.run_dir={run_dir}")
-  return evaluate(run_dir, sample_tokens, steps)
+  report = evaluate(run_dir, sample_tokens, final)
+  if two_stage:
+    report["stage1_steps"] = stage1_steps(run_dir)
+    if report["step"] != report["stage1_steps"] + steps:
+      raise SystemExit(f"{run_dir}: evaluated at step {report['step']}, not at stage 1's end + {steps} (an evaluation "
+                       "of another --steps): delete its eval.json and re-run")
+  return report
 
 
 def transformers_greedy(hf_dir: Path, tokens: int) -> str:
@@ -165,7 +191,11 @@ def table(rows: list[dict], args: argparse.Namespace) -> list[str]:
     delta = "—" if not up or r["name"] in ("start", "dense") else mean_std([a - b for a, b in zip(up, control)])
     lines.append(f"| {r['name']} ({r['schedule']}) | {r['kv_bytes_per_token_bf16']:,} | {r['num_params']:,} | "
                  f"{r['converted']:.4f} | {mean_std(up)} | {delta} | {mean_std(r['scratch'])} | {len(up)} |")
-  return lines + ["", "start: the dense model after export to HF and import back (bit-exact); dense: that model "
+  stage1 = {r["name"]: r["stage1_steps"] for r in rows if r["stage1_steps"]}
+  return lines + ["", *(f"{name}: stage 1 (W_c alone, early stopping, at most {STAGE1_MAX_STEPS} steps) ran "
+                        f"{', '.join(map(str, steps))} steps at the seeds above, then stage 2 the {args.steps} steps "
+                        "every other row gets (UniAttn Alg. 1, App. D)." for name, steps in stage1.items()),
+                  "start: the dense model after export to HF and import back (bit-exact); dense: that model "
                   "trained on with the uptraining recipe, the control every schedule is compared with; _m: "
                   "schedule.match_params (the MLPs resized to the dense model's parameter count, new units with zero "
                   "output rows; _m_dup: duplicated units, pythia-mlkv's way); cla2 keeps each producer's own K/V, "
@@ -219,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
       print(run(sys.executable, "-m", "jaxshare.convert", "uptrain", str(out / "imported"), str(path),
                 *SCHEDULES[source][0], *CONVERSION_FLAGS.get(source, ["--wc-fit", args.wc_fit])), end="")
     converted[name] = (path, evaluate(path))
-  results = {name: {"uptrained": [], "scratch": []} for name in names}
+  results = {name: {"uptrained": [], "scratch": [], "stage1_steps": []} for name in names}
   for seed in args.seeds:
     seeded = [*budget, f"train.seed={seed}", f"data.shuffle_seed={seed}"]
     for name in names:
@@ -228,9 +258,12 @@ def main(argv: list[str] | None = None) -> int:
       source = out / "imported" if name in FROM_SOURCE else path
       up = run_variant(config, out / f"uptrained_{name}" / f"seed{seed}",
                        [*seeded, f"train.init_from={source}", f"train.lr={args.uptrain_lr}", *SCHEDULES[name][1]],
-                       args.steps)
+                       args.steps, two_stage=name in TWO_STAGE)
       results[name]["uptrained"].append(up["val_loss"])
       line = f"seed {seed} {name}: converted {at_conversion['val_loss']:.4f}, uptrained {up['val_loss']:.4f}"
+      if name in TWO_STAGE:
+        results[name]["stage1_steps"].append(up["stage1_steps"])
+        line += f" (stage 1: {up['stage1_steps']} steps)"
       if SCHEDULES[name][2]:
         scratch = run_variant(config, out / f"scratch_{name}" / f"seed{seed}", [*seeded, "train.init_from="],
                               args.steps)
@@ -240,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
 
   rows = [{"name": "start", "schedule": imported_eval["schedule"], "num_params": imported_eval["num_params"],
            "kv_bytes_per_token_bf16": imported_eval["kv_bytes_per_token_bf16"],
-           "converted": imported_eval["val_loss"], "uptrained": [], "scratch": []}]
+           "converted": imported_eval["val_loss"], "uptrained": [], "scratch": [], "stage1_steps": []}]
   for name in names:
     report = converted[name][1]
     rows.append({"name": name, "schedule": report["schedule"], "num_params": report["num_params"],

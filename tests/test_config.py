@@ -34,6 +34,11 @@ def test_repo_experiment_files_load():
   (["mesh.data=-1", "mesh.fsdp=-1"], "at most one mesh axis"),
   (["train.recipe=uniattn_two_stage", "train.trainable=sharing"],
    "train.trainable='sharing' is invalid: must be all with train.recipe=uniattn_two_stage"),
+  (["train.stage2_steps=5"], "train.stage2_steps=5 is invalid: needs train.recipe=uniattn_two_stage"),
+  (["train.recipe=uniattn_two_stage", "train.stage1_max_steps=10", "train.stage2_steps=20", "train.steps=25",
+    "train.warmup_steps=2"],
+   "train.steps=25 is invalid: must be >= train.stage1_max_steps + train.stage2_steps = 30"),
+  (["train.stage2_steps=-1"], "train.stage2_steps=-1 is invalid: must be >= 0"),
   # values that used to be accepted and trained to NaN from step 1
   (["train.lr=inf"], "train.lr=inf is invalid: must be a finite number > 0"),
   (["train.lr=nan"], "train.lr=nan is invalid"),

@@ -194,3 +194,29 @@ def test_uniattn_two_stage_recipe_and_resume(tmp_path):
   ckpt = Checkpointer(tmp_path / "b" / "checkpoints", 2)
   assert ckpt.read_meta(8)["stage"] == 2
   ckpt.close()
+
+
+def test_uniattn_stage2_steps_gives_stage2_its_own_budget(tmp_path):
+  """train.stage2_steps: stage 2 runs exactly that many steps after stage 1 ends (UniAttn Alg. 1, App. D), with its
+  learning-rate schedule over them, whatever stage 1's length; resumed, the same curve; a finished run stays so."""
+  base = ["schedule.kind=uniattn", "schedule.uniattn.start=0", "schedule.uniattn.block_size=2",
+          "train.recipe=uniattn_two_stage", "train.stage1_max_steps=3", "train.stage1_patience=100",
+          "train.stage2_steps=4", "train.steps=9", "train.warmup_steps=1", "train.log_every=1",
+          "train.checkpoint_every=1", "train.keep_checkpoints=20"]
+  cfg = tiny_config(*base, f"train.run_dir={tmp_path / 'a'}")
+  summary = train(cfg)
+  records = metrics(tmp_path / "a")
+  # stage 1 ends after its 3rd step (the switching step's record says 2), stage 2 takes 4 more: 7 of train.steps=9
+  assert [(r["step"], r["stage"]) for r in records] == [(1, 1), (2, 1), (3, 2), (4, 2), (5, 2), (6, 2), (7, 2)]
+  assert summary["step"] == 7 and summary["finished"] and "val_loss" in records[-1]
+  stage2 = learning_rate_schedule(cfg.train, start_step=3, end_step=7)  # cosine over the 4 steps of stage 2
+  for r in records[3:]:
+    assert r["lr"] == pytest.approx(float(stage2(r["step"] - 1 - 3)))
+  cfg_b = tiny_config(*base, f"train.run_dir={tmp_path / 'b'}")
+  train(cfg_b, stop_after=2)
+  assert not train(cfg_b, stop_after=5)["finished"]
+  assert train(cfg_b)["step"] == 7
+  again = train(cfg_b)  # finished: nothing more is trained
+  assert again["step"] == 7 and again["finished"]
+  assert [(r["step"], r["loss"], r["stage"]) for r in metrics(tmp_path / "b")] == \
+      [(r["step"], r["loss"], r["stage"]) for r in records]

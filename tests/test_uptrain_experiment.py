@@ -66,3 +66,19 @@ def test_recipe_rows_differ_from_their_twins_only_in_the_recipe():
   assert experiment.CONVERSION["lisa_paper"] == "lisa_ds" and "lisa_paper" in experiment.FROM_SOURCE
   cfg, _ = _cell("lisa_paper")
   assert (cfg.train.trainable, cfg.train.kd_beta, cfg.train.lr) == ("sharing", 0.25, 3e-4)
+
+
+def test_two_stage_row_gets_the_standard_fine_tuning_budget(tmp_path):
+  """UniAttn's stage 1 runs before the --steps every row gets (train.stage2_steps), and its length is read back."""
+  from conftest import tiny_config
+  from jaxshare.train.loop import train
+
+  assert experiment.TWO_STAGE == {"uniattn_2stage"}
+  cfg, _ = _cell("uniattn_2stage")
+  assert (cfg.train.recipe, cfg.train.stage1_max_steps) == ("uniattn_two_stage", experiment.STAGE1_MAX_STEPS)
+  run_dir = tmp_path / "run"
+  train(tiny_config("schedule.kind=uniattn", "schedule.uniattn.start=0", "schedule.uniattn.block_size=2",
+                    "train.recipe=uniattn_two_stage", "train.stage1_max_steps=2", "train.stage1_patience=100",
+                    "train.stage2_steps=3", "train.steps=6", "train.warmup_steps=1", "train.checkpoint_every=1",
+                    f"train.run_dir={run_dir}"))
+  assert experiment.stage1_steps(run_dir) == 2

@@ -21,7 +21,7 @@ from jaxshare.kernels.dispatch import document_bounds
 from jaxshare.schedule import compile_schedule
 from jaxshare.train.interrupts import Interrupts
 from jaxshare.train.metrics import MetricsLogger, resolve_peak
-from jaxshare.train.recipes import Stage1Monitor, build_objective
+from jaxshare.train.recipes import Stage1Monitor, build_objective, end_step
 from jaxshare.train.state import (TrainSetup, abstract_state, init_state, setup_training, state_from_params,
                                   trainable_for)
 from jaxshare.train.step import Objective, make_train_step
@@ -93,7 +93,8 @@ def train(cfg: Config, *, mesh=None, stop_after: int | None = None) -> dict[str,
     stop_after: stop (with a checkpoint) once this step is reached, as if interrupted — for tests.
 
   Returns:
-    Summary: ``step``, ``loss`` (last logged training loss), ``val_loss``, ``num_params``, ``trainable_params``,
+    Summary: ``step``, ``finished`` (the run reached its last step: ``train.steps``, or stage 2's end under
+    ``train.stage2_steps``), ``loss`` (last logged training loss), ``val_loss``, ``num_params``, ``trainable_params``,
     ``kv_bytes_per_token``, ``tokens_per_sec``, ``stage``, ``run_dir``, ``interrupted`` (the signal that stopped the
     run after saving, e.g. ``"SIGTERM"``; None). See :class:`~jaxshare.train.interrupts.Interrupts`.
 
@@ -190,6 +191,7 @@ class _Trainer:
                                                                                          self.source.schedule))
     self.stage = self._stage_of(self.meta)
     self.stage_start = self.meta.get("stage_start", 0)  # the step the current stage's learning-rate schedule began
+    self.end = end_step(self.cfg, self.stage, self.stage_start)
     self.skipped = self.meta.get("skipped_steps", 0)
     self.monitor = Stage1Monitor(self.tcfg.stage1_ema, self.tcfg.stage1_patience, self.tcfg.stage1_max_steps)
     if "stage1" in self.meta:  # resume early stopping exactly where it was
@@ -201,8 +203,9 @@ class _Trainer:
 
   def _prepare(self, meta: dict) -> tuple[TrainSetup, Any]:
     """The run's setup at the recipe stage ``meta`` records, and a data iterator at the start of the data."""
-    setup = setup_training(self.cfg, self.mesh, trainable_for(self.cfg, self._stage_of(meta)), self.ties,
-                           start_step=meta.get("stage_start", 0))
+    stage, stage_start = self._stage_of(meta), meta.get("stage_start", 0)
+    setup = setup_training(self.cfg, self.mesh, trainable_for(self.cfg, stage), self.ties, start_step=stage_start,
+                           end_step=end_step(self.cfg, stage, stage_start))
     self.data.rows = parallel.local_batch_rows(setup.batch_sharding, self.tcfg.batch_size)  # this process's rows
     return setup, self.data.train_iter()
 
@@ -282,11 +285,11 @@ class _Trainer:
 
   def run(self, end: int) -> None:
     """Step until ``end`` (or a stop request), logging, validating and checkpointing on the configured cadence; a
-    stopped run saves where it stopped."""
+    stopped run saves where it stopped; UniAttn's stage 2 may end the run sooner (``train.stage2_steps``)."""
     tcfg = self.tcfg
     self.t_last = time.perf_counter()
     with jax.set_mesh(self.setup.mesh), Interrupts() as interrupts, _writes_finished_on_error(self.ckpt):
-      while self.step < end and not interrupts.should_stop(self.step):
+      while self.step < min(end, self.end) and not interrupts.should_stop(self.step):
         batch = parallel.shard_batch(self.setup.batch_sharding, next(self.data_iter))
         self.state, metrics = self.step_fn(self.state, batch, self.teacher_params)
         self.step += 1
@@ -294,35 +297,37 @@ class _Trainer:
         self.log.advance(1)
         if self.stage == 1 and bool(metrics["finite"]) and self.monitor.update(float(metrics["loss"])):
           self._begin_stage2()
-        is_last = self.step == tcfg.steps
+        is_last = self.step == self.end
         is_eval = self.data.has_validation and (bool(tcfg.eval_every and self.step % tcfg.eval_every == 0) or is_last)
         if self.step % tcfg.log_every == 0 or is_eval or self.step == end:
           self._log_interval(is_eval)
         if self.step % tcfg.checkpoint_every == 0 or is_last:
           self._save()
-      if self.step < tcfg.steps and self.step % tcfg.checkpoint_every:
+      if self.step < self.end and self.step % tcfg.checkpoint_every:
         self._save()
       self.ckpt.wait()  # still under the handlers: a second signal cannot cut the write short
-      if self.step < tcfg.steps:
+      if self.step < self.end:
         how = f"interrupted by {interrupts.received[0]}" if interrupts.received else "stopped"
         self.log.print(f"{how} at step {self.step}; checkpoint {self.step} saved, re-run the same command to resume")
     self.ckpt.close()
     self.log.close()
-    self.summary.update(step=self.step, stage=self.stage, skipped_steps=self.skipped,
+    self.summary.update(step=self.step, finished=self.step >= self.end, stage=self.stage, skipped_steps=self.skipped,
                         interrupted=interrupts.received[0] if interrupts.received else None)
 
   def _begin_stage2(self) -> None:
     """UniAttn stage 2: everything trains, with a fresh optimizer state and a learning-rate schedule (warm-up,
-    cosine) over the remaining steps."""
+    cosine) over the remaining steps (or ``train.stage2_steps``)."""
     self.stage, self.stage_start = 2, self.step
-    self.setup = setup_training(self.cfg, self.mesh, trainable_for(self.cfg, 2), self.ties, start_step=self.step)
+    self.end = end_step(self.cfg, 2, self.step)
+    self.setup = setup_training(self.cfg, self.mesh, trainable_for(self.cfg, 2), self.ties, start_step=self.step,
+                                end_step=self.end)
     params = self.state["params"]
     opt_state = jax.jit(self.setup.tx.init, out_shardings=self.setup.state_shardings["opt_state"])(params)
     self.state = {"params": params, "opt_state": opt_state, "step": self.state["step"]}
     self.step_fn = jit_train_step(self.setup, self.objective, self.teacher_shardings)
     self.summary["trainable_params"] = self.setup.num_trainable
     self.log.print(f"stage 1 ended at step {self.step} (loss EMA {self.monitor.ema:.4f}); stage 2 trains "
-                   f"{self.setup.num_trainable:,} parameters")
+                   f"{self.setup.num_trainable:,} parameters until step {self.end}")
 
   def _screen(self, flags) -> None:
     """Check the steps of pending[screened:] (their ``finite`` flags): stop the run at the first non-finite one, or
@@ -389,7 +394,7 @@ class _Trainer:
     self.log.advance(0, record["loss"])
     peak = self.peak
     mfu = "" if peak is None else f" | MFU {100 * record['mfu']:.1f}%" + (f" ({peak.tag})" if peak.tag else "")
-    self.log.print(f"step {self.step:>6}/{self.tcfg.steps} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
+    self.log.print(f"step {self.step:>6}/{self.end} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
                    f"{tps:,.0f} tok/s | {record['step_time'] * 1e3:.0f} ms/step{mfu}"
                    + "".join(f" | {k} {record[k]:.4f}" for k in ("kd_loss", "postshare_loss", "val_loss")
                              if k in record))

@@ -9,11 +9,11 @@ from flax import nnx
 from jaxshare.config import TrainConfig
 
 
-def learning_rate_schedule(cfg: TrainConfig, start_step: int = 0) -> optax.Schedule:
+def learning_rate_schedule(cfg: TrainConfig, start_step: int = 0, end_step: int | None = None) -> optax.Schedule:
   """Linear warm-up from 0 to ``lr`` over ``warmup_steps``, then cosine decay to ``lr * min_lr_ratio`` at
-  ``train.steps``, as a function of the steps taken since ``start_step`` (a recipe stage restarts it there, e.g.
-  UniAttn's stage 2; the warm-up shrinks to fit a short remainder)."""
-  remaining = max(cfg.steps - start_step, 1)
+  ``end_step`` (default ``train.steps``), as a function of the steps taken since ``start_step`` (a recipe stage
+  restarts it there, e.g. UniAttn's stage 2; the warm-up shrinks to fit a short remainder)."""
+  remaining = max((cfg.steps if end_step is None else end_step) - start_step, 1)
   return optax.warmup_cosine_decay_schedule(
     init_value=0.0, peak_value=cfg.lr, warmup_steps=min(cfg.warmup_steps, remaining - 1), decay_steps=remaining,
     end_value=cfg.lr * cfg.min_lr_ratio)
@@ -58,14 +58,15 @@ def count_trainable(params, trainable: tuple[str, ...] | None, frozen: frozenset
 
 
 def make_optimizer(cfg: TrainConfig, trainable: tuple[str, ...] | None = None,
-                   frozen: frozenset[tuple] = frozenset(), start_step: int = 0) -> optax.GradientTransformation:
+                   frozen: frozenset[tuple] = frozenset(), start_step: int = 0,
+                   end_step: int | None = None) -> optax.GradientTransformation:
   """The optimizer of :class:`~jaxshare.config.TrainConfig`; parameters are a pure dict pytree.
 
   Args:
     trainable: module names whose parameters are updated (None: all); see :func:`trainable_labels`.
     frozen: :func:`frozen_paths`; those parameters are never updated.
-    start_step: the global step this optimizer starts at (its learning-rate schedule restarts there; see
-      :func:`learning_rate_schedule`).
+    start_step, end_step: the global steps this optimizer's learning-rate schedule starts at (it restarts there) and
+      ends at (None: ``train.steps``); see :func:`learning_rate_schedule`.
 
   Frozen parameters go through an optax ``multi_transform`` whose frozen partition is ``set_to_zero`` (and holds no
   optimizer state).
@@ -73,7 +74,7 @@ def make_optimizer(cfg: TrainConfig, trainable: tuple[str, ...] | None = None,
   chain = []
   if cfg.clip_norm > 0:
     chain.append(optax.clip_by_global_norm(cfg.clip_norm))
-  chain.append(optax.adamw(learning_rate_schedule(cfg, start_step), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
+  chain.append(optax.adamw(learning_rate_schedule(cfg, start_step, end_step), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
                            weight_decay=cfg.weight_decay, mask=decay_mask))
   tx = optax.chain(*chain)
   if trainable is None and not frozen:

@@ -40,6 +40,13 @@ class Stage1Monitor:
     return self.since_best >= self.patience or self.steps >= self.max_steps
 
 
+def end_step(cfg: Config, stage: int, stage_start: int) -> int:
+  """The step a run ends at: ``train.steps``, or, in UniAttn's stage 2 under ``train.stage2_steps``, that many steps
+  after stage 1 ended at ``stage_start`` (UniAttn Alg. 1: fine-tuning gets its own budget)."""
+  t = cfg.train
+  return stage_start + t.stage2_steps if stage == 2 and t.stage2_steps else t.steps
+
+
 def build_objective(cfg: Config, setup: TrainSetup, teacher: Run | None) -> Objective:
   """The auxiliary losses of ``cfg`` (``teacher``: the ``train.init_from`` run, when set).
 

@@ -59,14 +59,15 @@ class TrainSetup:
 
 
 def setup_training(cfg: Config, mesh: Mesh | None = None, trainable: tuple[str, ...] | None = None,
-                   ties: HeadTies | None = None, start_step: int = 0) -> TrainSetup:
+                   ties: HeadTies | None = None, start_step: int = 0, end_step: int | None = None) -> TrainSetup:
   """Compile the schedule, trace the model abstractly and derive every sharding (nothing is allocated).
 
   Args:
     trainable: module names the optimizer updates (None: all); see :func:`trainable_for`.
     ties: head-wise sharing's ties (a run's stored ones; default: chosen afresh by
       :func:`~jaxshare.init.headwise.compute_ties`).
-    start_step: where this optimizer's learning-rate schedule starts (a recipe stage's first step).
+    start_step, end_step: where this optimizer's learning-rate schedule starts (a recipe stage's first step) and
+      ends (None: ``train.steps``).
 
   Raises:
     ScheduleError / ConfigError: the schedule or mesh does not fit the model or the devices.
@@ -78,14 +79,14 @@ def setup_training(cfg: Config, mesh: Mesh | None = None, trainable: tuple[str, 
   graphdef, abstract_params = nnx.split(abstract_model, nnx.Param)
   p_shard = parallel.param_shardings(abstract_params, mesh)
   frozen = frozen_paths(abstract_params)
-  tx = make_optimizer(cfg.train, trainable, frozen, start_step)
+  tx = make_optimizer(cfg.train, trainable, frozen, start_step, end_step)
   abstract_opt = jax.eval_shape(tx.init, nnx.to_pure_dict(abstract_params))
   replicated = NamedSharding(mesh, P())
   empty = optax.MaskedNode  # a frozen parameter's slot in a masked optimizer state: keep it empty
   opt_shard = optax.tree_map_params(tx, lambda x, s: x if isinstance(x, empty) else s, abstract_opt, p_shard,
                                     transform_non_params=lambda _: replicated,
                                     is_leaf=lambda x: isinstance(x, empty))
-  lr = learning_rate_schedule(cfg.train, start_step)
+  lr = learning_rate_schedule(cfg.train, start_step, end_step)
   return TrainSetup(cfg, schedule, mesh, graphdef, abstract_params, p_shard, tx, lambda step: lr(step - start_step),
                     {"params": p_shard, "opt_state": opt_shard, "step": replicated}, parallel.batch_sharding(mesh),
                     ties, trainable, frozen)
