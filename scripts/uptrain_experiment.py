@@ -231,6 +231,8 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--wc-fit", default="tokens", choices=("mean", "tokens"), help="UniAttn W_c fit")
   parser.add_argument("--only", nargs="*", default=None, choices=list(SCHEDULES), metavar="NAME",
                       help=f"run only these schedules ({', '.join(SCHEDULES)}); dense is always run, as the control")
+  parser.add_argument("--no-scratch", action="store_true", help="skip the from-scratch runs (e.g. to add uptraining "
+                      "rows to a table whose from-scratch cells exist)")
   args = parser.parse_args(argv)
   out = Path(args.out).resolve()  # relative to the working directory, as typed
   os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(out / "xla_cache"))
@@ -264,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
       if name in TWO_STAGE:
         results[name]["stage1_steps"].append(up["stage1_steps"])
         line += f" (stage 1: {up['stage1_steps']} steps)"
-      if SCHEDULES[name][2]:
+      if SCHEDULES[name][2] and not args.no_scratch:
         scratch = run_variant(config, out / f"scratch_{name}" / f"seed{seed}", [*seeded, "train.init_from="],
                               args.steps)
         results[name]["scratch"].append(scratch["val_loss"])
