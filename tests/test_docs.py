@@ -98,6 +98,29 @@ def test_readme_is_short():
   assert n <= README_MAX_LINES, f"README.md has {n} lines (at most {README_MAX_LINES}): move reference text to docs/"
 
 
+def _tables(text: str) -> dict[str, list[str]]:
+  """Every Markdown table of ``text`` by its header line: the lines from the header to the first non-table line."""
+  tables, lines = {}, text.splitlines()
+  for i, line in enumerate(lines):
+    if line.startswith("| ") and (i == 0 or not lines[i - 1].startswith("|")):
+      rows = [line]
+      for nxt in lines[i + 1:]:
+        if not nxt.startswith("|"):
+          break
+        rows.append(nxt)
+      tables[line] = rows
+  return tables
+
+
+def test_tables_the_readme_shares_with_results_md_agree():
+  """The README repeats docs/results.md's measured tables: a re-run updates both, or this fails."""
+  readme, results = _tables(README.read_text()), _tables((REPO / "docs" / "results.md").read_text())
+  shared = readme.keys() & results.keys()
+  assert any("uptrained" in header for header in shared), "the uptraining table is no longer in both"
+  for header in shared:
+    assert readme[header] == results[header], f"README.md and docs/results.md differ in the table {header!r}"
+
+
 def test_every_docs_page_has_a_title_a_summary_and_a_link_from_the_readme():
   readme_links = {target.split("#")[0] for target in _LINK.findall(_prose(_text(README)))}
   for page in PAGES[1:]:

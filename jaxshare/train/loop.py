@@ -299,7 +299,7 @@ class _Trainer:
           self._begin_stage2()
         is_last = self.step == self.end
         is_eval = self.data.has_validation and (bool(tcfg.eval_every and self.step % tcfg.eval_every == 0) or is_last)
-        if self.step % tcfg.log_every == 0 or is_eval or self.step == end:
+        if self.step % tcfg.log_every == 0 or is_eval or self.step == min(end, self.end):
           self._log_interval(is_eval)
         if self.step % tcfg.checkpoint_every == 0 or is_last:
           self._save()
