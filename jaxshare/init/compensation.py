@@ -10,8 +10,8 @@ calibration samples at each position (``fit="mean"``, the paper's ``v = 1``: ``E
 instead solves the least squares over every calibration token (``[N*T, D]``), the "all-token" alternative
 ``methods-lisa-uniattn.md`` Sec. 2.7 names. ``mean`` needs T well above D: at T = D (the uptraining experiment in
 the README, T = D = 128) the square system fits the mean error exactly with a W_c that fails on single tokens
-(validation loss 5.94 after conversion against 2.00 with W_c = 0 and 1.89 with ``tokens``), so the CLI defaults to
-``tokens``. Algorithm 1 works bottom-up: each W_c is fitted with every W_c below
+(validation loss 6.41 after conversion against 1.96 with ``tokens``: the experiment's ``uniattn_wcmean`` row in
+docs/results.md), so the CLI defaults to ``tokens``. Algorithm 1 works bottom-up: each W_c is fitted with every W_c below
 it already inserted, since those change the inputs above.
 
 Every quantity is accumulated in float64 on the host, per layer: sums of ``x`` and ``eps`` over samples (``mean``)
