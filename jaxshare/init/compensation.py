@@ -11,8 +11,8 @@ instead solves the least squares over every calibration token (``[N*T, D]``), th
 ``methods-lisa-uniattn.md`` Sec. 2.7 names. ``mean`` needs T well above D: at T = D (the uptraining experiment in
 the README, T = D = 128) the square system fits the mean error exactly with a W_c that fails on single tokens
 (validation loss 6.41 after conversion against 1.96 with ``tokens``: the experiment's ``uniattn_wcmean`` row in
-docs/results.md), so the CLI defaults to ``tokens``. Algorithm 1 works bottom-up: each W_c is fitted with every W_c below
-it already inserted, since those change the inputs above.
+docs/results.md), so the CLI defaults to ``tokens``. Algorithm 1 works bottom-up: each W_c is fitted with every W_c
+below it already inserted, since those change the inputs above.
 
 Every quantity is accumulated in float64 on the host, per layer: sums of ``x`` and ``eps`` over samples (``mean``)
 or the normal-equation Gram matrices ``X^T X``, ``X^T eps`` (``tokens``), so memory does not grow with the number of
