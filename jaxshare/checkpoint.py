@@ -17,17 +17,11 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from jaxshare import integrity
+from jaxshare.files import absolute
 
 T = TypeVar("T")
 CHECKSUMS = "checksums"  # meta key: integrity.checksums of the saved arrays
 TMP_MARKER = ".orbax-checkpoint-tmp"  # in the name of a step directory whose write did not finish
-
-
-def absolute(path: str | os.PathLike) -> epath.Path:
-  """``path`` as an absolute ``epath.Path``: a local path resolved against the working directory, or a URL such as
-  ``gs://bucket/run`` (run directories on a bucket: orbax, TensorStore and ``epath`` read and write them)."""
-  p = epath.Path(path)
-  return p if p.is_absolute() else p.absolute()
 
 
 class CheckpointError(RuntimeError):

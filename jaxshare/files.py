@@ -1,6 +1,6 @@
-"""Writing a file whole or not at all, for every file jaxshare rewrites in place (run configs, head-wise ties, data
-shards and manifests, a sweep's tables): a kill mid-write, or a reader in another process or thread, never sees a torn
-one."""
+"""Paths and files: a run's paths made absolute (local or ``gs://``), and writing a file whole or not at all, for
+every file jaxshare rewrites in place (run configs, head-wise ties, data shards and manifests, a sweep's tables): a kill
+mid-write, or a reader in another process or thread, never sees a torn one."""
 
 from __future__ import annotations
 
@@ -8,6 +8,13 @@ import os
 import threading
 
 from etils import epath
+
+
+def absolute(path: str | os.PathLike) -> epath.Path:
+  """``path`` as an absolute ``epath.Path``: a local path resolved against the working directory, or a URL such as
+  ``gs://bucket/run`` (run directories on a bucket: orbax, TensorStore and ``epath`` read and write them)."""
+  p = epath.Path(path)
+  return p if p.is_absolute() else p.absolute()
 
 
 def write_atomic(path: epath.PathLike, data: bytes | memoryview | str) -> None:

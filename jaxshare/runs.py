@@ -28,10 +28,10 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jaxshare import accounting, parallel
-from jaxshare.checkpoint import CheckpointError, Checkpointer, absolute, finished_steps, save_params
+from jaxshare.checkpoint import CheckpointError, Checkpointer, finished_steps, save_params
 from jaxshare.config import Config, ConfigError, MeshConfig, config_from_yaml_text, to_yaml
 from jaxshare.data import Tokenizer, make_tokenizer
-from jaxshare.files import write_atomic
+from jaxshare.files import absolute, write_atomic
 from jaxshare.model import Transformer
 from jaxshare.model.ties import HeadTies
 from jaxshare.schedule import Schedule, compile_schedule

@@ -10,10 +10,11 @@ import jax
 import numpy as np
 
 from jaxshare import accounting, distributed, parallel, runs
-from jaxshare.checkpoint import PARAMS_ONLY, Checkpointer, absolute
+from jaxshare.checkpoint import PARAMS_ONLY, Checkpointer
 from jaxshare.config import Config, ConfigError, get_field
 from jaxshare.data import Datasets
 from jaxshare.evaluation.val_loss import evaluate_loss, make_eval_step
+from jaxshare.files import absolute
 from jaxshare.init.headwise import compute_ties
 from jaxshare.init.report import init_report
 from jaxshare.init.source import check_loadable, init_kv_pool, with_match_reference

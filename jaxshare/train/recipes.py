@@ -4,7 +4,7 @@ two-stage schedule."""
 from __future__ import annotations
 
 from jaxshare import distributed
-from jaxshare.checkpoint import absolute
+from jaxshare.files import absolute
 from jaxshare.config import Config, ConfigError
 from jaxshare.init.headwise import POSTSHARE_PAIRS_FILE, dense_kernels, direct_share, load_pairs, save_pairs
 from jaxshare.init.source import initial_params
