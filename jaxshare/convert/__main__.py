@@ -29,7 +29,7 @@ from pathlib import Path
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
   """The command line; flags may come before, between or after the overrides."""
   from jaxshare.cli_args import parse_anywhere
-  from jaxshare.config import WC_FITS
+  from jaxshare.config import WcFit
 
   parser = argparse.ArgumentParser(prog="python -m jaxshare.convert", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -55,7 +55,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
   up.add_argument("--lisa-steps", type=int, default=200, metavar="N",
                   help="train.init_lisa=calibrated: Adam steps fitting LISA's low-rank factors to the source's logits "
                   "on the calibration batches (default: %(default)s)")
-  up.add_argument("--wc-fit", choices=WC_FITS, default="tokens",
+  up.add_argument("--wc-fit", choices=tuple(WcFit), default="tokens",
                   help="UniAttn W_c fit: tokens (least squares over every calibration token) or mean (the paper's "
                   "v=1: sample means per position; when seq_len is not much larger than d_model it fits the mean "
                   "error exactly with a W_c that fails on single tokens) (default: %(default)s)")

@@ -4,9 +4,10 @@ a text file, or a text file as a prepared directory), the override that reads it
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
-from jaxshare.config import DATA_DIR_ENV, DataConfig, resolve_data_dir
+from jaxshare.config import DATA_DIR_ENV, REPO_ROOT, DataConfig
 from jaxshare.data.errors import DataError
 from jaxshare.data.shards import MANIFEST
 
@@ -15,10 +16,20 @@ _RULE = (f": a relative path is looked for in the working directory, then in the
          f"${DATA_DIR_ENV} or ../shared/data)")
 
 
+def resolve_data_dir(cfg: DataConfig) -> Path:
+  """The data directory, where relative data paths not found in the working directory are read from: data.data_dir,
+  then $JAXSHARE_DATA_DIR, then ../shared/data beside the repository."""
+  if cfg.data_dir:
+    return Path(cfg.data_dir).expanduser()
+  if os.environ.get(DATA_DIR_ENV):
+    return Path(os.environ[DATA_DIR_ENV]).expanduser()
+  return REPO_ROOT.parent / "shared" / "data"
+
+
 def path_candidates(path: str, cfg: DataConfig) -> list[Path]:
   """Where a local data path is looked for, in order: an absolute path as it is; a relative one in the working
   directory (what the user typed, e.g. the ``--out`` of ``python -m jaxshare.data prepare`` run from there), then in
-  the data directory (:func:`~jaxshare.config.resolve_data_dir`, where corpus names such as the default
+  the data directory (:func:`resolve_data_dir`, where corpus names such as the default
   ``tinyshakespeare.txt`` are found)."""
   p = Path(path).expanduser()
   return [p] if p.is_absolute() else [Path.cwd() / p, resolve_data_dir(cfg) / p]

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxshare.config import WC_FITS
+from jaxshare.config.choices import WcFit, parse
 from jaxshare.model import params as P
 from jaxshare.model.loss import masked_cross_entropy
 from jaxshare.schedule import Schedule
@@ -106,8 +106,7 @@ def calibrate_compensation(src: tuple[nnx.GraphDef, dict], dst: tuple[nnx.GraphD
   Raises:
     ValueError: ``fit`` is invalid, ``batches`` is empty, or the schedule has no compensated layer.
   """
-  if fit not in WC_FITS:
-    raise ValueError(f"wc fit={fit!r} is invalid: must be one of {', '.join(WC_FITS)}")
+  fit = parse(WcFit, fit, "--wc-fit")
   layers = [p.index for p in schedule.layers if p.compensation]
   if not layers:
     raise ValueError(f"schedule {schedule.describe()} has no layer with UniAttn's compensation W_c")

@@ -18,7 +18,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxshare.config import KV_POOLS
+from jaxshare.config.choices import KVPool, parse
 from jaxshare.model import params as P
 from jaxshare.schedule import Schedule
 
@@ -39,7 +39,12 @@ def pool_heads(x: jax.Array, groups: int) -> jax.Array:
 
 
 def combine_layers(xs: list[jax.Array], kv_pool: str) -> jax.Array:
-  """Combine one group's per-layer projections (in layer order) by ``kv_pool`` (see the module docstring)."""
+  """Combine one group's per-layer projections (in layer order) by ``kv_pool`` (see the module docstring).
+
+  Raises:
+    ValueError: ``kv_pool`` is not ``mean``, ``running`` or ``producer``.
+  """
+  kv_pool = parse(KVPool, kv_pool, "kv_pool")
   if kv_pool == "producer":
     return xs[0]
   if kv_pool == "mean":
@@ -49,7 +54,7 @@ def combine_layers(xs: list[jax.Array], kv_pool: str) -> jax.Array:
     for x in xs[1:]:
       acc = (acc + x) / 2
     return acc
-  raise ValueError(f"kv_pool={kv_pool!r} is invalid: must be one of {', '.join(KV_POOLS)}")
+  raise ValueError(f"kv_pool={kv_pool!r} is invalid: must be mean, running or producer")
 
 
 def reader_groups(schedule: Schedule) -> dict[int, list[int]]:

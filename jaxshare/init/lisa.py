@@ -40,7 +40,8 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jaxshare.config import LISA_STARTS, ConfigError
+from jaxshare.config import ConfigError
+from jaxshare.config.choices import LisaStart, parse
 from jaxshare.init.shared import same_shapes
 from jaxshare.kernels import reference
 from jaxshare.model import params as P
@@ -202,8 +203,7 @@ def init_low_rank(src: dict, src_schedule: Schedule, dst: dict, dst_schedule: Sc
   Raises:
     ValueError: ``start`` is invalid.
   """
-  if start not in LISA_STARTS:
-    raise ValueError(f"train.init_lisa={start!r} is invalid: must be one of {', '.join(LISA_STARTS)}")
+  start = parse(LisaStart, start, "train.init_lisa")
   fittable = fittable_lisa_layers(src, src_schedule, dst_schedule) if start == "fit" else []
   out = dst
   for plan in dst_schedule.layers:

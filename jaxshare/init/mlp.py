@@ -12,7 +12,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxshare.config import MLP_WIDENS
+from jaxshare.config.choices import MLPWiden, parse
 from jaxshare.model import params as P
 from jaxshare.schedule import Schedule
 
@@ -27,8 +27,7 @@ def widen_mlp(src: dict, src_schedule: Schedule, dst: dict, dst_schedule: Schedu
   Raises:
     ValueError: ``rule`` is invalid.
   """
-  if rule not in MLP_WIDENS:
-    raise ValueError(f"train.init_mlp_widen={rule!r} is invalid: must be one of {', '.join(MLP_WIDENS)}")
+  rule = parse(MLPWiden, rule, "train.init_mlp_widen")
   out = dst
   for layer in range(len(dst_schedule.layers)):
     s_mlp = P.layer_params(src, src_schedule, layer)["mlp"]

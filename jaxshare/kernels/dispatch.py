@@ -13,11 +13,11 @@ import jax
 import jax.numpy as jnp
 
 from jaxshare.config import ConfigError
+from jaxshare.config.choices import AttentionImpl, parse
 from jaxshare.kernels import cudnn, decode, flash, flash_decode, pallas, reference, splash, xla
 
 log = logging.getLogger(__name__)
 
-IMPLEMENTATIONS = ("auto", "xla", "reference", "pallas", "pallas_interpret", "splash", "splash_interpret", "cudnn")
 # attention.impl=auto, by platform and role: (platform, role, what runs, why: the measurement behind the choice).
 # docs/kernels.md shows this table (tests/test_splash.py checks that it does).
 AUTO_TABLE = (
@@ -100,8 +100,7 @@ def get_attention(impl: str) -> AttentionOps:
     ValueError: unknown implementation name. When called, the ops raise :class:`ConfigError` where the run compiles
       for another platform than ``pallas``, ``splash`` or ``cudnn`` need.
   """
-  if impl not in IMPLEMENTATIONS:
-    raise ValueError(f"attention.impl={impl!r} is invalid: must be one of {list(IMPLEMENTATIONS)}")
+  impl = parse(AttentionImpl, impl, "attention.impl")
   if impl == "xla":
     return _XLA
   if impl == "reference":

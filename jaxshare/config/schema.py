@@ -1,34 +1,17 @@
-"""Typed configuration: dataclasses composed from YAML files plus dotted command-line overrides.
-
-Resolution order (later wins), as in MaxText:
-
-1. the dataclass defaults below;
-2. every file named in an experiment's ``includes:`` list (paths relative to ``configs/``), in order;
-3. the experiment file itself;
-4. ``key=value`` overrides from the command line (``train.steps=500 schedule.kind=mlkv``).
-
-Unknown keys, wrongly typed values and invalid combinations raise :class:`ConfigError` before anything is
-compiled. A config is a value: the dataclasses are frozen once loaded and validated, and a change (an override,
-``dataclasses.replace``) makes a new config. Every field carries its documentation in ``metadata["help"]``; ``python train.py --help-config``
-prints them all.
-"""
+"""The config's schema: one frozen dataclass per group, every field with its default, documentation
+(``metadata["help"]``) and, where the values are a closed set, its allowed values (``metadata["choices"]``, from
+:mod:`jaxshare.config.choices`). Loading lives in :mod:`jaxshare.config.load`, the checks in
+:mod:`jaxshare.config.validate`."""
 
 from __future__ import annotations
 
-import copy
 import dataclasses
-import functools
-import math
-import os
-import typing
 from pathlib import Path
 from typing import Any
 
-import yaml
-from omegaconf import OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from jaxshare.config.choices import INTEGRATORS, AttentionImpl, KVPool, LisaStart, MLPWiden, ScoreSharing
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 CONFIGS_DIR = REPO_ROOT / "configs"
 DATA_DIR_ENV = "JAXSHARE_DATA_DIR"
 TOKEN_CACHE_ENV = "JAXSHARE_TOKEN_CACHE"
@@ -151,13 +134,6 @@ class UniAttnConfig:
                      "(Norm(x)).", ("residual", "normed"))
 
 
-INTEGRATORS = ("ffn", "linear", "add", "none")
-LISA_STARTS = ("ds", "fit", "calibrated")  # train.init_lisa
-KV_POOLS = ("mean", "running", "producer")  # train.init_kv_pool (besides auto)
-MLP_WIDENS = ("zero", "duplicate")  # train.init_mlp_widen
-WC_FITS = ("mean", "tokens")  # convert uptrain --wc-fit
-
-
 @dataclasses.dataclass(frozen=True)
 class LisaGroupConfig:
   """One group of LISA layers with its own integrator."""
@@ -197,11 +173,6 @@ class HeadwiseConfig:
   match: str = _f("qk", "Match function (Table 12): qk (cos of W_q||W_k, the paper's), q, k, v, qkv, or "
                   "separately (q, k and v each matched and tied on their own).",
                   ("qk", "q", "k", "v", "qkv", "separately"))
-
-
-KV_PRESETS = ("dense", "gqa", "mqa", "cla", "mlkv", "explicit")
-SCORE_PRESETS = ("sa", "uniattn", "lisa", "lisa_plus", "ds")
-HEAD_PRESETS = ("headwise",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -256,7 +227,7 @@ class AttentionConfig:
                  "splash_interpret: splash in interpret mode; auto: splash on TPU, cudnn on GPU, pallas for what "
                  "they refuse and the shapes it supports (else xla with one warning naming the reason), xla on CPU "
                  "(docs/kernels.md has the table and the measurements behind it).",
-                 ("auto", "xla", "reference", "pallas", "pallas_interpret", "splash", "splash_interpret", "cudnn"))
+                 tuple(AttentionImpl))
   score_sharing: str = _f("recompute", "How layers that reuse attention scores get them. recompute: probability "
                           "reusers recompute exp(scale q k^T - lse) from the producer's own q, k and log-sum-exp (its "
                           "softmax to float32 rounding, in bf16 too); LISA_plus/DS chains attend over concatenated "
@@ -264,7 +235,7 @@ class AttentionConfig:
                           "layer; full LISA (ffn/linear aligners) chains hand on every layer's low-rank features and "
                           "aligner weights and recompute their logits in query chunks of 128 rows (never [B,H,T,T] for "
                           "the whole sequence). materialize: hand the probabilities / logits tensors on. Same numbers.",
-                          ("recompute", "materialize"))
+                          tuple(ScoreSharing))
   chain_dtype: str = _f("float32", "What a LISA_plus/DS chain's attention reads its features [q/sqrt(d), q_LR/sqrt(r), "
                         "...] as (with score_sharing=recompute). float32: its logits equal the materialised sum of "
                         "logits to float32 rounding; on GPUs the chain runs jaxshare's Triton kernels (cuDNN takes "
@@ -391,16 +362,16 @@ class TrainConfig:
                       "batches): fit, then Adam on the factors so the logits each converted layer uses match the "
                       "source layer's own over the batches' causal positions (RoPE and the converted inputs "
                       "included). All are jaxshare's: LISA prescribes no conversion start.",
-                      LISA_STARTS)
+                      tuple(LisaStart))
   init_kv_pool: str = _f("auto", "Uptraining into K/V sharing: how a producer's K/V are built from the source layers "
                          "that read them (heads always mean-pooled into the target's groups, GQA Sec. 2.1). mean: "
                          "uniform mean over the layers (MLKV); running: pythia-mlkv's running pairwise mean; "
                          "producer: the producer layer's own (this project's rule: CLA trains from scratch); auto: producer for cla, mean otherwise.",
-                         ("auto", *KV_POOLS))
+                         tuple(KVPool))
   init_mlp_widen: str = _f("zero", "Uptraining with schedule.match_params: how a widened MLP's new hidden units start. "
                            "zero: fresh input weights, zero output rows (the source's function is kept); duplicate: "
                            "copies of the first units, as pythia-mlkv's conversion (the function changes).",
-                           MLP_WIDENS)
+                           tuple(MLPWiden))
   trainable: str = _f("all", "Parameters the optimizer updates: all, or sharing (only the modules the sharing "
                       "methods add: LISA's low-rank Q/K and aligner, UniAttn's W_c); the rest are frozen with "
                       "optax masks.", ("all", "sharing"))
@@ -440,368 +411,6 @@ class Config:
   train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
 
 
-def _read_yaml(path: Path) -> Any:
-  if not path.is_file():
-    raise ConfigError(f"config file {str(path)!r} does not exist")
-  try:
-    return OmegaConf.load(path)
-  except Exception as e:  # yaml.YAMLError and friends
-    raise ConfigError(f"config file {str(path)!r} is not valid YAML: {e}") from e
-
-
-def _expand(path: Path, seen: tuple[Path, ...] = ()) -> list[Any]:
-  """A YAML file and, before it, everything its ``includes:`` list names (recursively)."""
-  path = path.resolve()
-  if path in seen:
-    raise ConfigError(f"config include cycle: {' -> '.join(str(p) for p in seen + (path,))}")
-  node = _read_yaml(path)
-  includes = node.pop("includes", []) if isinstance(node, dict) or OmegaConf.is_dict(node) else []
-  out: list[Any] = []
-  for inc in includes:
-    inc_path = Path(inc)
-    if not inc_path.is_absolute():
-      inc_path = CONFIGS_DIR / inc if (CONFIGS_DIR / inc).exists() else path.parent / inc
-    out.extend(_expand(inc_path, seen + (path,)))
-  out.append(node)
-  return out
-
-
-def _friendly(e: OmegaConfBaseException) -> str:
-  key = getattr(e, "full_key", None) or getattr(e, "key", None)
-  msg = str(e).splitlines()[0]
-  return f"field {key!r}: {msg}" if key else msg
-
-
-@functools.cache
-def _type_hints(cls: type) -> dict[str, Any]:
-  return typing.get_type_hints(cls) if dataclasses.is_dataclass(cls) else {}
-
-
-def _field_type(dotted: str) -> Any:
-  """The annotated type of a dotted config field, or None if there is no such field."""
-  ftype: Any = Config
-  for part in dotted.split("."):
-    hints = _type_hints(ftype)
-    if part not in hints:
-      return None
-    ftype = hints[part]
-  return ftype
-
-
-# What a run started from another run (train.init_from) takes from that run's config unless the experiment file or
-# an override sets it: the model the weights belong to, its sharing schedule, and the tokenizer its embedding indexes.
-INHERITED = ("model", "schedule", "data.tokenizer")
-
-
-def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tuple[str, ...] = (),
-                inherit: Config | None = None) -> Config:
-  """Compose a :class:`Config` from a YAML file (with its includes) and dotted overrides, then validate it.
-
-  Args:
-    path: experiment YAML file, or None for the defaults.
-    overrides: ``["train.steps=500", "schedule.kind=mlkv"]``.
-    inherit: a run's config whose :data:`INHERITED` fields come after the defaults and before the file and the
-      overrides (the config of a run started from that run: ``train.init_from``).
-
-  Raises:
-    ConfigError: unreadable file, unknown key, wrongly typed value or invalid combination.
-  """
-  merged = _structured(Config)
-  try:
-    if inherit is not None:
-      merged = OmegaConf.merge(merged, _inherited(inherit))
-    for node in _expand(Path(path)) if path is not None else []:
-      merged = OmegaConf.merge(merged, node)
-  except OmegaConfBaseException as e:
-    raise ConfigError(_friendly(e)) from None
-  return _with_overrides(merged, overrides)
-
-
-def _inherited(cfg: Config):
-  """The :data:`INHERITED` fields of ``cfg`` as a partial config tree."""
-  tree: dict = {}
-  for dotted in INHERITED:
-    *groups, name = dotted.split(".")
-    node = tree
-    for group in groups:
-      node = node.setdefault(group, {})
-    node[name] = get_field(cfg, dotted)
-  return OmegaConf.create(tree)
-
-
-def get_field(cfg: Config, dotted: str) -> Any:
-  """The value of a dotted field of ``cfg`` (``"data.path"``); a group (``"model"``) as a dict."""
-  obj = cfg
-  for part in dotted.split("."):
-    obj = getattr(obj, part)
-  return dataclasses.asdict(obj) if dataclasses.is_dataclass(obj) else obj
-
-
-def apply_overrides(cfg: Config, overrides: list[str] | tuple[str, ...]) -> Config:
-  """A new config: ``cfg`` with dotted overrides applied, validated (``cfg`` is a value: unchanged). Raises
-  ConfigError as :func:`load_config`."""
-  return _with_overrides(_structured(cfg), overrides)
-
-
-def _structured(cfg: Config | type[Config]):
-  """An editable OmegaConf tree of ``cfg`` (the frozen dataclasses make OmegaConf's trees read-only)."""
-  if cfg is Config:
-    return copy.deepcopy(_defaults_tree())
-  return _editable(OmegaConf.structured(cfg))
-
-
-@functools.cache
-def _defaults_tree():
-  """The defaults' editable tree, built once: ``OmegaConf.structured`` re-reads every dataclass and its type hints
-  (~30 ms a call on these machines), a copy of the tree takes ~4 ms. Never handed out: callers get a copy."""
-  return _editable(OmegaConf.structured(Config))
-
-
-def _editable(node):
-  """``node`` made writable, group by group (each group's node carries its own read-only flag)."""
-
-  def writable(n) -> None:
-    OmegaConf.set_readonly(n, False)
-    for key in n:
-      if OmegaConf.is_dict(n._get_node(key)):
-        writable(n._get_node(key))
-
-  writable(node)
-  return node
-
-
-def _with_overrides(merged, overrides) -> Config:
-  nodes = []  # (override, key, its parsed node)
-  for ov in overrides:
-    if "=" not in ov:
-      raise ConfigError(f"override {ov!r} is not of the form key=value (e.g. train.steps=500)")
-    key, value = ov.split("=", 1)
-    try:
-      if _field_type(key) is str:  # keep e.g. '0_0_2_2' a string: YAML would read it as the integer 22
-        OmegaConf.update(merged, key, value, merge=True)
-      else:
-        nodes.append((ov, key, OmegaConf.from_dotlist([ov])))
-    except yaml.YAMLError as e:  # e.g. train.lr=[1 or model.d_model=*a
-      raise ConfigError(f"{key}={value!r} is invalid: not a YAML value ({str(e).splitlines()[0]})") from None
-    except OmegaConfBaseException as e:
-      raise _override_error(ov, key, e) from None
-  try:
-    merged = OmegaConf.merge(merged, *(node for _, _, node in nodes))
-  except (OmegaConfBaseException, TypeError) as e:
-    for ov, key, node in nodes:  # merge one at a time to name the override at fault
-      try:
-        merged = OmegaConf.merge(merged, node)
-      except (OmegaConfBaseException, TypeError) as e:
-        raise _override_error(ov, key, e) from None
-    raise ConfigError(str(e)) from None
-  try:
-    cfg = OmegaConf.to_object(merged)
-  except OmegaConfBaseException as e:  # an interpolation resolved to a wrong type, e.g. schedule.sa=${model.d_model}
-    msg, refs = _friendly(e), [ov for ov in overrides if "${" in ov]
-    raise ConfigError(f"{msg} (resolving {', '.join(map(repr, refs))})" if refs and "field '" not in msg
-                      else msg) from None
-  validate(cfg)
-  return cfg
-
-
-def _override_error(ov: str, key: str, e: Exception) -> ConfigError:
-  if isinstance(e, TypeError):  # OmegaConf merging a dict into a list: schedule.producers.0=1
-    return ConfigError(f"override {ov!r} is invalid: {key} is not a config field ({e}); set a list field whole, "
-                       "e.g. schedule.producers=[0,2]")
-  msg = _friendly(e)
-  return ConfigError(msg if key in msg else f"override {ov!r} is invalid: {msg}")
-
-
-def to_yaml(cfg: Config) -> str:
-  return OmegaConf.to_yaml(OmegaConf.structured(cfg))
-
-
-def config_from_yaml_text(text: str, where: str = "config.yaml") -> Config:
-  """Rebuild a config saved by :func:`to_yaml` (a run directory's ``config.yaml``, named ``where`` in errors).
-
-  Raises:
-    ConfigError: empty (a default config would be read instead of the run's), not YAML, or not a valid config.
-  """
-  if not text.strip():
-    raise ConfigError(f"{where} is empty: it should hold the run's resolved config (delete it to resume from the "
-                      "checkpoint alone, whose shapes are then checked against the command's config)")
-  try:
-    node = OmegaConf.create(text)
-    if not OmegaConf.is_dict(node):
-      raise ConfigError(f"{where} is not a YAML mapping of config groups")
-    cfg = OmegaConf.to_object(OmegaConf.merge(_structured(Config), node))
-  except OmegaConfBaseException as e:
-    raise ConfigError(f"{where}: {_friendly(e)}") from None
-  except yaml.YAMLError as e:
-    raise ConfigError(f"{where} is not valid YAML ({str(e).splitlines()[0]})") from None
-  validate(cfg)
-  return cfg
-
-
-def _require(cond: bool, field: str, value: Any, allowed: str) -> None:
-  if not cond:
-    raise ConfigError(f"{field}={value!r} is invalid: {allowed}")
-
-
-def _leaf_fields(obj: Any, prefix: str = ""):
-  """``(dotted name, dataclasses.Field, value)`` for every field that is not a group, nested groups included."""
-  for f in dataclasses.fields(obj):
-    value = getattr(obj, f.name)
-    if dataclasses.is_dataclass(value):
-      yield from _leaf_fields(value, f"{prefix}{f.name}.")
-    else:
-      yield f"{prefix}{f.name}", f, value
-
-
-def validate(cfg: Config) -> None:
-  """Check every field and field combination; the schedule itself is checked by :mod:`jaxshare.schedule`.
-
-  Raises:
-    ConfigError: naming the first invalid field, its value and what is allowed.
-  """
-  for name, f, value in _leaf_fields(cfg):
-    if choices := f.metadata.get("choices"):
-      _require(value in choices, name, value, f"must be one of {', '.join(map(str, choices))}")
-  m, d, t = cfg.model, cfg.data, cfg.train
-  for name in ("vocab_size", "num_layers", "d_model", "num_heads", "mlp_dim"):
-    _require(getattr(m, name) > 0, f"model.{name}", getattr(m, name), "must be a positive integer")
-  _require(m.head_dim >= 0, "model.head_dim", m.head_dim, "must be >= 0 (0: d_model // num_heads)")
-  _require(m.head_dim > 0 or m.d_model % m.num_heads == 0, "model.num_heads", m.num_heads,
-           f"must divide model.d_model={m.d_model} when model.head_dim=0")
-  _require(0.0 < m.rotary_pct <= 1.0, "model.rotary_pct", m.rotary_pct, "must be in (0, 1]")
-  rot = int(m.resolved_head_dim * m.rotary_pct)
-  _require(rot % 2 == 0 and rot > 0, "model.rotary_pct", m.rotary_pct,
-           f"must rotate an even, positive number of the {m.resolved_head_dim} head dims (got {rot}; head dims: "
-           f"model.head_dim={m.head_dim}, or model.d_model={m.d_model} // model.num_heads={m.num_heads} when 0)")
-  _require(m.rope_theta > 0, "model.rope_theta", m.rope_theta, "must be > 0")
-  _require(m.sliding_window >= 0, "model.sliding_window", m.sliding_window, "must be >= 0 (0: no window)")
-  _require(m.rope_scaling_factor > 0, "model.rope_scaling_factor", m.rope_scaling_factor, "must be > 0")
-  _require(m.rope_scaling != "llama3" or m.rope_high_freq_factor > m.rope_low_freq_factor > 0,
-           "model.rope_high_freq_factor", m.rope_high_freq_factor,
-           f"llama3 scaling needs rope_high_freq_factor > rope_low_freq_factor={m.rope_low_freq_factor} > 0")
-  _require(m.rope_original_max_positions > 0, "model.rope_original_max_positions", m.rope_original_max_positions,
-           "must be > 0")
-  for name in ("init_std", "norm_eps", "rope_theta", "rope_scaling_factor"):
-    v = getattr(m, name)
-    _require(math.isfinite(v) and v > 0, f"model.{name}", v, "must be a finite number > 0")
-  _require(cfg.schedule.match_reference_params >= 0, "schedule.match_reference_params",
-           cfg.schedule.match_reference_params, "must be >= 0 (0: the dense MHA model of this config)")
-  lisa = cfg.schedule.lisa
-  _require(lisa.rank >= 0, "schedule.lisa.rank", lisa.rank, "must be >= 0 (>= 1 unless every LISA layer is DS)")
-  _require(lisa.hidden >= 0, "schedule.lisa.hidden", lisa.hidden, "must be >= 0 (0: 8 * model.num_heads)")
-  _require(d.seq_len > 0, "data.seq_len", d.seq_len, "must be a positive integer")
-  _require(0 <= d.shuffle_seed < 2**32, "data.shuffle_seed", d.shuffle_seed,
-           "must be in [0, 2**32) (the shuffle's seed is unsigned 32-bit)")
-  _require(0.0 < d.val_fraction < 1.0, "data.val_fraction", d.val_fraction, "must be in (0, 1)")
-  _require(d.source != "tfds" or bool(d.tfds_name), "data.tfds_name", d.tfds_name,
-           "must name a dataset when data.source=tfds")
-  _require(not d.mixture or d.source == "prepared", "data.mixture", d.mixture,
-           "needs data.source=prepared (a mixture of prepared directories)")
-  for n, entry in enumerate(d.mixture):
-    _require(isinstance(entry, dict) and isinstance(entry.get("path"), str) and bool(entry.get("path"))
-             and set(entry) <= {"path", "weight", "name"}, f"data.mixture[{n}]", entry,
-             "must be {path: DIR, weight: W} with an optional name")
-    weight = entry.get("weight")
-    _require(isinstance(weight, (int, float)) and not isinstance(weight, bool) and math.isfinite(weight)
-             and weight > 0, f"data.mixture[{n}].weight", weight, "must be a finite number > 0")
-  names = [mixture_name(e) for e in d.mixture]
-  _require(len(set(names)) == len(names), "data.mixture", names, "names its components twice (give each a name)")
-  for name in ("steps", "batch_size", "grad_accum_steps", "log_every", "checkpoint_every", "keep_checkpoints"):
-    _require(getattr(t, name) > 0, f"train.{name}", getattr(t, name), "must be a positive integer")
-  _require(t.batch_size % t.grad_accum_steps == 0, "train.grad_accum_steps", t.grad_accum_steps,
-           f"must divide train.batch_size={t.batch_size}")
-  _require(-2**63 <= t.seed < 2**63, "train.seed", t.seed, "must be a signed 64-bit integer")
-  _require(t.peak_tflops >= 0, "train.peak_tflops", t.peak_tflops, "must be >= 0 (0: the device's known peak)")
-  _require(math.isfinite(t.lr) and t.lr > 0, "train.lr", t.lr, "must be a finite number > 0")
-  for name in ("b1", "b2"):
-    _require(0.0 <= getattr(t, name) < 1.0, f"train.{name}", getattr(t, name), "must be in [0, 1)")
-  _require(math.isfinite(t.eps) and t.eps > 0, "train.eps", t.eps, "must be a finite number > 0")
-  for name in ("weight_decay", "clip_norm", "postshare_gamma"):
-    v = getattr(t, name)
-    _require(math.isfinite(v) and v >= 0, f"train.{name}", v, "must be a finite number >= 0")
-  _require(0 <= t.warmup_steps < t.steps, "train.warmup_steps", t.warmup_steps,
-           f"must be in [0, train.steps={t.steps})")
-  _require(0.0 <= t.min_lr_ratio <= 1.0, "train.min_lr_ratio", t.min_lr_ratio, "must be in [0, 1]")
-  _require(t.eval_every >= 0, "train.eval_every", t.eval_every, "must be >= 0 (0: no periodic validation)")
-  _require(t.eval_batches >= 0, "train.eval_batches", t.eval_batches, "must be >= 0 (0: the whole split)")
-  _require(0.0 <= t.kd_beta <= 1.0, "train.kd_beta", t.kd_beta, "must be in [0, 1]")
-  _require(t.kd_beta == 0 or bool(t.init_from), "train.kd_beta", t.kd_beta,
-           "distillation needs a teacher: set train.init_from to the dense run")
-  _require(math.isfinite(t.kd_delta) and t.kd_delta > 0, "train.kd_delta", t.kd_delta, "must be a finite number > 0")
-  _require(0.0 < t.postshare_ratio < 0.75, "train.postshare_ratio", t.postshare_ratio, "must be in (0, 0.75)")
-  for name in ("stage1_max_steps", "stage1_patience"):
-    _require(getattr(t, name) > 0, f"train.{name}", getattr(t, name), "must be a positive integer")
-  _require(0.0 < t.stage1_ema < 1.0, "train.stage1_ema", t.stage1_ema, "must be in (0, 1)")
-  _require(t.stage2_steps >= 0, "train.stage2_steps", t.stage2_steps, "must be >= 0 (0: the rest of train.steps)")
-  _require(t.stage2_steps == 0 or t.recipe == "uniattn_two_stage", "train.stage2_steps", t.stage2_steps,
-           "needs train.recipe=uniattn_two_stage (or 0)")
-  _require(t.stage2_steps == 0 or t.steps >= t.stage1_max_steps + t.stage2_steps, "train.steps", t.steps,
-           f"must be >= train.stage1_max_steps + train.stage2_steps = {t.stage1_max_steps + t.stage2_steps} (the "
-           "longest the two-stage run can take)")
-  _require(t.recipe != "uniattn_two_stage" or t.trainable == "all", "train.trainable", t.trainable,
-           "must be all with train.recipe=uniattn_two_stage (stage 1 trains W_c alone, stage 2 fine-tunes everything)")
-  for name in ("data", "fsdp", "tensor"):
-    v = getattr(cfg.mesh, name)
-    _require(v == -1 or v >= 1, f"mesh.{name}", v, "must be a positive axis size or -1 (fill)")
-  _require([cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor].count(-1) <= 1, "mesh", "-1 twice",
-           "at most one mesh axis may be -1")
-  for name in ("dcn_data", "dcn_fsdp", "dcn_tensor"):
-    _require(getattr(cfg.mesh, name) >= 1, f"mesh.{name}", getattr(cfg.mesh, name), "must be a positive axis size")
-  dist = cfg.distributed
-  _require(dist.num_processes >= 0, "distributed.num_processes", dist.num_processes, "must be >= 0 (0: auto-detected)")
-  _require(dist.process_id >= -1 and (dist.num_processes == 0 or dist.process_id < dist.num_processes),
-           "distributed.process_id", dist.process_id,
-           f"must be in [0, distributed.num_processes={dist.num_processes}) or -1 (auto-detected)")
-  _require(not dist.coordinator_address or (":" in dist.coordinator_address and dist.num_processes > 0
-                                            and dist.process_id >= 0),
-           "distributed.coordinator_address", dist.coordinator_address,
-           "must be host:port, with distributed.num_processes and distributed.process_id set")
-  _require(dist.timeout_s > 0, "distributed.timeout_s", dist.timeout_s, "must be > 0")
-  _require(all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in dist.local_device_ids),
-           "distributed.local_device_ids", dist.local_device_ids, "must list device ids (integers >= 0), e.g. [0]")
-  for name, _, value in _leaf_fields(cfg):  # nan or inf is never a setting, even of a field the run ignores
-    if isinstance(value, float):
-      _require(math.isfinite(value), name, value, "must be a finite number")
-
-
 def mixture_name(entry: dict) -> str:
   """A mixture component's name: its ``name``, else its directory's last part."""
   return str(entry.get("name") or str(entry["path"]).rstrip("/").rpartition("/")[2])
-
-
-def resolve_data_dir(cfg: DataConfig) -> Path:
-  """The data directory, where relative data paths not found in the working directory are read from: data.data_dir,
-  then $JAXSHARE_DATA_DIR, then ../shared/data beside the repository."""
-  if cfg.data_dir:
-    return Path(cfg.data_dir).expanduser()
-  if os.environ.get(DATA_DIR_ENV):
-    return Path(os.environ[DATA_DIR_ENV]).expanduser()
-  return REPO_ROOT.parent / "shared" / "data"
-
-
-def _group_rows(name: str, cls: Any):
-  rows, nested = [], []
-  for f in dataclasses.fields(cls):
-    default = f.default_factory() if f.default is dataclasses.MISSING else f.default
-    if dataclasses.is_dataclass(default):
-      nested.append((f"{name}.{f.name}", type(default)))
-    else:
-      rows.append((f"{name}.{f.name}", default, f.metadata.get("help", "")))
-  yield name, cls.__doc__, rows
-  for sub_name, sub_cls in nested:
-    yield from _group_rows(sub_name, sub_cls)
-
-
-def documented_fields():
-  """``(group name, group doc, [(dotted field, default, help)])`` for every group, nested groups included."""
-  for group in dataclasses.fields(Config):
-    yield from _group_rows(group.name, group.default_factory)
-
-
-def describe_fields() -> str:
-  """Every config field with its default and documentation, grouped; printed by ``--help-config``."""
-  lines = []
-  for group, doc, rows in documented_fields():
-    lines.append(f"{group}:  {doc}")
-    lines += [f"  {name} = {default!r}\n      {help_text}" for name, default, help_text in rows]
-  return "\n".join(lines)
