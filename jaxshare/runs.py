@@ -27,14 +27,15 @@ from etils import epath
 from flax import nnx
 from jax.sharding import Mesh
 
-from jaxshare import accounting, parallel
+from jaxshare import parallel
 from jaxshare.checkpoint import CheckpointError, Checkpointer, finished_steps, save_params
 from jaxshare.config import Config, ConfigError, MeshConfig, config_from_yaml_text, to_yaml
 from jaxshare.data import Tokenizer, make_tokenizer
 from jaxshare.files import absolute, write_atomic
 from jaxshare.model import Transformer
 from jaxshare.model.ties import HeadTies
-from jaxshare.schedule import Schedule, compile_schedule
+from jaxshare.plan import ModelPlan, plan_of
+from jaxshare.schedule import Schedule
 
 CONFIG_FILE = "config.yaml"
 TIES_FILE = "head_ties.json"
@@ -103,20 +104,16 @@ def read_ties(run_dir: str | os.PathLike, cfg: Config, schedule: Schedule) -> He
   return ties
 
 
-def build_model(cfg: Config, schedule: Schedule, seed: int, ties: HeadTies | None = None) -> Transformer:
-  """The NNX model of ``cfg`` with parameters drawn from ``seed`` (``ties``: head-wise sharing's head map)."""
-  return Transformer(cfg.model, schedule, mlp_dim=accounting.mlp_dim(cfg.model, schedule,
-                                                                    accounting.param_match(cfg.schedule)),
-                     attention_impl=cfg.attention.impl, score_sharing=cfg.attention.score_sharing,
-                     chain_dtype=cfg.attention.chain_dtype, ties=ties,
-                     rngs=nnx.Rngs(seed))
+def build_model(plan: ModelPlan, seed: int, ties: HeadTies | None = None) -> Transformer:
+  """The NNX model of ``plan`` with parameters drawn from ``seed`` (``ties``: head-wise sharing's head map)."""
+  return Transformer(plan, ties=ties, rngs=nnx.Rngs(seed))
 
 
-def abstract_params(cfg: Config, schedule: Schedule, ties: HeadTies | None = None, mesh: Mesh | None = None
+def abstract_params(plan: ModelPlan, ties: HeadTies | None = None, mesh: Mesh | None = None
                     ) -> tuple[nnx.GraphDef, dict]:
   """``(graphdef, parameters)`` of the model traced abstractly (nothing allocated): parameters as a pure dict of
   ``jax.ShapeDtypeStruct``, placed on ``mesh`` by the logical axis rules when one is given."""
-  graphdef, state = nnx.split(nnx.eval_shape(lambda: build_model(cfg, schedule, 0, ties)), nnx.Param)
+  graphdef, state = nnx.split(nnx.eval_shape(lambda: build_model(plan, 0, ties)), nnx.Param)
   shapes = nnx.to_pure_dict(state)
   if mesh is None:
     return graphdef, shapes
@@ -146,6 +143,11 @@ class Run:
   params: dict
   step: int
   mesh: Mesh | None
+
+  @property
+  def plan(self) -> ModelPlan:
+    """The compiled model (:func:`~jaxshare.plan.plan_of` its config)."""
+    return plan_of(self.cfg)
 
   @property
   def num_params(self) -> int:
@@ -182,10 +184,10 @@ def load_run(path: str | os.PathLike, mesh: Mesh | None = None) -> Run:
   if mesh is None:
     cfg = dataclasses.replace(cfg, mesh=MeshConfig() if jax.process_count() == 1 else MeshConfig(fsdp=-1))
     mesh = parallel.make_mesh(cfg.mesh, jax.devices()[:1] if jax.process_count() == 1 else None)
-  schedule = compile_schedule(cfg.model, cfg.schedule)
+  schedule = plan_of(cfg).schedule
   step = _existing_step(run_dir, step, cfg.train.keep_checkpoints)
   ties = read_ties(run_dir, cfg, schedule)
-  graphdef, target = abstract_params(cfg, schedule, ties, mesh)
+  graphdef, target = abstract_params(plan_of(cfg), ties, mesh)
   ckpt = Checkpointer(run_dir / "checkpoints", cfg.train.keep_checkpoints)
   try:  # closed either way: an open manager's threads at interpreter exit printed a traceback after the error
     params = ckpt.restore_params(step, target)
@@ -243,7 +245,7 @@ def write_run(run_dir: str | os.PathLike, cfg: Config, params: dict, *, ties: He
   if not tokenizer_files and cfg.data.tokenizer == "byte" and cfg.model.vocab_size < 256:
     raise ConfigError(f"the model has no tokenizer files and model.vocab_size={cfg.model.vocab_size} is smaller than "
                       "the byte tokenizer's 256")
-  tied = compile_schedule(cfg.model, cfg.schedule).tied_heads
+  tied = plan_of(cfg).tied_heads
   if bool(tied) != (ties is not None):
     raise ConfigError(f"the schedule ties {tied} heads: write_run needs head-wise ties exactly when it ties any")
   run_dir.mkdir(parents=True, exist_ok=True)

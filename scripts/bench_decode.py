@@ -47,12 +47,12 @@ def _config(overrides: list[str]):
 
 
 def _model(cfg, seed: int = 0):
-  from jaxshare.schedule import compile_schedule
+  from jaxshare.plan import plan_of
   from jaxshare.runs import build_model
   from jaxshare.init.headwise import compute_ties
 
-  schedule = compile_schedule(cfg.model, cfg.schedule)
-  return build_model(cfg, schedule, seed, compute_ties(cfg, schedule, seed)), schedule
+  schedule = plan_of(cfg).schedule
+  return build_model(plan_of(cfg), seed, compute_ties(cfg, schedule, seed)), schedule
 
 
 def hf_comparison(cfg, model, schedule, *, batch: int, prompt_len: int, new_tokens: int) -> dict:

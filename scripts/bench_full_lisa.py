@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxshare.config import load_config
+from jaxshare.plan import plan_of
 from jaxshare.schedule import compile_schedule
 from jaxshare.runs import build_model
 
@@ -28,7 +29,7 @@ BASE = ["model.num_layers=4", "model.d_model=64", "model.num_heads=4", "model.ml
 def measure(overrides: list[str], repeats: int) -> tuple[float, float]:
   """``(temporary bytes, seconds per gradient step)`` of the model's loss gradient."""
   cfg = load_config(None, overrides)
-  model = build_model(cfg, compile_schedule(cfg.model, cfg.schedule), 0)
+  model = build_model(plan_of(cfg), 0)
   graphdef, params = nnx.split(model, nnx.Param)
   x = jax.random.randint(jax.random.key(0), (cfg.train.batch_size, cfg.data.seq_len), 0, cfg.model.vocab_size)
   compiled = jax.jit(jax.grad(lambda p: jnp.mean(nnx.merge(graphdef, p)(x) ** 2))).trace(params).lower().compile()

@@ -28,7 +28,7 @@ from jaxshare import accounting, smoke  # noqa: E402
 from jaxshare.aot.fit import max_batch  # noqa: E402
 from jaxshare.aot.report import gib  # noqa: E402
 from jaxshare.config import ConfigError, load_config  # noqa: E402
-from jaxshare.schedule import compile_schedule  # noqa: E402
+from jaxshare.plan import plan_of  # noqa: E402
 
 # The ~1.2B Llama's 32 heads of 64 under each schedule (the variants docs/gpu.md and bench_mfu.py measure).
 SCHEDULES = {
@@ -58,7 +58,7 @@ def main(argv=None) -> int:
           # from one sequence per device up: the search doubles while it fits
           cfg = load_config(args.config, [*SCHEDULES[name], f"data.seq_len={length}", "train.batch_size=1",
                                           *args.overrides])
-          schedule = compile_schedule(cfg.model, cfg.schedule)
+          schedule = plan_of(cfg).schedule
           cache = accounting.kv_cache_bytes(cfg.model, schedule, 1, length)
           best, probes = max_batch(cfg, target)
           found = f"{best.batch}" if best else "none (one sequence per device does not fit)"

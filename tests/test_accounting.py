@@ -5,9 +5,10 @@ import pytest
 from flax import nnx
 
 from jaxshare import accounting
-from jaxshare.config import ModelConfig, ScheduleConfig
+from jaxshare.config import AttentionConfig, ModelConfig, ScheduleConfig
 from jaxshare.schedule import compile_schedule
 from jaxshare.model import Transformer
+from jaxshare.plan import ModelPlan
 
 # Pythia-160M per its HF config (methods-mlkv-sa-headwise.md 1.2).
 PYTHIA_160M = ModelConfig(flavor="neox", vocab_size=50304, num_layers=12, d_model=768, num_heads=12, mlp_dim=3072,
@@ -73,7 +74,8 @@ def test_accounting_equals_live_model(flavor, sc, match):
   cfg = ModelConfig(flavor=flavor, num_layers=3, d_model=32, num_heads=4, mlp_dim=48, vocab_size=64,
                     rotary_pct=0.5, tie_embeddings=flavor == "llama")
   s = compile_schedule(cfg, sc)
-  model = nnx.eval_shape(lambda: Transformer(cfg, s, mlp_dim=accounting.mlp_dim(cfg, s, match), rngs=nnx.Rngs(0)))
+  plan = ModelPlan(cfg, s, accounting.mlp_dim(cfg, s, match), None, AttentionConfig())
+  model = nnx.eval_shape(lambda: Transformer(plan, rngs=nnx.Rngs(0)))
   live = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
   assert live == accounting.param_count(cfg, s, match).total
 

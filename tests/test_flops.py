@@ -9,6 +9,7 @@ from flax import nnx
 from conftest import tiny_config
 from jaxshare import accounting
 from jaxshare.config import LisaConfig, ModelConfig, SAConfig, ScheduleConfig, UniAttnConfig
+from jaxshare.plan import plan_of
 from jaxshare.schedule import compile_schedule
 from jaxshare.runs import build_model
 
@@ -92,7 +93,7 @@ def test_forward_flops_match_xla_cost_analysis(name):
   cfg = tiny_config("model.d_model=128", "model.mlp_dim=512", "data.seq_len=128", "attention.score_sharing=materialize",
                     "model.scan_layers=false", *XLA_SCHEDULES[name])
   schedule = compile_schedule(cfg.model, cfg.schedule)
-  model = build_model(cfg, schedule, 0, compute_ties(cfg, schedule, 0))
+  model = build_model(plan_of(cfg), 0, compute_ties(cfg, schedule, 0))
   graphdef, params = nnx.split(model, nnx.Param)
   b, t = 2, cfg.data.seq_len
   tokens = jnp.zeros((b, t), jnp.int32)

@@ -12,6 +12,7 @@ from conftest import tiny_config
 from jaxshare import parallel
 from jaxshare.config import MeshConfig
 from jaxshare.kernels import dispatch, flash, reference, xla
+from jaxshare.plan import plan_of
 from jaxshare.schedule import compile_schedule
 from jaxshare.runs import build_model
 from jaxshare.init.headwise import compute_ties
@@ -36,7 +37,7 @@ def _graphdef(cfg):
   """The model's graph definition, traced abstractly (no parameters allocated)."""
   schedule = compile_schedule(cfg.model, cfg.schedule)
   ties = compute_ties(cfg, schedule, 0)  # concrete: head-wise sharing's ties are computed from weights
-  model = nnx.eval_shape(lambda: build_model(cfg, schedule, 0, ties))
+  model = nnx.eval_shape(lambda: build_model(plan_of(cfg), 0, ties))
   return nnx.split(model, nnx.Param)[0]
 
 

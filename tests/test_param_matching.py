@@ -12,6 +12,7 @@ from flax import nnx
 from jaxshare import accounting
 from jaxshare.config import apply_overrides, load_config, to_yaml
 from jaxshare.init.headwise import direct_share
+from jaxshare.plan import plan_of
 from jaxshare.schedule import compile_schedule
 from jaxshare.runs import build_model
 from jaxshare.init.source import with_match_reference
@@ -50,7 +51,7 @@ def built_params(cfg) -> int:
     rng = np.random.default_rng(0)
     shape = (cfg.model.num_layers, cfg.model.d_model, cfg.model.num_heads, cfg.model.resolved_head_dim)
     ties = direct_share({m: rng.normal(size=shape) for m in "qkv"}, schedule.tied_heads)
-  model = nnx.eval_shape(lambda: build_model(cfg, schedule, 0, ties))
+  model = nnx.eval_shape(lambda: build_model(plan_of(cfg), 0, ties))
   return sum(int(np.prod(x.shape)) for x in __import__("jax").tree.leaves(nnx.state(model, nnx.Param)))
 
 

@@ -15,6 +15,7 @@ import reference_numpy
 from conftest import tiny_config
 from jaxshare import accounting
 from jaxshare.init.shared import copy_shared_weights
+from jaxshare.plan import plan_of
 from jaxshare.runs import build_model
 from test_model import forward, loss_and_grads, randomized, tokens
 
@@ -194,7 +195,7 @@ def test_lisa_aligners_start_as_lisa_plus(integrator):
   layers = ["schedule.lisa.layers=[1,2]", "schedule.lisa.hidden=12"]
   cfg = tiny_config("schedule.kind=lisa", f"schedule.lisa.integrator={integrator}", *layers)
   schedule, graphdef, params = randomized(cfg)
-  fresh = nnx.to_pure_dict(nnx.state(build_model(cfg, schedule, 5), nnx.Param))
+  fresh = nnx.to_pure_dict(nnx.state(build_model(plan_of(cfg), 5), nnx.Param))
   params = jax.tree_util.tree_map_with_path(  # the aligner as initialised, everything else randomised
     lambda k, v, f: f if "align" in jax.tree_util.keystr(k) else v, params, fresh)
   plus_cfg = tiny_config("schedule.kind=lisa_plus", *layers)

@@ -43,7 +43,6 @@ import time
 import jax
 import numpy as np
 
-from jaxshare import accounting
 from jaxshare.aot import topology
 from jaxshare.aot.compile import compile_traced, compiler_oom, trace_train_step, usable_hbm
 from jaxshare.config import Config, ConfigError
@@ -200,13 +199,12 @@ def check(cfg: Config, target: str, num_slices: int | None = None) -> Fit:
                       f"say; the table knows {', '.join(k for k, _ in topology.HBM_GIB)})")
   step = trace_train_step(cfg, mesh)
   tokens = cfg.train.batch_size * cfg.data.seq_len
-  model, schedule, match = cfg.model, step.setup.schedule, accounting.param_match(cfg.schedule)
-  model_flops = accounting.train_flops_per_token(model, schedule, cfg.data.seq_len, match) * tokens
+  plan = step.setup.plan
+  model_flops = plan.train_flops_per_token(cfg.data.seq_len) * tokens
   executed, kernels = matmul_flops(step.traced.jaxpr)
   if kernels:  # the kernels' attention, which no count sees: the model's causal attention matmuls, forward x 3
     ctx = (cfg.data.seq_len + 1) / 2
-    executed += 3 * tokens * (accounting.forward_flops_per_token(model, schedule, ctx, match)
-                              - accounting.forward_flops_per_token(model, schedule, 0, match))
+    executed += 3 * tokens * (plan.forward_flops_per_token(ctx) - plan.forward_flops_per_token(0))
   memory, error, xla_flops, kernel_families = None, "", None, ""
   try:
     compiled = compile_traced(step, f"train_step[{cfg.schedule.kind}]")

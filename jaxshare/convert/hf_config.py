@@ -72,6 +72,6 @@ def rope_parameters(model) -> dict:
 def kv_heads(cfg) -> int:
   """The K/V heads of every layer of a model an HF architecture can hold (one count for all layers): the compiled
   schedule's, since ``schedule.kv_heads`` is 0 for both MHA and MQA."""
-  from jaxshare.schedule import compile_schedule
+  from jaxshare.plan import plan_of
 
-  return compile_schedule(cfg.model, cfg.schedule).layers[0].num_kv_heads
+  return plan_of(cfg).schedule.layers[0].num_kv_heads

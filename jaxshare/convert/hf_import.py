@@ -15,8 +15,8 @@ from jaxshare.convert.hf_checkpoint import HFCheckpoint
 from jaxshare.convert.llama import LLAMA
 from jaxshare.convert.mapping import Architecture, Dims, UnsupportedModelError, hf_to_params
 from jaxshare.convert.neox import NEOX
+from jaxshare.plan import plan_of
 from jaxshare.runs import Run, abstract_params
-from jaxshare.schedule import compile_schedule
 
 ARCHITECTURES: tuple[Architecture, ...] = (LLAMA, NEOX)
 
@@ -64,18 +64,18 @@ def load_hf_model(directory: str | Path | HFCheckpoint, overrides: Sequence[str]
   ckpt = directory if isinstance(directory, HFCheckpoint) else HFCheckpoint(directory)
   if ckpt.architecture == remote.ARCHITECTURE:  # a jaxshare model with a sharing schedule, exported by us
     cfg, schedule, ties = remote.read_config(ckpt.config, overrides)
-    graphdef, abstract = abstract_params(cfg, schedule, ties)
+    graphdef, abstract = abstract_params(plan_of(cfg), ties)
     params = hf_to_params(remote.architecture(cfg, schedule, ties), cfg, dims(cfg), schedule,
                           _template(abstract, scratch_dir), ckpt.read, ckpt.names(), progress=progress)
     return Run(None, cfg, schedule, ties, graphdef, params, 0, None)
   arch = architecture_for(ckpt)
   cfg = load_config(None, arch.config_overrides(ckpt.config) + list(overrides))
-  schedule = compile_schedule(cfg.model, cfg.schedule)
+  schedule = plan_of(cfg).schedule
   if schedule.tied_heads:
     raise UnsupportedModelError(f"schedule.kind={cfg.schedule.kind!r} ties heads, which an import cannot choose: "
                                 "import the dense model, then `python -m jaxshare.convert uptrain RUN OUT "
                                 "schedule.kind=headwise ...`")
-  graphdef, abstract = abstract_params(cfg, schedule)
+  graphdef, abstract = abstract_params(plan_of(cfg))
   params = hf_to_params(arch, cfg, dims(cfg), schedule, _template(abstract, scratch_dir), ckpt.read, ckpt.names(),
                         progress=progress)
   return Run(None, cfg, schedule, None, graphdef, params, 0, None)

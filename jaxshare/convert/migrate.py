@@ -8,7 +8,7 @@ from jaxshare import runs
 from jaxshare.checkpoint import CheckpointError
 from jaxshare.config import ConfigError
 from jaxshare.init.headwise import compute_ties
-from jaxshare.schedule import compile_schedule
+from jaxshare.plan import plan_of
 
 
 def store_ties(path: str | os.PathLike) -> str:
@@ -22,7 +22,7 @@ def store_ties(path: str | os.PathLike) -> str:
   """
   run_dir, _ = runs.locate(path)
   cfg = runs.read_config(run_dir)
-  schedule = compile_schedule(cfg.model, cfg.schedule)
+  schedule = plan_of(cfg).schedule
   if not schedule.tied_heads:
     raise ConfigError(f"run {str(run_dir)!r} has schedule.kind={cfg.schedule.kind!r}, which ties no heads: it has no "
                       "ties to store")

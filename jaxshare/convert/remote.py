@@ -15,13 +15,13 @@ import json
 import shutil
 from pathlib import Path
 
-from jaxshare import accounting
 from jaxshare.config import Config, apply_overrides, config_from_yaml_text, to_yaml
 from jaxshare.convert import hf_config as C
 from jaxshare.convert.mapping import Architecture, Dims, Rule, UnsupportedModelError, linear, same
 from jaxshare.model import params as P
 from jaxshare.model.ties import MATRICES, HeadTies
-from jaxshare.schedule import LayerRole, Schedule, compile_schedule
+from jaxshare.plan import plan_of
+from jaxshare.schedule import LayerRole, Schedule
 
 ARCHITECTURE = "JaxshareForCausalLM"
 MODEL_TYPE = "jaxshare"
@@ -56,7 +56,7 @@ def config_json(cfg: Config, schedule: Schedule, ties: HeadTies | None) -> dict:
   return {
     "architectures": [ARCHITECTURE], "model_type": MODEL_TYPE, "auto_map": AUTO_MAP,
     "jaxshare_format_version": FORMAT_VERSION, "vocab_size": m.vocab_size, "hidden_size": m.d_model,
-    "intermediate_size": schedule_mlp_dim(cfg, schedule), "num_hidden_layers": m.num_layers,
+    "intermediate_size": plan_of(cfg).mlp_dim, "num_hidden_layers": m.num_layers,
     "num_attention_heads": m.num_heads, "head_dim": m.resolved_head_dim,
     "hidden_act": "silu" if f.activation == "swiglu" else "gelu", "norm_type": f.norm, "norm_eps": m.norm_eps,
     "parallel_residual": f.parallel_residual, "attention_bias": f.qkv_biases, "dense_bias": f.dense_biases,
@@ -68,11 +68,6 @@ def config_json(cfg: Config, schedule: Schedule, ties: HeadTies | None) -> dict:
     "head_rows": {k: len(ties.rows[k]) for k in MATRICES} if ties else None,
     "dtype": m.dtype, "jaxshare_config": to_yaml(cfg),
     **({"jaxshare_head_ties": ties.to_json()} if ties else {})}
-
-
-def schedule_mlp_dim(cfg: Config, schedule: Schedule) -> int:
-  """The MLP width the model is built with (widened when the schedule matches parameters)."""
-  return accounting.mlp_dim(cfg.model, schedule, accounting.param_match(cfg.schedule))
 
 
 def copy_code(out: Path) -> None:
@@ -97,7 +92,7 @@ def architecture(cfg: Config, schedule: Schedule, ties: HeadTies | None) -> Arch
   with (widened when the schedule matches parameters); ``ties``: head-wise sharing's (its stored rows are global
   tensors), None without."""
   rows = {m: len(r) for m, r in ties.rows.items()} if ties is not None else None
-  mlp = schedule_mlp_dim(cfg, schedule)
+  mlp = plan_of(cfg).mlp_dim
 
   def layer_dims(dims: Dims, schedule: Schedule, layer: int) -> Dims:
     role, _ = _role(schedule, layer)
@@ -161,7 +156,7 @@ def read_config(config: dict, overrides) -> tuple[Config, Schedule, HeadTies | N
   if not isinstance(text, str):
     raise UnsupportedModelError(f"config.json says {ARCHITECTURE} but has no 'jaxshare_config' text")
   exported = config_from_yaml_text(text)
-  schedule = compile_schedule(exported.model, exported.schedule)
+  schedule = plan_of(exported).schedule
   expected = config_json(exported, schedule, _read_ties(config, exported, schedule))
   changed = [k for k, v in expected.items() if k not in ("jaxshare_config", "dtype") and config.get(k) != v]
   if changed:
@@ -169,7 +164,7 @@ def read_config(config: dict, overrides) -> tuple[Config, Schedule, HeadTies | N
     raise UnsupportedModelError(f"config.json {k}={config.get(k)!r} disagrees with its jaxshare_config, which gives "
                                 f"{expected[k]!r} (edited by hand?): export the run again")
   cfg = apply_overrides(exported, overrides)  # train.* / data.* for the imported run
-  schedule = compile_schedule(cfg.model, cfg.schedule)
+  schedule = plan_of(cfg).schedule
   return cfg, schedule, _read_ties(config, cfg, schedule)
 
 

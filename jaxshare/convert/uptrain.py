@@ -16,7 +16,7 @@ from jaxshare.init.lisa import calibrate_low_rank, fittable_lisa_layers
 from jaxshare.init.report import init_report
 from jaxshare.init.source import (check_loadable, init_kv_pool, initial_params, params_from_source,
                                   with_match_reference)
-from jaxshare.schedule import compile_schedule
+from jaxshare.plan import plan_of
 
 
 def uptrain_run(src_run, out_run, overrides, *, calibration_batches: int = 8, wc_fit: str = "tokens",
@@ -42,7 +42,7 @@ def uptrain_run(src_run, out_run, overrides, *, calibration_batches: int = 8, wc
   check_loadable(src.cfg, cfg, str(src_run))
   start = "fit" if cfg.train.init_lisa == "calibrated" else cfg.train.init_lisa  # calibrated starts from fit
   start_cfg = apply_overrides(cfg, [f"train.init_lisa={start}"])
-  schedule = compile_schedule(cfg.model, cfg.schedule)
+  schedule = plan_of(cfg).schedule
   lisa_calibrated = cfg.train.init_lisa == "calibrated" and any(p.has_low_rank for p in schedule.layers)
   fitted = fittable_lisa_layers(src.params, src.schedule, schedule) if lisa_calibrated else []
   if lisa_calibrated and not fitted:
@@ -51,7 +51,7 @@ def uptrain_run(src_run, out_run, overrides, *, calibration_batches: int = 8, wc
   if lisa_calibrated and not calibration_batches:
     raise ConfigError("train.init_lisa=calibrated needs calibration batches: --calibration-batches must be >= 1")
   ties = compute_ties(cfg, schedule, cfg.train.seed)
-  graphdef, _ = runs.abstract_params(cfg, schedule, ties)
+  graphdef, _ = runs.abstract_params(plan_of(cfg), ties)
   params = jax.jit(lambda s: params_from_source(start_cfg, schedule, ties,
                                                 initial_params(start_cfg, schedule, ties, cfg.train.seed), s,
                                                 src.schedule))(src.params)

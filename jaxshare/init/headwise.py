@@ -22,7 +22,8 @@ from jaxshare.config import Config, ConfigError, HeadwiseConfig
 from jaxshare.init.shared import copy_shared_weights
 from jaxshare.model.params import layer_params
 from jaxshare.model.ties import MATRICES, HeadTies
-from jaxshare.schedule import Schedule, compile_schedule
+from jaxshare.plan import plan_of
+from jaxshare.schedule import Schedule
 
 POSTSHARE_PAIRS_FILE = "postshare_pairs.json"  # in a PostShare run directory: the pairs its penalty pulled together
 _MATCH_FEATURES = {"qk": ("q", "k"), "q": ("q",), "k": ("k",), "v": ("v",), "qkv": ("q", "k", "v")}
@@ -202,7 +203,7 @@ def tied_params_from_dense(dense_params: dict, template: dict, ties: HeadTies, s
 def dense_counterpart(cfg: Config) -> tuple[Config, Schedule]:
   """The same model with a plain dense schedule (what head-wise sharing is selected on and converted from)."""
   dense = dataclasses.replace(cfg, schedule=dataclasses.replace(cfg.schedule, kind="dense", headwise=HeadwiseConfig()))
-  return dense, compile_schedule(dense.model, dense.schedule)
+  return dense, plan_of(dense).schedule
 
 
 def compute_ties(cfg: Config, schedule: Schedule, seed: int, mesh: Mesh | None = None,
@@ -222,7 +223,7 @@ def compute_ties(cfg: Config, schedule: Schedule, seed: int, mesh: Mesh | None =
     return None
   if not cfg.train.init_from:
     dense_cfg, dense_schedule = dense_counterpart(cfg)
-    params = nnx.to_pure_dict(nnx.state(runs.build_model(dense_cfg, dense_schedule, seed), nnx.Param))
+    params = nnx.to_pure_dict(nnx.state(runs.build_model(plan_of(dense_cfg), seed), nnx.Param))
     return direct_share(dense_kernels(params, dense_schedule, cfg.model.num_layers), schedule.tied_heads,
                         cfg.schedule.headwise.match)
   src = source if source is not None else runs.load_run(cfg.train.init_from, mesh)

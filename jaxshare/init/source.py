@@ -9,7 +9,7 @@ import os
 
 from flax import nnx
 
-from jaxshare import accounting, runs, smoke
+from jaxshare import runs, smoke
 from jaxshare.config import Config, ConfigError, apply_overrides, load_config
 from jaxshare.data.errors import DataError
 from jaxshare.data.tokenizers import tokenizer_fingerprint
@@ -19,7 +19,8 @@ from jaxshare.init.lisa import init_low_rank
 from jaxshare.init.mlp import widen_mlp
 from jaxshare.init.shared import copy_shared_weights
 from jaxshare.model.ties import HeadTies
-from jaxshare.schedule import Schedule, compile_schedule
+from jaxshare.plan import plan_of
+from jaxshare.schedule import Schedule
 
 
 def init_kv_pool(cfg: Config) -> str:
@@ -101,19 +102,18 @@ def with_match_reference(cfg: Config) -> Config:
   if not (s.match_params and s.match_formula == "exact" and not s.match_reference_params and cfg.train.init_from):
     return cfg
   src = runs.read_config(runs.locate(cfg.train.init_from)[0])
-  src_schedule = compile_schedule(src.model, src.schedule)
-  total = accounting.param_count(src.model, src_schedule, accounting.param_match(src.schedule)).total
+  total = plan_of(src).param_count().total
   return dataclasses.replace(cfg, schedule=dataclasses.replace(s, match_reference_params=total))
 
 
 def initial_params(cfg: Config, schedule: Schedule, ties: HeadTies | None, seed: int) -> dict:
   """Fresh parameters (pure dict) of the model of ``cfg``, drawn from ``seed``; a head-wise model starts as
   DirectShare applied to the dense model of the same seed. Traceable (run it under ``jax.jit`` to place it)."""
-  params = nnx.to_pure_dict(nnx.state(runs.build_model(cfg, schedule, seed, ties), nnx.Param))
+  params = nnx.to_pure_dict(nnx.state(runs.build_model(plan_of(cfg), seed, ties), nnx.Param))
   if ties is None:
     return params
   dense_cfg, dense_schedule = dense_counterpart(cfg)
-  dense = nnx.to_pure_dict(nnx.state(runs.build_model(dense_cfg, dense_schedule, seed), nnx.Param))
+  dense = nnx.to_pure_dict(nnx.state(runs.build_model(plan_of(dense_cfg), seed), nnx.Param))
   return tied_params_from_dense(dense, params, ties, dense_schedule)
 
 

@@ -14,7 +14,8 @@ from jaxshare.model.cache import DecodeCache, StepContext
 from jaxshare.model.layers import DenseGeneral, make_norm, param
 from jaxshare.model.scan import scan_or_unroll
 from jaxshare.model.ties import MATRICES, HeadTies
-from jaxshare.schedule import Schedule, StackPlan
+from jaxshare.plan import ModelPlan
+from jaxshare.schedule import StackPlan
 
 
 class Stack(nnx.Module):
@@ -80,23 +81,17 @@ class Transformer(nnx.Module):
   """Decoder-only LM whose attention follows a sharing :class:`~jaxshare.schedule.Schedule`.
 
   Args:
-    cfg: model dimensions and flavour.
-    schedule: compiled schedule: every layer's role, grouped into superblocks, runs and stacks.
-    mlp_dim: MLP width (``accounting.mlp_dim``: the config's, or widened to match parameters).
-    attention_impl: ``attention.impl``.
-    score_sharing: ``attention.score_sharing`` (see :class:`~jaxshare.model.attention.Attention`).
-    chain_dtype: ``attention.chain_dtype`` (see :class:`~jaxshare.model.attention.Attention`).
+    plan: the compiled model (:class:`~jaxshare.plan.ModelPlan`): dimensions and flavour, every layer's role grouped
+      into superblocks, runs and stacks, the MLP width and the attention settings (``attention.impl``,
+      ``score_sharing``, ``chain_dtype``: see :class:`~jaxshare.model.attention.Attention`).
     ties: head-wise sharing's head map, exactly when the schedule ties heads.
 
   Raises:
-    ValueError: the schedule has another depth than ``cfg``, or ``ties`` disagrees with the schedule.
+    ValueError: ``ties`` disagrees with the schedule.
   """
 
-  def __init__(self, cfg: ModelConfig, schedule: Schedule, *, mlp_dim: int | None = None,
-               attention_impl: str = "auto", score_sharing: str = "recompute", chain_dtype: str = "float32",
-               ties: HeadTies | None = None, rngs: nnx.Rngs):
-    if len(schedule.layers) != cfg.num_layers:
-      raise ValueError(f"schedule has {len(schedule.layers)} layers, model.num_layers={cfg.num_layers}")
+  def __init__(self, plan: ModelPlan, *, ties: HeadTies | None = None, rngs: nnx.Rngs):
+    cfg, schedule, attention = plan.model, plan.schedule, plan.attention
     pdtype, self.dtype = jnp.dtype(cfg.param_dtype), jnp.dtype(cfg.dtype)
     self.window = cfg.sliding_window
     self.embedding = nnx.Param(cfg.init_std * jax.random.normal(rngs.params(), (cfg.vocab_size, cfg.d_model),
@@ -106,9 +101,9 @@ class Transformer(nnx.Module):
     self.head_table = HeadTable(cfg, ties, rngs) if ties is not None else None
     # the stacks; "segments" is their key in the parameter tree, which checkpoints store
     self.segments = nnx.List([
-      Stack(cfg, plan, mlp_dim=mlp_dim or cfg.mlp_dim, attention_impl=attention_impl, score_sharing=score_sharing,
-            chain_dtype=chain_dtype, rngs=rngs)
-      for plan in schedule.stacks])
+      Stack(cfg, stack, mlp_dim=plan.mlp_dim, attention_impl=attention.impl, score_sharing=attention.score_sharing,
+            chain_dtype=attention.chain_dtype, rngs=rngs)
+      for stack in schedule.stacks])
     self.stack_plans = schedule.stacks
     self.final_norm = make_norm(cfg.features.norm, cfg.d_model, cfg.norm_eps, pdtype)
     self.lm_head = None if cfg.tie_embeddings else DenseGeneral(

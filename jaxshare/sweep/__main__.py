@@ -34,8 +34,8 @@ import shlex
 import sys
 import time
 
-from jaxshare import accounting
 from jaxshare.config import REPO_ROOT, ConfigError
+from jaxshare.plan import plan_of
 from jaxshare.schedule import ScheduleError
 from jaxshare.sweep.devices import DeviceGroup, device_groups
 from jaxshare.sweep.launch import LAUNCHERS, check_launcher_args, launch, launcher_command
@@ -78,8 +78,8 @@ def _check(sweep: Sweep, runs: list[Trial]) -> int:
       print(f"INVALID {run.variant}: {e}")
       bad += 1
       continue
-    kv = accounting.kv_cache_bytes_per_token(cfg.model, schedule, 2)
-    params = accounting.param_count(cfg.model, schedule, accounting.param_match(cfg.schedule)).total
+    plan = plan_of(cfg)
+    kv, params = plan.kv_cache_bytes_per_token(2), plan.param_count().total
     print(f"ok {run.variant}: {kv:,} KV bytes/token (bf16), {params:,} params | {schedule.describe()}")
   print(f"{len(runs)} runs of {len({r.variant for r in runs})} variants; {bad} invalid")
   return 2 if bad else 0

@@ -13,7 +13,7 @@ import yaml
 
 from jaxshare import smoke
 from jaxshare.config import REPO_ROOT, load_config
-from jaxshare.schedule import compile_schedule
+from jaxshare.plan import plan_of
 
 SPEC_KEYS = ("experiment", "run_root", "base", "seeds", "variants", "grid", "series")
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._=,+-]*$")
@@ -207,4 +207,4 @@ def check_config(sweep: Sweep, run: Trial) -> tuple[Any, Any]:
     ConfigError / ScheduleError: naming the field, value and what is allowed.
   """
   cfg = load_config(REPO_ROOT / sweep.experiment, run.train_overrides())
-  return cfg, compile_schedule(cfg.model, cfg.schedule)
+  return cfg, plan_of(cfg).schedule

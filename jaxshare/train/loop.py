@@ -9,7 +9,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxshare import accounting, distributed, parallel, runs
+from jaxshare import distributed, parallel, runs
 from jaxshare.checkpoint import PARAMS_ONLY, Checkpointer
 from jaxshare.config import Config, ConfigError, get_field
 from jaxshare.data import Datasets
@@ -19,7 +19,7 @@ from jaxshare.init.headwise import compute_ties
 from jaxshare.init.report import init_report
 from jaxshare.init.source import check_loadable, init_kv_pool, with_match_reference
 from jaxshare.kernels.dispatch import document_bounds
-from jaxshare.schedule import compile_schedule
+from jaxshare.plan import plan_of
 from jaxshare.train.interrupts import Interrupts
 from jaxshare.train.metrics import MetricsLogger, resolve_peak
 from jaxshare.train.recipes import Stage1Monitor, build_objective, end_step
@@ -176,7 +176,7 @@ class _Trainer:
     set). Head-wise ties are chosen here once, when the run starts, and read back from the run directory ever
     after."""
     cfg = self.cfg
-    schedule = compile_schedule(cfg.model, cfg.schedule)
+    schedule = plan_of(cfg).schedule
     resuming = ckpt is not None and ckpt.latest_step() is not None
     self.ties = (runs.read_ties(self.run_dir, cfg, schedule) if resuming else
                  compute_ties(cfg, schedule, self.tcfg.seed, self.mesh, source=self.source))
@@ -244,11 +244,9 @@ class _Trainer:
     """Open the metrics log and say what runs: schedule, sizes, mesh, data, how it starts, the MFU reference."""
     cfg, tcfg, setup = self.cfg, self.tcfg, self.setup
     n_dev = setup.mesh.size
-    self.flops_per_token = accounting.train_flops_per_token(cfg.model, setup.schedule, cfg.data.seq_len,
-                                                            accounting.param_match(cfg.schedule))
+    self.flops_per_token = setup.plan.train_flops_per_token(cfg.data.seq_len)
     self.peak = resolve_peak(tcfg.peak_tflops, n_dev, cfg.model.dtype)
-    kv_bytes = accounting.kv_cache_bytes_per_token(cfg.model, setup.schedule,
-                                                   2 if cfg.model.dtype == "bfloat16" else 4)
+    kv_bytes = setup.plan.kv_cache_bytes_per_token(2 if cfg.model.dtype == "bfloat16" else 4)
     self.log = log = MetricsLogger(self.run_dir, tcfg.steps, self.step, tcfg.progress_bar)
     start = (f"resumed at step {self.step}" if self.latest is not None else
              f"weights from {tcfg.init_from} (step {self.source.step})" if self.source is not None else

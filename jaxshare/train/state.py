@@ -17,7 +17,8 @@ from jaxshare.config import Config
 from jaxshare.init.headwise import compute_ties
 from jaxshare.init.source import initial_params, params_from_source
 from jaxshare.model.ties import HeadTies
-from jaxshare.schedule import Schedule, compile_schedule
+from jaxshare.plan import ModelPlan, plan_of
+from jaxshare.schedule import Schedule
 from jaxshare.train.optimizer import (SHARING_MODULES, count_trainable, frozen_paths, learning_rate_schedule,
                                       make_optimizer)
 from jaxshare.train.step import TrainState
@@ -36,7 +37,7 @@ class TrainSetup:
   """Static pieces of a run (no arrays)."""
 
   cfg: Config
-  schedule: Schedule
+  plan: ModelPlan
   mesh: Mesh
   graphdef: nnx.GraphDef
   abstract_params: nnx.State
@@ -48,6 +49,10 @@ class TrainSetup:
   ties: HeadTies | None = None
   trainable: tuple[str, ...] | None = None
   frozen: frozenset[tuple] = frozenset()  # optimizer.frozen_paths: parameters the model marks as never trained
+
+  @property
+  def schedule(self) -> Schedule:
+    return self.plan.schedule
 
   @property
   def num_params(self) -> int:
@@ -72,10 +77,10 @@ def setup_training(cfg: Config, mesh: Mesh | None = None, trainable: tuple[str, 
   Raises:
     ScheduleError / ConfigError: the schedule or mesh does not fit the model or the devices.
   """
-  schedule = compile_schedule(cfg.model, cfg.schedule)
+  plan = plan_of(cfg)
   mesh = mesh or parallel.make_mesh(cfg.mesh)
-  ties = ties if ties is not None else compute_ties(cfg, schedule, cfg.train.seed, mesh)
-  abstract_model = nnx.eval_shape(lambda: runs.build_model(cfg, schedule, 0, ties))
+  ties = ties if ties is not None else compute_ties(cfg, plan.schedule, cfg.train.seed, mesh)
+  abstract_model = nnx.eval_shape(lambda: runs.build_model(plan, 0, ties))
   graphdef, abstract_params = nnx.split(abstract_model, nnx.Param)
   p_shard = parallel.param_shardings(abstract_params, mesh)
   frozen = frozen_paths(abstract_params)
@@ -87,7 +92,7 @@ def setup_training(cfg: Config, mesh: Mesh | None = None, trainable: tuple[str, 
                                     transform_non_params=lambda _: replicated,
                                     is_leaf=lambda x: isinstance(x, empty))
   lr = learning_rate_schedule(cfg.train, start_step, end_step)
-  return TrainSetup(cfg, schedule, mesh, graphdef, abstract_params, p_shard, tx, lambda step: lr(step - start_step),
+  return TrainSetup(cfg, plan, mesh, graphdef, abstract_params, p_shard, tx, lambda step: lr(step - start_step),
                     {"params": p_shard, "opt_state": opt_shard, "step": replicated}, parallel.batch_sharding(mesh),
                     ties, trainable, frozen)
 
