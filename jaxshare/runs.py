@@ -58,12 +58,12 @@ def locate(path: str | os.PathLike) -> tuple[epath.Path, int | None]:
 
 
 def read_config(run_dir: str | os.PathLike) -> Config:
-  """The validated config of run directory ``run_dir``.
+  """The validated config of run directory ``run_dir`` (as :func:`locate` returns it: absolute, local or a URL).
 
   Raises:
     ConfigError: missing, unreadable or invalid ``config.yaml``.
   """
-  path = absolute(run_dir) / CONFIG_FILE
+  path = epath.Path(run_dir) / CONFIG_FILE
   try:
     text = path.read_text()
   except OSError as e:
@@ -73,12 +73,12 @@ def read_config(run_dir: str | os.PathLike) -> Config:
 
 def write_config(run_dir: str | os.PathLike, cfg: Config) -> None:
   """Write ``config.yaml``, through a temporary file renamed over it: a kill mid-write never leaves a torn one."""
-  write_atomic(absolute(run_dir) / CONFIG_FILE, to_yaml(cfg))
+  write_atomic(epath.Path(run_dir) / CONFIG_FILE, to_yaml(cfg))
 
 
 def write_ties(run_dir: str | os.PathLike, ties: HeadTies) -> None:
   """Save head-wise sharing's ties beside the run's checkpoints (atomically, as :func:`write_config`)."""
-  write_atomic(absolute(run_dir) / TIES_FILE, ties.to_json())
+  write_atomic(epath.Path(run_dir) / TIES_FILE, ties.to_json())
 
 
 def read_ties(run_dir: str | os.PathLike, cfg: Config, schedule: Schedule) -> HeadTies | None:
@@ -90,7 +90,7 @@ def read_ties(run_dir: str | os.PathLike, cfg: Config, schedule: Schedule) -> He
   """
   if not schedule.tied_heads:
     return None
-  run_dir = absolute(run_dir)
+  run_dir = epath.Path(run_dir)
   path = run_dir / TIES_FILE
   recreate = f"`python -m jaxshare.convert ties {run_dir}`"
   if not path.exists():

@@ -181,14 +181,14 @@ class Datasets:
   """Train and validation pipelines of one corpus, or of a weighted mixture of prepared corpora (``data.mixture``).
 
   Every global batch of ``batch_size`` sequences is the same whatever the number of processes; each process reads
-  only its :attr:`rows` of it (default: block ``process_index`` of ``process_count`` equal blocks; the training loop
-  sets the rows its devices hold, :func:`jaxshare.parallel.local_batch_rows`). A mixture shuffles each component
+  only its :attr:`rows` of it (``rows``; default: block ``process_index`` of ``process_count`` equal blocks; the
+  training loop passes the rows its devices hold, :func:`jaxshare.parallel.local_batch_rows`). A mixture shuffles each component
   and mixes them by weight with grain's deterministic ``MapDataset.mix``; sequence ``i`` of the run comes from
   component :meth:`component_of` ``(i)``.
   """
 
   def __init__(self, cfg: DataConfig, batch_size: int, *, tokenizer: Tokenizer | None = None,
-               process_index: int | None = None, process_count: int | None = None):
+               process_index: int | None = None, process_count: int | None = None, rows: slice | None = None):
     self.cfg = cfg
     self.batch_size = batch_size
     self.tokenizer = tokenizer or make_tokenizer(cfg)
@@ -214,8 +214,8 @@ class Datasets:
     self._schedule = grain.MapDataset.mix([grain.MapDataset.source([k]).repeat(None)
                                            for k in range(len(self.components))], weights)
     self._counted, self._counts = 0, np.zeros(len(self.components), np.int64)
-    self.rows = batch_rows(jax.process_index() if process_index is None else process_index,
-                           jax.process_count() if process_count is None else process_count, batch_size)
+    self.rows = rows or batch_rows(jax.process_index() if process_index is None else process_index,
+                                   jax.process_count() if process_count is None else process_count, batch_size)
     if self.val_source is not None and len(self.val_source) < batch_size:
       raise DataError(f"the validation split has {len(self.val_source)} sequences, fewer than one batch of "
                       f"{batch_size}: lower train.batch_size or hold out more: "

@@ -154,10 +154,11 @@ def ties_from_pairs(weights: dict[str, np.ndarray], pairs: dict[str, list], matc
   return _ties(chosen, L, H)
 
 
-def save_pairs(path, ties: HeadTies, match: str, ratio: float) -> None:
-  """Write PostShare's penalised pairs (with their match function and ratio) as JSON."""
+def save_pairs(path, pairs: dict[str, tuple[tuple[int, int], ...]], match: str, ratio: float) -> None:
+  """Write PostShare's penalised pairs (``{q, k, v: ((head, matched head), ...)}``, with their match function and
+  ratio) as JSON."""
   epath.Path(path).write_text(json.dumps({"match": match, "ratio": ratio,
-                                    "pairs": {m: [list(p) for p in ties.pairs[m]] for m in MATRICES}}))
+                                          "pairs": {m: [list(p) for p in pairs[m]] for m in MATRICES}}))
 
 
 def load_pairs(path) -> dict:
@@ -206,27 +207,42 @@ def dense_counterpart(cfg: Config) -> tuple[Config, Schedule]:
   return dense, plan_of(dense).schedule
 
 
+def fresh_ties(cfg: Config, schedule: Schedule, seed: int) -> HeadTies | None:
+  """DirectShare's head ties (None without head-wise sharing) chosen on the dense counterpart of ``cfg``'s model
+  initialised from ``seed``: a run's ties when it starts from scratch (Head-wise Shareable Attention Alg. 1)."""
+  if not schedule.tied_heads:
+    return None
+  dense_cfg, dense_schedule = dense_counterpart(cfg)
+  params = nnx.to_pure_dict(nnx.state(runs.build_model(plan_of(dense_cfg), seed), nnx.Param))
+  return direct_share(dense_kernels(params, dense_schedule, cfg.model.num_layers), schedule.tied_heads,
+                      cfg.schedule.headwise.match)
+
+
 def compute_ties(cfg: Config, schedule: Schedule, seed: int, mesh: Mesh | None = None,
                  source: runs.Run | None = None) -> HeadTies | None:
   """Choose DirectShare's head ties (None without head-wise sharing) on the dense model the run starts from:
-  ``train.init_from`` when set (uptraining), else the dense model initialised from ``seed``. A head-wise
-  ``init_from`` run passes on its own ties; a PostShare run as ``init_from`` gives exactly the pairs its penalty
-  pulled together (each component's representative chosen on its trained weights). Called once per run, when it is
-  created: the run then stores its ties (:func:`jaxshare.runs.write_ties`). ``source``: the ``train.init_from`` run
-  when already loaded (else it is loaded here, onto ``mesh``).
+  ``train.init_from`` when set (uptraining, :func:`ties_from_source`), else the dense model initialised from
+  ``seed`` (:func:`fresh_ties`). Called once per run, when it is created: the run then stores its ties
+  (:func:`jaxshare.runs.write_ties`). ``source``: the ``train.init_from`` run when already loaded (else it is loaded
+  here, onto ``mesh``).
 
   Raises:
-    ConfigError: ``train.init_from`` is not a dense MHA run, or is a head-wise or PostShare run whose ties disagree
-      with ``schedule.headwise`` (another count or match function).
+    ConfigError: as :func:`ties_from_source`.
   """
-  if not schedule.tied_heads:
-    return None
-  if not cfg.train.init_from:
-    dense_cfg, dense_schedule = dense_counterpart(cfg)
-    params = nnx.to_pure_dict(nnx.state(runs.build_model(plan_of(dense_cfg), seed), nnx.Param))
-    return direct_share(dense_kernels(params, dense_schedule, cfg.model.num_layers), schedule.tied_heads,
-                        cfg.schedule.headwise.match)
-  src = source if source is not None else runs.load_run(cfg.train.init_from, mesh)
+  if not schedule.tied_heads or not cfg.train.init_from:
+    return fresh_ties(cfg, schedule, seed)
+  return ties_from_source(cfg, schedule, source if source is not None else runs.load_run(cfg.train.init_from, mesh))
+
+
+def ties_from_source(cfg: Config, schedule: Schedule, src: runs.Run) -> HeadTies:
+  """The ties of a head-wise run started from ``src`` (``train.init_from``): a head-wise ``src`` passes on its own
+  ties; a PostShare ``src`` gives exactly the pairs its penalty pulled together (each component's representative
+  chosen on its trained weights); a dense one gets DirectShare's choice on its weights.
+
+  Raises:
+    ConfigError: ``src`` is not a dense MHA run, or is a head-wise or PostShare run whose ties disagree with
+      ``schedule.headwise`` (another count or match function).
+  """
   if src.ties is not None:  # already head-wise (e.g. `convert uptrain`'s output): training goes on with its ties
     if (src.schedule.tied_heads, src.cfg.schedule.headwise.match) != (schedule.tied_heads,
                                                                      cfg.schedule.headwise.match):

@@ -22,7 +22,7 @@ from jaxshare.kernels.dispatch import document_bounds
 from jaxshare.plan import plan_of
 from jaxshare.train.interrupts import Interrupts
 from jaxshare.train.metrics import MetricsLogger, resolve_peak
-from jaxshare.train.recipes import Stage1Monitor, build_objective, end_step
+from jaxshare.train.recipes import Stage1Monitor, build_objective, end_step, postshare_pairs, save_pairs
 from jaxshare.train.state import (TrainSetup, abstract_state, init_state, setup_training, state_from_params,
                                   trainable_for)
 from jaxshare.train.step import Objective, make_train_step
@@ -110,7 +110,7 @@ def train(cfg: Config, *, mesh=None, stop_after: int | None = None) -> dict[str,
     check_loadable(runs.read_config(runs.locate(cfg.train.init_from)[0]), cfg, cfg.train.init_from)
   mesh = mesh or parallel.make_mesh(cfg.mesh)
   # Nothing is created in the run directory until the config, data and checkpoint have all been accepted.
-  data = _open_data(cfg)
+  data = _open_data(cfg, parallel.local_batch_rows(parallel.batch_sharding(mesh), cfg.train.batch_size))
   ckpt = _existing_checkpoints(cfg)
   trainer = _Trainer(cfg, mesh, data)
   trainer.start(ckpt)
@@ -121,8 +121,9 @@ def train(cfg: Config, *, mesh=None, stop_after: int | None = None) -> dict[str,
   return trainer.summary
 
 
-def _open_data(cfg: Config) -> Datasets:
-  """The run's datasets, once the recipe and the vocabulary are known to fit the model.
+def _open_data(cfg: Config, rows: slice) -> Datasets:
+  """The run's datasets (this process's ``rows`` of each global batch), once the recipe and the vocabulary are known
+  to fit the model.
 
   Raises:
     ConfigError: a two-stage recipe without UniAttn, or a tokenizer larger than the vocabulary. DataError: unreadable
@@ -131,7 +132,7 @@ def _open_data(cfg: Config) -> Datasets:
   if cfg.train.recipe == "uniattn_two_stage" and "uniattn" not in cfg.schedule.kind:
     raise ConfigError(f"train.recipe=uniattn_two_stage needs a uniattn schedule, got schedule.kind="
                       f"{cfg.schedule.kind!r}")
-  data = Datasets(cfg.data, cfg.train.batch_size)
+  data = Datasets(cfg.data, cfg.train.batch_size, rows=rows)
   if data.tokenizer.vocab_size > cfg.model.vocab_size:
     raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's vocabulary "
                       f"({data.tokenizer.vocab_size}); set model.vocab_size >= {data.tokenizer.vocab_size}")
@@ -173,8 +174,8 @@ class _Trainer:
 
   def start(self, ckpt: Checkpointer | None) -> None:
     """Resume from the newest checkpoint that restores and verifies, or initialise (from ``train.init_from`` when
-    set). Head-wise ties are chosen here once, when the run starts, and read back from the run directory ever
-    after."""
+    set). Head-wise ties and PostShare's pairs are chosen here once, when the run starts, and read back from the run
+    directory ever after."""
     cfg = self.cfg
     schedule = plan_of(cfg).schedule
     resuming = ckpt is not None and ckpt.latest_step() is not None
@@ -190,6 +191,7 @@ class _Trainer:
       self.setup, self.data_iter = self._prepare(self.meta)
       self.state = init_state(self.setup, from_params=None if self.source is None else (self.source.params,
                                                                                          self.source.schedule))
+    self.pairs, self.pairs_are_new = postshare_pairs(cfg, self.setup, self.source, self.run_dir)
     self.stage = self._stage_of(self.meta)
     self.stage_start = self.meta.get("stage_start", 0)  # the step the current stage's learning-rate schedule began
     self.end = end_step(self.cfg, self.stage, self.stage_start)
@@ -207,7 +209,6 @@ class _Trainer:
     stage, stage_start = self._stage_of(meta), meta.get("stage_start", 0)
     setup = setup_training(self.cfg, self.mesh, trainable_for(self.cfg, stage), self.ties, start_step=stage_start,
                            end_step=end_step(self.cfg, stage, stage_start))
-    self.data.rows = parallel.local_batch_rows(setup.batch_sharding, self.tcfg.batch_size)  # this process's rows
     return setup, self.data.train_iter()
 
   def _resume_from(self, step: int) -> tuple[dict, TrainSetup, Any, Any]:
@@ -223,17 +224,19 @@ class _Trainer:
   # -- the run directory, the compiled steps, the announcement --------------------------------------------------
 
   def write_run_files(self) -> None:
-    """Create the run directory with its config (and head-wise ties) next to the checkpoints."""
+    """Create the run directory with its config (and head-wise ties, PostShare's pairs) next to the checkpoints."""
     self.run_dir.mkdir(parents=True, exist_ok=True)
     self.ckpt = self.ckpt or Checkpointer(self.run_dir / "checkpoints", self.tcfg.keep_checkpoints)
     if distributed.is_primary():
       runs.write_config(self.run_dir, self.cfg)
       if self.ties is not None and self.ties_are_new:
         runs.write_ties(self.run_dir, self.ties)
+      if self.pairs is not None and self.pairs_are_new:
+        save_pairs(self.cfg, self.run_dir, self.pairs)
 
   def compile(self) -> None:
-    """The auxiliary objective (PostShare writes its pairs into the run directory) and the jitted steps."""
-    self.objective = build_objective(self.cfg, self.setup, self.source)
+    """The auxiliary objective and the jitted steps."""
+    self.objective = build_objective(self.cfg, self.setup, self.source, self.pairs)
     self.teacher_shardings = (jax.tree.map(lambda x: x.sharding, self.teacher_params)
                               if self.teacher_params is not None else None)
     self.step_fn = jit_train_step(self.setup, self.objective, self.teacher_shardings)

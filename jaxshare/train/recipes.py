@@ -4,14 +4,16 @@ two-stage schedule."""
 from __future__ import annotations
 
 from jaxshare import distributed
-from jaxshare.files import absolute
-from jaxshare.config import Config, ConfigError
-from jaxshare.init.headwise import POSTSHARE_PAIRS_FILE, dense_kernels, direct_share, load_pairs, save_pairs
+from jaxshare.config import Config, ConfigError, ScoreReuse
+from jaxshare.init import headwise
+from jaxshare.init.headwise import POSTSHARE_PAIRS_FILE, dense_kernels, direct_share, load_pairs
 from jaxshare.init.source import initial_params
 from jaxshare.runs import Run
 from jaxshare.schedule import tied_head_count
 from jaxshare.train.state import TrainSetup
 from jaxshare.train.step import Objective
+
+Pairs = dict[str, tuple[tuple[int, int], ...]]  # PostShare's head pairs per matrix
 
 
 class Stage1Monitor:
@@ -47,39 +49,51 @@ def end_step(cfg: Config, stage: int, stage_start: int) -> int:
   return stage_start + t.stage2_steps if stage == 2 and t.stage2_steps else t.steps
 
 
-def build_objective(cfg: Config, setup: TrainSetup, teacher: Run | None) -> Objective:
-  """The auxiliary losses of ``cfg`` (``teacher``: the ``train.init_from`` run, when set).
+def postshare_pairs(cfg: Config, setup: TrainSetup, teacher: Run | None, run_dir) -> tuple[Pairs | None, bool]:
+  """PostShare's head pairs ``{q, k, v: ((head, matched earlier head), ...)}`` as flat indices ``layer * H + head``
+  (None without PostShare), and whether they are new (to be written to the run directory, :func:`save_pairs`).
 
-  PostShare's pairs are selected once, on the pretrained weights (``init_from``) or, from scratch, on the initial
-  ones, and written to ``<run_dir>/postshare_pairs.json``: a resumed run penalises the same pairs, and a head-wise run
-  initialised from this one ties exactly them (:func:`jaxshare.init.headwise.compute_ties`).
+  The pairs are selected once, on the pretrained weights (``init_from``) or, from scratch, on the initial ones, and
+  stored as ``<run_dir>/postshare_pairs.json``: a resumed run penalises the same pairs, and a head-wise run initialised
+  from this one ties exactly them (:func:`jaxshare.init.headwise.compute_ties`).
 
   Raises:
-    ConfigError: distillation without LISA layers, PostShare on a model that is not an untied dense MHA model.
+    ConfigError: PostShare on a model that is not an untied dense MHA model, or an unreadable pairs file.
   """
   t = cfg.train
-  kd_layers = tuple(p.index for p in setup.schedule.layers if p.score_reuse == "logits")
+  if t.postshare_gamma <= 0:
+    return None, False
+  if any(not (p.is_producer and p.has_query_key and p.num_kv_heads == cfg.model.num_heads)
+         for p in setup.schedule.layers) or setup.ties is not None:
+    raise ConfigError(f"train.postshare_gamma={t.postshare_gamma} needs an untied dense MHA model; schedule.kind="
+                      f"{cfg.schedule.kind!r} is not")
+  path = run_dir / POSTSHARE_PAIRS_FILE
+  if path.exists():  # resuming: the pairs chosen when the run started
+    return {m: tuple(tuple(p) for p in ps) for m, ps in load_pairs(path)["pairs"].items()}, False
+  source = (teacher.params, teacher.schedule) if teacher is not None else (
+    initial_params(cfg, setup.schedule, setup.ties, t.seed), setup.schedule)
+  weights = dense_kernels(distributed.to_host(source[0]), source[1], cfg.model.num_layers)
+  return direct_share(weights, tied_head_count(cfg.model, t.postshare_ratio), cfg.schedule.headwise.match).pairs, True
+
+
+def save_pairs(cfg: Config, run_dir, pairs: Pairs) -> None:
+  """Store new PostShare pairs in the run directory (:func:`postshare_pairs`)."""
+  headwise.save_pairs(run_dir / POSTSHARE_PAIRS_FILE, pairs, cfg.schedule.headwise.match, cfg.train.postshare_ratio)
+
+
+def build_objective(cfg: Config, setup: TrainSetup, teacher: Run | None, pairs: Pairs | None) -> Objective:
+  """The auxiliary losses of ``cfg`` (``teacher``: the ``train.init_from`` run, when set; ``pairs``: PostShare's,
+  from :func:`postshare_pairs`).
+
+  Raises:
+    ConfigError: distillation without LISA layers.
+  """
+  t = cfg.train
+  kd_layers = tuple(p.index for p in setup.schedule.layers if p.score_reuse == ScoreReuse.LOGITS)
   if t.kd_beta > 0 and not kd_layers:
     raise ConfigError(f"train.kd_beta={t.kd_beta} distils attention logits on LISA layers, but schedule.kind="
                       f"{cfg.schedule.kind!r} has none")
-  pairs = None
-  if t.postshare_gamma > 0:
-    if any(not (p.is_producer and p.has_query_key and p.num_kv_heads == cfg.model.num_heads)
-           for p in setup.schedule.layers) or setup.ties is not None:
-      raise ConfigError(f"train.postshare_gamma={t.postshare_gamma} needs an untied dense MHA model; schedule.kind="
-                        f"{cfg.schedule.kind!r} is not")
-    path = absolute(t.run_dir) / POSTSHARE_PAIRS_FILE
-    if path.exists():  # resuming: the pairs chosen when the run started
-      pairs = {m: tuple(tuple(p) for p in ps) for m, ps in load_pairs(path)["pairs"].items()}
-    else:
-      source = (teacher.params, teacher.schedule) if teacher is not None else (
-        initial_params(cfg, setup.schedule, setup.ties, t.seed), setup.schedule)
-      weights = dense_kernels(distributed.to_host(source[0]), source[1], cfg.model.num_layers)
-      ties = direct_share(weights, tied_head_count(cfg.model, t.postshare_ratio), cfg.schedule.headwise.match)
-      if distributed.is_primary():
-        save_pairs(path, ties, cfg.schedule.headwise.match, t.postshare_ratio)
-      pairs = ties.pairs
   return Objective(kd_beta=t.kd_beta, kd_delta=t.kd_delta, kd_layers=kd_layers,
                    teacher_graphdef=teacher.graphdef if teacher is not None else None,
-                   postshare_gamma=t.postshare_gamma, postshare_pairs=pairs, schedule=setup.schedule,
-                   window=cfg.model.sliding_window)
+                   postshare_gamma=t.postshare_gamma, postshare_pairs=pairs,
+                   schedule=setup.schedule, window=cfg.model.sliding_window)

@@ -14,7 +14,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxshare import parallel, runs
 from jaxshare.config import Config
-from jaxshare.init.headwise import compute_ties
+from jaxshare.init.headwise import fresh_ties
 from jaxshare.init.source import initial_params, params_from_source
 from jaxshare.model.ties import HeadTies
 from jaxshare.plan import ModelPlan, plan_of
@@ -69,8 +69,9 @@ def setup_training(cfg: Config, mesh: Mesh | None = None, trainable: tuple[str, 
 
   Args:
     trainable: module names the optimizer updates (None: all); see :func:`trainable_for`.
-    ties: head-wise sharing's ties (a run's stored ones; default: chosen afresh by
-      :func:`~jaxshare.init.headwise.compute_ties`).
+    ties: head-wise sharing's ties (a run's stored ones, or those of its ``train.init_from`` source:
+      :func:`~jaxshare.init.headwise.compute_ties`; default: chosen afresh, :func:`~jaxshare.init.headwise.fresh_ties`,
+      which fixes the same shapes).
     start_step, end_step: where this optimizer's learning-rate schedule starts (a recipe stage's first step) and
       ends (None: ``train.steps``).
 
@@ -79,7 +80,7 @@ def setup_training(cfg: Config, mesh: Mesh | None = None, trainable: tuple[str, 
   """
   plan = plan_of(cfg)
   mesh = mesh or parallel.make_mesh(cfg.mesh)
-  ties = ties if ties is not None else compute_ties(cfg, plan.schedule, cfg.train.seed, mesh)
+  ties = ties if ties is not None else fresh_ties(cfg, plan.schedule, cfg.train.seed)
   abstract_model = nnx.eval_shape(lambda: runs.build_model(plan, 0, ties))
   graphdef, abstract_params = nnx.split(abstract_model, nnx.Param)
   p_shard = parallel.param_shardings(abstract_params, mesh)
