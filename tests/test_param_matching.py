@@ -73,7 +73,7 @@ def test_uptrained_model_matches_its_source(kind, source, flavor, tmp_path):
   src = load_config(None, MODEL + FLAVORS[flavor] + SOURCES[source])
   (tmp_path / "config.yaml").write_text(to_yaml(src))  # what the reference is read from: the source's config
   target = with_match_reference(apply_overrides(src, [*target_overrides(kind, source, flavor), "schedule.match_params=true",
-                                                      f"train.init_from={tmp_path}"]))
+                                                      f"train.init_from={tmp_path}"]), src)
   per_neuron = accounting.params_per_mlp_neuron(target.model)
   assert abs(built_params(target) - built_params(src)) <= per_neuron / 2
 

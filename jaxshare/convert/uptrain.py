@@ -38,7 +38,7 @@ def uptrain_run(src_run, out_run, overrides, *, calibration_batches: int = 8, wc
   src = runs.load_run(src_run)
   # the source's own reference (if it was matched) is not the target's: the target is matched to the source
   cfg = with_match_reference(apply_overrides(src.cfg, ["schedule.match_reference_params=0", *overrides,
-                                                       f"train.init_from={src_run}"]))
+                                                       f"train.init_from={src_run}"]), src.cfg)
   check_loadable(src.cfg, cfg, str(src_run))
   start = "fit" if cfg.train.init_lisa == "calibrated" else cfg.train.init_lisa  # calibrated starts from fit
   start_cfg = apply_overrides(cfg, [f"train.init_lisa={start}"])

@@ -88,20 +88,17 @@ def _same_tokenizer(a: str, b: str) -> bool:
     return False
 
 
-def with_match_reference(cfg: Config) -> Config:
+def with_match_reference(cfg: Config, src: Config | None) -> Config:
   """``cfg`` with ``schedule.match_reference_params`` set to its uptraining source's total parameter count, when it
-  matches parameters exactly (``schedule.match_params``) from ``train.init_from`` and the reference is not yet set:
+  matches parameters exactly (``schedule.match_params``) from ``train.init_from`` (whose config is ``src``) and the
+  reference is not yet set:
   an uptrained model is matched to the model it came from (a GQA source has fewer K/V parameters than the dense MHA
   model of its config). The count is the source's exact one (:func:`~jaxshare.accounting.param_count`, read from its
   config alone) and stays in the run's config, so the run rebuilds without its source. ``cfg`` is not changed.
-
-  Raises:
-    ConfigError: the source is not a run directory, or its config is unreadable.
   """
   s = cfg.schedule
-  if not (s.match_params and s.match_formula == "exact" and not s.match_reference_params and cfg.train.init_from):
+  if not (s.match_params and s.match_formula == "exact" and not s.match_reference_params and src is not None):
     return cfg
-  src = runs.read_config(runs.locate(cfg.train.init_from)[0])
   total = plan_of(src).param_count().total
   return dataclasses.replace(cfg, schedule=dataclasses.replace(s, match_reference_params=total))
 

@@ -105,14 +105,16 @@ def train(cfg: Config, *, mesh=None, stop_after: int | None = None) -> dict[str,
     DivergenceError: a non-finite step under ``train.nan_policy=stop``.
     KeyboardInterrupt: a third SIGINT/SIGTERM (the last finished checkpoint is kept).
   """
-  cfg = with_match_reference(cfg)
-  if cfg.train.init_from:
-    check_loadable(runs.read_config(runs.locate(cfg.train.init_from)[0]), cfg, cfg.train.init_from)
+  source_cfg = runs.read_config(runs.locate(cfg.train.init_from)[0]) if cfg.train.init_from else None
+  cfg = with_match_reference(cfg, source_cfg)
+  if source_cfg is not None:
+    check_loadable(source_cfg, cfg, cfg.train.init_from)
   mesh = mesh or parallel.make_mesh(cfg.mesh)
+  run_dir = absolute(cfg.train.run_dir)
   # Nothing is created in the run directory until the config, data and checkpoint have all been accepted.
   data = _open_data(cfg, parallel.local_batch_rows(parallel.batch_sharding(mesh), cfg.train.batch_size))
-  ckpt = _existing_checkpoints(cfg)
-  trainer = _Trainer(cfg, mesh, data)
+  ckpt = _existing_checkpoints(cfg, run_dir)
+  trainer = _Trainer(cfg, mesh, data, run_dir)
   trainer.start(ckpt)
   trainer.write_run_files()
   trainer.compile()
@@ -139,13 +141,12 @@ def _open_data(cfg: Config, rows: slice) -> Datasets:
   return data
 
 
-def _existing_checkpoints(cfg: Config) -> Checkpointer | None:
-  """The run directory's checkpoints, when it has some, once it is known to hold this experiment.
+def _existing_checkpoints(cfg: Config, run_dir) -> Checkpointer | None:
+  """The checkpoints of ``run_dir`` (absolute), when it has some, once it is known to hold this experiment.
 
   Raises:
     ConfigError: the saved config differs in a field a resumed run may not change (:func:`check_resume_compatible`).
   """
-  run_dir = absolute(cfg.train.run_dir)
   if not (run_dir / "checkpoints").exists():
     return None
   ckpt = Checkpointer(run_dir / "checkpoints", cfg.train.keep_checkpoints)
@@ -160,9 +161,8 @@ class _Trainer:
   :meth:`announce` (what runs, logged), :meth:`run` (steps, logging, validation, checkpoints, UniAttn's stage
   switch, non-finite steps); :attr:`summary` is the result."""
 
-  def __init__(self, cfg: Config, mesh, data: Datasets):
-    self.cfg, self.tcfg, self.mesh, self.data = cfg, cfg.train, mesh, data
-    self.run_dir = absolute(cfg.train.run_dir)
+  def __init__(self, cfg: Config, mesh, data: Datasets, run_dir):
+    self.cfg, self.tcfg, self.mesh, self.data, self.run_dir = cfg, cfg.train, mesh, data, run_dir
     self.two_stage = cfg.train.recipe == "uniattn_two_stage"
     # the train.init_from run: uptraining source and distillation teacher
     self.source = runs.load_run(cfg.train.init_from, mesh) if cfg.train.init_from else None
