@@ -74,15 +74,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
   args = parse_args(list(sys.argv[1:] if argv is None else argv))
 
-  from jaxshare.config import ConfigError
-  from jaxshare.data import DataError
-  from jaxshare.checkpoint import CheckpointError
+  from jaxshare.exit_codes import report_input_errors
 
-  try:
-    return {"report": _report, "generate": _generate, "ppl": _ppl, "efficiency": _efficiency}[args.command](args)
-  except (ConfigError, DataError, CheckpointError, ValueError) as e:
-    print(f"error: {e}", file=sys.stderr)
-    return 2
+  command = {"report": _report, "generate": _generate, "ppl": _ppl, "efficiency": _efficiency}[args.command]
+  return report_input_errors(lambda: command(args), also=(ValueError,))
 
 
 def _report(args) -> int:

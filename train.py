@@ -54,15 +54,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
   args = parse_args(argv)
 
-  from jaxshare.config import ConfigError, describe_fields
+  from jaxshare.config import describe_fields
 
   if args.help_config:
     print(describe_fields())
     return 0
   if args.compile_only:
     return _compile_only(args)
-  from jaxshare.data import DataError
-  from jaxshare.checkpoint import CheckpointError
   from jaxshare import exit_codes
   from jaxshare.train.interrupts import interrupt_outside_loop
   from jaxshare.train.loop import DivergenceError
@@ -78,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     from jaxshare.train.loop import train
 
     summary = train(cfg)
-  except (ConfigError, DataError, CheckpointError, DivergenceError) as e:
+  except (exit_codes.InputError, DivergenceError) as e:
     print(f"error: {e}", file=sys.stderr, flush=True)
     code = exit_codes.DIVERGED if isinstance(e, DivergenceError) else exit_codes.BAD_INPUT
     if _joined_others():  # this process may have stopped alone: waiting for the others in JAX's shutdown barrier
@@ -117,9 +115,9 @@ def _compile_only(args) -> int:
   """The fit check: the host compiles (JAX_PLATFORMS=cpu, set before JAX is imported) and jax.distributed is never
   started: there is no TPU and no cluster."""
   from jaxshare.aot import topology
-  from jaxshare.config import ConfigError
+  from jaxshare.exit_codes import report_input_errors
 
-  try:
+  def fit_check() -> int:
     topology.use_host_compiler()
     from jaxshare.init.source import load_train_config  # imports JAX: after the compiler is chosen
 
@@ -127,9 +125,8 @@ def _compile_only(args) -> int:
     from jaxshare.aot import fit
 
     return fit.main(cfg, args.topology, args.num_slices, args.max_batch)
-  except ConfigError as e:
-    print(f"error: {e}", file=sys.stderr)
-    return 2
+
+  return report_input_errors(fit_check)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from jaxshare import integrity
+from jaxshare.exit_codes import InputError
 from jaxshare.files import absolute
 
 T = TypeVar("T")
@@ -24,7 +25,7 @@ CHECKSUMS = "checksums"  # meta key: integrity.checksums of the saved arrays
 TMP_MARKER = ".orbax-checkpoint-tmp"  # in the name of a step directory whose write did not finish
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(InputError, RuntimeError):
   """A checkpoint that is corrupt or does not match the run's config."""
 
 

@@ -28,7 +28,8 @@ use_host_compiler()  # before JAX is imported: the host compiles, libtpu only de
 
 from jaxshare import smoke  # noqa: E402
 from jaxshare.aot.compile import compile_kernels, compile_train_step  # noqa: E402
-from jaxshare.config import ConfigError, MeshConfig, load_config  # noqa: E402
+from jaxshare.config import MeshConfig, load_config  # noqa: E402
+from jaxshare.exit_codes import report_input_errors  # noqa: E402
 
 TOPOLOGIES = ("v5e:2x2", "v5p:2x2x1", "v6e:2x2", "h100:8", "a100:8")
 SMOKE_TOPOLOGIES = ("v5e:2x2", "h100:8")  # JAXSHARE_SMOKE: one TPU, one GPU
@@ -64,7 +65,8 @@ def main(argv=None) -> int:
   results: dict = {}
   topologies = args.topology or (SMOKE_TOPOLOGIES if smoke.enabled() else TOPOLOGIES)
   schedules = args.schedule or smoke.first(list(SCHEDULES))  # JAXSHARE_SMOKE: a quick check of the script
-  try:
+
+  def compile_all() -> int:
     for topology in topologies:
       start = time.perf_counter()
       mesh = topology_mesh(topology, MeshConfig(data=2, fsdp=1, tensor=-1))
@@ -79,11 +81,13 @@ def main(argv=None) -> int:
       for r in rows:
         mem = r.memory or {}
         print(f"  {r.name:34s} {r.custom_calls:3d} {calls} calls  args {mem.get('argument_size_in_bytes', 0):>10,} B  "
-              f"temp {mem.get('temp_size_in_bytes', 0):>10,} B  code {mem.get('generated_code_size_in_bytes', 0):>9,} B  "
-              f"attention: {r.kernel_summary()}")
-  except ConfigError as e:
-    print(f"error: {e}", file=sys.stderr)
-    return 2
+              f"temp {mem.get('temp_size_in_bytes', 0):>10,} B  "
+              f"code {mem.get('generated_code_size_in_bytes', 0):>9,} B  attention: {r.kernel_summary()}")
+    return 0
+
+  code = report_input_errors(compile_all)
+  if code:
+    return code
   if args.json:
     with open(args.json, "w") as f:
       json.dump(results, f, indent=1)

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxshare.kernels import cudnn, flash, reference, xla
+from jaxshare.kernels import cudnn, flash, reference, tuning, xla
 from jaxshare.kernels.dispatch import get_attention, knowing
 
 
@@ -233,7 +233,7 @@ def main(argv=None) -> int:
   ap.add_argument("--no-check", action="store_true", help="skip the correctness check that runs before the timings")
   ap.add_argument("--check-only", action="store_true", help="run the correctness check alone, without timings")
   args = ap.parse_args(argv)
-  backend = flash.default_backend()
+  backend = tuning.default_backend()
   if backend == "interpret" or args.check_only:
     if backend == "interpret":
       print("No GPU or TPU: timings need an accelerator; interpret mode checks correctness only.")

@@ -27,7 +27,8 @@ use_host_compiler()  # before JAX is imported
 from jaxshare import accounting, smoke  # noqa: E402
 from jaxshare.aot.fit import max_batch  # noqa: E402
 from jaxshare.aot.report import gib  # noqa: E402
-from jaxshare.config import ConfigError, load_config  # noqa: E402
+from jaxshare.config import load_config  # noqa: E402
+from jaxshare.exit_codes import report_input_errors  # noqa: E402
 from jaxshare.plan import plan_of  # noqa: E402
 
 # The ~1.2B Llama's 32 heads of 64 under each schedule (the variants docs/gpu.md and bench_mfu.py measure).
@@ -51,7 +52,8 @@ def main(argv=None) -> int:
   args = ap.parse_args(argv)
   print("| topology | T | schedule | largest global batch | HBM per chip | decode KV cache per sequence | compiles |")
   print("|---|---|---|---|---|---|---|", flush=True)
-  try:
+
+  def table() -> int:
     for target in args.topology:
       for length in args.lengths:
         for name in smoke.first(args.schedules):
@@ -64,10 +66,9 @@ def main(argv=None) -> int:
           found = f"{best.batch}" if best else "none (one sequence per device does not fit)"
           hbm = gib((best or probes[-1]).hbm)
           print(f"| {target} | {length:,} | {name} | {found} | {hbm} | {gib(cache)} | {len(probes)} |", flush=True)
-  except ConfigError as e:
-    print(f"error: {e}", file=sys.stderr)
-    return 2
-  return 0
+    return 0
+
+  return report_input_errors(table)
 
 
 if __name__ == "__main__":

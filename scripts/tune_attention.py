@@ -2,7 +2,7 @@
 """Block sizes and Triton launch parameters of the flash kernels, measured on the GPU at hand.
 
 For each (block_q, block_k, num_warps, num_stages) the forward, dQ and dK/dV kernels all run with that launch
-(``jaxshare.kernels.flash.TRITON_LAUNCH``); the script times full causal attention forward and forward+backward
+(``jaxshare.kernels.tuning.TRITON_LAUNCH``); the script times full causal attention forward and forward+backward
 (the backward is their difference) at each T and head width, against cuDNN, and prints the best configuration per
 phase. A configuration that does not compile (shared memory, registers) is printed with its error and skipped.
 Without a GPU it sweeps the tile sizes in Pallas interpret mode against XLA attention: a check that it runs, not a
@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from bench_attention import time_call  # scripts/ is on the path of a script run from it
-from jaxshare.kernels import flash, xla
+from jaxshare.kernels import flash, tuning, xla
 
 
 def _losses(attention):
@@ -41,7 +41,7 @@ def main(argv=None) -> int:
   ap.add_argument("--heads", type=int, default=16)
   ap.add_argument("--repeats", type=int, default=5)
   args = ap.parse_args(argv)
-  backend = flash.default_backend()
+  backend = tuning.default_backend()
   print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}, Pallas backend {backend}", flush=True)
   names = ("jaxshare_flash_forward", "jaxshare_flash_dq", "jaxshare_flash_dkv")
   if backend == "triton":
@@ -59,7 +59,7 @@ def main(argv=None) -> int:
     rows = []
     for bq, bk, warps, stages in itertools.product(args.blocks, args.blocks, args.warps, args.stages):
       for name in names:
-        flash.TRITON_LAUNCH[name] = (warps, stages)
+        tuning.TRITON_LAUNCH[name] = (warps, stages)
       fwd, grad = _losses(functools.partial(flash.attention, backend=backend, block_q=bq, block_k=bk))
       try:
         tf, tb = time_call(fwd, (*qkv, seg), args.repeats), time_call(grad, (*qkv, seg), args.repeats)

@@ -205,7 +205,7 @@ def test_auto_runs_cudnn_on_gpus_and_splash_on_tpus(monkeypatch):
                                                                        attention=marked(name)))
   monkeypatch.setattr(dispatch.pallas, "attention", marked("pallas"))
   monkeypatch.setattr(dispatch.pallas, "attention_from_lse", marked("pallas_reuse"))
-  monkeypatch.setattr(dispatch.flash, "default_backend", lambda: "triton")
+  monkeypatch.setattr(dispatch.tuning, "default_backend", lambda: "triton")
   monkeypatch.setattr(dispatch.pallas, "per_device", lambda kernel, *args: kernel(*args))
   _as_gpu(monkeypatch, "9.0")  # an H100
   bf16, f32 = jnp.ones((1, 16, 2, 16), jnp.bfloat16), jnp.ones((1, 16, 2, 16), jnp.float32)
@@ -213,20 +213,20 @@ def test_auto_runs_cudnn_on_gpus_and_splash_on_tpus(monkeypatch):
   lse = jnp.zeros((1, 2, 16), jnp.float32)
   ops = dispatch.get_attention("auto")
   for platform, want, want_f32 in (("gpu", "cudnn", "pallas"), ("tpu", "splash", "splash")):
-    monkeypatch.setattr(dispatch.flash, "platform", lambda p=platform: p)
+    monkeypatch.setattr(dispatch.tuning, "platform", lambda p=platform: p)
     with dispatch.documents_known(1):
       assert float(ops.attention(bf16, bf16, bf16, seg, seg)[0, 0, 0, 0]) == marks[want], platform
       assert float(ops.attention_from_lse(bf16, bf16, None, bf16, seg, seg, scale=0.25)[0, 0, 0, 0]) == marks[want]
       assert float(ops.attention_from_lse(bf16, bf16, lse, bf16, seg, seg, scale=0.25)[0, 0, 0, 0]) == \
         marks["pallas_reuse"]  # a source that handed on its LSE ran jaxshare's kernel: its reuse kernel follows
       assert float(ops.attention(f32, f32, f32, seg, seg)[0, 0, 0, 0]) == marks[want_f32], platform
-  monkeypatch.setattr(dispatch.flash, "platform", lambda: "gpu")  # a V100, or a ROCm GPU: no cuDNN flash attention
+  monkeypatch.setattr(dispatch.tuning, "platform", lambda: "gpu")  # a V100, or a ROCm GPU: no cuDNN flash attention
   _as_gpu(monkeypatch, None)
   with dispatch.documents_known(1):
     assert float(ops.attention(bf16, bf16, bf16, seg, seg)[0, 0, 0, 0]) == marks["pallas"]
     assert float(ops.attention_from_lse(bf16, bf16, None, bf16, seg, seg, scale=0.25)[0, 0, 0, 0]) == marks["pallas"]
-  monkeypatch.setattr(dispatch.flash, "platform", lambda: "cpu")
-  monkeypatch.setattr(dispatch.flash, "default_backend", lambda: "interpret")
+  monkeypatch.setattr(dispatch.tuning, "platform", lambda: "cpu")
+  monkeypatch.setattr(dispatch.tuning, "default_backend", lambda: "interpret")
   np.testing.assert_allclose(ops.attention(bf16, bf16, bf16, seg, seg).astype(jnp.float32),
                              reference.attention(bf16, bf16, bf16, seg, seg).astype(jnp.float32), atol=1e-2)
 
@@ -242,7 +242,7 @@ def test_a_batch_with_more_documents_than_the_packed_layout_holds_runs_the_fallb
   """cuDNN's packed layout holds M documents per row (cudnn.MAX_DOCUMENTS; here M = 2): a batch with a row of more
   runs the fallback kernel, decided on device under jit, and both give the reference's values and gradients."""
   monkeypatch.setattr(cudnn.cudnn_attention, "dot_product_attention", _xla_stand_in)
-  monkeypatch.setattr(dispatch.flash, "platform", lambda: "gpu")
+  monkeypatch.setattr(dispatch.tuning, "platform", lambda: "gpu")
   library = dispatch._Library("cudnn", cudnn.attention, cudnn.unsupported, "gpu", max_documents=lambda _: 2)
   keys = jax.random.split(jax.random.key(3), 4)
   q, k, v = (jax.random.normal(key, (2, 16, 4, 16), jnp.bfloat16) for key in keys[:3])

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxshare.kernels import flash, reference
+from jaxshare.kernels import flash, reference, tuning
 
 # Small blocks so that every case runs several query and key blocks, partial last blocks included.
 KERNEL = functools.partial(flash.attention, backend="interpret", block_q=16, block_k=16)
@@ -99,9 +99,9 @@ def test_forward_and_backward_tile_by_their_own_blocks(monkeypatch, forward, bac
   """Each phase tiles by its own blocks (Triton's forward takes 128 x 64 above width 64, its backward 64 x 64): the
   sequence is padded to both, and values and gradients of attention and probability reuse stay the reference's, with
   packed documents, GQA and a window."""
-  monkeypatch.setattr(flash, "default_forward_blocks", lambda backend, width: forward)
-  monkeypatch.setattr(flash, "default_block", lambda backend: backward)
-  geo = flash._call_geometry(100, 100, flash.Operands(8, 8, 4, 4, 4, 4), True, 0, 1.0, "interpret", None, None)
+  monkeypatch.setattr(tuning, "default_forward_blocks", lambda backend, width: forward)
+  monkeypatch.setattr(tuning, "default_block", lambda backend: backward)
+  geo = tuning.call_geometry(100, 100, tuning.Operands(8, 8, 4, 4, 4, 4), True, 0, 1.0, "interpret", None, None)
   assert (geo.forward().block_q, geo.forward().block_k, geo.block_q) == (*forward, backward)
   assert geo.t_padded == geo.forward().t_padded == 128
   args = _inputs(2, 100, 4, 2, 8, 8, jnp.float32, seed=5)
@@ -119,40 +119,42 @@ def test_forward_and_backward_tile_by_their_own_blocks(monkeypatch, forward, bac
 def test_triton_tiles_and_launch_per_phase():
   """The tuned Triton choices (docs/gpu.md): the forward above width 64 with 128 x 64 tiles and 8 warps, 64 x 64
   and 4 warps at or below it; the backward 64 x 64, 3 stages up to width 64 and 2 above; other backends one tile."""
-  assert flash.default_forward_blocks("triton", 128) == (128, 64)
-  assert flash.default_forward_blocks("triton", 64) == (64, 64) and flash.default_block("triton") == 64
-  assert flash.default_forward_blocks("mosaic_tpu", 128) == (128, 128)
-  assert flash.triton_launch("jaxshare_flash_forward", 128, 128) == (8, 3)
-  assert flash.triton_launch("jaxshare_flash_forward", 128, 64) == (4, 3)  # given 64-row tiles: 4 warps
-  assert flash.triton_launch("jaxshare_flash_forward", 64, 64) == (4, 3)
-  assert flash.triton_launch("jaxshare_flash_dkv", 128) == (4, 2) and flash.triton_launch("jaxshare_flash_dq", 64) == (4, 3)
+  assert tuning.default_forward_blocks("triton", 128) == (128, 64)
+  assert tuning.default_forward_blocks("triton", 64) == (64, 64) and tuning.default_block("triton") == 64
+  assert tuning.default_forward_blocks("mosaic_tpu", 128) == (128, 128)
+  assert tuning.triton_launch("jaxshare_flash_forward", 128, 128) == (8, 3)
+  assert tuning.triton_launch("jaxshare_flash_forward", 128, 64) == (4, 3)  # given 64-row tiles: 4 warps
+  assert tuning.triton_launch("jaxshare_flash_forward", 64, 64) == (4, 3)
+  assert tuning.triton_launch("jaxshare_flash_dkv", 128) == (4, 2)
+  assert tuning.triton_launch("jaxshare_flash_dq", 64) == (4, 3)
 
 
 def test_triton_tiles_fit_the_devices_shared_memory():
   """Tiles and pipeline depth shrink only where a device's shared memory cannot hold them: LISA_plus's float32
   features (width 176 padded to 256) against bf16 values asked an H100 for 377,344 bytes of its 232,448 with the
   tuned forward (128 x 64, 3 stages). The tuned bf16 launches at widths 64 and 128 stay as tuned on sm_80/90/100."""
-  h100, a100 = flash.shared_memory_limit("NVIDIA H100 80GB HBM3"), flash.shared_memory_limit("NVIDIA A100-SXM4-80GB")
-  assert (h100, a100, flash.shared_memory_limit("NVIDIA L4")) == (232_448, 166_912, 101_376)
-  assert flash.shared_memory_limit("NVIDIA B200") == flash.shared_memory_limit("NVIDIA H200 141GB HBM3e") == h100
-  features = flash.Operands(e=256, d=128, q=4, k=4, v=2, o=2)
-  assert flash.triton_shared_memory("jaxshare_flash_forward", 128, 64, features, 3) == 376_832  # the H100 said 377,344
+  h100, a100 = tuning.shared_memory_limit("NVIDIA H100 80GB HBM3"), tuning.shared_memory_limit("NVIDIA A100-SXM4-80GB")
+  assert (h100, a100, tuning.shared_memory_limit("NVIDIA L4")) == (232_448, 166_912, 101_376)
+  assert tuning.shared_memory_limit("NVIDIA B200") == tuning.shared_memory_limit("NVIDIA H200 141GB HBM3e") == h100
+  features = tuning.Operands(e=256, d=128, q=4, k=4, v=2, o=2)
+  assert tuning.triton_shared_memory("jaxshare_flash_forward", 128, 64, features, 3) == 376_832  # the H100 said 377,344
   forward, backward = ("jaxshare_flash_forward",), ("jaxshare_flash_dq", "jaxshare_flash_dkv")
   for limit in (h100, a100):
-    bq, bk = flash._fit_tiles(forward, 128, 64, features, limit)
-    assert (bq, bk) != (128, 64) and flash.triton_shared_memory(forward[0], bq, bk, features, 2) <= limit
-    assert flash.triton_shared_memory(forward[0], bq, bk, features,
-                                      flash._fit_stages(forward[0], bq, bk, features, limit)) <= limit
+    bq, bk = tuning.fit_tiles(forward, 128, 64, features, limit)
+    assert (bq, bk) != (128, 64) and tuning.triton_shared_memory(forward[0], bq, bk, features, 2) <= limit
+    assert tuning.triton_shared_memory(forward[0], bq, bk, features,
+                                      tuning.fit_stages(forward[0], bq, bk, features, limit)) <= limit
     for name in backward:
-      bq, bk = flash._fit_tiles(backward, 64, 64, features, limit)
-      assert flash.triton_shared_memory(name, bq, bk, features, flash._fit_stages(name, bq, bk, features, limit)) <= limit
+      bq, bk = tuning.fit_tiles(backward, 64, 64, features, limit)
+      stages = tuning.fit_stages(name, bq, bk, features, limit)
+      assert tuning.triton_shared_memory(name, bq, bk, features, stages) <= limit
     for width in (64, 128):
-      tuned = flash.Operands(e=width, d=width, q=2, k=2, v=2, o=2)
-      assert flash._fit_tiles(forward, *flash.default_forward_blocks("triton", width), tuned, limit) == \
-        flash.default_forward_blocks("triton", width)
-      assert flash._fit_tiles(backward, 64, 64, tuned, limit) == (64, 64)
+      tuned = tuning.Operands(e=width, d=width, q=2, k=2, v=2, o=2)
+      assert tuning.fit_tiles(forward, *tuning.default_forward_blocks("triton", width), tuned, limit) == \
+        tuning.default_forward_blocks("triton", width)
+      assert tuning.fit_tiles(backward, 64, 64, tuned, limit) == (64, 64)
       for name in forward + backward:
-        assert flash._fit_stages(name, 64, 64, tuned, limit) == flash.triton_launch(name, width, 64)[1]
+        assert tuning.fit_stages(name, 64, 64, tuned, limit) == tuning.triton_launch(name, width, 64)[1]
 
 
 def test_default_backend_is_the_platforms():

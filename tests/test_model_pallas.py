@@ -11,7 +11,7 @@ from flax import nnx
 from conftest import tiny_config
 from jaxshare import parallel
 from jaxshare.config import MeshConfig
-from jaxshare.kernels import dispatch, flash, reference, xla
+from jaxshare.kernels import dispatch, reference, tuning, xla
 from jaxshare.plan import plan_of
 from jaxshare.schedule import compile_schedule
 from jaxshare.runs import build_model
@@ -111,8 +111,8 @@ def test_heads_stay_whole_when_kv_heads_do_not_split_alike():
 
 def test_auto_falls_back_to_xla_once_naming_the_reason(monkeypatch, caplog):
   """On an accelerator, a shape the kernels do not support runs in XLA with one warning; ``pallas`` refuses it."""
-  monkeypatch.setattr(flash, "default_backend", lambda: "mosaic_tpu")
-  monkeypatch.setattr(flash, "_VMEM_LIMIT", 1024)  # every shape is then too large for VMEM
+  monkeypatch.setattr(tuning, "default_backend", lambda: "mosaic_tpu")
+  monkeypatch.setattr(tuning, "VMEM_LIMIT", 1024)  # every shape is then too large for VMEM
   monkeypatch.setattr(dispatch, "_warned", set())
   q = jax.random.normal(jax.random.PRNGKey(0), (1, 8, 2, 4))
   seg = jnp.ones((1, 8), jnp.int32)

@@ -12,7 +12,7 @@ import pytest
 from conftest import REPO, tiny_config
 from jaxshare import parallel
 from jaxshare.config import ConfigError, MeshConfig
-from jaxshare.kernels import dispatch, flash, reference, splash
+from jaxshare.kernels import dispatch, reference, splash, tuning
 from test_model import randomized
 from test_model_pallas import CASES, _graphdef, _loss_and_grads, assert_model_equals_xla
 
@@ -128,7 +128,7 @@ def test_auto_on_a_tpu_runs_splash_for_every_softmax_role(monkeypatch):
     calls.append(args[0].shape)
     return splash.attention(*args, **kwargs, interpret=True)
 
-  monkeypatch.setattr(flash, "platform", lambda: "tpu")
+  monkeypatch.setattr(tuning, "platform", lambda: "tpu")
   monkeypatch.setitem(dispatch._LIBRARIES, "splash", dataclasses.replace(dispatch._LIBRARIES["splash"],
                                                                          attention=counted))
   # a model built now, under the patches (randomized() memoises models, whose layers keep the ops they were built with)

@@ -29,15 +29,14 @@ import numpy as np
 from flax import nnx
 
 from jaxshare.analysis import plots, similarity
-from jaxshare.config import ConfigError
-from jaxshare.data import DataError
+from jaxshare.data.documents import read_text_file
+from jaxshare.exit_codes import InputError, report_input_errors
 from jaxshare.model.params import layer_params
 from jaxshare.schedule import Schedule
-from jaxshare.checkpoint import CheckpointError
 from jaxshare.runs import Run, load_run
 
 
-class AnalysisError(Exception):
+class AnalysisError(InputError):
   """Bad analysis input (text file, window size); reported on stderr with exit status 2."""
 
 
@@ -45,16 +44,9 @@ def read_text(path: Path) -> str:
   """The UTF-8 text of ``--text``.
 
   Raises:
-    AnalysisError: missing, unreadable or non-UTF-8 file.
+    DataError: missing, unreadable, empty, binary or non-UTF-8 file (:func:`~jaxshare.data.documents.read_text_file`).
   """
-  if not path.is_file():
-    raise AnalysisError(f"--text {str(path)!r} does not exist or is not a regular file (expected UTF-8 text)")
-  try:
-    return path.read_text(encoding="utf-8")
-  except UnicodeDecodeError:
-    raise AnalysisError(f"--text {str(path)!r} is not UTF-8 text") from None
-  except OSError as e:
-    raise AnalysisError(f"--text {str(path)!r} is unreadable: {e.strerror}") from e
+  return read_text_file(path, "--text")
 
 
 def sample_windows(ids: Sequence[int], num: int, length: int, seed: int) -> np.ndarray:
@@ -226,13 +218,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
   args = parse_args(argv)
-  try:
-    lines = analyze(args)
-  except (AnalysisError, ConfigError, DataError, CheckpointError) as e:
-    print(f"error: {e}", file=sys.stderr)
-    return 2
-  print("\n".join(lines))
-  return 0
+
+  def run() -> int:
+    print("\n".join(analyze(args)))
+    return 0
+
+  return report_input_errors(run)
 
 
 if __name__ == "__main__":

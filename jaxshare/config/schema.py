@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from jaxshare.config.choices import INTEGRATORS, AttentionImpl, KVPool, LisaStart, MLPWiden, ScoreSharing
+from jaxshare.exit_codes import InputError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CONFIGS_DIR = REPO_ROOT / "configs"
@@ -17,7 +18,7 @@ DATA_DIR_ENV = "JAXSHARE_DATA_DIR"
 TOKEN_CACHE_ENV = "JAXSHARE_TOKEN_CACHE"
 
 
-class ConfigError(ValueError):
+class ConfigError(InputError, ValueError):
   """An invalid configuration: names the field, the value given and what is allowed."""
 
 

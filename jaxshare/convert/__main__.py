@@ -74,48 +74,47 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
   args = parse_args(argv)
 
-  from jaxshare.config import ConfigError
-  from jaxshare.data import DataError
-  from jaxshare.convert.hf_checkpoint import HFCheckpoint, HFCheckpointError
+  from jaxshare.exit_codes import report_input_errors
+
+  return report_input_errors(lambda: _run(args), also=(FileExistsError,))
+
+
+def _run(args) -> int:
+  """The subcommand ``args.command``."""
+  from jaxshare.convert.hf_checkpoint import HFCheckpoint
   from jaxshare.convert.hf_export import export_run
   from jaxshare.convert.byte_tokenizer import is_byte_tokenizer
   from jaxshare.convert.hf_import import load_hf_model
-  from jaxshare.convert.mapping import UnsupportedModelError
-  from jaxshare.checkpoint import CheckpointError
   from jaxshare.convert.migrate import store_ties
   from jaxshare.convert.uptrain import uptrain_run
   from jaxshare.runs import write_run
 
-  try:
-    if args.command == "import":
-      ckpt = HFCheckpoint(args.hf_dir)
-      out = Path(args.run_dir).absolute()
-      out.parent.mkdir(parents=True, exist_ok=True)
-      with tempfile.TemporaryDirectory(prefix=".import-", dir=out.parent) as scratch:  # disk-backed parameters
-        model = load_hf_model(ckpt, args.overrides, progress=True, scratch_dir=scratch)
-        # a jaxshare export of a byte-tokenizer run carries that tokenizer for transformers; the run keeps "byte"
-        byte_run = is_byte_tokenizer(ckpt.directory)
-        run = write_run(out, model.cfg, model.params, ties=model.ties,
-                        tokenizer_files=[] if byte_run else ckpt.tokenizer_files(),
-                        meta={"imported_from": str(args.hf_dir), "architecture": ckpt.architecture})
-        what = f"{model.num_params:,} parameters, {model.schedule.describe()}"
-        del model
-      print(f"imported {ckpt.architecture} ({what}) into {run}")
-    elif args.command == "uptrain":
-      for line in uptrain_run(args.src_run, args.out_run, args.overrides, calibration_batches=args.calibration_batches,
-                              wc_fit=args.wc_fit, lisa_steps=args.lisa_steps):
-        print(line)
-    elif args.command == "ties":
-      print(store_ties(args.run_dir))
-    else:
-      arch, why_remote = export_run(args.run_dir, args.hf_dir, progress=True,
-                                    max_shard_bytes=int(args.max_shard_gb * 1e9))
-      print(f"exported {args.run_dir} as {arch} into {args.hf_dir}"
-            + (f" (remote code, as no transformers class holds it: {why_remote}; load it with "
-               "AutoModelForCausalLM.from_pretrained(..., trust_remote_code=True))" if why_remote else ""))
-  except (HFCheckpointError, UnsupportedModelError, ConfigError, CheckpointError, DataError, FileExistsError) as e:
-    print(f"error: {e}", file=sys.stderr)
-    return 2
+  if args.command == "import":
+    ckpt = HFCheckpoint(args.hf_dir)
+    out = Path(args.run_dir).absolute()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".import-", dir=out.parent) as scratch:  # disk-backed parameters
+      model = load_hf_model(ckpt, args.overrides, progress=True, scratch_dir=scratch)
+      # a jaxshare export of a byte-tokenizer run carries that tokenizer for transformers; the run keeps "byte"
+      byte_run = is_byte_tokenizer(ckpt.directory)
+      run = write_run(out, model.cfg, model.params, ties=model.ties,
+                      tokenizer_files=[] if byte_run else ckpt.tokenizer_files(),
+                      meta={"imported_from": str(args.hf_dir), "architecture": ckpt.architecture})
+      what = f"{model.num_params:,} parameters, {model.schedule.describe()}"
+      del model
+    print(f"imported {ckpt.architecture} ({what}) into {run}")
+  elif args.command == "uptrain":
+    for line in uptrain_run(args.src_run, args.out_run, args.overrides, calibration_batches=args.calibration_batches,
+                            wc_fit=args.wc_fit, lisa_steps=args.lisa_steps):
+      print(line)
+  elif args.command == "ties":
+    print(store_ties(args.run_dir))
+  else:
+    arch, why_remote = export_run(args.run_dir, args.hf_dir, progress=True,
+                                  max_shard_bytes=int(args.max_shard_gb * 1e9))
+    print(f"exported {args.run_dir} as {arch} into {args.hf_dir}"
+          + (f" (remote code, as no transformers class holds it: {why_remote}; load it with "
+             "AutoModelForCausalLM.from_pretrained(..., trust_remote_code=True))" if why_remote else ""))
   return 0
 
 

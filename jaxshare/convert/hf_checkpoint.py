@@ -18,6 +18,8 @@ import ml_dtypes
 import numpy as np
 import safetensors
 
+from jaxshare.exit_codes import InputError
+
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -29,7 +31,7 @@ _DTYPES = {"F32": "float32", "F16": "float16", "BF16": ml_dtypes.bfloat16, "F64"
            "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
 
 
-class HFCheckpointError(ValueError):
+class HFCheckpointError(InputError, ValueError):
   """A Hugging Face directory that cannot be read: missing or pickle-only weights, a truncated or malformed
   safetensors file, an index naming absent shards, or tensors that are missing, unexpected or mis-shaped."""
 

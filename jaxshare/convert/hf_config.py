@@ -3,9 +3,12 @@
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+from typing import Any, Callable
 
 from jaxshare.convert.mapping import UnsupportedModelError
+
+REQUIRED = object()  # a Row default: the field must be in config.json
 
 
 def field(config: dict, name: str, default: Any = None, *, required: bool = False) -> Any:
@@ -75,3 +78,47 @@ def kv_heads(cfg) -> int:
   from jaxshare.plan import plan_of
 
   return plan_of(cfg).schedule.layers[0].num_kv_heads
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+  """One HF config field that is one jaxshare ``model`` field, read on import and written on export.
+
+  Attributes:
+    hf: the key in ``config.json``.
+    model: the :class:`~jaxshare.config.ModelConfig` field.
+    default: the value when ``config.json`` lacks the key: :data:`REQUIRED` (refused), a value, or a function of the
+      config (e.g. GPT-NeoX's ``intermediate_size`` = 4 x ``hidden_size``).
+  """
+
+  hf: str
+  model: str
+  default: Any = REQUIRED
+
+
+# The fields every decoder-only architecture jaxshare reads names alike.
+COMMON_ROWS = (Row("vocab_size", "vocab_size"), Row("num_hidden_layers", "num_layers"), Row("hidden_size", "d_model"),
+               Row("num_attention_heads", "num_heads"), Row("tie_word_embeddings", "tie_embeddings", False))
+
+
+def _override(name: str, value: Any) -> str:
+  return f"model.{name}={str(value).lower() if isinstance(value, bool) else value}"
+
+
+def row_overrides(config: dict, rows: tuple[Row, ...]) -> list[str]:
+  """``model.*`` overrides of ``rows`` read from ``config``.
+
+  Raises:
+    UnsupportedModelError: a required field is missing.
+  """
+  out = []
+  for row in rows:
+    default = row.default(config) if isinstance(row.default, Callable) else row.default
+    value = field(config, row.hf, None if default is REQUIRED else default, required=default is REQUIRED)
+    out.append(_override(row.model, bool(value) if isinstance(default, bool) else value))
+  return out
+
+
+def row_fields(model, rows: tuple[Row, ...]) -> dict:
+  """The ``config.json`` fields of ``rows`` for a jaxshare model config (export)."""
+  return {row.hf: getattr(model, row.model) for row in rows}

@@ -12,12 +12,15 @@ from jaxshare.convert.mapping import Architecture, Rule, linear, same
 _L = "model.layers.{i}."
 
 
+# config.json fields that are model fields as they are (the rest are read below: head width, biases, windows, RoPE)
+ROWS = (*C.COMMON_ROWS, C.Row("intermediate_size", "mlp_dim"), C.Row("rms_norm_eps", "norm_eps", 1e-6))
+
+
 def config_overrides(config: dict) -> list[str]:
   """HF config -> jaxshare overrides. Raises UnsupportedModelError (activation, biases, RoPE scaling, window)."""
   D = C.field(config, "hidden_size", required=True)
   H = C.field(config, "num_attention_heads", required=True)
   G = C.field(config, "num_key_value_heads", H)
-  d = C.field(config, "head_dim", D // H)
   C.require(config, "hidden_act", C.field(config, "hidden_act", "silu"), ("silu",), "the llama flavour's MLP is SwiGLU")
   qwen2 = config.get("model_type") == "qwen2"  # Qwen2 always has Q/K/V biases and no flag for them
   C.require(config, "attention_bias", bool(C.field(config, "attention_bias", False)), (False,),
@@ -30,15 +33,9 @@ def config_overrides(config: dict) -> list[str]:
   window = 0 if qwen2 else int(C.field(config, "sliding_window", 0))
   theta, rope_type, _, rope_params = C.rope(config)
   kv = [] if G == H else ["schedule.kind=gqa", f"schedule.kv_heads={G}"]
-  return ["model.flavor=llama", f"model.vocab_size={C.field(config, 'vocab_size', required=True)}",
-          f"model.num_layers={C.field(config, 'num_hidden_layers', required=True)}", f"model.d_model={D}",
-          f"model.num_heads={H}", f"model.head_dim={d}",
-          f"model.mlp_dim={C.field(config, 'intermediate_size', required=True)}", f"model.rope_theta={theta}",
-          "model.rotary_pct=1.0",
-          f"model.tie_embeddings={str(bool(C.field(config, 'tie_word_embeddings', False))).lower()}",
-          f"model.norm_eps={C.field(config, 'rms_norm_eps', 1e-6)}", f"model.qkv_bias={str(qwen2).lower()}",
-          f"model.sliding_window={window}", *kv,
-          *C.rope_overrides(config, rope_type, rope_params)]
+  return ["model.flavor=llama", *C.row_overrides(config, ROWS), f"model.head_dim={C.field(config, 'head_dim', D // H)}",
+          f"model.rope_theta={theta}", "model.rotary_pct=1.0", f"model.qkv_bias={str(qwen2).lower()}",
+          f"model.sliding_window={window}", *kv, *C.rope_overrides(config, rope_type, rope_params)]
 
 
 def hf_config(cfg) -> dict:
@@ -56,13 +53,10 @@ def hf_config(cfg) -> dict:
 
 def _llama_config(cfg) -> dict:
   m = cfg.model
-  return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": m.vocab_size,
-          "hidden_size": m.d_model, "intermediate_size": m.mlp_dim, "num_hidden_layers": m.num_layers,
-          "num_attention_heads": m.num_heads, "num_key_value_heads": C.kv_heads(cfg),
-          "head_dim": m.resolved_head_dim, "hidden_act": "silu", "rms_norm_eps": m.norm_eps,
-          "rope_theta": m.rope_theta, "rope_parameters": C.rope_parameters(m),
-          "tie_word_embeddings": m.tie_embeddings, "attention_bias": False, "mlp_bias": False,
-          "max_position_embeddings": max(cfg.data.seq_len, 2048), "torch_dtype": m.param_dtype}
+  return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **C.row_fields(m, ROWS),
+          "num_key_value_heads": C.kv_heads(cfg), "head_dim": m.resolved_head_dim, "hidden_act": "silu",
+          "rope_theta": m.rope_theta, "rope_parameters": C.rope_parameters(m), "attention_bias": False,
+          "mlp_bias": False, "max_position_embeddings": max(cfg.data.seq_len, 2048), "torch_dtype": m.param_dtype}
 
 
 def global_rules(cfg) -> list[Rule]:

@@ -17,10 +17,11 @@ from collections.abc import Callable, Iterator, Sequence
 import numpy as np
 from tqdm.auto import tqdm
 
+from jaxshare.exit_codes import InputError
 from jaxshare.model import params as P
 
 
-class UnsupportedModelError(ValueError):
+class UnsupportedModelError(InputError, ValueError):
   """An HF model jaxshare cannot represent exactly: names the config field, its value and what is supported."""
 
 

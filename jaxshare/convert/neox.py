@@ -16,6 +16,11 @@ from jaxshare.convert.mapping import Architecture, Rule, linear, same
 _L = "gpt_neox.layers.{i}."
 
 
+# config.json fields that are model fields as they are (the rest are read below: head width, RoPE, residual)
+ROWS = (*C.COMMON_ROWS, C.Row("intermediate_size", "mlp_dim", lambda config: 4 * config["hidden_size"]),
+        C.Row("layer_norm_eps", "norm_eps", 1e-5))
+
+
 def config_overrides(config: dict) -> list[str]:
   """HF config -> jaxshare overrides. Raises UnsupportedModelError (activation, biases, RoPE scaling)."""
   D = C.field(config, "hidden_size", required=True)
@@ -25,14 +30,9 @@ def config_overrides(config: dict) -> list[str]:
   C.require(config, "attention_bias", bool(C.field(config, "attention_bias", True)), (True,),
             "the neox flavour's attention projections have biases")
   theta, rope_type, partial, rope_params = C.rope(config, theta_keys=("rope_theta", "rotary_emb_base"),
-                                        partial_keys=("partial_rotary_factor", "rotary_pct"))
-  return ["model.flavor=neox", f"model.vocab_size={C.field(config, 'vocab_size', required=True)}",
-          f"model.num_layers={C.field(config, 'num_hidden_layers', required=True)}", f"model.d_model={D}",
-          f"model.num_heads={H}", f"model.head_dim={D // H}",
-          f"model.mlp_dim={C.field(config, 'intermediate_size', 4 * D)}", f"model.rope_theta={theta}",
+                                                  partial_keys=("partial_rotary_factor", "rotary_pct"))
+  return ["model.flavor=neox", *C.row_overrides(config, ROWS), f"model.head_dim={D // H}", f"model.rope_theta={theta}",
           f"model.rotary_pct={partial}",
-          f"model.tie_embeddings={str(bool(C.field(config, 'tie_word_embeddings', False))).lower()}",
-          f"model.norm_eps={C.field(config, 'layer_norm_eps', 1e-5)}",
           f"model.residual={'parallel' if C.field(config, 'use_parallel_residual', True) else 'sequential'}",
           *C.rope_overrides(config, rope_type, rope_params)]
 
@@ -41,12 +41,10 @@ def hf_config(cfg) -> dict:
   """The ``GPTNeoXForCausalLM`` config.json of a neox-flavour dense jaxshare config (v5 ``rope_parameters`` and the
   older ``rotary_pct`` / ``rotary_emb_base`` keys)."""
   m = cfg.model
-  return {"architectures": ["GPTNeoXForCausalLM"], "model_type": "gpt_neox", "vocab_size": m.vocab_size,
-          "hidden_size": m.d_model, "intermediate_size": m.mlp_dim, "num_hidden_layers": m.num_layers,
-          "num_attention_heads": m.num_heads, "hidden_act": "gelu", "layer_norm_eps": m.norm_eps,
-          "rotary_pct": m.rotary_pct, "rotary_emb_base": m.rope_theta,
+  return {"architectures": ["GPTNeoXForCausalLM"], "model_type": "gpt_neox", **C.row_fields(m, ROWS),
+          "hidden_act": "gelu", "rotary_pct": m.rotary_pct, "rotary_emb_base": m.rope_theta,
           "rope_parameters": {**C.rope_parameters(m), "partial_rotary_factor": m.rotary_pct},
-          "use_parallel_residual": m.features.parallel_residual, "attention_bias": True, "tie_word_embeddings": m.tie_embeddings,
+          "use_parallel_residual": m.features.parallel_residual, "attention_bias": True,
           "max_position_embeddings": max(cfg.data.seq_len, 2048), "torch_dtype": m.param_dtype}
 
 

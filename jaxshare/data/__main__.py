@@ -45,24 +45,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
   args = parse_args(argv)
-  from jaxshare.data.errors import DataError
   from jaxshare.data.prepare import DEFAULT_SHARD_TOKENS, PrepareOptions, prepare
   from jaxshare.data.shards import manifest_summary
+  from jaxshare.exit_codes import report_input_errors
 
   options = PrepareOptions(tokenizer=args.tokenizer, separator=args.document_separator, text_field=args.text_field,
                            tfds_data_dir=args.tfds_data_dir, val_docs=args.val_docs, val_fraction=args.val_fraction,
                            shard_tokens=args.shard_tokens or DEFAULT_SHARD_TOKENS, skip_bad_docs=args.skip_bad_docs)
-  try:
-    manifest = prepare(args.inputs, args.out, options, workers=args.workers, progress=not args.no_progress)
-  except DataError as e:
-    print(f"error: {e}", file=sys.stderr)
-    return 2
-  summary = manifest_summary(manifest)
-  print(f"prepared {args.out}: {json.dumps(summary)}")
-  if not summary["validation_tokens"]:
-    print("warning: no validation split (--val-fraction 0): train.py trains on it with validation off; hold some "
-          "out with --val-docs N or --val-fraction F into a new --out", file=sys.stderr)
-  return 0
+
+  def run() -> int:
+    summary = manifest_summary(prepare(args.inputs, args.out, options, workers=args.workers,
+                                       progress=not args.no_progress))
+    print(f"prepared {args.out}: {json.dumps(summary)}")
+    if not summary["validation_tokens"]:
+      print("warning: no validation split (--val-fraction 0): train.py trains on it with validation off; hold some "
+            "out with --val-docs N or --val-fraction F into a new --out", file=sys.stderr)
+    return 0
+
+  return report_input_errors(run)
 
 
 if __name__ == "__main__":

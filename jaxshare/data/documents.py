@@ -18,25 +18,31 @@ from jaxshare.data.errors import DataError
 from jaxshare.data.paths import source_file
 
 
-def _read_text(path: Path, what: str) -> str:
+def read_text_file(path: Path, where: str, hint: str = "") -> str:
+  """The whole UTF-8 text of ``path``; ``where`` names it in errors (``data.path: text file``, ``--text``), and
+  ``hint`` says how to point at another file when it is missing. The one check of a text file's contents that every
+  reader shares (:func:`_decode`: NUL bytes, invalid UTF-8).
+
+  Raises:
+    DataError: missing, not a regular file, unreadable, empty, binary (NUL bytes) or invalid UTF-8, naming the file
+      and the byte offset.
+  """
+  name = f"{where} {str(path)!r}"
   if not path.exists():
-    raise DataError(f"data.path: {what} {str(path)!r} does not exist (expected a UTF-8 text file; set data.path, "
-                    "data.data_dir or $JAXSHARE_DATA_DIR)")
+    raise DataError(f"{name} does not exist (expected a UTF-8 text file{hint})")
   if not path.is_file():
-    raise DataError(f"data.path: {what} {str(path)!r} is not a regular file")
+    raise DataError(f"{name} is not a regular file")
   try:
     raw = path.read_bytes()
   except OSError as e:
-    raise DataError(f"data.path: {what} {str(path)!r} is unreadable: {e.strerror}") from e
+    raise DataError(f"{name} is unreadable: {e.strerror}") from e
   if not raw.strip():
-    raise DataError(f"data.path: {what} {str(path)!r} is empty (expected UTF-8 text)")
-  if b"\x00" in raw[:1 << 20]:
-    raise DataError(f"data.path: {what} {str(path)!r} looks binary (contains NUL bytes); expected UTF-8 text")
-  try:
-    return raw.decode("utf-8")
-  except UnicodeDecodeError as e:
-    raise DataError(f"data.path: {what} {str(path)!r} is not valid UTF-8 text (byte {e.start}): expected a "
-                    "UTF-8 text file") from e
+    raise DataError(f"{name} is empty (expected UTF-8 text)")
+  return _decode(raw, name)
+
+
+def _read_text(path: Path, what: str) -> str:
+  return read_text_file(path, f"data.path: {what}", "; set data.path, data.data_dir or $JAXSHARE_DATA_DIR")
 
 
 def _jsonl_documents(path: Path, field: str) -> list[str]:
@@ -195,23 +201,36 @@ def _text_chunks(path: str) -> Iterator[str]:
     while True:
       raw = f.read(TEXT_CHUNK_BYTES)
       if b"\x00" in raw:
-        raise DataError(f"input {path!r} looks binary (contains NUL bytes); expected UTF-8 text")
+        raise _binary(f"input {path!r}")
       try:
         yield decoder.decode(raw, final=not raw)
       except UnicodeDecodeError as e:
-        raise DataError(f"input {path!r} is not valid UTF-8 text (byte {offset + e.start})") from e
+        raise _not_utf8(f"input {path!r}", offset + e.start) from e
       if not raw:
         return
       offset += len(raw)
 
 
+def _binary(where: str) -> DataError:
+  return DataError(f"{where} looks binary (contains NUL bytes); expected UTF-8 text")
+
+
+def _not_utf8(where: str, byte: int) -> DataError:
+  return DataError(f"{where} is not valid UTF-8 text (byte {byte})")
+
+
 def _decode(raw: bytes, where: str) -> str:
+  """``raw`` as UTF-8 text; ``where`` names it in errors.
+
+  Raises:
+    DataError: NUL bytes (binary) or invalid UTF-8, with the byte offset.
+  """
   if b"\x00" in raw:
-    raise DataError(f"{where} looks binary (contains NUL bytes); expected UTF-8 text")
+    raise _binary(where)
   try:
     return raw.decode("utf-8")
   except UnicodeDecodeError as e:
-    raise DataError(f"{where} is not valid UTF-8 text (byte {e.start})") from e
+    raise _not_utf8(where, e.start) from e
 
 
 def iter_documents(source: Input, *, separator: str = "", text_field: str = "text", tfds_data_dir: str = "",

@@ -1,5 +1,7 @@
 """The input pipeline's error type."""
 
+from jaxshare.exit_codes import InputError
 
-class DataError(ValueError):
+
+class DataError(InputError, ValueError):
   """Missing, empty, binary, unreadable or malformed input data; the message says what was expected."""

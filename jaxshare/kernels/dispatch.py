@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 from jaxshare.config import ConfigError
 from jaxshare.config.choices import AttentionImpl, parse
-from jaxshare.kernels import cudnn, decode, flash, flash_decode, pallas, reference, splash, xla
+from jaxshare.kernels import cudnn, decode, flash_decode, pallas, reference, splash, tuning, xla
 
 log = logging.getLogger(__name__)
 
@@ -75,8 +75,8 @@ _warned: set[str] = set()
 # decides on device). See documents_known.
 _DOCUMENTS: contextvars.ContextVar[int | None] = contextvars.ContextVar("documents", default=None)
 # Why a kernel cannot run a contract's arguments on a backend (None: it can).
-_QKV = lambda args, backend: flash.unsupported(*args[:3], backend=backend)  # noqa: E731
-_REUSE_QKV = lambda args, backend: flash.unsupported(args[0], args[1], args[3], backend=backend)  # noqa: E731
+_QKV = lambda args, backend: tuning.unsupported(*args[:3], backend=backend)  # noqa: E731
+_REUSE_QKV = lambda args, backend: tuning.unsupported(args[0], args[1], args[3], backend=backend)  # noqa: E731
 _DECODE_QKV = lambda args, backend: flash_decode.unsupported(args[0], args[1][0], args[2][0],  # noqa: E731
                                                              backend=backend)
 _NO_ACCELERATOR = "no GPU or TPU"
@@ -178,7 +178,7 @@ def document_bounds(impl: str, dtype: str, platform: str | None = None) -> tuple
   on Hopper: ``(1, 16)``: one document, no packed layout; up to 16, packed; before Hopper ``(1,)``), or None where
   the documents do not change the kernel (no limit, or a dtype the library refuses, whose calls all fall back). A
   caller traces its computation once per bound and once past the last (:func:`documents_known`)."""
-  platform = flash.platform() if platform is None else platform
+  platform = tuning.platform() if platform is None else platform
   library = library_for(impl, platform)
   if library is None or library.max_documents is None or library.unsupported_dtype(dtype):
     return None
@@ -213,7 +213,7 @@ def knowing(bound: int | None, fn: Callable) -> Callable:
 
 def _by_platform(fns: dict[str, Callable], other: Callable) -> Callable:
   """``fns[platform]`` for the platform being compiled for, else ``other`` (resolved when the model is traced)."""
-  return lambda *args, **kwargs: fns.get(flash.platform(), other)(*args, **kwargs)
+  return lambda *args, **kwargs: fns.get(tuning.platform(), other)(*args, **kwargs)
 
 
 def _library_or(library: _Library, fallback: Callable) -> Callable:
@@ -225,9 +225,9 @@ def _library_or(library: _Library, fallback: Callable) -> Callable:
   Raises:
     ConfigError: the run compiles for another platform than the library's."""
   def call(q, k, v, q_segment_ids, kv_segment_ids, *, causal=True, scale=None, window=0, return_lse=False):
-    if library.platform and flash.platform() != library.platform:
+    if library.platform and tuning.platform() != library.platform:
       raise ConfigError(f"attention.impl={library.impl} runs on {library.platform.upper()}s; this run compiles for "
-                        f"{flash.platform()}. Use auto{library.elsewhere}")
+                        f"{tuning.platform()}. Use auto{library.elsewhere}")
     if reason := (library.platform and library.device_unsupported and library.device_unsupported()) or \
         library.unsupported(q, k, v):
       if reason not in _warned:
@@ -237,7 +237,7 @@ def _library_or(library: _Library, fallback: Callable) -> Callable:
         q, k, v, q_segment_ids, kv_segment_ids, causal=causal, scale=scale, window=window, return_lse=return_lse)
     kernel = functools.partial(library.attention, causal=causal, scale=scale, window=window)
     args = (q, k, v, q_segment_ids, kv_segment_ids)
-    limit = library.max_documents(flash.platform()) if library.max_documents else None
+    limit = library.max_documents(tuning.platform()) if library.max_documents else None
     bound = _DOCUMENTS.get()
     if limit is None:
       out = pallas.per_device(kernel, *args)
@@ -271,7 +271,7 @@ def _library_reuse_or(library: _Library, attention: Callable, with_lse: Callable
 def _reason_not_to_run(args: tuple, check: Callable) -> str | None:
   """Why the kernels cannot run these arguments here: no accelerator, or what ``check`` (one of ``_QKV``,
   ``_REUSE_QKV``, ``_DECODE_QKV``) refuses."""
-  backend = flash.default_backend()
+  backend = tuning.default_backend()
   if backend == "interpret":
     return _NO_ACCELERATOR
   return check(args, backend)

@@ -20,7 +20,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jaxshare.kernels.flash import _NT, _platform
+from jaxshare.kernels import tuning
+from jaxshare.kernels.flash import _NT
 from jaxshare.kernels.reference import _MASK_VALUE, from_heads_major, heads_major
 
 _BLOCKS = (512, 256, 128)  # key-block sizes tried, largest first: multiples of a TPU lane row (128)
@@ -107,7 +108,7 @@ def cache_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *
                pl.BlockSpec((None, None, None, padded_rows, 1), lambda i, j, c: (i, j, c, 0, 0)),
                pl.BlockSpec((None, None, None, padded_rows, 1), lambda i, j, c: (i, j, c, 0, 0))],
     out_shape=[jax.ShapeDtypeStruct((b, g, splits, padded_rows, d), jnp.float32), stats, stats],
-    **_platform(backend, "jaxshare_flash_decode", d),
+    **tuning.pallas_params(backend, "jaxshare_flash_decode", d),
   )(qg, k, v, mask.astype(jnp.int32))
   o, m, l = o[..., :rows, :], m[..., :rows, 0], l[..., :rows, 0]  # [B, G, splits, M, (d)]
   # Merge the splits: weights exp(m_j - max m) · l_j; an all-masked split has l_j = 0 and adds nothing.

@@ -16,7 +16,7 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 from jaxshare import parallel
-from jaxshare.kernels import decode, flash
+from jaxshare.kernels import decode, flash, tuning
 
 
 def _head_specs(mesh, q_shape, kv_heads: tuple[int, ...]):
@@ -39,7 +39,7 @@ def attention(q, k, v, q_segment_ids, kv_segment_ids, *, causal: bool = True, sc
               window: int = 0, return_lse: bool = False, backend: str | None = None):
   """:func:`jaxshare.kernels.flash.attention` per device under the ambient mesh (same contract)."""
   kernel = functools.partial(flash.attention, causal=causal, scale=scale, window=window, return_lse=return_lse,
-                             backend=backend or flash.default_backend())
+                             backend=backend or tuning.default_backend())
   return per_device(kernel, q, k, v, q_segment_ids, kv_segment_ids, return_lse=return_lse)
 
 
@@ -60,7 +60,7 @@ def attention_from_lse(q, k, lse, v, q_segment_ids, kv_segment_ids, *, scale: fl
                        window: int = 0, backend: str | None = None):
   """:func:`jaxshare.kernels.flash.attention_from_lse` per device under the ambient mesh (same contract)."""
   kernel = functools.partial(flash.attention_from_lse, scale=scale, causal=causal, window=window,
-                             backend=backend or flash.default_backend())
+                             backend=backend or tuning.default_backend())
   args = (q, k, lse, v, q_segment_ids, kv_segment_ids)
   if (mesh := _mesh()) is None:
     return kernel(*args)
@@ -75,7 +75,7 @@ def decode_attention(q, k, v, mask, *, scale: float, dtype, backend: str | None 
   """:func:`jaxshare.kernels.decode.split_attention` (the Pallas decode kernel over the cache) per device under the
   ambient mesh: batch and K/V heads split as the cache is (same contract)."""
   kernel = functools.partial(decode.split_attention, scale=scale, dtype=dtype,
-                             backend=backend or flash.default_backend())
+                             backend=backend or tuning.default_backend())
   if (mesh := _mesh()) is None:
     return kernel(q, k, v, mask)
   batch, heads, (kv,) = _head_specs(mesh, q.shape, (k[0].shape[1],))

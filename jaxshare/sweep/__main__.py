@@ -34,7 +34,9 @@ import shlex
 import sys
 import time
 
+from jaxshare import exit_codes
 from jaxshare.config import REPO_ROOT, ConfigError
+from jaxshare.exit_codes import report_input_errors
 from jaxshare.plan import plan_of
 from jaxshare.schedule import ScheduleError
 from jaxshare.sweep.devices import DeviceGroup, device_groups
@@ -88,19 +90,24 @@ def _check(sweep: Sweep, runs: list[Trial]) -> int:
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
   """The sweep command line; ``prog`` names it in usage lines (default: the script's file name)."""
   args = _parser(prog).parse_args(argv)
-  try:
-    sweep = load_sweep(args.sweep)
-    runs = sweep.runs(args.only)
-    if args.check:
-      return _check(sweep, runs)
-    launcher_args = shlex.split(args.launcher_args)
-    check_launcher_args(launcher_args)
-    groups = [] if args.launch or args.collect else device_groups(args.parallel, args.devices, args.platform)
-    if args.launch and not args.dry_run and not (REPO_ROOT / LAUNCHERS[args.launch]).is_file():
-      raise SweepError(f"--launch {args.launch}: {LAUNCHERS[args.launch]} is not there")
-  except SweepError as e:
-    print(f"error: {e}", file=sys.stderr)
-    return 2
+  return report_input_errors(lambda: _sweep(args))
+
+
+def _sweep(args) -> int:
+  """Check, dry-run, launch, collect or train-and-evaluate the sweep of ``args``.
+
+  Raises:
+    SweepError: a bad sweep file or launcher arguments (before any run starts).
+  """
+  sweep = load_sweep(args.sweep)
+  runs = sweep.runs(args.only)
+  if args.check:
+    return _check(sweep, runs)
+  launcher_args = shlex.split(args.launcher_args)
+  check_launcher_args(launcher_args)
+  groups = [] if args.launch or args.collect else device_groups(args.parallel, args.devices, args.platform)
+  if args.launch and not args.dry_run and not (REPO_ROOT / LAUNCHERS[args.launch]).is_file():
+    raise SweepError(f"--launch {args.launch}: {LAUNCHERS[args.launch]} is not there")
 
   results = Results(sweep)
   done: list[dict] = []  # rows of this invocation
@@ -166,7 +173,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     except KeyboardInterrupt:
       say("interrupted: finished runs are in results.csv; run the same command again to resume the others",
           file=sys.stderr)
-      return 130
+      return exit_codes.INTERRUPTED
 
   merged = results.add(done)
   summary = summarize(merged, list(sweep.variants))

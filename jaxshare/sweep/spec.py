@@ -13,13 +13,14 @@ import yaml
 
 from jaxshare import smoke
 from jaxshare.config import REPO_ROOT, load_config
+from jaxshare.exit_codes import InputError
 from jaxshare.plan import plan_of
 
 SPEC_KEYS = ("experiment", "run_root", "base", "seeds", "variants", "grid", "series")
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._=,+-]*$")
 
 
-class SweepError(ValueError):
+class SweepError(InputError, ValueError):
   """A malformed sweep file or an invalid flag (exit code 2)."""
 
 
