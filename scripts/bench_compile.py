@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import jax  # noqa: E402
 
 from jaxshare.config import load_config  # noqa: E402
+from jaxshare.data.batch import Batch  # noqa: E402
 from jaxshare.train.state import abstract_state, setup_training  # noqa: E402
 from jaxshare.train.step import make_train_step  # noqa: E402
 
@@ -61,9 +62,7 @@ def compile_seconds(overrides: list[str], num_layers: int) -> tuple[float, float
   step = make_train_step(setup.graphdef, setup.tx, setup.lr_schedule, cfg.train.grad_accum_steps)
   jitted = jax.jit(step, in_shardings=(setup.state_shardings, setup.batch_sharding),
                    out_shardings=(setup.state_shardings, None), donate_argnums=0)
-  batch = {k: jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.data.seq_len), jax.numpy.int32,
-                                   sharding=setup.batch_sharding)
-           for k in ("inputs", "targets", "positions", "segment_ids", "loss_mask")}
+  batch = Batch.spec(cfg.train.batch_size, cfg.data.seq_len, setup.batch_sharding)
   t0 = time.perf_counter()
   with jax.set_mesh(setup.mesh):
     lowered = jitted.lower(abstract_state(setup), batch)

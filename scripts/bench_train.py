@@ -73,12 +73,13 @@ def synthetic_batches(shape: dict, n: int = 4) -> list[tuple[np.ndarray, np.ndar
   return out
 
 
-def one_document_rows(inputs: np.ndarray, targets: np.ndarray) -> dict[str, np.ndarray]:
-  """The train step's batch for ``[batch, seq_len]`` int32 inputs and targets, one document per row and every
-  target counted (``jaxshare.train.step``'s batch keys)."""
-  return {"inputs": inputs, "targets": targets,
-          "positions": np.broadcast_to(np.arange(inputs.shape[1], dtype=np.int32), inputs.shape),
-          "segment_ids": np.ones_like(inputs), "loss_mask": np.ones_like(inputs)}
+def one_document_rows(inputs: np.ndarray, targets: np.ndarray):
+  """The train step's :class:`~jaxshare.data.batch.Batch` for ``[batch, seq_len]`` int32 inputs and targets, one
+  document per row and every target counted."""
+  from jaxshare.data.batch import Batch
+
+  return Batch(inputs, targets, np.broadcast_to(np.arange(inputs.shape[1], dtype=np.int32), inputs.shape),
+               np.ones_like(inputs), np.ones_like(inputs))
 
 
 def jax_overrides(shape: dict, schedule: str) -> list[str]:

@@ -283,11 +283,11 @@ def test_the_train_step_checks_documents_once_per_micro_batch(stand_in, batches)
   from jaxshare.train.state import init_state, setup_training
   from jaxshare.train.step import Objective
 
-  b, t = batches[0]["segment_ids"].shape
+  b, t = batches[0].segment_ids.shape
   rows = {"one": np.ones(t, np.int32), "packed": np.arange(t, dtype=np.int32) // 5 + 1,  # 7 documents
           "many": np.arange(t, dtype=np.int32) + 1}  # one-token documents, more than MAX_DOCUMENTS
   assert t > cudnn.MAX_DOCUMENTS >= 7
-  cases = {name: {**batches[0], "segment_ids": np.broadcast_to(row, (b, t)).copy()} for name, row in rows.items()}
+  cases = {name: batches[0].replace(segment_ids=np.broadcast_to(row, (b, t)).copy()) for name, row in rows.items()}
   mesh = parallel.make_mesh(MeshConfig(), jax.devices()[:1])
   results = {}
   for impl in ("cudnn", "xla"):

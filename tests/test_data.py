@@ -37,7 +37,7 @@ def test_deterministic_and_exact_resume(corpus):
   a = take(Datasets(cfg, 8).train_iter(), 5)
   b = take(Datasets(cfg, 8).train_iter(), 5)
   for x, y in zip(a, b):
-    np.testing.assert_array_equal(x["inputs"], y["inputs"])
+    np.testing.assert_array_equal(x.inputs, y.inputs)
   it = Datasets(cfg, 8).train_iter()
   take(it, 3)
   state = it.get_state()
@@ -45,9 +45,9 @@ def test_deterministic_and_exact_resume(corpus):
   it2 = Datasets(cfg, 8).train_iter()
   it2.set_state(state)
   for x, y in zip(rest, take(it2, 2)):
-    np.testing.assert_array_equal(x["inputs"], y["inputs"])
+    np.testing.assert_array_equal(x.inputs, y.inputs)
   other = take(Datasets(cfg_for(corpus, shuffle_seed=1), 8).train_iter(), 1)[0]
-  assert not np.array_equal(other["inputs"], a[0]["inputs"])
+  assert not np.array_equal(other.inputs, a[0].inputs)
 
 
 def test_epochs_reshuffle_and_cover_everything(tmp_path):
@@ -57,7 +57,7 @@ def test_epochs_reshuffle_and_cover_everything(tmp_path):
   n = len(ds.train_source)
   it = ds.train_iter()
   batches = take(it, 2 * (n // 4))
-  firsts = [tuple(b["positions"][:, 0]) for b in batches]
+  firsts = [tuple(b.positions[:, 0]) for b in batches]
   assert n == 40
   epoch1 = sorted(x for f in firsts[:10] for x in f)
   epoch2 = sorted(x for f in firsts[10:] for x in f)

@@ -2,6 +2,7 @@
 the token cache on Tiny Shakespeare; windows across shard boundaries equal the in-memory stream's; two processes read
 disjoint rows making up the global batch; exact resume; a changed tokenizer and a corrupt shard refused in one line."""
 
+import dataclasses
 import json
 import sys
 
@@ -21,8 +22,10 @@ def take(it, n):
 
 
 def assert_batches_equal(a, b):
+  """Equal windows (dicts) or batches (:class:`~jaxshare.data.batch.Batch`), field by field."""
   assert len(a) == len(b)
   for x, y in zip(a, b):
+    x, y = (v if isinstance(v, dict) else dataclasses.asdict(v) for v in (x, y))
     assert sorted(x) == sorted(y)
     for k in x:
       np.testing.assert_array_equal(x[k], y[k], err_msg=k)
@@ -79,7 +82,7 @@ def assert_rows_split_by_process_and_resume_exactly(cfg: DataConfig) -> None:
   whole = take(Datasets(cfg, 8, process_index=0, process_count=1).train_iter(), 3)
   halves = [take(Datasets(cfg, 8, process_index=i, process_count=2).train_iter(), 3) for i in range(2)]
   for n, batch in enumerate(whole):
-    np.testing.assert_array_equal(np.concatenate([halves[0][n]["inputs"], halves[1][n]["inputs"]]), batch["inputs"])
+    np.testing.assert_array_equal(np.concatenate([halves[0][n].inputs, halves[1][n].inputs]), batch.inputs)
   it = Datasets(cfg, 8).train_iter()
   take(it, 3)
   state, rest = it.get_state(), take(it, 2)
@@ -92,7 +95,7 @@ def assert_rows_split_by_process_and_resume_exactly(cfg: DataConfig) -> None:
     half.set_state(state)
     on_two.append(take(half, 2))
   for n, batch in enumerate(rest):
-    np.testing.assert_array_equal(np.concatenate([on_two[0][n]["inputs"], on_two[1][n]["inputs"]]), batch["inputs"])
+    np.testing.assert_array_equal(np.concatenate([on_two[0][n].inputs, on_two[1][n].inputs]), batch.inputs)
 
 
 def test_two_processes_read_disjoint_rows_of_the_global_batch_and_resume_exactly(prepared_shakespeare):
@@ -148,7 +151,7 @@ def test_a_mixture_follows_its_weights_counts_tokens_and_resumes_exactly(two_cor
   data = Datasets(cfg, 8)
   assert [c.name for c in data.components] == ["play", "digits"]
   batches = take(data.train_iter(), 50)
-  from_digits = [bool(np.all(np.isin(row, list(b"0123456789 \n\0")))) for b in batches for row in b["inputs"]]
+  from_digits = [bool(np.all(np.isin(row, list(b"0123456789 \n\0")))) for b in batches for row in b.inputs]
   assert from_digits == [data.component_of(i) == 1 for i in range(400)]  # the schedule says where each row came from
   assert abs(np.mean(from_digits) - 0.3) < 0.02
   assert data.tokens_seen(50) == {"tokens_play": 32 * from_digits.count(False), "tokens_digits": 32 * sum(from_digits)}

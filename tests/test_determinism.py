@@ -68,10 +68,11 @@ def test_data_order_does_not_depend_on_process_count():
     its = [Datasets(cfg.data, B, process_index=p, process_count=count).train_iter() for p in range(count)]
     for ref in reference:
       parts = [next(it) for it in its]
-      for key in ref:
-        np.testing.assert_array_equal(np.concatenate([p[key] for p in parts]), ref[key], err_msg=f"{count} processes")
+      for key in ("inputs", "targets", "positions", "segment_ids", "loss_mask"):
+        np.testing.assert_array_equal(np.concatenate([getattr(p, key) for p in parts]), getattr(ref, key),
+                                      err_msg=f"{count} processes")
   other = next(Datasets(dataclasses.replace(cfg.data, shuffle_seed=1), B).train_iter())
-  assert not np.array_equal(other["inputs"], reference[0]["inputs"])  # the order really comes from the seed
+  assert not np.array_equal(other.inputs, reference[0].inputs)  # the order really comes from the seed
 
 
 @pytest.mark.parametrize("mesh_cfg", [MeshConfig(), MeshConfig(data=2), MeshConfig(fsdp=8),
@@ -80,8 +81,8 @@ def test_every_device_count_feeds_the_same_global_batch(mesh_cfg, batches):
   setup = setup_training(tiny_config(), parallel.make_mesh(mesh_cfg, jax.devices()[:mesh_cfg.data * mesh_cfg.fsdp
                                                                             * mesh_cfg.tensor]))
   assert local_batch_rows(setup.batch_sharding, 8) == slice(0, 8)  # one process reads every row, whatever the mesh
-  for key, value in batches[0].items():
-    np.testing.assert_array_equal(np.asarray(jax.device_get(shard_batch(setup.batch_sharding, batches[0])[key])), value)
+  placed = jax.device_get(shard_batch(setup.batch_sharding, batches[0]))
+  jax.tree.map(np.testing.assert_array_equal, placed, batches[0])
 
 
 def test_a_copied_run_directory_resumes_identically(straight_run, tmp_path):

@@ -162,10 +162,10 @@ def test_cli_import_writes_a_run_that_eval_and_uptraining_read(tmp_path, corpus)
   summary = train(up)
   batch = next(Datasets(up.data, up.train.batch_size).train_iter())
   with torch.no_grad():
-    logits = model(torch.from_numpy(batch["inputs"]).long()).logits
-    want_loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), torch.from_numpy(batch["targets"]).long()
+    logits = model(torch.from_numpy(batch.inputs).long()).logits
+    want_loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), torch.from_numpy(batch.targets).long()
                                                   .flatten()).item()
-  assert batch["loss_mask"].all()
+  assert batch.loss_mask.all()
   assert abs(summary["loss"] - want_loss) < 1e-4, (summary["loss"], want_loss)
 
 

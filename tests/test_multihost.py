@@ -205,14 +205,14 @@ import jax, jax.numpy as jnp
 from conftest import tiny_config
 from jaxshare import parallel
 from jaxshare.config import MeshConfig
+from jaxshare.data.batch import Batch
 from jaxshare.train.loop import jit_train_step
 from jaxshare.train.state import abstract_state, setup_training
 from jaxshare.train.step import Objective
 for mesh_cfg in (MeshConfig(fsdp=8), MeshConfig(data=2, fsdp=4), MeshConfig(fsdp=4, tensor=2)):
   for tie in ("false", "true"):
     setup = setup_training(tiny_config("schedule.kind=cla", f"model.tie_embeddings={tie}"), parallel.make_mesh(mesh_cfg))
-    batch = {k: jax.ShapeDtypeStruct((8, 32), jnp.int32, sharding=setup.batch_sharding)
-             for k in ("inputs", "targets", "positions", "segment_ids", "loss_mask")}
+    batch = Batch.spec(8, 32, setup.batch_sharding)
     with jax.set_mesh(setup.mesh):
       jit_train_step(setup, Objective(), None).trace(abstract_state(setup), batch, None).lower().compile()
 print("compiled")

@@ -35,6 +35,7 @@ from hypothesis import HealthCheck, event, example, given, note, settings, strat
 
 from conftest import TINY
 from jaxshare.config import Config, ConfigError, MeshConfig, load_config
+from jaxshare.data.batch import Batch
 from jaxshare.parallel import make_mesh
 from jaxshare.schedule import compile_schedule
 from jaxshare.train.state import setup_training
@@ -381,11 +382,10 @@ def mesh():
 def build(cfg: Config, mesh) -> None:
   """setup_training on the one-device mesh, then an abstract forward pass and loss of the model."""
   setup = setup_training(cfg, mesh)
-  tokens = jax.ShapeDtypeStruct((BATCH, cfg.data.seq_len), jnp.int32)
-  batch = {k: tokens for k in ("inputs", "targets", "positions", "segment_ids", "loss_mask")}
+  batch = Batch.spec(BATCH, cfg.data.seq_len)
 
   def forward(params, batch):
-    logits = nnx.merge(setup.graphdef, params)(batch["inputs"], batch["positions"], batch["segment_ids"])
+    logits = nnx.merge(setup.graphdef, params)(batch.inputs, batch.positions, batch.segment_ids)
     return logits, masked_cross_entropy(logits, batch)
 
   with jax.set_mesh(mesh):

@@ -17,6 +17,7 @@ from jax.sharding import NamedSharding
 
 from jaxshare import parallel
 from jaxshare.config import Config
+from jaxshare.data.batch import Batch
 from jaxshare.kernels import pallas
 
 MOSAIC_CALL = "tpu_custom_call"
@@ -182,9 +183,7 @@ def trace_train_step(cfg: Config, mesh: jax.sharding.Mesh) -> TracedStep:
 
   setup = setup_training(cfg, mesh=mesh)
   state = abstract_state(setup)
-  shape = (cfg.train.batch_size, cfg.data.seq_len)
-  batch = {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=setup.batch_sharding)
-           for k in ("inputs", "targets", "positions", "segment_ids", "loss_mask")}
+  batch = Batch.spec(cfg.train.batch_size, cfg.data.seq_len, setup.batch_sharding)
   with jax.set_mesh(mesh):
     return TracedStep(setup, state, jit_train_step(setup, Objective(), None).trace(state, batch, None))
 

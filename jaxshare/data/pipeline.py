@@ -17,6 +17,7 @@ import jax
 import numpy as np
 
 from jaxshare.config import TOKEN_CACHE_ENV, DataConfig, mixture_name
+from jaxshare.data.batch import Batch
 from jaxshare.data.documents import Input
 from jaxshare.data.paths import prepared_location, source_file
 from jaxshare.data.errors import DataError
@@ -267,9 +268,9 @@ class Datasets:
              for k, c in enumerate(self.components)]
     ds = parts[0] if len(parts) == 1 else grain.MapDataset.mix(parts, self.weights)
     ds = _block_rows(ds, self.batch_size, rows, len(ds) // self.batch_size)
-    return iter(ds.batch(rows.stop - rows.start, drop_remainder=True).to_iter_dataset(READ_OPTIONS))
+    return iter(ds.batch(rows.stop - rows.start, drop_remainder=True).map(Batch.of).to_iter_dataset(READ_OPTIONS))
 
-  def val_batches(self, max_batches: int = 0) -> Iterator[dict[str, np.ndarray]]:
+  def val_batches(self, max_batches: int = 0) -> Iterator[Batch]:
     """The validation split in order, in global batches (this process's :attr:`rows` of each); ``max_batches`` 0
     means all.
 
@@ -282,6 +283,6 @@ class Datasets:
     total = len(self.val_source) // self.batch_size
     n = total if not max_batches else min(max_batches, total)
     ds = _block_rows(grain.MapDataset.source(self.val_source), self.batch_size, rows, n)
-    ds = ds.batch(rows.stop - rows.start, drop_remainder=True)
+    ds = ds.batch(rows.stop - rows.start, drop_remainder=True).map(Batch.of)
     for i in range(n):
       yield ds[i]

@@ -14,6 +14,7 @@ import numpy as np
 
 from jaxshare import accounting
 from jaxshare.data import Datasets, TokenStream, WindowSource, load_documents
+from jaxshare.data.batch import Batch
 from jaxshare.evaluation.generate import Generator
 from jaxshare.evaluation.val_loss import evaluate_loss, loss_sums, make_eval_step
 from jaxshare.runs import load_run
@@ -96,10 +97,10 @@ def perplexity(path: str | Path, *, text: str | None = None, tfds_name: str | No
   ds = grain.MapDataset.source(windows).batch(batch, drop_remainder=False)
   n = len(ds) if not max_batches else min(max_batches, len(ds))
   # the last batch may be short: pad it with fully masked rows (one compiled shape)
-  batches = [{k: _pad_rows(v, batch) for k, v in ds[i].items()} for i in range(n)]
+  batches = [jax.tree.map(lambda v: _pad_rows(v, batch), Batch.of(ds[i])) for i in range(n)]
   with jax.set_mesh(run.mesh):
     total, count = loss_sums(jax.jit(make_eval_step(run.graphdef)), run.batch_sharding, run.params, batches)
-  scored = np.concatenate([b["targets"][b["loss_mask"] == 1] for b in batches]).tolist()
+  scored = np.concatenate([b.targets[b.loss_mask == 1] for b in batches]).tolist()
   loss = total / max(count, 1.0)
   num_bytes = len(tokenizer.decode(scored).encode("utf-8"))
   return {"loss": loss, "perplexity": math.exp(loss), "bits_per_byte": total / math.log(2) / max(num_bytes, 1),

@@ -80,7 +80,7 @@ class _Accumulator:
 def _forward(graphdef: nnx.GraphDef) -> Callable:
   """``(params, batch) -> (summed token loss, token count, MHAActivations [L, B, T, D])``, jitted."""
   def fn(params, batch):
-    logits, mha = nnx.merge(graphdef, params)(batch["inputs"], batch["positions"], batch["segment_ids"],
+    logits, mha = nnx.merge(graphdef, params)(batch.inputs, batch.positions, batch.segment_ids,
                                               capture_mha=True)
     return *masked_cross_entropy(logits, batch), mha
   return jax.jit(fn)
@@ -113,7 +113,7 @@ def calibrate_compensation(src: tuple[nnx.GraphDef, dict], dst: tuple[nnx.GraphD
   batches = list(batches)
   if not batches:
     raise ValueError("W_c calibration needs at least one batch")
-  tokens = sum(float(b["loss_mask"].sum()) for b in batches)
+  tokens = sum(float(b.loss_mask.sum()) for b in batches)
   params = jax.tree.map(jnp.asarray, dst[1])
   params = _set_wc(params, schedule, {l: None for l in layers})  # W_c = 0: "before"
   src_fn, dst_fn = _forward(src[0]), _forward(dst[0])

@@ -128,7 +128,7 @@ def calibrate_low_rank(src: tuple[nnx.GraphDef, dict], dst: tuple[nnx.GraphDef, 
   if not layers or not set(layers) <= set(low_rank):
     raise ValueError(f"LISA calibration of layers {list(layers)}: must be a non-empty subset of the layers with "
                      f"low-rank factors {low_rank} of schedule {schedule.describe()}")
-  batches = [{k: jnp.asarray(b[k]) for k in ("inputs", "positions", "segment_ids")} for b in batches]
+  batches = [jax.tree.map(jnp.asarray, b) for b in batches]
   if not batches:
     raise ValueError("LISA calibration needs at least one batch")
   if steps < 0:
@@ -137,7 +137,7 @@ def calibrate_low_rank(src: tuple[nnx.GraphDef, dict], dst: tuple[nnx.GraphDef, 
 
   @functools.partial(jax.jit, static_argnums=0)
   def attention_logits(graphdef, params, batch):  # [n, B, H, T, T]
-    return nnx.merge(graphdef, params)(batch["inputs"], batch["positions"], batch["segment_ids"],
+    return nnx.merge(graphdef, params)(batch.inputs, batch.positions, batch.segment_ids,
                                        capture_attention=True)[1][index]
 
   targets = [attention_logits(src[0], src[1], b) for b in batches]
@@ -154,7 +154,7 @@ def calibrate_low_rank(src: tuple[nnx.GraphDef, dict], dst: tuple[nnx.GraphDef, 
   @jax.jit
   def sse(fs, params, batch, target):
     got = attention_logits(dst[0], with_factors(params, fs), batch)
-    seg = batch["segment_ids"]
+    seg = batch.segment_ids
     visible = reference.attention_mask(seg, seg, True, window)[:, None]  # [B, 1, T, T]
     return jnp.sum(jnp.where(visible, (got - target) ** 2, 0.0))
 
@@ -166,7 +166,7 @@ def calibrate_low_rank(src: tuple[nnx.GraphDef, dict], dst: tuple[nnx.GraphDef, 
   baseline = total({n: {**f, "k_lr": jax.tree.map(jnp.zeros_like, f["k_lr"])} for n, f in fs.items()}, params)
   start = total(fs, params)
   optimizer = optax.adam(learning_rate)
-  tokens = batches[0]["inputs"].size
+  tokens = batches[0].inputs.size
 
   @jax.jit
   def step(fs, opt_state, params, batch, target):

@@ -15,7 +15,8 @@ from flax import nnx
 from jaxshare.kernels.dispatch import knowing
 from jaxshare.kernels.reference import attention_mask, documents_per_row
 from jaxshare.model.ties import MATRICES
-from jaxshare.model.loss import Batch, masked_cross_entropy
+from jaxshare.data.batch import Batch
+from jaxshare.model.loss import masked_cross_entropy
 from jaxshare.model.params import layer_params
 from jaxshare.schedule import Schedule
 
@@ -82,7 +83,7 @@ def _by_documents(grad_fn: Callable, bounds: tuple[int, ...]) -> Callable:
   branches = [knowing(bound, grad_fn) for bound in (*bounds, sys.maxsize)]
 
   def call(params, mb, *rest):
-    most = jnp.max(documents_per_row(mb["segment_ids"]))
+    most = jnp.max(documents_per_row(mb.segment_ids))
     return jax.lax.switch(jnp.sum(most > jnp.asarray(bounds)), branches, params, mb, *rest)
   return call
 
@@ -112,14 +113,14 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, lr
   def micro_objective(params, mb, total_count, teacher_params):
     model = nnx.merge(graphdef, params)
     if kd:
-      logits, attn = model(mb["inputs"], mb["positions"], mb["segment_ids"], capture_attention=True)
+      logits, attn = model(mb.inputs, mb.positions, mb.segment_ids, capture_attention=True)
       teacher = nnx.merge(objective.teacher_graphdef, teacher_params)
-      _, t_attn = teacher(mb["inputs"], mb["positions"], mb["segment_ids"], capture_attention=True)
+      _, t_attn = teacher(mb.inputs, mb.positions, mb.segment_ids, capture_attention=True)
       layers = np.asarray(objective.kd_layers)
-      kd_loss = distillation_loss(attn[layers], t_attn[layers], mb["segment_ids"], objective.kd_delta,
+      kd_loss = distillation_loss(attn[layers], t_attn[layers], mb.segment_ids, objective.kd_delta,
                                   objective.window)
     else:
-      logits = model(mb["inputs"], mb["positions"], mb["segment_ids"])
+      logits = model(mb.inputs, mb.positions, mb.segment_ids)
       kd_loss = jnp.zeros((), jnp.float32)
     lm_sum, _ = masked_cross_entropy(logits, mb)
     value = lm_weight * lm_sum / total_count + objective.kd_beta * kd_loss / grad_accum_steps
@@ -131,7 +132,7 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, lr
 
   def step(state: TrainState, batch: Batch, teacher_params: dict | None = None) -> tuple[TrainState, dict]:
     params = state["params"]
-    total_count = jnp.maximum(jnp.sum(batch["loss_mask"].astype(jnp.float32)), 1.0)
+    total_count = jnp.maximum(jnp.sum(batch.loss_mask.astype(jnp.float32)), 1.0)
     if grad_accum_steps == 1:
       (value, (lm_sum, kd_loss)), grads = grad_fn(params, batch, total_count, teacher_params)
     else:
