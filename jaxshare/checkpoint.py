@@ -25,6 +25,23 @@ CHECKSUMS = "checksums"  # meta key: integrity.checksums of the saved arrays
 TMP_MARKER = ".orbax-checkpoint-tmp"  # in the name of a step directory whose write did not finish
 
 
+# Keys of the state tree renamed since checkpoints were first written, {old: new}: a checkpoint that stores a key under
+# its old name is read under that name and handed on under today's (the stacks were "segments" before issue 47).
+RENAMED_KEYS = {"segments": "stacks"}
+
+
+def rename_keys(tree: Any, names: dict[str, str]) -> Any:
+  """``tree`` with every dict key in ``names`` renamed, at any depth (the optimizer state's moments mirror the
+  parameters' keys); lists, tuples and named tuples are rebuilt, leaves kept."""
+  if isinstance(tree, dict):
+    return {names.get(k, k): rename_keys(v, names) for k, v in tree.items()}
+  if isinstance(tree, tuple) and hasattr(tree, "_fields"):
+    return type(tree)(*(rename_keys(v, names) for v in tree))
+  if isinstance(tree, (list, tuple)):
+    return type(tree)(rename_keys(v, names) for v in tree)
+  return tree
+
+
 class CheckpointError(InputError, RuntimeError):
   """A checkpoint that is corrupt or does not match the run's config."""
 
@@ -142,7 +159,8 @@ class Checkpointer:
       CheckpointError: files missing, unreadable or changed since they were written, or shapes that do not match
         the configured model.
     """
-    items = {"state": ocp.args.StandardRestore(abstract_state), "meta": ocp.args.JsonRestore()}
+    old = self._old_names(step)
+    items = {"state": ocp.args.StandardRestore(rename_keys(abstract_state, old)), "meta": ocp.args.JsonRestore()}
     if data_iter is not None:
       items["data"] = grain.checkpoint.CheckpointRestore(data_iter)
     _mute_library_noise()
@@ -150,8 +168,8 @@ class Checkpointer:
       restored = self.manager.restore(step, args=ocp.args.Composite(**items))
     except Exception as e:  # orbax/tensorstore raise many types for bad files
       raise self._unreadable(step, e) from None
-    self._verify(step, restored["state"], restored["meta"])
-    return restored["state"], restored["meta"]
+    self._verify(step, restored["state"], restored["meta"])  # under the names its checksums were saved with
+    return rename_keys(restored["state"], RENAMED_KEYS), restored["meta"]
 
   def restore_params(self, step: int, abstract_params: Any, meta: dict | None = None) -> Any:
     """Restore only ``state["params"]`` at ``step`` (orbax partial restore: the optimizer state is never read, so
@@ -164,7 +182,7 @@ class Checkpointer:
       CheckpointError: files missing, unreadable or changed since they were written, or shapes that do not match
         the configured model.
     """
-    target = {"params": abstract_params}
+    target = {"params": rename_keys(abstract_params, self._old_names(step))}
     args = ocp.args.PyTreeRestore(target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
                                   partial_restore=True)
     meta = self.read_meta(step) if meta is None else meta
@@ -175,7 +193,16 @@ class Checkpointer:
     except Exception as e:  # orbax/tensorstore raise many types for bad files
       raise self._unreadable(step, e) from None
     self._verify(step, {"params": params}, meta)
-    return params
+    return rename_keys(params, RENAMED_KEYS)
+
+  def _old_names(self, step: int) -> dict[str, str]:
+    """``{new: old}`` for the :data:`RENAMED_KEYS` the checkpoint at ``step`` stores under their old names (none when
+    its metadata cannot be read: the restore then reports why)."""
+    try:  # the item's tree metadata alone (a manager opened on an existing directory has no handler to read it)
+      params = ocp.PyTreeCheckpointHandler().metadata(self.directory / str(step) / "state").tree.get("params", {})
+    except Exception:  # orbax raises many types for missing or bad metadata
+      return {}
+    return {new: old for old, new in RENAMED_KEYS.items() if old in params}
 
   def _verify(self, step: int, state: Any, meta: dict) -> None:
     if CHECKSUMS not in meta:  # written before checksums were recorded: nothing to check against

@@ -222,3 +222,28 @@ def test_eval_cli_reports_an_unreadable_checkpoint_in_one_line(straight_run, tmp
   assert proc.returncode == 2, proc.stderr
   lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
   assert len(lines) == 1 and lines[0].startswith("error: checkpoint ") and "could not be read" in lines[0], proc.stderr
+
+
+def test_a_checkpoint_written_before_the_stacks_were_renamed_resumes_and_loads(tmp_path):
+  """Checkpoints of jaxshare before issue 47 store the stacks under "segments" (in the parameters and in the
+  optimizer's moments): a run resumes from one, verified against its own checksums, and load_run reads its weights,
+  both under today's names and with the same values."""
+  from jaxshare.checkpoint import rename_keys
+  from jaxshare.runs import write_config
+  from jaxshare.train.state import abstract_state, init_state, setup_training
+
+  cfg = tiny_config("schedule.kind=cla", f"train.run_dir={tmp_path}")
+  setup = setup_training(cfg)
+  state = init_state(setup)
+  old = rename_keys(state, {"stacks": "segments"})
+  assert "segments" in old["params"] and "segments" in old["opt_state"][1][0].mu  # what an older jaxshare saved
+  write_config(tmp_path, cfg)
+  ckpt = Checkpointer(tmp_path / "checkpoints", 2)
+  ckpt.save(3, old, None, {"step": 3})
+  ckpt.wait()
+  restored, _ = ckpt.restore(3, abstract_state(setup), None)
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(restored), jax.device_get(state))
+  run = load_run(tmp_path)
+  assert "stacks" in run.params and "segments" not in run.params
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(run.params), jax.device_get(state["params"]))
+  ckpt.close()

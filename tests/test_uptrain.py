@@ -104,7 +104,7 @@ def test_report_names_every_rule_and_the_new_tensors():
 def _per_layer_leaves(params, schedule):
   """Leaves counted per layer (a stacked run's leaf is one tensor per layer), plus the global ones."""
   per_layer = sum(len(jax.tree.leaves(P.layer_params(params, schedule, i))) for i in range(len(schedule.layers)))
-  return per_layer + len(jax.tree.leaves({k: v for k, v in params.items() if k != "segments"}))
+  return per_layer + len(jax.tree.leaves({k: v for k, v in params.items() if k != "stacks"}))
 
 
 def test_cli_uptrain_writes_the_converted_run_and_reports_it(tmp_path, capsys):

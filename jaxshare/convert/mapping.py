@@ -157,7 +157,7 @@ def hf_to_params(arch: Architecture, cfg, dims: Dims, schedule, template: dict, 
                                     f"{list(leaf[where].shape)}")
       leaf[where] = value  # cast to the leaf's dtype by the assignment
 
-  global_tree = {k: v for k, v in out.items() if k != "segments"}
+  global_tree = {k: v for k, v in out.items() if k != P.STACKS}
   global_rules = arch.rules_for(arch.global_rules(cfg), global_tree)
   for rule in global_rules:
     apply(rule, {}, out)
@@ -190,7 +190,7 @@ def params_to_hf(arch: Architecture, cfg, dims: Dims, schedule, params: dict, *,
       out[name.format(**fmt)] = np.ascontiguousarray(value)
     return out
 
-  global_tree = {k: v for k, v in params.items() if k != "segments"}
+  global_tree = {k: v for k, v in params.items() if k != P.STACKS}
   yield {k: v for rule in arch.rules_for(arch.global_rules(cfg), global_tree)
          for k, v in emit(rule, {}, [np.asarray(_get(params, p)) for p in rule.paths]).items()}
   for layer in tqdm(range(cfg.model.num_layers), desc="layers", disable=not progress, dynamic_ncols=True):

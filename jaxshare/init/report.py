@@ -25,7 +25,7 @@ def init_report(src: dict, src_schedule: Schedule, dst: dict, dst_schedule: Sche
   low_rank = []
   copied, new = 0, []
   for key in dst:
-    if key == "segments":
+    if key == P.STACKS:
       continue
     same = same_shapes(src.get(key), dst[key])
     copied, new = (copied + len(jax.tree.leaves(dst[key])), new) if same else (copied, new + [key])

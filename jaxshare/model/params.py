@@ -8,6 +8,8 @@ import jax
 
 from jaxshare.schedule import Schedule
 
+STACKS = "stacks"  # the stacks' key in the parameter tree (:class:`~jaxshare.model.transformer.Transformer`)
+
 
 def flat_leaves(tree: dict, prefix: str = "") -> dict[str, Any]:
   """``{"attn/q_proj/kernel": leaf, ...}``: a pure-dict tree's leaves by '/'-joined path (integer keys, as
@@ -33,7 +35,7 @@ def layer_location(schedule: Schedule, layer: int) -> tuple[int, int, int, int]:
 
 
 def _run_params(params: dict, s_idx: int, r_idx: int) -> dict:
-  return params["segments"][s_idx]["blocks"]["runs"][r_idx]["layers"]
+  return params[STACKS][s_idx]["blocks"]["runs"][r_idx]["layers"]
 
 
 def layer_slot(params: dict, schedule: Schedule, layer: int) -> tuple[dict, tuple[int, int]]:
@@ -55,9 +57,9 @@ def replace_layer(params: dict, schedule: Schedule, layer: int, new: dict) -> di
   s_idx, c, r_idx, i = layer_location(schedule, layer)
   stacked = _run_params(params, s_idx, r_idx)
   updated = jax.tree.map(lambda stack, leaf: stack.at[c, i].set(leaf.astype(stack.dtype)), stacked, new)
-  seg = params["segments"][s_idx]
-  runs = dict(seg["blocks"]["runs"])
+  stack = params[STACKS][s_idx]
+  runs = dict(stack["blocks"]["runs"])
   runs[r_idx] = {**runs[r_idx], "layers": updated}
-  segments = dict(params["segments"])
-  segments[s_idx] = {**seg, "blocks": {**seg["blocks"], "runs": runs}}
-  return {**params, "segments": segments}
+  stacks = dict(params[STACKS])
+  stacks[s_idx] = {**stack, "blocks": {**stack["blocks"], "runs": runs}}
+  return {**params, STACKS: stacks}

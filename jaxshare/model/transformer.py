@@ -99,8 +99,7 @@ class Transformer(nnx.Module):
     if (ties is None) != (schedule.tied_heads == 0):
       raise ValueError(f"schedule ties {schedule.tied_heads} heads; pass ties exactly when it ties any")
     self.head_table = HeadTable(cfg, ties, rngs) if ties is not None else None
-    # the stacks; "segments" is their key in the parameter tree, which checkpoints store
-    self.segments = nnx.List([
+    self.stacks = nnx.List([
       Stack(cfg, stack, mlp_dim=plan.mlp_dim, attention_impl=attention.impl, score_sharing=attention.score_sharing,
             chain_dtype=attention.chain_dtype, rngs=rngs)
       for stack in schedule.stacks])
@@ -141,7 +140,7 @@ class Transformer(nnx.Module):
       segment_ids = jnp.ones((b, t), jnp.int32)
     x = self._embed(tokens)
     captured: list[jax.Array] = []
-    for stack, kernels in zip(self.segments, self._stack_kernels()):
+    for stack, kernels in zip(self.stacks, self._stack_kernels()):
       x, ys = stack(x, positions, segment_ids, capture, kernels)
       captured.extend(ys)
     logits = self._logits(x)
@@ -164,7 +163,7 @@ class Transformer(nnx.Module):
     ctx = kv_cache.step_context(cache, tokens.shape[1], self.window)
     x = self._embed(tokens)
     rows = []
-    for stack, bufs, kernels in zip(self.segments, cache.buffers, self._stack_kernels()):
+    for stack, bufs, kernels in zip(self.stacks, cache.buffers, self._stack_kernels()):
       x, new = stack.decode(x, ctx, bufs, kernels, nf)
       rows.append(new)
     return self._logits(x), kv_cache.write(cache, rows, tokens.shape[1], after=x)
@@ -180,7 +179,7 @@ class Transformer(nnx.Module):
   def _stack_kernels(self) -> list[dict | None]:
     """Head-wise sharing's gathered kernels per stack, ``[count, superblock size, D, H, d]`` (None without)."""
     if self.head_table is None:
-      return [None] * len(self.segments)
+      return [None] * len(self.stacks)
     kernels = self.head_table.kernels()
     return [{m: w[p.start:p.start + p.count * p.superblock_size].reshape(p.count, p.superblock_size, *w.shape[1:])
              for m, w in kernels.items()} for p in self.stack_plans]
