@@ -89,7 +89,7 @@ def host_work_ms(cfg, run_dir: Path) -> dict[str, float]:
   saves = []
   for step in (1, 2, 3):
     start = time.perf_counter()
-    ckpt.save(step, state, it, {"step": step})
+    ckpt.save(step, state.as_dict(), it, {"step": step})
     ckpt.wait()
     saves.append(time.perf_counter() - start)
   ckpt.close()

@@ -45,7 +45,7 @@ def _train_steps(cfg, batches):
     for b in batches:
       state, metrics = step(state, shard_batch(setup.batch_sharding, b), None)
       losses.append(float(metrics["loss"]))
-  return losses, jax.device_get(state["params"])
+  return losses, jax.device_get(state.params)
 
 
 @pytest.mark.parametrize("schedule", list(SCHEDULES))

@@ -20,10 +20,10 @@ def run(tmp_path_factory):
   root = tmp_path_factory.mktemp("eval_errors") / "run"
   setup = setup_training(cfg)
   state = init_state(setup)
-  write_run(root, cfg, state["params"])
+  write_run(root, cfg, state.params)
   ckpt = Checkpointer(root / "checkpoints", keep=3)
   for step in (5, 10):
-    ckpt.save(step, state, None, {"step": step})
+    ckpt.save(step, state.as_dict(), None, {"step": step})
   ckpt.wait()
   ckpt.close()
   return root

@@ -23,7 +23,7 @@ transformers = pytest.importorskip("transformers")
 def _random_params(cfg, seed=0):
   """A fresh model with every leaf perturbed (norm scales and biases too), so that swapped tensors show."""
   setup = setup_training(cfg)
-  params = init_state(setup)["params"]
+  params = init_state(setup).params
   leaves, tree = jax.tree.flatten(params)
   keys = jax.random.split(jax.random.key(seed), len(leaves))
   leaves = [np.asarray(x + 0.05 * jax.random.normal(k, x.shape, x.dtype)) for x, k in zip(leaves, keys)]

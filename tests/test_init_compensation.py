@@ -34,10 +34,10 @@ def test_solve_is_theorem_3_1(n):
 
 def _models(*extra):
   src_setup = setup_training(tiny_config())
-  src = init_state(src_setup, seed=3)["params"]
+  src = init_state(src_setup, seed=3).params
   cfg = tiny_config(*UNIATTN, *extra)
   setup = setup_training(cfg)
-  dst = init_state(setup, from_params=(src, src_setup.schedule))["params"]
+  dst = init_state(setup, from_params=(src, src_setup.schedule)).params
   batches = list(itertools.islice(Datasets(cfg.data, 4, process_index=0, process_count=1).train_iter(), 3))
   return src_setup, src, setup, dst, batches
 

@@ -76,7 +76,7 @@ def test_uptraining_starts_lisa_layers_as_asked(start):
   cfg = tiny_config("schedule.kind=gqa+lisa_plus", "schedule.kv_heads=2", "schedule.lisa.layers=[2,3]",
                     "schedule.lisa.rank=4", f"train.init_lisa={start}")
   setup = setup_training(cfg)
-  params = init_state(setup, from_params=(src_params, src_schedule))["params"]
+  params = init_state(setup, from_params=(src_params, src_schedule)).params
   for n in (2, 3):
     got = layer_params(params, setup.schedule, n)["attn"]
     if start == "ds":
@@ -105,7 +105,7 @@ def _lisa_conversion(start):
   cfg = tiny_config("schedule.kind=gqa+lisa_plus", "schedule.kv_heads=2", "schedule.lisa.layers=[2,3]",
                     "schedule.lisa.rank=4", f"train.init_lisa={start}")
   setup = setup_training(cfg)
-  return src_cfg, src, cfg, setup, lambda: init_state(setup, from_params=(src[2], src[0]))["params"]
+  return src_cfg, src, cfg, setup, lambda: init_state(setup, from_params=(src[2], src[0])).params
 
 
 def test_calibrated_factors_bring_the_logits_closer_than_reuse_and_the_fit(batches):

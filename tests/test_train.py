@@ -29,7 +29,7 @@ def run_steps(cfg, mesh, batches):
     for b in batches:
       state, m = step(state, shard_batch(setup.batch_sharding, b))
       losses.append(float(m["loss"]))
-  return losses, jax.device_get(state["params"]), setup
+  return losses, jax.device_get(state.params), setup
 
 
 def test_gradient_accumulation_equals_full_batch(batches):

@@ -35,7 +35,7 @@ def test_running_pairwise_mean_weights_the_last_layer_half():
 def _dense_source():
   cfg = tiny_config()
   setup = setup_training(cfg)
-  return setup, init_state(setup, seed=3)["params"]
+  return setup, init_state(setup, seed=3).params
 
 
 @pytest.mark.parametrize("overrides,groups", [
@@ -50,7 +50,7 @@ def test_producers_kv_are_pooled_from_their_readers(overrides, groups):
   src_setup, src = _dense_source()
   cfg = tiny_config(*overrides)
   setup = setup_training(cfg)
-  dst = init_state(setup, from_params=(src, src_setup.schedule))["params"]
+  dst = init_state(setup, from_params=(src, src_setup.schedule)).params
   pool = init_kv_pool(cfg)
   for producer, readers in groups.items():
     for m in ("k_proj", "v_proj"):
@@ -73,7 +73,7 @@ def test_producers_kv_are_pooled_from_their_readers(overrides, groups):
 
 def test_trivial_conversion_keeps_the_logits(corpus):
   src_setup, src = _dense_source()
-  dst = init_state(src_setup, from_params=(src, src_setup.schedule))["params"]
+  dst = init_state(src_setup, from_params=(src, src_setup.schedule)).params
   tokens = np.frombuffer(corpus.read_bytes()[:32], np.uint8).astype(np.int32)[None]
   np.testing.assert_array_equal(np.asarray(nnx.merge(src_setup.graphdef, dst)(tokens)),
                                 np.asarray(nnx.merge(src_setup.graphdef, src)(tokens)))
@@ -83,7 +83,7 @@ def test_report_names_every_rule_and_the_new_tensors():
   src_setup, src = _dense_source()
   cfg = tiny_config("schedule.kind=mlkv", "schedule.kv_layers=2", "schedule.kv_heads=2")
   setup = setup_training(cfg)
-  dst = init_state(setup, from_params=(src, src_setup.schedule))["params"]
+  dst = init_state(setup, from_params=(src, src_setup.schedule)).params
   lines = init_report(src, src_setup.schedule, dst, setup.schedule, "running")
   assert lines[1:] == ["layer 0 k_proj/v_proj: running pairwise mean over layers [0, 1], 4 -> 2 heads (mean of groups)",
                        "layer 2 k_proj/v_proj: running pairwise mean over layers [2, 3], 4 -> 2 heads (mean of groups)"]
@@ -91,7 +91,7 @@ def test_report_names_every_rule_and_the_new_tensors():
 
   cfg = tiny_config("schedule.kind=gqa+uniattn", "schedule.kv_heads=2", "schedule.uniattn.block_size=2")
   setup = setup_training(cfg)
-  dst = init_state(setup, from_params=(src, src_setup.schedule))["params"]
+  dst = init_state(setup, from_params=(src, src_setup.schedule)).params
   lines = init_report(src, src_setup.schedule, dst, setup.schedule, "mean")
   assert "layer 3 k_proj/v_proj: from layer 3, 4 -> 2 heads (mean of groups)" in lines
   assert lines[-1] == "NEW (fresh initialisation): layer 3 compensation/kernel"
@@ -121,7 +121,7 @@ def test_cli_uptrain_writes_the_converted_run_and_reports_it(tmp_path, capsys):
   cfg, params, step = run.cfg, run.params, run.step
   assert step == 0 and cfg.schedule.kind == "mlkv" and cfg.train.init_from == str(tmp_path / "dense")
   # what train.py would start from with train.init_from=dense
-  want = init_state(setup_training(cfg), from_params=(src, src_setup.schedule))["params"]
+  want = init_state(setup_training(cfg), from_params=(src, src_setup.schedule)).params
   jax.tree.map(np.testing.assert_array_equal, params, want)
   assert main(["uptrain", str(tmp_path / "dense"), str(tmp_path / "bad"), "schedule.kind=nope"]) == 2
   assert "schedule.kind='nope' is invalid" in capsys.readouterr().err
@@ -133,8 +133,8 @@ def test_mlkv_parameter_matching_widens_every_mlp_from_the_source(rule):
   cfg = tiny_config("schedule.kind=mlkv", "schedule.kv_layers=2", "schedule.kv_heads=2",
                     "schedule.match_params=true", f"train.init_mlp_widen={rule}")
   setup = setup_training(cfg)
-  fresh = init_state(setup, seed=11)["params"]
-  dst = init_state(setup, seed=11, from_params=(src, src_setup.schedule))["params"]
+  fresh = init_state(setup, seed=11).params
+  dst = init_state(setup, seed=11, from_params=(src, src_setup.schedule)).params
   for layer in range(4):
     s, d, f0 = (P.layer_params(t, sch, layer)["mlp"] for t, sch in
                 ((src, src_setup.schedule), (dst, setup.schedule), (fresh, setup.schedule)))
@@ -158,9 +158,9 @@ def test_zero_widening_keeps_the_function(corpus, flavor):
   """A dense model into the same model with wider MLPs: the zero rule leaves the logits unchanged."""
   cfg = tiny_config(f"model.flavor={flavor}")
   src_setup = setup_training(cfg)
-  src = init_state(src_setup, seed=3)["params"]
+  src = init_state(src_setup, seed=3).params
   setup = setup_training(tiny_config(f"model.flavor={flavor}", "model.mlp_dim=96"))
-  dst = init_state(setup, from_params=(src, src_setup.schedule))["params"]
+  dst = init_state(setup, from_params=(src, src_setup.schedule)).params
   tokens = np.frombuffer(corpus.read_bytes()[:32], np.uint8).astype(np.int32)[None]
   np.testing.assert_allclose(np.asarray(nnx.merge(setup.graphdef, dst)(tokens)),
                              np.asarray(nnx.merge(src_setup.graphdef, src)(tokens)), rtol=1e-5, atol=1e-5)
@@ -172,18 +172,18 @@ def test_converted_lisa_starts_as_ds(corpus, kind):
   src_setup, src = _dense_source()
   layers = "schedule.lisa.layers=[1,2,3]"
   ds_setup = setup_training(tiny_config("schedule.kind=ds", layers))
-  ds = init_state(ds_setup, from_params=(src, src_setup.schedule))["params"]
+  ds = init_state(ds_setup, from_params=(src, src_setup.schedule)).params
   setup = setup_training(tiny_config(f"schedule.kind={kind}", layers))
-  dst = init_state(setup, from_params=(src, src_setup.schedule))["params"]
+  dst = init_state(setup, from_params=(src, src_setup.schedule)).params
   tokens = np.frombuffer(corpus.read_bytes()[:32], np.uint8).astype(np.int32)[None]
   np.testing.assert_allclose(np.asarray(nnx.merge(setup.graphdef, dst)(tokens)),
                              np.asarray(nnx.merge(ds_setup.graphdef, ds)(tokens)), rtol=1e-5, atol=1e-5)
   lines = init_report(src, src_setup.schedule, dst, setup.schedule, "mean")
   assert any(line.startswith("layers [1, 2, 3] attn/k_lr: zero") for line in lines)
-  fresh = init_state(setup)["params"]  # from scratch nothing is zeroed
+  fresh = init_state(setup).params  # from scratch nothing is zeroed
   k_lr = np.asarray(P.layer_params(fresh, setup.schedule, 1)["attn"]["k_lr"]["kernel"])
   assert np.abs(k_lr).max() > 0
-  again = init_state(setup, from_params=(fresh, setup.schedule))["params"]  # a LISA source's k_lr is kept
+  again = init_state(setup, from_params=(fresh, setup.schedule)).params  # a LISA source's k_lr is kept
   np.testing.assert_array_equal(np.asarray(P.layer_params(again, setup.schedule, 1)["attn"]["k_lr"]["kernel"]), k_lr)
 
 

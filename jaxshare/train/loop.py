@@ -25,7 +25,7 @@ from jaxshare.train.metrics import MetricsLogger, resolve_peak
 from jaxshare.train.recipes import Stage1Monitor, build_objective, end_step, postshare_pairs, save_pairs
 from jaxshare.train.state import (TrainSetup, abstract_state, init_state, setup_training, state_from_params,
                                   trainable_for)
-from jaxshare.train.step import Objective, make_train_step
+from jaxshare.train.step import Objective, TrainState, make_train_step
 
 # Fields a resumed run must share with the run that wrote its checkpoints (the rest, e.g. train.steps, may change):
 # the model, and what it trains on (another corpus, split or order would turn trained-on windows into validation
@@ -199,7 +199,7 @@ class _Trainer:
     self.monitor = Stage1Monitor(self.tcfg.stage1_ema, self.tcfg.stage1_patience, self.tcfg.stage1_max_steps)
     if "stage1" in self.meta:  # resume early stopping exactly where it was
       self.monitor.load(self.meta["stage1"])
-    self.step = int(jax.device_get(self.state["step"]))
+    self.step = int(jax.device_get(self.state.step))
 
   def _stage_of(self, meta: dict) -> int:
     return meta.get("stage", 0) or (1 if self.two_stage else 0)
@@ -215,10 +215,11 @@ class _Trainer:
     meta = self.ckpt.read_meta(step)
     setup, data_iter = self._prepare(meta)
     if meta.get(PARAMS_ONLY):  # a converted model (runs.write_run): a fresh optimizer
-      params = self.ckpt.restore_params(step, abstract_state(setup)["params"], meta)
+      params = self.ckpt.restore_params(step, abstract_state(setup).params, meta)
       state = state_from_params(setup, params, step)
     else:
-      state, _ = self.ckpt.restore(step, abstract_state(setup), data_iter)
+      stored, _ = self.ckpt.restore(step, abstract_state(setup).as_dict(), data_iter)
+      state = TrainState.of(stored)
     return meta, setup, data_iter, state
 
   # -- the run directory, the compiled steps, the announcement --------------------------------------------------
@@ -274,7 +275,7 @@ class _Trainer:
       log.print("mixture: " + ", ".join(f"{c.name} {100 * c.weight / total:.0f}% ({len(c.train):,} train seqs)"
                                         for c in self.data.components))
     if self.source is not None and self.latest is None and setup.ties is None:
-      for line in init_report(self.source.params, self.source.schedule, self.state["params"], setup.schedule,
+      for line in init_report(self.source.params, self.source.schedule, self.state.params, setup.schedule,
                               init_kv_pool(cfg), cfg.train.init_mlp_widen):
         log.print(f"init | {line}")
     log.print(f"MFU against {self.peak.label}; {self.flops_per_token / 1e6:.2f} MFLOP per trained token (model "
@@ -323,9 +324,8 @@ class _Trainer:
     self.end = end_step(self.cfg, 2, self.step)
     self.setup = setup_training(self.cfg, self.mesh, trainable_for(self.cfg, 2), self.ties, start_step=self.step,
                                 end_step=self.end)
-    params = self.state["params"]
-    opt_state = jax.jit(self.setup.tx.init, out_shardings=self.setup.state_shardings["opt_state"])(params)
-    self.state = {"params": params, "opt_state": opt_state, "step": self.state["step"]}
+    opt_state = jax.jit(self.setup.tx.init, out_shardings=self.setup.state_shardings.opt_state)(self.state.params)
+    self.state = self.state.replace(opt_state=opt_state)
     self.step_fn = jit_train_step(self.setup, self.objective, self.teacher_shardings)
     self.summary["trainable_params"] = self.setup.num_trainable
     self.log.print(f"stage 1 ended at step {self.step} (loss EMA {self.monitor.ema:.4f}); stage 2 trains "
@@ -360,7 +360,7 @@ class _Trainer:
   def _save(self) -> None:
     if len(self.pending) > self.screened:  # never checkpoint past a step that was not checked
       self._screen(jax.device_get([m["finite"] for m in self.pending]))
-    self.ckpt.save(self.step, self.state, self.data_iter,
+    self.ckpt.save(self.step, self.state.as_dict(), self.data_iter,
                    {"step": self.step, "stage": self.stage, "stage_start": self.stage_start,
                     "stage1": self.monitor.state(), "skipped_steps": self.skipped})
 
@@ -388,7 +388,7 @@ class _Trainer:
     record.update(self.data.tokens_seen(self.step))  # a mixture's tokens per component
     self.pending, self.screened, self.t_last = [], 0, time.perf_counter()
     if is_eval:
-      record["val_loss"] = evaluate_loss(self.eval_fn, self.setup.batch_sharding, self.state["params"], self.data,
+      record["val_loss"] = evaluate_loss(self.eval_fn, self.setup.batch_sharding, self.state.params, self.data,
                                          self.tcfg.eval_batches)
       self.summary["val_loss"] = record["val_loss"]
       self.t_last = time.perf_counter()  # keep validation out of the next interval's throughput

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -44,7 +43,7 @@ class TrainSetup:
   param_shardings: dict
   tx: optax.GradientTransformation
   lr_schedule: optax.Schedule
-  state_shardings: dict
+  state_shardings: TrainState
   batch_sharding: NamedSharding
   ties: HeadTies | None = None
   trainable: tuple[str, ...] | None = None
@@ -94,7 +93,7 @@ def setup_training(cfg: Config, mesh: Mesh | None = None, trainable: tuple[str, 
                                     is_leaf=lambda x: isinstance(x, empty))
   lr = learning_rate_schedule(cfg.train, start_step, end_step)
   return TrainSetup(cfg, plan, mesh, graphdef, abstract_params, p_shard, tx, lambda step: lr(step - start_step),
-                    {"params": p_shard, "opt_state": opt_shard, "step": replicated}, parallel.batch_sharding(mesh),
+                    TrainState(p_shard, opt_shard, replicated), parallel.batch_sharding(mesh),
                     ties, trainable, frozen)
 
 
@@ -106,7 +105,7 @@ def _fresh_state(setup: TrainSetup, seed: int, from_params: tuple[dict, Schedule
 
 
 def _train_state(setup: TrainSetup, params: dict, step: int) -> TrainState:
-  return {"params": params, "opt_state": setup.tx.init(params), "step": jnp.asarray(step, jnp.int32)}
+  return TrainState(params, setup.tx.init(params), jnp.asarray(step, jnp.int32))
 
 
 def state_from_params(setup: TrainSetup, params: dict, step: int) -> TrainState:
@@ -135,8 +134,8 @@ def init_state(setup: TrainSetup, seed: int | None = None,
     return jax.jit(fresh, out_shardings=setup.state_shardings)(src_params)
 
 
-def abstract_state(setup: TrainSetup) -> Any:
-  """``ShapeDtypeStruct`` tree (with shardings) of the train state, the restore target for checkpoints."""
+def abstract_state(setup: TrainSetup) -> TrainState:
+  """The train state's ``ShapeDtypeStruct``\ s (with shardings), the restore target for checkpoints."""
   shapes = jax.eval_shape(lambda: _fresh_state(setup, 0))
   return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes,
                       setup.state_shardings)

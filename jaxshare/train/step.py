@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from flax import nnx
+from flax import nnx, struct
 
 from jaxshare.kernels.dispatch import knowing
 from jaxshare.kernels.reference import attention_mask, documents_per_row
@@ -20,7 +20,30 @@ from jaxshare.model.loss import masked_cross_entropy
 from jaxshare.model.params import layer_params
 from jaxshare.schedule import Schedule
 
-TrainState = dict[str, Any]  # {"params": pure dict, "opt_state": optax state, "step": int32 scalar}
+
+
+@struct.dataclass
+class TrainState:
+  """What a run carries from one step to the next, and checkpoints.
+
+  Attributes:
+    params: the model's parameters (pure dict, ``nnx.to_pure_dict``).
+    opt_state: the optimizer's state (optax).
+    step: int32 scalar, the optimizer steps taken.
+  """
+
+  params: Any
+  opt_state: Any
+  step: Any
+
+  def as_dict(self) -> dict:
+    """The state as checkpoints store it: ``{"params", "opt_state", "step"}`` (its checksums name these keys)."""
+    return {"params": self.params, "opt_state": self.opt_state, "step": self.step}
+
+  @classmethod
+  def of(cls, stored: Mapping[str, Any]) -> TrainState:
+    """The state of a restored checkpoint (:meth:`as_dict`'s mapping)."""
+    return cls(**stored)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,7 +154,7 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, lr
     grad_fn = _by_documents(grad_fn, document_bounds)
 
   def step(state: TrainState, batch: Batch, teacher_params: dict | None = None) -> tuple[TrainState, dict]:
-    params = state["params"]
+    params = state.params
     total_count = jnp.maximum(jnp.sum(batch.loss_mask.astype(jnp.float32)), 1.0)
     if grad_accum_steps == 1:
       (value, (lm_sum, kd_loss)), grads = grad_fn(params, batch, total_count, teacher_params)
@@ -154,13 +177,13 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, lr
       grads = jax.tree.map(lambda g, p: g + objective.postshare_gamma * p, grads, penalty_grads)
       value = value + objective.postshare_gamma * penalty
       metrics["postshare_loss"] = penalty
-    updates, opt_state = tx.update(grads, state["opt_state"], params)
+    updates, opt_state = tx.update(grads, state.opt_state, params)
     grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(value) & jnp.isfinite(grad_norm)
     kept = jax.tree.map(lambda new, old: jnp.where(finite, new, old),
                         {"params": optax.apply_updates(params, updates), "opt_state": opt_state},
-                        {"params": params, "opt_state": state["opt_state"]})
-    metrics.update(objective=value, grad_norm=grad_norm, lr=lr_schedule(state["step"]), finite=finite)
-    return {**kept, "step": state["step"] + 1}, metrics
+                        {"params": params, "opt_state": state.opt_state})
+    metrics.update(objective=value, grad_norm=grad_norm, lr=lr_schedule(state.step), finite=finite)
+    return TrainState(kept["params"], kept["opt_state"], state.step + 1), metrics
 
   return step
