@@ -131,9 +131,9 @@ def test_kernels_compile_for_gpus_and_train_steps_for_an_h100_node(tmp_path):
 def test_a_kernel_asking_for_more_shared_memory_than_the_gpu_has_fails_the_compile(tmp_path):
   """Without fitting its tiles and pipeline depth, LISA_plus's float32-feature kernel (width 176 padded to 256) asks
   an A100 for more than its 166,912 bytes: the compile fails, naming it."""
-  unfit = ("from jaxshare.aot import topology\ntopology.use_host_compiler()\nimport jaxshare.kernels.flash as f\n"
-           "f._fit_tiles = lambda names, bq, bk, ops, limit: (bq, bk)\n"
-           "f._fit_stages = lambda name, bq, bk, ops, limit: f.triton_launch(name, max(ops.e, ops.d), bq)[1]")
+  unfit = ("from jaxshare.aot import topology\ntopology.use_host_compiler()\nimport jaxshare.kernels.tuning as t\n"
+           "t.fit_tiles = lambda names, bq, bk, ops, limit: (bq, bk)\n"
+           "t.fit_stages = lambda name, bq, bk, ops, limit: t.triton_launch(name, max(ops.e, ops.d), bq)[1]")
   proc, _ = aot_compile(tmp_path, "--topology=a100:4", "--schedule=dense", code=unfit)
   assert proc.returncode != 0
   assert re.search(r"RESOURCE_EXHAUSTED: Shared memory size limit exceeded: requested \d+, available: 166912",

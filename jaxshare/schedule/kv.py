@@ -121,16 +121,16 @@ def cla(model: ModelConfig, sched: ScheduleConfig) -> list[LayerPlan]:
 
 def mlkv(model: ModelConfig, sched: ScheduleConfig) -> list[LayerPlan]:
   """Multi-Layer KV: ``schedule.kv_layers`` owners placed by ``schedule.placement`` (:func:`mlkv_owners`)."""
-  L, m = model.num_layers, sched.kv_layers
+  L, m, g = model.num_layers, sched.kv_layers, _kv_heads(model, sched)
   if not 1 <= m <= L:
     raise ScheduleError(f"schedule.kv_layers={m!r} is invalid: MLKV needs 1 <= m <= model.num_layers={L}")
-  return _from_producers(mlkv_owners(L, m, sched.placement), L, _kv_heads(model, sched), "schedule.kv_layers")
+  return _from_producers(mlkv_owners(L, m, sched.placement), L, g, "schedule.kv_layers")
 
 
 def explicit(model: ModelConfig, sched: ScheduleConfig) -> list[LayerPlan]:
   """One K/V source per layer, LCKV style (:func:`parse_sources`)."""
+  g = _kv_heads(model, sched)
   if not sched.sources:
     raise ScheduleError("schedule.sources='' is invalid for kind=explicit: give one source per layer, "
                         "e.g. '0_0_2_2'")
-  g = _kv_heads(model, sched)
   return [LayerPlan(i, s, g) for i, s in enumerate(parse_sources(sched.sources, model.num_layers))]
