@@ -183,9 +183,9 @@ class Datasets:
 
   Every global batch of ``batch_size`` sequences is the same whatever the number of processes; each process reads
   only its :attr:`rows` of it (``rows``; default: block ``process_index`` of ``process_count`` equal blocks; the
-  training loop passes the rows its devices hold, :func:`jaxshare.parallel.local_batch_rows`). A mixture shuffles each component
-  and mixes them by weight with grain's deterministic ``MapDataset.mix``; sequence ``i`` of the run comes from
-  component :meth:`component_of` ``(i)``.
+  training loop passes the rows its devices hold, :func:`jaxshare.parallel.local_batch_rows`). A mixture shuffles
+  each component and mixes them by weight with grain's deterministic ``MapDataset.mix``; sequence ``i`` of the run
+  comes from component :meth:`component_of` ``(i)``.
   """
 
   def __init__(self, cfg: DataConfig, batch_size: int, *, tokenizer: Tokenizer | None = None,

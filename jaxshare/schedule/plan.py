@@ -181,5 +181,6 @@ class Schedule:
                       for s in self.stacks)
     heads = sorted({p.num_kv_heads for p in self.layers})
     reuse = sum(1 for p in self.layers if p.score_reuse)
-    extra = (f", {reuse} reuse scores" if reuse else "") + (f", {self.tied_heads} tied heads" if self.tied_heads else "")
+    extra = ((f", {reuse} reuse scores" if reuse else "")
+             + (f", {self.tied_heads} tied heads" if self.tied_heads else ""))
     return f"{self.kind}: {len(self.producers)}/{len(self.layers)} layers produce K/V (G={heads}){extra} | {segs}"
