@@ -13,7 +13,7 @@ import dataclasses
 
 from jaxshare import accounting
 from jaxshare.config import AttentionConfig, Config, ModelConfig, ScheduleConfig
-from jaxshare.schedule import LayerPlan, Schedule, StackPlan, compile_schedule
+from jaxshare.schedule import Schedule, compile_schedule
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,14 +33,6 @@ class ModelPlan:
   mlp_dim: int
   match: accounting.ParamMatch | None
   attention: AttentionConfig
-
-  @property
-  def layers(self) -> tuple[LayerPlan, ...]:
-    return self.schedule.layers
-
-  @property
-  def stacks(self) -> tuple[StackPlan, ...]:
-    return self.schedule.stacks
 
   @property
   def tied_heads(self) -> int:
