@@ -44,8 +44,7 @@ def _models(*extra):
 
 @functools.cache
 def _capture_fn(graphdef):
-  return jax.jit(lambda p, b: nnx.merge(graphdef, p)(b.inputs, b.positions, b.segment_ids,
-                                                     capture_mha=True)[1])
+  return jax.jit(lambda p, b: nnx.merge(graphdef, p).capture_mha(b.inputs, b.positions, b.segment_ids)[1])
 
 
 def _captured(setup, params, batches, key):
@@ -100,7 +99,7 @@ def test_captured_activations_are_the_residual_stream():
   src_setup, src, _, _, batches = _models()
   b = batches[0]
   model = nnx.merge(src_setup.graphdef, src)
-  logits, mha = model(b.inputs, b.positions, b.segment_ids, capture_mha=True)
+  logits, mha = model.capture_mha(b.inputs, b.positions, b.segment_ids)
   np.testing.assert_array_equal(np.asarray(logits), np.asarray(model(b.inputs, b.positions, b.segment_ids)))
   np.testing.assert_allclose(np.asarray(mha.input[0]), np.asarray(src["embedding"])[b.inputs], rtol=1e-6)
   for layer in range(3):
@@ -111,8 +110,6 @@ def test_captured_activations_are_the_residual_stream():
     up = normed @ np.asarray(p["mlp"]["up"]["kernel"])
     mlp = (gate / (1 + np.exp(-gate)) * up) @ np.asarray(p["mlp"]["down"]["kernel"])
     np.testing.assert_allclose(np.asarray(mha.input[layer + 1]), h + mlp, rtol=1e-4, atol=1e-5)
-  with pytest.raises(ValueError, match="exclusive"):
-    model(b.inputs, capture_attention=True, capture_mha=True)
 
 
 def test_bad_calibration_input_is_refused():

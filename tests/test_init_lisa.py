@@ -121,8 +121,7 @@ def test_calibrated_factors_bring_the_logits_closer_than_reuse_and_the_fit(batch
   assert fit.layers == (2, 3)
 
   def logits(graphdef, p, b):  # layers 2 and 3: [2, B, H, T, T]
-    return np.asarray(nnx.merge(graphdef, p)(b.inputs, b.positions, b.segment_ids,
-                                             capture_attention=True)[1])[[2, 3]]
+    return np.asarray(nnx.merge(graphdef, p).capture_logits(b.inputs, b.positions, b.segment_ids)[1])[[2, 3]]
 
   def error(graphdef, p, batch, target):  # squared error over causal positions, computed here independently
     seg, t = np.asarray(batch.segment_ids), batch.inputs.shape[1]

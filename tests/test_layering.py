@@ -107,3 +107,12 @@ def test_no_import_cycle():
   for name in sorted(GRAPH):
     if name not in state:
       visit(name, [name])
+
+
+@pytest.mark.parametrize("name", ["jaxshare.model.attention", "jaxshare.model.block", "jaxshare.model.transformer"])
+def test_layers_run_attention_only_through_the_dispatch(name):
+  """Every attention computation of a layer (own scores, consumer, reuse, materialise, LISA, decode, prefill) goes
+  through the one :class:`~jaxshare.kernels.dispatch.AttentionOps` that ``attention.impl`` chooses: the modules that
+  build layers import no kernel module but the dispatch."""
+  kernels = sorted(t for t in GRAPH[name] if t.startswith("jaxshare.kernels") and t != "jaxshare.kernels.dispatch")
+  assert not kernels, f"{name} calls kernels beside the dispatch: {kernels}"

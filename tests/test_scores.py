@@ -13,7 +13,7 @@ from jaxshare.kernels import reference
 from jaxshare.model import scores
 from jaxshare.model.attention import Attention
 from jaxshare.model.scores import ScoreFeatures, ScoreTensors
-from jaxshare.schedule import compile_schedule
+from jaxshare.plan import plan_of
 
 T = 256
 BF16_D128 = ["model.dtype=bfloat16", "model.head_dim=128", "model.d_model=64", "model.num_heads=2",
@@ -30,10 +30,10 @@ SCHEDULES = {
 
 def producer_and_reuser(name, mode):
   """The first superblock's producer and its first reusing layer, as built by the model (same seeds in both modes)."""
-  cfg = tiny_config(*BF16_D128, *SCHEDULES[name])
-  runs = compile_schedule(cfg.model, cfg.schedule).superblocks[0].runs
-  build = lambda role, seed: Attention(cfg.model, role, attention_impl="xla", score_sharing=mode,  # noqa: E731
-                                       rngs=nnx.Rngs(seed))
+  cfg = tiny_config(*BF16_D128, *SCHEDULES[name], "attention.impl=xla", f"attention.score_sharing={mode}")
+  plan = plan_of(cfg)
+  runs = plan.schedule.superblocks[0].runs
+  build = lambda role, seed: Attention(plan, role, rngs=nnx.Rngs(seed))  # noqa: E731
   return cfg, build(runs[0].role, 0), build(runs[1].role, 1), runs[1].role
 
 

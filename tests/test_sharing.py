@@ -168,7 +168,7 @@ def test_capture_returns_each_layers_logits():
   _, graphdef, params = randomized(cfg)
   x = tokens()
   model = nnx.merge(graphdef, params)
-  out, attn = model(x, capture_attention=True)
+  out, attn = model.capture_logits(x)
   np.testing.assert_array_equal(np.asarray(out), np.asarray(model(x)))
   assert attn.shape == (4, 2, 4, 12, 12)
   np.testing.assert_array_equal(np.asarray(attn[2]), np.asarray(attn[1]))  # layers 2, 3 reuse layer 1's scores
@@ -184,7 +184,7 @@ def test_captured_chain_logits_are_each_layers_own(name):
   captured = {}
   for mode in ("recompute", "materialize"):
     _, graphdef, params = randomized(tiny_config(*SCORE_SCHEDULES[name], f"attention.score_sharing={mode}"))
-    captured[mode] = np.asarray(nnx.merge(graphdef, params)(x, capture_attention=True)[1])
+    captured[mode] = np.asarray(nnx.merge(graphdef, params).capture_logits(x)[1])
   np.testing.assert_allclose(captured["recompute"], captured["materialize"], atol=2e-5, rtol=2e-5)
 
 

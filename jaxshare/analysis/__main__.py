@@ -68,7 +68,7 @@ def attention_probs(run: Run, tokens: np.ndarray) -> np.ndarray:
   ``tokens [B, T]``."""
   @jax.jit
   def captured_logits(params, tokens):
-    return nnx.merge(run.graphdef, params)(tokens, capture_attention=True)[1]
+    return nnx.merge(run.graphdef, params).capture_logits(tokens)[1]
 
   return similarity.causal_softmax(np.asarray(captured_logits(run.params, tokens)), run.cfg.model.sliding_window)
 

@@ -27,7 +27,7 @@ def causal_softmax(logits: np.ndarray, window: int = 0) -> np.ndarray:
 
   Args:
     logits: ``[..., T, T]`` float pre-softmax attention logits (already scaled by 1/sqrt(d)), e.g. the
-      ``[L, B, H, T, T]`` that ``Transformer(..., capture_attention=True)`` returns.
+      ``[L, B, H, T, T]`` that ``Transformer.capture_logits`` returns.
 
   Returns:
     Same shape and dtype; each row sums to 1 and is 0 above the diagonal (and before the window).

@@ -80,8 +80,7 @@ class _Accumulator:
 def _forward(graphdef: nnx.GraphDef) -> Callable:
   """``(params, batch) -> (summed token loss, token count, MHAActivations [L, B, T, D])``, jitted."""
   def fn(params, batch):
-    logits, mha = nnx.merge(graphdef, params)(batch.inputs, batch.positions, batch.segment_ids,
-                                              capture_mha=True)
+    logits, mha = nnx.merge(graphdef, params).capture_mha(batch.inputs, batch.positions, batch.segment_ids)
     return *masked_cross_entropy(logits, batch), mha
   return jax.jit(fn)
 

@@ -137,8 +137,7 @@ def calibrate_low_rank(src: tuple[nnx.GraphDef, dict], dst: tuple[nnx.GraphDef, 
 
   @functools.partial(jax.jit, static_argnums=0)
   def attention_logits(graphdef, params, batch):  # [n, B, H, T, T]
-    return nnx.merge(graphdef, params)(batch.inputs, batch.positions, batch.segment_ids,
-                                       capture_attention=True)[1][index]
+    return nnx.merge(graphdef, params).capture_logits(batch.inputs, batch.positions, batch.segment_ids)[1][index]
 
   targets = [attention_logits(src[0], src[1], b) for b in batches]
 

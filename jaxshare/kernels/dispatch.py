@@ -47,7 +47,9 @@ AUTO_TABLE = (
 
 @dataclasses.dataclass(frozen=True)
 class AttentionOps:
-  """The attention computations a layer may run.
+  """Every attention computation a layer may run: the fused ones, chosen by ``attention.impl``, and the
+  materialised ones (the same under every implementation: no kernel hands on ``[B, H, T, S]`` probabilities), so that
+  a layer calls nothing else.
 
   Attributes:
     attention: softmax attention, the contract of :func:`jaxshare.kernels.reference.attention`.
@@ -60,6 +62,25 @@ class AttentionOps:
   attention: Callable
   attention_from_lse: Callable
   decode_attention: Callable = decode.attention
+
+  # Materialised scores: logits [B, H, T, S] float32, probabilities applied to V in float32.
+  scores = staticmethod(reference.scores)
+  masked_softmax = staticmethod(reference.masked_softmax)
+  apply_probs = staticmethod(reference.apply_probs)
+  decode_scores = staticmethod(decode.scores)
+  decode_apply_probs = staticmethod(decode.apply_probs)
+
+  @staticmethod
+  def logits_attention(logits: jax.Array, v: jax.Array, segment_ids: jax.Array, *, window: int, dtype
+                       ) -> tuple[jax.Array, jax.Array]:
+    """Causal attention of materialised ``[B, H, T, S]`` float32 logits (unmasked; within-document, ``window``
+    keys back when nonzero) applied to ``v [B, S, G, d]``.
+
+    Returns:
+      ``([B, T, H, d] in dtype, the masked probabilities [B, H, T, S] float32)``.
+    """
+    probs, _ = reference.masked_softmax(logits, reference.attention_mask(segment_ids, segment_ids, True, window))
+    return reference.apply_probs(probs, v, dtype), probs
 
 
 def _checkpointed_reuse(q, k, lse, v, q_segment_ids, kv_segment_ids, **kwargs):

@@ -9,7 +9,6 @@ reads are :mod:`jaxshare.model.scores` states.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 
 import jax
@@ -17,21 +16,20 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxshare import parallel
-from jaxshare.config import ModelConfig
-from jaxshare.kernels import decode as decode_ops
-from jaxshare.kernels import reference
+from jaxshare.config.choices import Integrator, ScoreReuse, ScoreSharing
 from jaxshare.kernels.dispatch import get_attention
 from jaxshare.model import cache as kv_cache
 from jaxshare.model import scores
 from jaxshare.model.cache import StepContext
 from jaxshare.model.layers import DenseGeneral
 from jaxshare.model.rope import RopeScaling, apply_rope
-from jaxshare.model.scores import AlignerChain, ScoreFeatures, ScoreState, ScoreTensors
+from jaxshare.model.scores import LowRank, ScoreFeatures, ScoreState, ScoreTensors
+from jaxshare.plan import ModelPlan
 from jaxshare.schedule import LayerRole
 
 KV = tuple[jax.Array | None, jax.Array]
 # A decoding producer's K and V as (cache, new rows) blocks, heads-major (K None for score reusers).
-DecodeKV = tuple[decode_ops.Blocks | None, decode_ops.Blocks]
+DecodeKV = tuple[tuple[jax.Array, ...] | None, tuple[jax.Array, ...]]
 
 
 
@@ -92,16 +90,20 @@ def sum_aligner(num_heads: int, hidden: int, std: float, key: jax.Array, dtype) 
 class Attention(nnx.Module):
   """Attention of one layer in the role the schedule gives it.
 
+  Every attention computation runs through one :class:`~jaxshare.kernels.dispatch.AttentionOps`, chosen from the
+  plan's ``attention.impl``; what a reusing layer reads is a :mod:`~jaxshare.model.scores` state, which knows how to
+  attend (``reuse`` its probabilities; ``extend`` a LISA chain by a layer's delta and ``attend`` over its logits).
+
   Args:
-    cfg: model config.
+    plan: the compiled model; its ``model`` and ``attention`` groups are read:
     role: what the layer owns and reads (:class:`~jaxshare.schedule.LayerRole`).
-    attention_impl: ``attention.impl``.
-    score_sharing: ``recompute`` (hand on :class:`~jaxshare.model.scores.ScoreFeatures`: probability reusers
+    attention.impl: the :class:`~jaxshare.kernels.dispatch.AttentionOps` the layer runs.
+    attention.score_sharing: ``recompute`` (hand on :class:`~jaxshare.model.scores.ScoreFeatures`: probability reusers
       recompute ``exp(QKᵀ·s − lse)`` under ``jax.checkpoint``, LISA_plus/DS chains attend over concatenated
       features; nothing ``[B,H,T,T]`` is kept per reusing layer) or ``materialize`` (hand on the probabilities or
       logits). Both give the same numbers; with recompute full LISA's aligner chains hand on an
       :class:`~jaxshare.model.scores.AlignerChain` and attend in query chunks.
-    chain_dtype: what a LISA_plus/DS chain's attention reads its float32 features as: ``float32`` (its logits
+    attention.chain_dtype: what a LISA_plus/DS chain's attention reads its float32 features as: ``float32`` (its logits
       equal the materialised sum to float32 rounding) or ``compute`` (``cfg.dtype``, rounded as a bf16 layer's own
       Q and K are, so that library kernels that take bf16/fp16 alone run the chain: cuDNN on Hopper).
 
@@ -111,21 +113,18 @@ class Attention(nnx.Module):
   also keeps ``q_proj``/``k_proj``, marked not trainable.
   """
 
-  def __init__(self, cfg: ModelConfig, role: LayerRole, *, attention_impl: str, score_sharing: str,
-               chain_dtype: str = "float32", rngs: nnx.Rngs):
+  def __init__(self, plan: ModelPlan, role: LayerRole, *, rngs: nnx.Rngs):
+    cfg, settings = plan.model, plan.attention
     D, H, d, g = cfg.d_model, cfg.num_heads, cfg.resolved_head_dim, role.num_kv_heads
     dtype, pdtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
     qkv_bias, out_bias = cfg.features.qkv_biases, cfg.features.dense_biases
     std, out_std = cfg.init_std, cfg.init_std / math.sqrt(2 * cfg.num_layers)
     self.role, self.head_dim, self.dtype = role, d, dtype
     self.theta, self.rotary_dim, self.rope_scaling = cfg.rope_theta, int(d * cfg.rotary_pct), RopeScaling.of(cfg)
-    self.recompute = score_sharing == "recompute"
-    self.chain_dtype = dtype if chain_dtype == "compute" else None
+    self.recompute = settings.score_sharing == ScoreSharing.RECOMPUTE
+    self.chain_dtype = dtype if settings.chain_dtype == "compute" else None
     self.window = cfg.sliding_window
-    ops = get_attention(attention_impl)
-    self.attend = functools.partial(ops.attention, window=self.window)
-    self.reuse = functools.partial(ops.attention_from_lse, window=self.window)
-    self.attend_decode = ops.decode_attention
+    self.ops = get_attention(settings.impl)
 
     def proj(heads: int, axes: str, width: int, trainable: bool = True) -> DenseGeneral:
       return DenseGeneral("btd,dhk->bthk", (D, heads, width), ("embed", axes, "head_dim"), std=std,
@@ -143,12 +142,12 @@ class Attention(nnx.Module):
                                param_dtype=pdtype, rngs=rngs)
     self.q_lr = proj(H, "heads", role.lisa_rank) if role.has_low_rank else None
     self.k_lr = proj(g, "kv_heads", role.lisa_rank) if role.has_low_rank else None
-    ffn = sum_aligner(H, role.lisa_hidden, std, rngs.params(), pdtype) if role.integrator == "ffn" else None
+    ffn = sum_aligner(H, role.lisa_hidden, std, rngs.params(), pdtype) if role.integrator == Integrator.FFN else None
     self.align_in = nnx.Param(ffn[0], logical_axes=("heads", "mlp")) if ffn else None
     self.align_out = nnx.Param(ffn[1], logical_axes=("mlp", "heads")) if ffn else None
     # The linear integrator starts as LISA_plus too: A_{n-1} + A_delta.
     self.align = nnx.Param(jnp.concatenate([jnp.eye(H), jnp.eye(H)]).astype(pdtype), logical_axes=("heads", None)
-                           ) if role.integrator == "linear" else None
+                           ) if role.integrator == Integrator.LINEAR else None
 
   def _project(self, name: str, x: jax.Array, head_kernels: dict | None) -> jax.Array:
     if head_kernels is None:
@@ -169,7 +168,7 @@ class Attention(nnx.Module):
     return apply_rope(x, positions, self.theta, self.rotary_dim if rotary_dim is None else rotary_dim,
                       self.rope_scaling)
 
-  def _low_rank(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+  def _low_rank(self, x: jax.Array, positions: jax.Array) -> LowRank:
     q, k = self.q_lr(x), self.k_lr(x)
     if self.role.lisa_rope:
       rot = self.role.lisa_rank - self.role.lisa_rank % 2
@@ -178,9 +177,9 @@ class Attention(nnx.Module):
 
   def _aligner_weights(self) -> tuple[jax.Array, ...]:
     """This layer's aligner weights in :func:`~jaxshare.model.scores.integrate`'s order (none for ``add``)."""
-    if self.role.integrator == "linear":
+    if self.role.integrator == Integrator.LINEAR:
       return (self.align[...],)
-    if self.role.integrator == "ffn":
+    if self.role.integrator == Integrator.FFN:
       return (self.align_in[...], self.align_out[...])
     return ()
 
@@ -209,37 +208,14 @@ class Attention(nnx.Module):
       return self._own_scores(x, positions, segment_ids, k, v, head_kernels)
     if score_in is None:
       raise ValueError("a score-reusing layer needs its source layer's score state")
-    if role.score_reuse == "probs":
-      if isinstance(score_in, ScoreFeatures):  # exp(s q kᵀ - lse) applied to V, nothing [B,H,T,S] kept
-        out = self.reuse(score_in.q, score_in.k, score_in.lse, v, segment_ids, segment_ids,
-                         scale=score_in.scale).astype(self.dtype)
-      else:
-        out = reference.apply_probs(score_in.probs, v, self.dtype)
+    if role.score_reuse == ScoreReuse.PROBS:
+      out = score_in.reuse(self.ops, v, segment_ids, window=self.window, dtype=self.dtype)
       return Attended(self.o_proj(out), (k, v), None, None)
-    if isinstance(score_in, AlignerChain):  # full LISA: logits recomputed from the chain's features per query chunk
-      state = scores.append_aligner(score_in, slot, *self._low_rank(x, positions), self._aligner_weights())
-      out = scores.chain_attention(state, v, segment_ids, self.window)
-      return Attended(self.o_proj(out.astype(self.dtype)), (k, v), state, state)
-    if isinstance(score_in, ScoreFeatures):  # LISA_plus / DS chain: one attention over the chain's features
-      if role.integrator not in ("add", "none"):
-        raise ValueError(f"the {role.integrator} aligner mixes materialised logits; see scores.chain_entry")
-      state = score_in
-      if role.has_low_rank:
-        state = scores.add_low_rank(state, *self._low_rank(x, positions), slot)
-      q, k = state.q, state.k
-      if self.chain_dtype is not None:
-        q, k = q.astype(self.chain_dtype), k.astype(self.chain_dtype)
-      out = self.attend(q, k, scores.regroup(v, k.shape[2]), segment_ids, segment_ids, causal=True, scale=state.scale)
-    else:
-      a = score_in.logits
-      if role.has_low_rank:
-        q_lr, k_lr = self._low_rank(x, positions)
-        a = scores.integrate(role.integrator, a, reference.scores(q_lr, k_lr, role.lisa_rank ** -0.5),
-                             self._aligner_weights())
-      probs, _ = reference.masked_softmax(a, reference.attention_mask(segment_ids, segment_ids, True, self.window))
-      out = reference.apply_probs(probs, v, self.dtype)
-      state = ScoreTensors(logits=a)
-    return Attended(self.o_proj(out.astype(self.dtype)), (k, v), state, state)
+    delta = self._low_rank(x, positions) if role.has_low_rank else None
+    state = score_in.extend(delta, slot, role.integrator, self._aligner_weights())
+    out = state.attend(self.ops, v, segment_ids, window=self.window, dtype=self.dtype,
+                       features_dtype=self.chain_dtype)
+    return Attended(self.o_proj(out), (k, v), state, state)
 
   def decode(self, x: jax.Array, ctx: StepContext, cache: kv_cache.Buffers, kv_in: DecodeKV | None,
              score_in: jax.Array | None, head_kernels: dict | None = None, nf: bool = False) -> Decoded:
@@ -284,12 +260,12 @@ class Attention(nnx.Module):
     if not role.score_reuse:
       q = self._rope(self._project("q", x, head_kernels), ctx.positions)
       if not role.feeds:
-        out = self.attend_decode(q, k, v, ctx.mask, scale=self.head_dim ** -0.5, dtype=self.dtype)
+        out = self.ops.decode_attention(q, k, v, ctx.mask, scale=self.head_dim ** -0.5, dtype=self.dtype)
         return Decoded(self.o_proj(out), rows, (k, v), None)
-      logits = decode_ops.scores(q, k, self.head_dim ** -0.5)
-      probs, _ = reference.masked_softmax(logits, ctx.mask)
-      handed = {"probs": probs, "logits": logits}.get(role.feeds)
-    elif role.score_reuse == "probs":
+      logits = self.ops.decode_scores(q, k, self.head_dim ** -0.5)
+      probs, _ = self.ops.masked_softmax(logits, ctx.mask)
+      handed = probs if role.feeds == ScoreReuse.PROBS else logits
+    elif role.score_reuse == ScoreReuse.PROBS:
       probs, handed = score_in, None
     else:
       if nf:
@@ -297,11 +273,11 @@ class Attention(nnx.Module):
       else:
         logits = score_in
         if role.has_low_rank:
-          delta = decode_ops.scores(q_lr, blocks("k_lr"), role.lisa_rank ** -0.5)
+          delta = self.ops.decode_scores(q_lr, blocks("k_lr"), role.lisa_rank ** -0.5)
           logits = scores.integrate(role.integrator, logits, delta, self._aligner_weights())
-      probs, _ = reference.masked_softmax(logits, ctx.mask)
+      probs, _ = self.ops.masked_softmax(logits, ctx.mask)
       handed = logits
-    return Decoded(self.o_proj(decode_ops.apply_probs(probs, v, self.dtype)), rows, (k, v), handed)
+    return Decoded(self.o_proj(self.ops.decode_apply_probs(probs, v, self.dtype)), rows, (k, v), handed)
 
   def _nf_logits(self, x: jax.Array, positions: jax.Array, keys: int) -> jax.Array:
     """NF prefill: the original attention's logits over the new tokens, ``[B, H, n, keys]`` with the (empty)
@@ -310,7 +286,7 @@ class Attention(nnx.Module):
       raise ValueError("LISA's NF prefill attends with the layer's original W_q/W_k; this model did not keep "
                        "them: set schedule.lisa.keep_qk=true (uptraining keeps the dense model's)")
     q, k = self._rope(self.q_proj(x), positions), self._rope(self.k_proj(x), positions)
-    logits = reference.scores(q, k, self.head_dim ** -0.5)
+    logits = self.ops.scores(q, k, self.head_dim ** -0.5)
     return jnp.pad(logits, ((0, 0), (0, 0), (0, 0), (keys - logits.shape[-1], 0)))
 
   def _own_scores(self, x, positions, segment_ids, k, v, head_kernels) -> Attended:
@@ -319,14 +295,14 @@ class Attention(nnx.Module):
     role, scale = self.role, self.head_dim ** -0.5
     q = parallel.constrain(self._rope(self._project("q", x, head_kernels), positions), _BTH)
     if role.feeds and not self.recompute:  # materialise once: for this layer's output and for its readers
-      a = reference.scores(q, k, scale)
-      probs, _ = reference.masked_softmax(a, reference.attention_mask(segment_ids, segment_ids, True, self.window))
-      out = reference.apply_probs(probs, v, self.dtype)
-      state = ScoreTensors(logits=a) if role.feeds == "logits" else ScoreTensors(probs=probs)
+      a = self.ops.scores(q, k, scale)
+      out, probs = self.ops.logits_attention(a, v, segment_ids, window=self.window, dtype=self.dtype)
+      state = ScoreTensors(logits=a) if role.feeds == ScoreReuse.LOGITS else ScoreTensors(probs=probs)
       return Attended(self.o_proj(out), (k, v), state, ScoreTensors(logits=a))
     if role.feeds:
-      out, lse = self.attend(q, k, v, segment_ids, segment_ids, causal=True, scale=scale, return_lse=True)
+      out, lse = self.ops.attention(q, k, v, segment_ids, segment_ids, causal=True, scale=scale, window=self.window,
+                                    return_lse=True)
       state = ScoreFeatures(q, k, lse, scale)
       return Attended(self.o_proj(out), (k, v), state, state)
-    out = self.attend(q, k, v, segment_ids, segment_ids, causal=True, scale=scale)
+    out = self.ops.attention(q, k, v, segment_ids, segment_ids, causal=True, scale=scale, window=self.window)
     return Attended(self.o_proj(out), (k, v), None, ScoreFeatures(q, k, None, scale))

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxshare import parallel
-from jaxshare.config import ModelConfig
+from jaxshare.config.choices import ScoreReuse, ScoreSharing
 from jaxshare.model import cache as kv_cache
 from jaxshare.model import scores
 from jaxshare.model.attention import KV, Attended, Attention, Decoded, DecodeKV
@@ -20,6 +20,7 @@ from jaxshare.model.cache import StepContext
 from jaxshare.model.layers import MLP, DenseGeneral, make_norm
 from jaxshare.model.scan import scan_or_unroll
 from jaxshare.model.scores import AlignerChain, ScoreFeatures, ScoreState
+from jaxshare.plan import ModelPlan
 from jaxshare.schedule import LayerRole, RunPlan
 
 _RESIDUAL = ("activation_batch", "activation_length", "activation_embed")
@@ -60,19 +61,18 @@ class DecoderLayer(nnx.Module):
   so that training starts from plain probability reuse), its input being the residual ``x`` or ``norm1 x``.
   """
 
-  def __init__(self, cfg: ModelConfig, role: LayerRole, *, mlp_dim: int, attention_impl: str, score_sharing: str,
-               chain_dtype: str = "float32", rngs: nnx.Rngs):
+  def __init__(self, plan: ModelPlan, role: LayerRole, *, rngs: nnx.Rngs):
+    cfg = plan.model
     pdtype = jnp.dtype(cfg.param_dtype)
     features = cfg.features
     self.parallel_residual, self.wc_normed = features.parallel_residual, role.wc_normed
     self.norm1 = make_norm(features.norm, cfg.d_model, cfg.norm_eps, pdtype)
-    self.attn = Attention(cfg, role, attention_impl=attention_impl, score_sharing=score_sharing,
-                          chain_dtype=chain_dtype, rngs=rngs)
+    self.attn = Attention(plan, role, rngs=rngs)
     self.compensation = DenseGeneral(
       "btd,de->bte", (cfg.d_model, cfg.d_model), ("embed", None), std=None, bias_shape=None,
       dtype=jnp.dtype(cfg.dtype), param_dtype=pdtype, rngs=rngs) if role.compensation else None
     self.norm2 = make_norm(features.norm, cfg.d_model, cfg.norm_eps, pdtype)
-    self.mlp = MLP(features.activation, cfg.d_model, mlp_dim, bias=features.dense_biases, std=cfg.init_std,
+    self.mlp = MLP(features.activation, cfg.d_model, plan.mlp_dim, bias=features.dense_biases, std=cfg.init_std,
                    out_std=cfg.init_std / math.sqrt(2 * cfg.num_layers), dtype=jnp.dtype(cfg.dtype),
                    param_dtype=pdtype, rngs=rngs)
 
@@ -114,16 +114,14 @@ class LayerRun(nnx.Module):
   chain's score state is carried from layer to layer in a fixed shape (see :func:`scores.chain_entry`).
   """
 
-  def __init__(self, cfg: ModelConfig, run: RunPlan, *, mlp_dim: int, attention_impl: str, score_sharing: str,
-               chain_dtype: str = "float32", rngs: nnx.Rngs):
-    self.length, self.role, self.scan = run.length, run.role, cfg.scan_layers
-    self.recompute = score_sharing == "recompute"
+  def __init__(self, plan: ModelPlan, run: RunPlan, *, rngs: nnx.Rngs):
+    self.length, self.role, self.scan = run.length, run.role, plan.model.scan_layers
+    self.recompute = plan.attention.score_sharing == ScoreSharing.RECOMPUTE
 
     @nnx.split_rngs(splits=run.length)
     @nnx.vmap(in_axes=(0,), out_axes=0)
     def make(rngs: nnx.Rngs) -> DecoderLayer:
-      return DecoderLayer(cfg, run.role, mlp_dim=mlp_dim, attention_impl=attention_impl, score_sharing=score_sharing,
-                          chain_dtype=chain_dtype, rngs=rngs)
+      return DecoderLayer(plan, run.role, rngs=rngs)
 
     self.layers = make(rngs)
 
@@ -143,7 +141,7 @@ class LayerRun(nnx.Module):
       another layer reads by position).
     """
     role = self.role
-    chain = role.score_reuse == "logits"
+    chain = role.score_reuse == ScoreReuse.LOGITS
     base, width = 0, role.lisa_rank
     if chain:
       score_in = scores.chain_entry(score_in, integrator=role.integrator, num_kv_heads=role.num_kv_heads,
@@ -180,7 +178,7 @@ class LayerRun(nnx.Module):
     cache ``buffers`` ``{name: [length, B, G, S, e]}`` (one superblock's) and adds rows ``{name: [length, B, G, n,
     e]}``; K/V blocks only from a one-layer run; a LISA chain carries its logits rows from layer to layer.
     """
-    chain = self.role.score_reuse == "logits"
+    chain = self.role.score_reuse == ScoreReuse.LOGITS
 
     def body(layer: DecoderLayer, carry, cache, kernels):
       x, rows_in = carry
@@ -211,7 +209,7 @@ class LayerRun(nnx.Module):
 
   def _captures(self, capture: str | None) -> bool:
     """Whether this run returns its own captures (a probability reuser has no logits of its own)."""
-    return capture == "mha" or (capture == "logits" and self.role.score_reuse != "probs")
+    return capture == "mha" or (capture == "logits" and self.role.score_reuse != ScoreReuse.PROBS)
 
 
 class Superblock(nnx.Module):
@@ -222,11 +220,9 @@ class Superblock(nnx.Module):
     runs: the superblock's runs (:func:`jaxshare.schedule.layer_runs`).
   """
 
-  def __init__(self, cfg: ModelConfig, runs: tuple[RunPlan, ...], *, mlp_dim: int, attention_impl: str,
-               score_sharing: str, chain_dtype: str = "float32", rngs: nnx.Rngs):
+  def __init__(self, plan: ModelPlan, runs: tuple[RunPlan, ...], *, rngs: nnx.Rngs):
     self.plan = tuple(runs)
-    self.runs = nnx.List([LayerRun(cfg, run, mlp_dim=mlp_dim, attention_impl=attention_impl,
-                                   score_sharing=score_sharing, chain_dtype=chain_dtype, rngs=rngs) for run in runs])
+    self.runs = nnx.List([LayerRun(plan, run, rngs=rngs) for run in runs])
 
   def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array, capture: str | None = None,
                head_kernels: dict | None = None) -> tuple[jax.Array, tuple]:

@@ -21,12 +21,19 @@ width.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 from flax import struct
 
+from jaxshare.config.choices import Integrator
 from jaxshare.kernels import reference
+
+if TYPE_CHECKING:
+  from jaxshare.kernels.dispatch import AttentionOps
+
+LowRank = tuple[jax.Array, jax.Array]  # a LISA layer's delta features: q_LR [B, T, H, r], k_LR [B, S, G, r]
 
 
 @struct.dataclass
@@ -45,6 +52,39 @@ class ScoreFeatures:
   lse: jax.Array | None
   scale: float = struct.field(pytree_node=False)
 
+  def reuse(self, ops: AttentionOps, v: jax.Array, segment_ids: jax.Array, *, window: int, dtype) -> jax.Array:
+    """Probability reuse (SA Alg. 1, UniAttn Eq. 3): ``exp(scale · q kᵀ − lse)`` applied to the reuser's
+    ``v [B, S, G, d]`` by ``ops.attention_from_lse``, nothing ``[B, H, T, S]`` kept. Returns ``[B, T, H, d]`` in
+    ``dtype``."""
+    return ops.attention_from_lse(self.q, self.k, self.lse, v, segment_ids, segment_ids, scale=self.scale,
+                                  window=window).astype(dtype)
+
+  def extend(self, delta: LowRank | None, slot: jax.Array | int, integrator: Integrator,
+             weights: tuple[jax.Array, ...]) -> ScoreFeatures:
+    """A LISA_plus layer's logits (Eq. 4 with addition: its delta written into the feature slot at offset
+    ``slot``); a DS layer's (no delta) are its source's.
+
+    Raises:
+      ValueError: an ``ffn``/``linear`` aligner, which mixes heads per logit and so needs an :class:`AlignerChain`
+        or materialised logits (:func:`chain_entry` chooses).
+    """
+    del weights  # addition has none
+    if integrator not in (Integrator.ADD, Integrator.NONE):
+      raise ValueError(f"the {integrator} aligner mixes materialised logits; see scores.chain_entry")
+    return self if delta is None else add_low_rank(self, *delta, slot)
+
+  def attend(self, ops: AttentionOps, v: jax.Array, segment_ids: jax.Array, *, window: int, dtype,
+             features_dtype=None) -> jax.Array:
+    """A LISA_plus/DS chain's causal attention: one ``ops.attention`` over the concatenated features, read as
+    ``features_dtype`` (None: as held, float32) and applied to ``v [B, S, G, d]``. Returns ``[B, T, H, d]`` in
+    ``dtype``."""
+    q, k = self.q, self.k
+    if features_dtype is not None:
+      q, k = q.astype(features_dtype), k.astype(features_dtype)
+    out = ops.attention(q, k, regroup(v, k.shape[2]), segment_ids, segment_ids, causal=True, scale=self.scale,
+                        window=window)
+    return out.astype(dtype)
+
 
 @struct.dataclass
 class ScoreTensors:
@@ -52,6 +92,35 @@ class ScoreTensors:
 
   logits: jax.Array | None = None
   probs: jax.Array | None = None
+
+  def reuse(self, ops: AttentionOps, v: jax.Array, segment_ids: jax.Array, *, window: int, dtype) -> jax.Array:
+    """Probability reuse of the materialised probabilities: ``probs · v`` (``v [B, S, G, d]``), ``[B, T, H, d]`` in
+    ``dtype`` (the mask and window are already in the probabilities).
+
+    Raises:
+      ValueError: these scores were handed on as logits only.
+    """
+    del segment_ids, window
+    if self.probs is None:
+      raise ValueError("these scores were handed on as logits only; a probability reuser needs probabilities")
+    return ops.apply_probs(self.probs, v, dtype)
+
+  def extend(self, delta: LowRank | None, slot: jax.Array | int, integrator: Integrator,
+             weights: tuple[jax.Array, ...]) -> ScoreTensors:
+    """A LISA-family layer's logits (LISA Eq. 3-4, :func:`integrate`) from these materialised ones."""
+    del slot
+    a = logits(self)
+    if delta is not None:
+      q_lr, k_lr = delta
+      a = integrate(integrator, a, reference.scores(q_lr, k_lr, q_lr.shape[-1] ** -0.5), weights)
+    return ScoreTensors(logits=a)
+
+  def attend(self, ops: AttentionOps, v: jax.Array, segment_ids: jax.Array, *, window: int, dtype,
+             features_dtype=None) -> jax.Array:
+    """Causal softmax attention of the materialised logits applied to ``v [B, S, G, d]``: ``[B, T, H, d]`` in
+    ``dtype``."""
+    del features_dtype
+    return ops.logits_attention(logits(self), v, segment_ids, window=window, dtype=dtype)[0]
 
 
 @struct.dataclass
@@ -74,6 +143,29 @@ class AlignerChain:
   weights: tuple[jax.Array, ...]
   last: jax.Array
   integrator: str = struct.field(pytree_node=False)
+
+  def reuse(self, ops: AttentionOps, v: jax.Array, segment_ids: jax.Array, *, window: int, dtype) -> jax.Array:
+    """Raises ValueError: no schedule reuses a LISA chain's probabilities (the schedule compiler refuses it)."""
+    raise ValueError("a LISA chain hands on logits; no layer reuses its probabilities")
+
+  def extend(self, delta: LowRank | None, slot: jax.Array | int, integrator: Integrator,
+             weights: tuple[jax.Array, ...]) -> AlignerChain:
+    """A full-LISA layer's logits (Eq. 3-4): its delta and aligner written into ``slot`` (:func:`append_aligner`).
+
+    Raises:
+      ValueError: a layer without a low-rank delta (every ffn/linear layer has one).
+    """
+    del integrator  # the chain's own
+    if delta is None:
+      raise ValueError("a full-LISA aligner chain layer needs its low-rank delta")
+    return append_aligner(self, slot, *delta, weights)
+
+  def attend(self, ops: AttentionOps, v: jax.Array, segment_ids: jax.Array, *, window: int, dtype,
+             features_dtype=None) -> jax.Array:
+    """Causal attention of slot ``last``'s logits, recomputed per query chunk (:func:`chain_attention`):
+    ``[B, T, H, d]`` in ``dtype``."""
+    del ops, features_dtype  # the chain's logits exist in no kernel's contract: XLA, chunk by chunk
+    return chain_attention(self, v, segment_ids, window).astype(dtype)
 
 
 ScoreState = ScoreFeatures | ScoreTensors | AlignerChain

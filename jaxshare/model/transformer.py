@@ -21,15 +21,13 @@ from jaxshare.schedule import StackPlan
 class Stack(nnx.Module):
   """``count`` structurally identical superblocks with parameters stacked on a leading ``layers`` axis."""
 
-  def __init__(self, cfg: ModelConfig, plan: StackPlan, *, mlp_dim: int, attention_impl: str, score_sharing: str,
-               chain_dtype: str = "float32", rngs: nnx.Rngs):
-    self.count, self.scan, self.remat = plan.count, cfg.scan_layers, cfg.remat == "full"
+  def __init__(self, plan: ModelPlan, stack: StackPlan, *, rngs: nnx.Rngs):
+    self.count, self.scan, self.remat = stack.count, plan.model.scan_layers, plan.model.remat == "full"
 
-    @nnx.split_rngs(splits=plan.count)
+    @nnx.split_rngs(splits=stack.count)
     @nnx.vmap(in_axes=(0,), out_axes=0)
     def make(rngs: nnx.Rngs) -> Superblock:
-      return Superblock(cfg, plan.runs, mlp_dim=mlp_dim, attention_impl=attention_impl,
-                        score_sharing=score_sharing, chain_dtype=chain_dtype, rngs=rngs)
+      return Superblock(plan, stack.runs, rngs=rngs)
 
     self.blocks = make(rngs)
 
@@ -91,7 +89,7 @@ class Transformer(nnx.Module):
   """
 
   def __init__(self, plan: ModelPlan, *, ties: HeadTies | None = None, rngs: nnx.Rngs):
-    cfg, schedule, attention = plan.model, plan.schedule, plan.attention
+    cfg, schedule = plan.model, plan.schedule
     pdtype, self.dtype = jnp.dtype(cfg.param_dtype), jnp.dtype(cfg.dtype)
     self.window = cfg.sliding_window
     self.embedding = nnx.Param(cfg.init_std * jax.random.normal(rngs.params(), (cfg.vocab_size, cfg.d_model),
@@ -99,40 +97,49 @@ class Transformer(nnx.Module):
     if (ties is None) != (schedule.tied_heads == 0):
       raise ValueError(f"schedule ties {schedule.tied_heads} heads; pass ties exactly when it ties any")
     self.head_table = HeadTable(cfg, ties, rngs) if ties is not None else None
-    self.stacks = nnx.List([
-      Stack(cfg, stack, mlp_dim=plan.mlp_dim, attention_impl=attention.impl, score_sharing=attention.score_sharing,
-            chain_dtype=attention.chain_dtype, rngs=rngs)
-      for stack in schedule.stacks])
+    self.stacks = nnx.List([Stack(plan, stack, rngs=rngs) for stack in schedule.stacks])
     self.stack_plans = schedule.stacks
     self.final_norm = make_norm(cfg.features.norm, cfg.d_model, cfg.norm_eps, pdtype)
     self.lm_head = None if cfg.tie_embeddings else DenseGeneral(
       "btd,dv->btv", (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), std=cfg.init_std, bias_shape=None,
       dtype=self.dtype, param_dtype=pdtype, rngs=rngs)
 
-  def __call__(self, tokens: jax.Array, positions: jax.Array | None = None, segment_ids: jax.Array | None = None,
-               capture_attention: bool = False, capture_mha: bool = False
-               ) -> jax.Array | tuple[jax.Array, jax.Array] | tuple[jax.Array, MHAActivations]:
+  def __call__(self, tokens: jax.Array, positions: jax.Array | None = None, segment_ids: jax.Array | None = None
+               ) -> jax.Array:
     """Next-token logits.
 
     Args:
       tokens: ``[B, T]`` int32 token ids.
       positions: ``[B, T]`` int32 positions within each packed document (default ``arange(T)``).
       segment_ids: ``[B, T]`` int32 document ids (default: one document).
-      capture_attention: also return every layer's pre-softmax attention logits (unmasked, scaled by 1/sqrt(d);
-        for a reusing layer the logits it used), for distillation and analysis.
-      capture_mha: also return every layer's attention block in residual-stream terms (UniAttn's calibration).
 
     Returns:
-      ``[B, T, V]`` float32 logits; with ``capture_attention`` also ``[L, B, H, T, T]`` float32 attention logits;
-      with ``capture_mha`` also :class:`~jaxshare.model.block.MHAActivations` of ``[L, B, T, D]`` arrays (compute
-      dtype).
-
-    Raises:
-      ValueError: both captures requested.
+      ``[B, T, V]`` float32 logits.
     """
-    if capture_attention and capture_mha:
-      raise ValueError("capture_attention and capture_mha are exclusive: request one per forward pass")
-    capture = "logits" if capture_attention else "mha" if capture_mha else None
+    return self._forward(tokens, positions, segment_ids, None)[0]
+
+  def capture_logits(self, tokens: jax.Array, positions: jax.Array | None = None,
+                     segment_ids: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """Next-token logits and every layer's pre-softmax attention logits (unmasked, scaled by 1/sqrt(d); for a
+    reusing layer the logits it used), for distillation and analysis. Arguments as :meth:`__call__`.
+
+    Returns:
+      ``([B, T, V] float32, [L, B, H, T, T] float32)``.
+    """
+    return self._forward(tokens, positions, segment_ids, "logits")
+
+  def capture_mha(self, tokens: jax.Array, positions: jax.Array | None = None,
+                  segment_ids: jax.Array | None = None) -> tuple[jax.Array, MHAActivations]:
+    """Next-token logits and every layer's attention block in residual-stream terms (UniAttn's calibration).
+    Arguments as :meth:`__call__`.
+
+    Returns:
+      ``([B, T, V] float32, MHAActivations of [L, B, T, D] arrays in the compute dtype)``.
+    """
+    return self._forward(tokens, positions, segment_ids, "mha")
+
+  def _forward(self, tokens: jax.Array, positions: jax.Array | None, segment_ids: jax.Array | None,
+               capture: str | None) -> tuple[jax.Array, jax.Array | MHAActivations | None]:
     b, t = tokens.shape
     if positions is None:
       positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
@@ -144,9 +151,7 @@ class Transformer(nnx.Module):
       x, ys = stack(x, positions, segment_ids, capture, kernels)
       captured.extend(ys)
     logits = self._logits(x)
-    if capture is None:
-      return logits
-    return logits, jax.tree.map(lambda *a: jnp.stack(a), *captured)
+    return logits, (jax.tree.map(lambda *a: jnp.stack(a), *captured) if capture else None)
 
   def decode(self, tokens: jax.Array, cache: DecodeCache, nf: bool = False) -> tuple[jax.Array, DecodeCache]:
     """Append ``n`` tokens to the cache and return their next-token logits: prefill (the prompt, ``n`` = its

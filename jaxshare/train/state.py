@@ -135,7 +135,7 @@ def init_state(setup: TrainSetup, seed: int | None = None,
 
 
 def abstract_state(setup: TrainSetup) -> TrainState:
-  """The train state's ``ShapeDtypeStruct``\ s (with shardings), the restore target for checkpoints."""
+  """The train state's ``ShapeDtypeStruct`` values (with shardings), the restore target for checkpoints."""
   shapes = jax.eval_shape(lambda: _fresh_state(setup, 0))
   return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes,
                       setup.state_shardings)

@@ -136,9 +136,9 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, lr
   def micro_objective(params, mb, total_count, teacher_params):
     model = nnx.merge(graphdef, params)
     if kd:
-      logits, attn = model(mb.inputs, mb.positions, mb.segment_ids, capture_attention=True)
+      logits, attn = model.capture_logits(mb.inputs, mb.positions, mb.segment_ids)
       teacher = nnx.merge(objective.teacher_graphdef, teacher_params)
-      _, t_attn = teacher(mb.inputs, mb.positions, mb.segment_ids, capture_attention=True)
+      _, t_attn = teacher.capture_logits(mb.inputs, mb.positions, mb.segment_ids)
       layers = np.asarray(objective.kd_layers)
       kd_loss = distillation_loss(attn[layers], t_attn[layers], mb.segment_ids, objective.kd_delta,
                                   objective.window)
