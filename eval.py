@@ -99,7 +99,7 @@ def _generate(args) -> int:
   tokenizer = run.tokenizer()
   prompt = tokenizer.encode(args.prompt)
   stop = [int(s) for s in args.stop] or [tokenizer.eos_id]
-  generator = Generator(run.model(), run.cfg.model, run.schedule)
+  generator = Generator(run.model(), run.plan)
   text = TextStream(tokenizer)
   print(args.prompt, end="", flush=True)
 

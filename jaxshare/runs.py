@@ -127,8 +127,7 @@ class Run:
 
   Attributes:
     directory: the run directory (None for a model read from elsewhere, e.g. an HF directory).
-    cfg: its config (``mesh`` as loaded).
-    schedule: the compiled sharing schedule.
+    cfg: its config (``mesh`` as loaded); :attr:`plan` and :attr:`schedule` are compiled from it.
     ties: head-wise sharing's ties (None without).
     graphdef / params: the model (``nnx.merge(graphdef, params)``); params a pure dict of arrays.
     step: the checkpoint's step (0 for a converted model).
@@ -137,7 +136,6 @@ class Run:
 
   directory: epath.Path | None
   cfg: Config
-  schedule: Schedule
   ties: HeadTies | None
   graphdef: nnx.GraphDef
   params: dict
@@ -148,6 +146,11 @@ class Run:
   def plan(self) -> ModelPlan:
     """The compiled model (:func:`~jaxshare.plan.plan_of` its config)."""
     return plan_of(self.cfg)
+
+  @property
+  def schedule(self) -> Schedule:
+    """The compiled sharing schedule (the plan's)."""
+    return self.plan.schedule
 
   @property
   def num_params(self) -> int:
@@ -197,7 +200,7 @@ def load_run(path: str | os.PathLike, mesh: Mesh | None = None) -> Run:
     raise CheckpointError(f"checkpoint {run_dir / 'checkpoints' / str(step)} holds non-finite parameters (NaN or inf): "
                           "its run diverged before it was saved; use an earlier checkpoint "
                           f"({run_dir / 'checkpoints'}/<step>)")
-  return Run(run_dir, cfg, schedule, ties, graphdef, params, int(step), mesh)
+  return Run(run_dir, cfg, ties, graphdef, params, int(step), mesh)
 
 
 def _existing_step(run_dir: epath.Path, step: int | None, keep: int) -> int:

@@ -52,7 +52,7 @@ def _model(cfg, seed: int = 0):
   from jaxshare.init.headwise import compute_ties
 
   schedule = plan_of(cfg).schedule
-  return build_model(plan_of(cfg), seed, compute_ties(cfg, schedule, seed)), schedule
+  return build_model(plan_of(cfg), seed, compute_ties(cfg, seed)), schedule
 
 
 def hf_comparison(cfg, model, schedule, *, batch: int, prompt_len: int, new_tokens: int) -> dict:
@@ -65,11 +65,12 @@ def hf_comparison(cfg, model, schedule, *, batch: int, prompt_len: int, new_toke
 
   from jaxshare.convert.hf_export import export_params
   from jaxshare.evaluation.generate import Generator
+  from jaxshare.plan import plan_of
 
   torch.set_num_threads(2)
   prompts = np.random.default_rng(0).integers(1, cfg.model.vocab_size, (batch, prompt_len))
   with tempfile.TemporaryDirectory() as out:
-    export_params(cfg, schedule, nnx.to_pure_dict(nnx.state(model, nnx.Param)), out)
+    export_params(cfg, nnx.to_pure_dict(nnx.state(model, nnx.Param)), out)
     hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
   ids = torch.from_numpy(prompts).long()
   kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
@@ -80,7 +81,7 @@ def hf_comparison(cfg, model, schedule, *, batch: int, prompt_len: int, new_toke
     t0 = time.perf_counter()
     want = hf.generate(ids, **kwargs)[:, prompt_len:].tolist()
     hf_s = time.perf_counter() - t0
-  generator = Generator(model, cfg.model, schedule)
+  generator = Generator(model, plan_of(cfg))
   generator.generate(prompts.tolist(), new_tokens, chunk=new_tokens)  # compile
   t0 = time.perf_counter()
   got = generator.generate(prompts.tolist(), new_tokens, chunk=new_tokens)
@@ -103,7 +104,7 @@ def export_schedule(name: str, out: str) -> tuple[str, int]:
 
   cfg = _config(SCHEDULES[name])
   model, schedule = _model(cfg)  # SCHEDULES tie no heads
-  arch = export_params(cfg, schedule, nnx.to_pure_dict(nnx.state(model, nnx.Param)), out)
+  arch = export_params(cfg, nnx.to_pure_dict(nnx.state(model, nnx.Param)), out)
   return arch, accounting.kv_cache_bytes_per_token(cfg.model, schedule, 4)
 
 
@@ -162,10 +163,11 @@ def _pareto_plot(rows: list[dict], path: Path) -> None:
 
 def _measure_schedule(name: str, common: dict) -> dict:
   from jaxshare.evaluation.efficiency import measure
+  from jaxshare.plan import plan_of
 
   cfg = _config(SCHEDULES[name])
-  model, schedule = _model(cfg)
-  return measure(model, cfg.model, schedule, name=name, **common)
+  model, _ = _model(cfg)
+  return measure(model, plan_of(cfg), name=name, **common)
 
 
 def _measure_run(run: str, common: dict) -> dict:
@@ -175,7 +177,7 @@ def _measure_run(run: str, common: dict) -> dict:
   loaded = load_run(run)
   metrics = [json.loads(line) for line in (Path(run) / "metrics.jsonl").read_text().splitlines() if line]
   losses = [m["val_loss"] for m in metrics if "val_loss" in m]
-  row = measure(loaded.model(), loaded.cfg.model, loaded.schedule, name=run, **common)
+  row = measure(loaded.model(), loaded.plan, name=run, **common)
   return {**row, **({"val_loss": losses[-1]} if losses else {})}
 
 

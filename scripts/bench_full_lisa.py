@@ -19,7 +19,6 @@ from flax import nnx
 
 from jaxshare.config import load_config
 from jaxshare.plan import plan_of
-from jaxshare.schedule import compile_schedule
 from jaxshare.runs import build_model
 
 BASE = ["model.num_layers=4", "model.d_model=64", "model.num_heads=4", "model.mlp_dim=128", "train.batch_size=2",

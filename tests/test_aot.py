@@ -11,7 +11,6 @@ import re
 import subprocess
 import sys
 
-import pytest
 
 from conftest import OPTIMIZED_ENV, REPO, needs_cuda_plugin, needs_cudnn, needs_libtpu
 

@@ -4,7 +4,6 @@ reference's values and gradients in every role; off a GPU the implementation is 
 lowers and compiles these calls for an H100 is proven in tests/test_aot.py (no GPU runs here)."""
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp

@@ -13,6 +13,7 @@ from jaxshare import accounting
 from jaxshare.model.cache import init_cache
 from jaxshare.init.shared import copy_shared_weights
 from jaxshare.model.params import layer_location
+from jaxshare.plan import plan_of
 from jaxshare.schedule import compile_schedule
 from test_model import DEPTH_PRESETS, randomized, tokens
 from test_model_pallas import CASES
@@ -40,7 +41,7 @@ NEW = 4
 def test_cache_bytes_equal_accounting(name, dtype):
   cfg = tiny_config(*ALL[name], f"model.dtype={dtype}")
   schedule = compile_schedule(cfg.model, cfg.schedule)
-  cache = init_cache(cfg.model, schedule, batch=3, max_len=40)
+  cache = init_cache(plan_of(cfg), batch=3, max_len=40)
   assert {b.dtype for b in jax.tree.leaves(cache.buffers)} == {jnp.dtype(dtype)}
   per_token = accounting.kv_cache_bytes_per_token(cfg.model, schedule, jnp.dtype(dtype).itemsize)
   assert cache.nbytes == per_token * 3 * 40
@@ -49,10 +50,9 @@ def test_cache_bytes_equal_accounting(name, dtype):
 def _decode_rows(cfg, graphdef, params, rows):
   """Prefill the left-padded rows, then decode their last NEW tokens one by one; logits ``[B, T, V]`` aligned
   right (the padding's logits dropped by the caller)."""
-  schedule = compile_schedule(cfg.model, cfg.schedule)
   width = max(len(r) for r in rows)
   padded = jnp.stack([jnp.pad(r, (width - len(r), 0)) for r in rows])
-  cache = init_cache(cfg.model, schedule, len(rows), width, start=jnp.array([width - len(r) for r in rows]))
+  cache = init_cache(plan_of(cfg), len(rows), width, start=jnp.array([width - len(r) for r in rows]))
   step = jax.jit(lambda p, t, c: nnx.merge(graphdef, p).decode(t, c))
   logits, cache = step(params, padded[:, :width - NEW], cache)
   out = [logits]
@@ -115,10 +115,10 @@ def test_nf_prefill_is_the_original_attention():
   dense_params = copy_shared_weights(params, lisa_schedule, dense_params, dense_schedule)
   x = tokens(2, 9, seed=4)
   model = nnx.merge(graphdef, params)
-  cache = init_cache(lisa_cfg.model, lisa_schedule, 2, 12)
+  cache = init_cache(plan_of(lisa_cfg), 2, 12)
   nf, nf_cache = model.decode(x, cache, nf=True)
   np.testing.assert_allclose(np.asarray(nf), np.asarray(nnx.merge(dense_gd, dense_params)(x)), atol=2e-5, rtol=2e-5)
-  lisa, lisa_cache = model.decode(x, init_cache(lisa_cfg.model, lisa_schedule, 2, 12))
+  lisa, lisa_cache = model.decode(x, init_cache(plan_of(lisa_cfg), 2, 12))
   assert float(jnp.abs(nf - lisa).max()) > 1e-3  # the two prefills differ: the deltas are not zero
   for layer in (0, 1):  # what layer 1 caches (its K_LR and V) is what decoding reads, and it reads layer 0's input
     s, c, r, i = layer_location(lisa_schedule, layer)
@@ -132,13 +132,12 @@ def test_nf_needs_kept_weights():
   cfg = tiny_config("schedule.kind=lisa_plus", "schedule.lisa.layers=[1,2]")
   schedule, graphdef, params = randomized(cfg)
   with pytest.raises(ValueError, match="schedule.lisa.keep_qk=true"):
-    nnx.merge(graphdef, params).decode(tokens(1, 4), init_cache(cfg.model, schedule, 1, 4), nf=True)
+    nnx.merge(graphdef, params).decode(tokens(1, 4), init_cache(plan_of(cfg), 1, 4), nf=True)
 
 
 def test_init_cache_refuses_bad_sizes():
   cfg = tiny_config()
-  schedule = compile_schedule(cfg.model, cfg.schedule)
   with pytest.raises(ValueError, match="max_len=0"):
-    init_cache(cfg.model, schedule, 1, 0)
+    init_cache(plan_of(cfg), 1, 0)
   with pytest.raises(ValueError, match=r"start has shape \(3,\), expected \(2,\)"):
-    init_cache(cfg.model, schedule, 2, 4, start=jnp.zeros(3, jnp.int32))
+    init_cache(plan_of(cfg), 2, 4, start=jnp.zeros(3, jnp.int32))

@@ -19,6 +19,7 @@ from jaxshare.kernels import decode, flash_decode
 from jaxshare.kernels.dispatch import get_attention
 from jaxshare.kernels.reference import masked_softmax
 from jaxshare.model.cache import init_cache
+from jaxshare.plan import plan_of
 from test_decode import ALL, _check_rows
 from test_model import randomized, tokens
 
@@ -101,7 +102,7 @@ def test_model_decodes_with_the_kernel():
 
   def last_step(graphdef):
     model = nnx.merge(graphdef, params)
-    _, cache = model.decode(x[:, :4], init_cache(cfg.model, schedule, 2, 8))
+    _, cache = model.decode(x[:, :4], init_cache(plan_of(cfg), 2, 8))
     return model.decode(x[:, 4:], cache)[0]
 
   got, want = last_step(graphdef), last_step(xla_graphdef)
@@ -119,7 +120,7 @@ def test_sharded_decode_equals_single_device(impl):
 
   def run():
     step = jax.jit(lambda p, t, c: nnx.merge(graphdef, p).decode(t, c), donate_argnums=2)
-    cache = init_cache(cfg.model, schedule, 4, 8, start=jnp.asarray([0, 2, 0, 3], jnp.int32))
+    cache = init_cache(plan_of(cfg), 4, 8, start=jnp.asarray([0, 2, 0, 3], jnp.int32))
     logits, cache = step(params, x[:, :4], cache)
     out = [logits]
     for t in range(4, 7):

@@ -13,6 +13,7 @@ from conftest import tiny_config
 from jaxshare.evaluation.generate import Generator, decode_steps
 from jaxshare.evaluation.sampling import Sampling, sample
 from jaxshare.model.cache import init_cache
+from jaxshare.plan import plan_of
 from test_decode import ALL
 from test_model import randomized
 
@@ -68,7 +69,7 @@ def test_cached_generation_equals_full_forward_generation():
   role's cached step is checked against the forward in test_decode)."""
   cfg = tiny_config(*ALL["uniattn"])
   schedule, graphdef, params = randomized(cfg)
-  generator = Generator(nnx.merge(graphdef, params), cfg.model, schedule)
+  generator = Generator(nnx.merge(graphdef, params), plan_of(cfg))
   for sampling in (Sampling(), Sampling(temperature=1.0, top_k=50, top_p=0.9)):
     cached = generator.generate(PROMPTS, 9, sampling, seed=3, chunk=4)
     assert cached == generator.generate(PROMPTS, 9, sampling, seed=3, chunk=4, use_cache=False)
@@ -80,7 +81,7 @@ def test_cached_generation_equals_full_forward_generation():
 def test_stop_token_ends_its_row_only():
   cfg = tiny_config("schedule.kind=cla")
   schedule, graphdef, params = randomized(cfg)
-  generator = Generator(nnx.merge(graphdef, params), cfg.model, schedule)
+  generator = Generator(nnx.merge(graphdef, params), plan_of(cfg))
   free = generator.generate(PROMPTS, 8)
   stop = free[0][2]
   stopped = generator.generate(PROMPTS, 8, stop_tokens=[stop])
@@ -95,7 +96,7 @@ def test_stop_token_ends_its_row_only():
 def test_generate_refuses_bad_requests():
   cfg = tiny_config()
   schedule, graphdef, params = randomized(cfg)
-  generator = Generator(nnx.merge(graphdef, params), cfg.model, schedule)
+  generator = Generator(nnx.merge(graphdef, params), plan_of(cfg))
   with pytest.raises(ValueError, match="no empty prompt"):
     generator.generate([[1], []], 4)
   with pytest.raises(ValueError, match="max_new_tokens=0"):
@@ -108,7 +109,7 @@ def test_decode_step_updates_the_cache_in_place(scan):
   the donated input and its output (a scanned model once copied every buffer twice per step)."""
   cfg = tiny_config(*ALL["uniattn"], f"model.scan_layers={str(scan).lower()}")
   schedule, graphdef, params = randomized(cfg)
-  cache = init_cache(cfg.model, schedule, 2, 64)
+  cache = init_cache(plan_of(cfg), 2, 64)
   shapes = {f"[{','.join(map(str, b.shape))}]" for b in jax.tree.leaves(cache.buffers)}
   logits = jnp.zeros((2, cfg.model.vocab_size))
   hlo = decode_steps.lower(graphdef, params, cache, logits, jnp.zeros(2, bool), jax.random.key(0),

@@ -59,11 +59,11 @@ def test_tied_model_equals_dense_model_with_tied_weights():
   cfg = tiny_config("schedule.kind=headwise", "schedule.headwise.ratio=0.3")
   setup = setup_training(cfg, parallel.make_mesh(MeshConfig(), jax.devices()[:1]))
   assert setup.schedule.tied_heads == round(0.3 * 16 * 4 / 3) == 6
-  params = jax.jit(lambda: initial_params(cfg, setup.schedule, setup.ties, 0))()
+  params = jax.jit(lambda: initial_params(cfg, setup.ties, 0))()
   assert sum(x.size for x in jax.tree.leaves(params)) == accounting.param_count(cfg.model, setup.schedule).total
   dense_cfg, dense_schedule = dense_counterpart(cfg)
   dense_setup = setup_training(dense_cfg, setup.mesh)
-  dense = jax.device_get(jax.jit(lambda: initial_params(dense_cfg, dense_schedule, None, 0))())
+  dense = jax.device_get(jax.jit(lambda: initial_params(dense_cfg, None, 0))())
   # overwrite every tied head of the dense model with its representative's weights
   table = tie_weights(dense_kernels(dense, dense_schedule, 4), setup.ties)
   dense = jax.tree.map(jax.numpy.asarray, dense)
@@ -81,7 +81,7 @@ def test_tied_model_equals_dense_model_with_tied_weights():
   np.testing.assert_allclose(np.asarray(tied_out), np.asarray(dense_out), atol=1e-5, rtol=1e-5)
   # and the tied model is a real change from the untied dense init
   untied = nnx.merge(dense_setup.graphdef,
-                     jax.device_get(jax.jit(lambda: initial_params(dense_cfg, dense_schedule, None, 0))()))(x)
+                     jax.device_get(jax.jit(lambda: initial_params(dense_cfg, None, 0))()))(x)
   assert not np.allclose(np.asarray(untied), np.asarray(dense_out))
 
 
@@ -122,13 +122,12 @@ def test_stored_ties_are_what_a_run_loads_and_an_old_run_migrates_once(tmp_path)
   from jaxshare.convert.__main__ import main
   from jaxshare.init.headwise import compute_ties
   from jaxshare.runs import TIES_FILE, load_run
-  from jaxshare.schedule import compile_schedule
   from jaxshare.train.loop import train
 
   cfg = tiny_config(*HEADWISE, *SHORT, f"train.run_dir={tmp_path / 'hw'}")
   train(cfg)
   run = load_run(tmp_path / "hw")
-  assert run.ties == compute_ties(cfg, compile_schedule(cfg.model, cfg.schedule), cfg.train.seed)
+  assert run.ties == compute_ties(cfg, cfg.train.seed)
   stored = (tmp_path / "hw" / TIES_FILE).read_text()
 
   other = direct_share(random_weights(L=4, D=32, H=4, d=8, seed=5), run.schedule.tied_heads)
@@ -166,13 +165,13 @@ def test_uptrained_headwise_run_evaluates_generates_and_exports_without_its_sour
   train(tiny_config(*SHORT, f"train.run_dir={src}"))
   uptrain_run(src, tmp_path / "hw", HEADWISE)
   run = load_run(tmp_path / "hw")
-  assert run.ties == compute_ties(run.cfg, run.schedule, run.cfg.train.seed)  # chosen on the source, once
+  assert run.ties == compute_ties(run.cfg, run.cfg.train.seed)  # chosen on the source, once
   shutil.rmtree(src)
 
   again = load_run(tmp_path / "hw")
   assert again.ties == run.ties
   assert np.isfinite(evaluate_run(tmp_path / "hw", max_batches=1, sample_tokens=0)["val_loss"])
-  tokens = Generator(again.model(), again.cfg.model, again.schedule).generate([[1, 2, 3]], 4)[0]
+  tokens = Generator(again.model(), again.plan).generate([[1, 2, 3]], 4)[0]
   assert len(tokens) == 4
   export_run(tmp_path / "hw", tmp_path / "exported")
   imported = load_hf_model(tmp_path / "exported")
@@ -181,7 +180,7 @@ def test_uptrained_headwise_run_evaluates_generates_and_exports_without_its_sour
   with pytest.raises(UnsupportedModelError, match="the model ties 3 .*import without overriding schedule.headwise"):
     load_hf_model(tmp_path / "exported", ["schedule.headwise.ratio=0.15"])
   with pytest.raises(ValueError, match="needs head-wise ties exactly when it ties any"):
-    export_params(run.cfg, run.schedule, run.params, tmp_path / "no_ties")
+    export_params(run.cfg, run.params, tmp_path / "no_ties")
   config = json.loads((tmp_path / "exported" / "config.json").read_text())
   del config["jaxshare_head_ties"]  # an export written before ties were stored with it
   (tmp_path / "exported" / "config.json").write_text(json.dumps(config))

@@ -46,8 +46,8 @@ def _random_params(cfg, seed=0):
 def test_transformers_loads_the_export_with_the_same_logits(tmp_path, corpus, overrides):
   cfg = tiny_config(*overrides)
   setup, params = _random_params(cfg)
-  assert hf_incompatibility(cfg, setup.schedule) is None
-  export_params(cfg, setup.schedule, params, tmp_path)
+  assert hf_incompatibility(cfg) is None
+  export_params(cfg, params, tmp_path)
   model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, local_files_only=True).eval()
   tokens = _tokens(corpus, 32)
   with torch.no_grad():
@@ -64,7 +64,7 @@ def test_import_export_reproduces_the_checkpoint_bit_for_bit(tmp_path, case):
   _save(tmp_path / "hf", case)
   setup = load_hf_model(tmp_path / "hf")
   cfg, params = setup.cfg, setup.params
-  export_params(cfg, setup.schedule, params, tmp_path / "out")
+  export_params(cfg, params, tmp_path / "out")
   original = load_file(tmp_path / "hf" / "model.safetensors")
   exported = load_file(tmp_path / "out" / "model.safetensors")
   assert sorted(exported) == sorted(original)
@@ -124,7 +124,7 @@ def test_sharded_export_loads_and_reimports_exactly(tmp_path, corpus, overrides)
   of tensors is split and every tensor is in the index exactly once."""
   cfg = tiny_config(*overrides)
   setup, params = _random_params(cfg)
-  export_params(cfg, setup.schedule, params, tmp_path, max_shard_bytes=40_000)
+  export_params(cfg, params, tmp_path, max_shard_bytes=40_000)
   index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
   files = sorted(set(index["weight_map"].values()))
   assert len(files) > 2 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"

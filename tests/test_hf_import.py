@@ -12,6 +12,7 @@ from jaxshare.convert.hf_import import load_hf_model
 from jaxshare.evaluation.generate import Generator
 from jaxshare.convert.mapping import UnsupportedModelError
 from jaxshare.model import params as P
+from jaxshare.plan import plan_of
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -79,7 +80,7 @@ def test_imported_logits_match_pytorch(tmp_path, corpus, case):
     continuation = model.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False,
                                   pad_token_id=0)[0, 16:].tolist()
   # transformers' generate (its own KV cache) against jaxshare's decode cache: the same greedy continuation
-  assert Generator(jax_model, cfg.model, setup.schedule).generate([prompt], 20)[0] == continuation
+  assert Generator(jax_model, plan_of(cfg)).generate([prompt], 20)[0] == continuation
 
 
 def test_bf16_checkpoint_imports_exactly_widened(tmp_path, corpus):

@@ -33,7 +33,7 @@ _RANDOMIZED: dict = {}
 
 def _build_randomized(cfg, seed):
   schedule = compile_schedule(cfg.model, cfg.schedule)
-  model = build_model(plan_of(cfg), seed, compute_ties(cfg, schedule, seed))
+  model = build_model(plan_of(cfg), seed, compute_ties(cfg, seed))
   graphdef, state = nnx.split(model, nnx.Param)
   leaves, treedef = jax.tree.flatten(nnx.to_pure_dict(state))
   keys = jax.random.split(jax.random.key(seed + 1), len(leaves))
@@ -190,8 +190,7 @@ def test_traced_layer_bodies_do_not_grow_with_depth(name, monkeypatch):
   sizes = {}
   for depth in (12, 48):
     cfg = tiny_config(f"model.num_layers={depth}", *DEPTH_PRESETS[name])
-    schedule = compile_schedule(cfg.model, cfg.schedule)
-    ties = compute_ties(cfg, schedule, 0)
+    ties = compute_ties(cfg, 0)
     graphdef, params = nnx.split(nnx.eval_shape(lambda: build_model(plan_of(cfg), 0, ties)), nnx.Param)
     x = jax.ShapeDtypeStruct((2, 16), jnp.int32)
     traced.clear()

@@ -13,7 +13,6 @@ from jaxshare import parallel
 from jaxshare.config import MeshConfig
 from jaxshare.kernels import dispatch, reference, tuning, xla
 from jaxshare.plan import plan_of
-from jaxshare.schedule import compile_schedule
 from jaxshare.runs import build_model
 from jaxshare.init.headwise import compute_ties
 from test_model import DEPTH_PRESETS, randomized, tokens
@@ -35,8 +34,7 @@ CASES = {**{name: [*DEPTH_PRESETS[name], *(["schedule.lisa.layers=[1,2]"] if "li
 
 def _graphdef(cfg):
   """The model's graph definition, traced abstractly (no parameters allocated)."""
-  schedule = compile_schedule(cfg.model, cfg.schedule)
-  ties = compute_ties(cfg, schedule, 0)  # concrete: head-wise sharing's ties are computed from weights
+  ties = compute_ties(cfg, 0)  # concrete: head-wise sharing's ties are computed from weights
   model = nnx.eval_shape(lambda: build_model(plan_of(cfg), 0, ties))
   return nnx.split(model, nnx.Param)[0]
 

@@ -21,6 +21,7 @@ from jaxshare.convert.hf_import import load_hf_model
 from jaxshare.convert.mapping import UnsupportedModelError
 from jaxshare.evaluation.generate import Generator
 from jaxshare.model.cache import init_cache
+from jaxshare.plan import plan_of
 
 from conftest import CORPUS, REPO, tiny_config
 from test_entry_points import KINDS
@@ -48,7 +49,7 @@ NEW_TOKENS = 32
 def _export(tmp_path, overrides):
   cfg = tiny_config(*overrides)
   setup, params = _random_params(cfg)
-  arch = export_params(cfg, setup.schedule, params, tmp_path / "hf", ties=setup.ties)
+  arch = export_params(cfg, params, tmp_path / "hf", ties=setup.ties)
   assert arch == "JaxshareForCausalLM"
   return cfg, setup, params, tmp_path / "hf"
 
@@ -83,7 +84,7 @@ def test_remote_code_model_equals_jaxshare(tmp_path, kind):
 
   # logits of a left-padded batch: jaxshare's cached prefill of the same rows
   start = jnp.asarray(ids.shape[1] - mask.sum(1))
-  cache = init_cache(cfg.model, setup.schedule, len(prompts), ids.shape[1], start=start)
+  cache = init_cache(plan_of(cfg), len(prompts), ids.shape[1], start=start)
   want, _ = jax_model.decode(jnp.asarray(ids, jnp.int32), cache)
   with torch.no_grad():
     got = model(torch.from_numpy(ids), attention_mask=torch.from_numpy(mask), use_cache=True)
@@ -96,7 +97,7 @@ def test_remote_code_model_equals_jaxshare(tmp_path, kind):
   assert cache_bytes(output_cache(got)) == per_token * ids.size
 
   # cached greedy generation, 32 tokens, batched left-padded prompts
-  generated = Generator(jax_model, cfg.model, setup.schedule).generate(prompts, NEW_TOKENS)
+  generated = Generator(jax_model, plan_of(cfg)).generate(prompts, NEW_TOKENS)
   with torch.no_grad():
     seqs = model.generate(torch.from_numpy(ids), attention_mask=torch.from_numpy(mask), max_new_tokens=NEW_TOKENS,
                           min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
@@ -154,7 +155,7 @@ def test_lisa_nf_prefill_equals_jaxshare(tmp_path):
   jax_model = nnx.merge(setup.graphdef, params)
   start = jnp.asarray(ids.shape[1] - mask.sum(1))
   prefill = {nf: np.asarray(jax_model.decode(jnp.asarray(ids, jnp.int32), init_cache(
-    cfg.model, setup.schedule, len(prompts), ids.shape[1], start=start), nf=nf)[0]) for nf in (True, False)}
+    plan_of(cfg), len(prompts), ids.shape[1], start=start), nf=nf)[0]) for nf in (True, False)}
   keep = mask.astype(bool)
   assert np.abs(prefill[True][keep] - prefill[False][keep]).max() > 1e-2
   with torch.no_grad():
@@ -162,7 +163,7 @@ def test_lisa_nf_prefill_equals_jaxshare(tmp_path):
     seqs = model.generate(torch.from_numpy(ids), attention_mask=torch.from_numpy(mask), max_new_tokens=16,
                           min_new_tokens=16, do_sample=False, pad_token_id=0)
   np.testing.assert_allclose(got[keep], prefill[True][keep], atol=1e-4, rtol=0)
-  want = Generator(jax_model, cfg.model, setup.schedule).generate(prompts, 16, nf=True)
+  want = Generator(jax_model, plan_of(cfg)).generate(prompts, 16, nf=True)
   assert seqs[:, ids.shape[1]:].tolist() == want
 
 
@@ -201,7 +202,7 @@ def test_vllm_layer_names_for_every_kv_schedule(kind, targets):
 
   cfg = tiny_config(*CASES[kind])
   setup = setup_training(cfg)
-  config = json.loads(json.dumps(config_json(cfg, setup.schedule, setup.ties)))
+  config = json.loads(json.dumps(config_json(cfg, setup.ties)))
   if isinstance(targets, str):
     with pytest.raises(VLLMUnsupportedError, match=f"vLLM cannot serve {targets}.*layer_plans\\[\\d\\]"):
       kv_sharing_targets(config)

@@ -57,7 +57,7 @@ def test_any_valid_schedule_trains_evaluates_generates_and_round_trips(tmp_path_
   setup = load_run(run)
 
   cfg, params = setup.cfg, setup.params
-  generator = Generator(nnx.merge(setup.graphdef, params), cfg.model, setup.schedule)
+  generator = Generator(nnx.merge(setup.graphdef, params), setup.plan)
   prompts = [[5, 6, 7], [9, 10, 11, 12, 13]]  # rows of different lengths: left padding
   cached = generator.generate(prompts, 4, stop_tokens=[-1])
   assert cached == generator.generate(prompts, 4, stop_tokens=[-1], use_cache=False)

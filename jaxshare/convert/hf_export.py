@@ -27,15 +27,16 @@ from jaxshare.convert.mapping import params_to_hf
 from jaxshare.convert.neox import NEOX
 from jaxshare.model.ties import HeadTies
 from jaxshare.runs import load_run
-from jaxshare.schedule import Schedule
+from jaxshare.plan import plan_of
 
 DEFAULT_SHARD_BYTES = 5 * 10 ** 9  # save_pretrained's long-standing max_shard_size="5GB"
 
 
-def hf_incompatibility(cfg: Config, schedule: Schedule) -> str | None:
+def hf_incompatibility(cfg: Config) -> str | None:
   """Why no HF class can hold this model (None when one can): any layer reusing K/V or scores, UniAttn's W_c,
   tied heads, per-layer K/V head counts, a llama model with the parallel residual, or a neox model with GQA or a
   head width other than D/H."""
+  schedule = plan_of(cfg).schedule
   plans = schedule.layers
   if schedule.tied_heads:
     return "head-wise sharing ties heads across layers"
@@ -56,7 +57,7 @@ def hf_incompatibility(cfg: Config, schedule: Schedule) -> str | None:
   return None
 
 
-def export_params(cfg: Config, schedule: Schedule, params: dict, out_dir: str | Path, *,
+def export_params(cfg: Config, params: dict, out_dir: str | Path, *,
                   ties: HeadTies | None = None, tokenizer_dir: str | Path | None = None, progress: bool = False,
                   max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> str:
   """Write ``params`` as an HF directory; returns the ``architectures[0]`` written.
@@ -72,6 +73,7 @@ def export_params(cfg: Config, schedule: Schedule, params: dict, out_dir: str | 
     FileExistsError: ``out_dir`` exists and is not empty. ValueError: ``ties`` given when the schedule ties no heads
       or missing when it ties some (the directory could not be imported again).
   """
+  schedule = plan_of(cfg).schedule
   if bool(schedule.tied_heads) != (ties is not None):
     raise ValueError(f"the schedule ties {schedule.tied_heads} heads: export_params needs head-wise ties exactly when "
                      "it ties any")
@@ -79,16 +81,15 @@ def export_params(cfg: Config, schedule: Schedule, params: dict, out_dir: str | 
   if out.exists() and any(out.iterdir()):
     raise FileExistsError(f"output directory {str(out)!r} exists and is not empty; choose a new one")
   out.mkdir(parents=True, exist_ok=True)
-  if hf_incompatibility(cfg, schedule) is None:
+  if hf_incompatibility(cfg) is None:
     arch = LLAMA if cfg.model.flavor == "llama" else NEOX
-    groups = params_to_hf(arch, cfg, dims(cfg), schedule, params, progress=progress)
+    groups = params_to_hf(arch, cfg, dims(cfg), params, progress=progress)
     config = arch.hf_config(cfg)
     if tokenizer_dir is None:  # the byte tokenizer: EOS (and padding) is byte 0
       config.update(bos_token_id=None, eos_token_id=0, pad_token_id=0)
   else:
-    groups = params_to_hf(remote.architecture(cfg, schedule, ties), cfg, dims(cfg), schedule, params,
-                          progress=progress)
-    config = remote.config_json(cfg, schedule, ties)
+    groups = params_to_hf(remote.architecture(cfg, ties), cfg, dims(cfg), params, progress=progress)
+    config = remote.config_json(cfg, ties)
     remote.copy_code(out)
   if tokenizer_dir is None:  # every export loads its tokenizer: AutoTokenizer.from_pretrained(out)
     write_byte_tokenizer(out, cfg.data.seq_len)
@@ -140,6 +141,6 @@ def export_run(run: str | Path, out_dir: str | Path, *, progress: bool = False,
   loaded = load_run(run)
   cfg = loaded.cfg
   tokenizer = None if cfg.data.tokenizer == "byte" else cfg.data.tokenizer
-  arch = export_params(cfg, loaded.schedule, loaded.params, out_dir, ties=loaded.ties, tokenizer_dir=tokenizer,
+  arch = export_params(cfg, loaded.params, out_dir, ties=loaded.ties, tokenizer_dir=tokenizer,
                        progress=progress, max_shard_bytes=max_shard_bytes)
-  return arch, hf_incompatibility(cfg, loaded.schedule)
+  return arch, hf_incompatibility(cfg)

@@ -63,11 +63,11 @@ def load_hf_model(directory: str | Path | HFCheckpoint, overrides: Sequence[str]
   """
   ckpt = directory if isinstance(directory, HFCheckpoint) else HFCheckpoint(directory)
   if ckpt.architecture == remote.ARCHITECTURE:  # a jaxshare model with a sharing schedule, exported by us
-    cfg, schedule, ties = remote.read_config(ckpt.config, overrides)
+    cfg, ties = remote.read_config(ckpt.config, overrides)
     graphdef, abstract = abstract_params(plan_of(cfg), ties)
-    params = hf_to_params(remote.architecture(cfg, schedule, ties), cfg, dims(cfg), schedule,
+    params = hf_to_params(remote.architecture(cfg, ties), cfg, dims(cfg),
                           _template(abstract, scratch_dir), ckpt.read, ckpt.names(), progress=progress)
-    return Run(None, cfg, schedule, ties, graphdef, params, 0, None)
+    return Run(None, cfg, ties, graphdef, params, 0, None)
   arch = architecture_for(ckpt)
   cfg = load_config(None, arch.config_overrides(ckpt.config) + list(overrides))
   schedule = plan_of(cfg).schedule
@@ -76,9 +76,9 @@ def load_hf_model(directory: str | Path | HFCheckpoint, overrides: Sequence[str]
                                 "import the dense model, then `python -m jaxshare.convert uptrain RUN OUT "
                                 "schedule.kind=headwise ...`")
   graphdef, abstract = abstract_params(plan_of(cfg))
-  params = hf_to_params(arch, cfg, dims(cfg), schedule, _template(abstract, scratch_dir), ckpt.read, ckpt.names(),
+  params = hf_to_params(arch, cfg, dims(cfg), _template(abstract, scratch_dir), ckpt.read, ckpt.names(),
                         progress=progress)
-  return Run(None, cfg, schedule, None, graphdef, params, 0, None)
+  return Run(None, cfg, None, graphdef, params, 0, None)
 
 
 def _template(abstract: dict, scratch_dir: str | Path | None = None) -> dict:

@@ -19,6 +19,7 @@ from tqdm.auto import tqdm
 
 from jaxshare.exit_codes import InputError
 from jaxshare.model import params as P
+from jaxshare.plan import plan_of
 
 
 class UnsupportedModelError(InputError, ValueError):
@@ -126,7 +127,7 @@ def _get(tree: dict, path: str):
   return tree
 
 
-def hf_to_params(arch: Architecture, cfg, dims: Dims, schedule, template: dict, read, names: Sequence[str], *,
+def hf_to_params(arch: Architecture, cfg, dims: Dims, template: dict, read, names: Sequence[str], *,
                  progress: bool = False) -> dict:
   """Fill ``template`` (a pure-dict tree of writable NumPy arrays, the target model's parameters) in place from HF
   tensors, one tensor at a time (no second copy of the model is made).
@@ -163,6 +164,7 @@ def hf_to_params(arch: Architecture, cfg, dims: Dims, schedule, template: dict, 
     apply(rule, {}, out)
   unfilled = sorted(set(P.flat_leaves(global_tree)) - {p for r in global_rules for p in r.paths})
   layer_paths = {p for r in arch.layer_rules(cfg) for p in r.paths}
+  schedule = plan_of(cfg).schedule
   for layer in tqdm(range(cfg.model.num_layers), desc="layers", disable=not progress, dynamic_ncols=True):
     run_tree, index = P.layer_slot(out, schedule, layer)
     for rule in arch.rules_for(arch.layer_rules(cfg), run_tree):
@@ -178,7 +180,7 @@ def hf_to_params(arch: Architecture, cfg, dims: Dims, schedule, template: dict, 
   return out
 
 
-def params_to_hf(arch: Architecture, cfg, dims: Dims, schedule, params: dict, *, progress: bool = False
+def params_to_hf(arch: Architecture, cfg, dims: Dims, params: dict, *, progress: bool = False
                  ) -> Iterator[dict[str, np.ndarray]]:
   """The HF state dict of a parameter tree (NumPy arrays in the tree's dtypes), one group at a time: the global
   tensors, then each layer's, so that a writer holds one layer's converted tensors, not the model's.
@@ -191,6 +193,7 @@ def params_to_hf(arch: Architecture, cfg, dims: Dims, schedule, params: dict, *,
     return out
 
   global_tree = {k: v for k, v in params.items() if k != P.STACKS}
+  schedule = plan_of(cfg).schedule
   yield {k: v for rule in arch.rules_for(arch.global_rules(cfg), global_tree)
          for k, v in emit(rule, {}, [np.asarray(_get(params, p)) for p in rule.paths]).items()}
   for layer in tqdm(range(cfg.model.num_layers), desc="layers", disable=not progress, dynamic_ncols=True):

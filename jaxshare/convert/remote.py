@@ -11,7 +11,6 @@ files, every layer's plan as plain lists, and the whole jaxshare config for a bi
 from __future__ import annotations
 
 import dataclasses
-import json
 import shutil
 from pathlib import Path
 
@@ -49,7 +48,7 @@ def layer_plans(schedule: Schedule) -> list[dict]:
   return plans
 
 
-def config_json(cfg: Config, schedule: Schedule, ties: HeadTies | None) -> dict:
+def config_json(cfg: Config, ties: HeadTies | None) -> dict:
   """``config.json`` of a remote-code directory (what ``JaxshareConfig`` reads, plus the jaxshare config)."""
   m, f = cfg.model, cfg.model.features
   rope = C.rope_parameters(m)
@@ -63,7 +62,7 @@ def config_json(cfg: Config, schedule: Schedule, ties: HeadTies | None) -> dict:
     "rope_theta": m.rope_theta, "rotary_dim": int(m.resolved_head_dim * m.rotary_pct),
     "rotary_scaling": None if rope["rope_type"] == "default" else rope, "sliding_window": m.sliding_window,
     "max_position_embeddings": max(cfg.data.seq_len, 2048), "tie_word_embeddings": m.tie_embeddings,
-    "layer_plans": layer_plans(schedule),
+    "layer_plans": layer_plans(plan_of(cfg).schedule),
     "head_index": {k: [list(r) for r in ties.index[k]] for k in MATRICES} if ties else None,
     "head_rows": {k: len(ties.rows[k]) for k in MATRICES} if ties else None,
     "dtype": m.dtype, "jaxshare_config": to_yaml(cfg),
@@ -87,7 +86,7 @@ def _norm(hf: str, path: str) -> list[Rule]:
   return [same(hf + ".weight", path + "/scale", lambda n: (n.D,)), same(hf + ".bias", path + "/bias", lambda n: (n.D,))]
 
 
-def architecture(cfg: Config, schedule: Schedule, ties: HeadTies | None) -> Architecture:
+def architecture(cfg: Config, ties: HeadTies | None) -> Architecture:
   """The remote-code table of a model: every layer's dimensions from its role and the MLP width the model is built
   with (widened when the schedule matches parameters); ``ties``: head-wise sharing's (its stored rows are global
   tensors), None without."""
@@ -140,7 +139,7 @@ def _role(schedule: Schedule, layer: int) -> tuple[LayerRole, int]:
   return stack.runs[r_idx].role, stack.start + c * stack.superblock_size
 
 
-def read_config(config: dict, overrides) -> tuple[Config, Schedule, HeadTies | None]:
+def read_config(config: dict, overrides) -> tuple[Config, HeadTies | None]:
   """The jaxshare config, compiled schedule and head-wise ties of a remote-code ``config.json``.
 
   Raises:
@@ -156,19 +155,18 @@ def read_config(config: dict, overrides) -> tuple[Config, Schedule, HeadTies | N
   if not isinstance(text, str):
     raise UnsupportedModelError(f"config.json says {ARCHITECTURE} but has no 'jaxshare_config' text")
   exported = config_from_yaml_text(text)
-  schedule = plan_of(exported).schedule
-  expected = config_json(exported, schedule, _read_ties(config, exported, schedule))
+  expected = config_json(exported, _read_ties(config, exported))
   changed = [k for k, v in expected.items() if k not in ("jaxshare_config", "dtype") and config.get(k) != v]
   if changed:
     k = changed[0]
     raise UnsupportedModelError(f"config.json {k}={config.get(k)!r} disagrees with its jaxshare_config, which gives "
                                 f"{expected[k]!r} (edited by hand?): export the run again")
   cfg = apply_overrides(exported, overrides)  # train.* / data.* for the imported run
+  return cfg, _read_ties(config, cfg)
+
+
+def _read_ties(config: dict, cfg: Config) -> HeadTies | None:
   schedule = plan_of(cfg).schedule
-  return cfg, schedule, _read_ties(config, cfg, schedule)
-
-
-def _read_ties(config: dict, cfg: Config, schedule: Schedule) -> HeadTies | None:
   if not schedule.tied_heads:
     return None
   text = config.get("jaxshare_head_ties")

@@ -12,33 +12,31 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxshare import accounting
-from jaxshare.config import ModelConfig
 from jaxshare.evaluation.generate import decode_steps, prefill
 from jaxshare.runs import load_run
 from jaxshare.evaluation.sampling import Sampling
 from jaxshare.model.cache import init_cache
-from jaxshare.schedule import Schedule
+from jaxshare.plan import ModelPlan
 
 GIB = 1 << 30
 
 
-def max_batch(cfg: ModelConfig, schedule: Schedule, budget_bytes: int, context: int, dtype=None) -> int:
+def max_batch(plan: ModelPlan, budget_bytes: int, context: int, dtype=None) -> int:
   """The largest batch whose cache of ``context`` tokens fits ``budget_bytes`` (0 if one sequence does not)."""
-  per_token = accounting.kv_cache_bytes_per_token(cfg, schedule, jnp.dtype(dtype or cfg.dtype).itemsize)
+  per_token = plan.kv_cache_bytes_per_token(jnp.dtype(dtype or plan.model.dtype).itemsize)
   return budget_bytes // (per_token * context)
 
 
-def _filled(cfg, schedule, batch, context, steps, dtype):
+def _filled(plan, batch, context, steps, dtype):
   """A cache of ``context`` slots whose first ``context - steps`` count as written (their contents do not change
   the work), so that ``steps`` decode steps fill it."""
   if steps >= context:
     raise ValueError(f"decode steps={steps} must be fewer than the context={context}")
-  cache = init_cache(cfg, schedule, batch, context, dtype)
+  cache = init_cache(plan, batch, context, dtype)
   return cache.replace(index=jnp.asarray(context - steps, jnp.int32))
 
 
-def decode_speed(model: nnx.Module, cfg: ModelConfig, schedule: Schedule, *, batch: int, context: int,
+def decode_speed(model: nnx.Module, plan: ModelPlan, *, batch: int, context: int,
                  steps: int = 32, dtype=None, repeats: int = 2) -> dict[str, float]:
   """Greedy decode of the last ``steps`` tokens of a ``context``-slot cache per row (one compiled, scanned call).
 
@@ -48,18 +46,18 @@ def decode_speed(model: nnx.Module, cfg: ModelConfig, schedule: Schedule, *, bat
     counted once), ``cache_bytes`` (the live cache's buffers).
   """
   graphdef, params = nnx.split(model)
-  logits = jnp.zeros((batch, cfg.vocab_size), jnp.float32)
+  logits = jnp.zeros((batch, plan.model.vocab_size), jnp.float32)
   done = jnp.zeros(batch, bool)
   cache_bytes = []
 
   def make_args(cache=None):  # a fresh cache per call: the call donates it
     if cache is None:
-      cache = _filled(cfg, schedule, batch, context, steps, dtype)
+      cache = _filled(plan, batch, context, steps, dtype)
       cache_bytes.append(cache.nbytes)
     return params, cache, logits, done, jax.random.key(0), jnp.asarray([-1], jnp.int32), jnp.asarray(0)
 
   # Compiled from shapes: a cache allocated only to lower the call would double the memory at the largest batch.
-  abstract = jax.eval_shape(lambda: _filled(cfg, schedule, batch, context, steps, dtype))
+  abstract = jax.eval_shape(lambda: _filled(plan, batch, context, steps, dtype))
   compiled = decode_steps.lower(graphdef, *make_args(abstract), sampling=Sampling(), chunk=steps, pad_id=0).compile()
   mem = compiled.memory_analysis()
   peak = (mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
@@ -69,13 +67,13 @@ def decode_speed(model: nnx.Module, cfg: ModelConfig, schedule: Schedule, *, bat
           "cache_bytes": cache_bytes[-1]}
 
 
-def prefill_latency(model: nnx.Module, cfg: ModelConfig, schedule: Schedule, *, context: int, dtype=None,
+def prefill_latency(model: nnx.Module, plan: ModelPlan, *, context: int, dtype=None,
                     repeats: int = 2) -> float:
   """Seconds to prefill one prompt of ``context`` tokens into an empty cache (time to first token's logits)."""
   graphdef, params = nnx.split(model)
   tokens = jnp.zeros((1, context), jnp.int32)
   return _best_seconds(lambda *a: prefill(graphdef, *a, False), lambda: (params, tokens, init_cache(
-    cfg, schedule, 1, context, dtype)), repeats)
+    plan, 1, context, dtype)), repeats)
 
 
 def _best_seconds(run, make_args, repeats: int) -> float:
@@ -90,7 +88,7 @@ def _best_seconds(run, make_args, repeats: int) -> float:
   return best
 
 
-def measure(model: nnx.Module, cfg: ModelConfig, schedule: Schedule, *, name: str, budget_gib: float = 4.0,
+def measure(model: nnx.Module, plan: ModelPlan, *, name: str, budget_gib: float = 4.0,
             max_batch_context: int = 8192, contexts: tuple[int, ...] = (512,), batch: int = 4, steps: int = 32,
             prefill_context: int = 512, time_max_batch: bool = True, dtype=None) -> dict[str, Any]:
   """Every efficiency figure of one model; see the module docstring.
@@ -101,20 +99,20 @@ def measure(model: nnx.Module, cfg: ModelConfig, schedule: Schedule, *, name: st
     time_max_batch: also time decoding at the largest batch and ``max_batch_context`` (allocates the budget).
     dtype: the cache dtype (default: the compute dtype).
   """
-  dtype = jnp.dtype(dtype or cfg.dtype)
-  per_token = accounting.kv_cache_bytes_per_token(cfg, schedule, dtype.itemsize)
-  probe = init_cache(cfg, schedule, 1, 1, dtype)
-  biggest = max_batch(cfg, schedule, int(budget_gib * GIB), max_batch_context, dtype)
-  row = {"name": name, "schedule": schedule.describe(), "kv_bytes_per_token": per_token,
+  dtype = jnp.dtype(dtype or plan.model.dtype)
+  per_token = plan.kv_cache_bytes_per_token(dtype.itemsize)
+  probe = init_cache(plan, 1, 1, dtype)
+  biggest = max_batch(plan, int(budget_gib * GIB), max_batch_context, dtype)
+  row = {"name": name, "schedule": plan.schedule.describe(), "kv_bytes_per_token": per_token,
          "kv_bytes_per_token_measured": probe.nbytes, "cache_dtype": str(dtype), "budget_gib": budget_gib,
          "max_batch_context": max_batch_context, "max_batch": biggest,
          "prefill_context": prefill_context,
-         "prefill_s": prefill_latency(model, cfg, schedule, context=prefill_context, dtype=dtype), "decode": []}
+         "prefill_s": prefill_latency(model, plan, context=prefill_context, dtype=dtype), "decode": []}
   for context in contexts:
     row["decode"].append({"batch": batch, "context": context,
-                          **decode_speed(model, cfg, schedule, batch=batch, context=context, steps=steps, dtype=dtype)})
+                          **decode_speed(model, plan, batch=batch, context=context, steps=steps, dtype=dtype)})
   if time_max_batch and biggest:
-    big = decode_speed(model, cfg, schedule, batch=biggest, context=max_batch_context, steps=steps, dtype=dtype,
+    big = decode_speed(model, plan, batch=biggest, context=max_batch_context, steps=steps, dtype=dtype,
                        repeats=1)
     row["max_batch_decode"] = {"batch": biggest, "context": max_batch_context, **big}
   return row
@@ -123,7 +121,7 @@ def measure(model: nnx.Module, cfg: ModelConfig, schedule: Schedule, *, name: st
 def measure_run(path: str, **kwargs) -> dict[str, Any]:
   """:func:`measure` for a run directory or checkpoint (its parameters, compute dtype and schedule)."""
   run = load_run(path)
-  return measure(run.model(), run.cfg.model, run.schedule, name=str(path), **kwargs)
+  return measure(run.model(), run.plan, name=str(path), **kwargs)
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:

@@ -41,7 +41,7 @@ def evaluate_run(path: str | Path, *, max_batches: int = 0, prompt: str = "ROMEO
       loss = evaluate_loss(jax.jit(make_eval_step(run.graphdef)), run.batch_sharding, run.params, data, max_batches)
   sample_ids = []
   if sample_tokens:
-    generator = Generator(run.model(), cfg.model, run.schedule)
+    generator = Generator(run.model(), run.plan)
     sample_ids = generator.generate([data.tokenizer.encode(prompt)], sample_tokens)[0]
   kv_dtype_bytes = 2 if cfg.model.dtype == "bfloat16" else 4
   return {

@@ -10,10 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxshare.config import ModelConfig
 from jaxshare.evaluation.sampling import Sampling, sample
 from jaxshare.model.cache import DecodeCache, init_cache
-from jaxshare.schedule import Schedule
+from jaxshare.plan import ModelPlan
 
 PROMPT_BUCKET = 16  # prompts are left-padded to a multiple of this: fewer prefill shapes to compile
 
@@ -24,13 +23,13 @@ class Generator:
 
   Args:
     model: a :class:`~jaxshare.model.Transformer`.
-    cfg / schedule: its model config and compiled schedule (the cache layout).
+    plan: its compiled model (the cache layout).
     cache_dtype: the decode cache's dtype (default: the compute dtype).
     pad_id: the token written into left padding and after a row stops (never attended to).
   """
 
-  def __init__(self, model: nnx.Module, cfg: ModelConfig, schedule: Schedule, *, cache_dtype=None, pad_id: int = 0):
-    self.cfg, self.schedule, self.cache_dtype, self.pad_id = cfg, schedule, cache_dtype, pad_id
+  def __init__(self, model: nnx.Module, plan: ModelPlan, *, cache_dtype=None, pad_id: int = 0):
+    self.plan, self.cache_dtype, self.pad_id = plan, cache_dtype, pad_id
     self.graphdef, self.params = nnx.split(model)
 
   def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, sampling: Sampling = Sampling(),
@@ -72,7 +71,7 @@ class Generator:
     stop = jnp.asarray(list(stop_tokens) or [-1], jnp.int32)
     key = jax.random.key(seed)
     if use_cache:
-      cache = init_cache(self.cfg, self.schedule, len(prompts), width + steps, self.cache_dtype, start)
+      cache = init_cache(self.plan, len(prompts), width + steps, self.cache_dtype, start)
       logits, state = prefill(self.graphdef, self.params, jnp.asarray(padded), cache, nf)
       run = functools.partial(decode_steps, self.graphdef, sampling=sampling, chunk=chunk, pad_id=self.pad_id)
     else:

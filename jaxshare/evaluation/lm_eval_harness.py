@@ -51,7 +51,7 @@ class JaxshareLM(LM):
     self.max_length = int(max_length) or cfg.data.seq_len
     self.nf = str(nf).lower() in ("1", "true")
     self.params, graphdef = loaded.params, loaded.graphdef
-    self.generator = Generator(loaded.model(), cfg.model, loaded.schedule, pad_id=self.tokenizer.eos_id)
+    self.generator = Generator(loaded.model(), loaded.plan, pad_id=self.tokenizer.eos_id)
 
     @jax.jit
     def token_logprobs(params, inputs, targets):

@@ -207,9 +207,10 @@ def dense_counterpart(cfg: Config) -> tuple[Config, Schedule]:
   return dense, plan_of(dense).schedule
 
 
-def fresh_ties(cfg: Config, schedule: Schedule, seed: int) -> HeadTies | None:
+def fresh_ties(cfg: Config, seed: int) -> HeadTies | None:
   """DirectShare's head ties (None without head-wise sharing) chosen on the dense counterpart of ``cfg``'s model
   initialised from ``seed``: a run's ties when it starts from scratch (Head-wise Shareable Attention Alg. 1)."""
+  schedule = plan_of(cfg).schedule
   if not schedule.tied_heads:
     return None
   dense_cfg, dense_schedule = dense_counterpart(cfg)
@@ -218,8 +219,8 @@ def fresh_ties(cfg: Config, schedule: Schedule, seed: int) -> HeadTies | None:
                       cfg.schedule.headwise.match)
 
 
-def compute_ties(cfg: Config, schedule: Schedule, seed: int, mesh: Mesh | None = None,
-                 source: runs.Run | None = None) -> HeadTies | None:
+def compute_ties(cfg: Config, seed: int, mesh: Mesh | None = None, source: runs.Run | None = None
+                 ) -> HeadTies | None:
   """Choose DirectShare's head ties (None without head-wise sharing) on the dense model the run starts from:
   ``train.init_from`` when set (uptraining, :func:`ties_from_source`), else the dense model initialised from
   ``seed`` (:func:`fresh_ties`). Called once per run, when it is created: the run then stores its ties
@@ -229,12 +230,12 @@ def compute_ties(cfg: Config, schedule: Schedule, seed: int, mesh: Mesh | None =
   Raises:
     ConfigError: as :func:`ties_from_source`.
   """
-  if not schedule.tied_heads or not cfg.train.init_from:
-    return fresh_ties(cfg, schedule, seed)
-  return ties_from_source(cfg, schedule, source if source is not None else runs.load_run(cfg.train.init_from, mesh))
+  if not plan_of(cfg).tied_heads or not cfg.train.init_from:
+    return fresh_ties(cfg, seed)
+  return ties_from_source(cfg, source if source is not None else runs.load_run(cfg.train.init_from, mesh))
 
 
-def ties_from_source(cfg: Config, schedule: Schedule, src: runs.Run) -> HeadTies:
+def ties_from_source(cfg: Config, src: runs.Run) -> HeadTies:
   """The ties of a head-wise run started from ``src`` (``train.init_from``): a head-wise ``src`` passes on its own
   ties; a PostShare ``src`` gives exactly the pairs its penalty pulled together (each component's representative
   chosen on its trained weights); a dense one gets DirectShare's choice on its weights.
@@ -243,6 +244,7 @@ def ties_from_source(cfg: Config, schedule: Schedule, src: runs.Run) -> HeadTies
     ConfigError: ``src`` is not a dense MHA run, or is a head-wise or PostShare run whose ties disagree with
       ``schedule.headwise`` (another count or match function).
   """
+  schedule = plan_of(cfg).schedule
   if src.ties is not None:  # already head-wise (e.g. `convert uptrain`'s output): training goes on with its ties
     if (src.schedule.tied_heads, src.cfg.schedule.headwise.match) != (schedule.tied_heads,
                                                                      cfg.schedule.headwise.match):

@@ -103,7 +103,7 @@ def with_match_reference(cfg: Config, src: Config | None) -> Config:
   return dataclasses.replace(cfg, schedule=dataclasses.replace(s, match_reference_params=total))
 
 
-def initial_params(cfg: Config, schedule: Schedule, ties: HeadTies | None, seed: int) -> dict:
+def initial_params(cfg: Config, ties: HeadTies | None, seed: int) -> dict:
   """Fresh parameters (pure dict) of the model of ``cfg``, drawn from ``seed``; a head-wise model starts as
   DirectShare applied to the dense model of the same seed. Traceable (run it under ``jax.jit`` to place it)."""
   params = nnx.to_pure_dict(nnx.state(runs.build_model(plan_of(cfg), seed, ties), nnx.Param))
@@ -114,8 +114,8 @@ def initial_params(cfg: Config, schedule: Schedule, ties: HeadTies | None, seed:
   return tied_params_from_dense(dense, params, ties, dense_schedule)
 
 
-def params_from_source(cfg: Config, schedule: Schedule, ties: HeadTies | None, params: dict, src: dict,
-                       src_schedule: Schedule) -> dict:
+def params_from_source(cfg: Config, ties: HeadTies | None, params: dict, src: dict, src_schedule: Schedule
+                       ) -> dict:
   """``params`` (fresh, of the model of ``cfg``) started from a source model's ``src``: every shared tensor copied
   (:mod:`~jaxshare.init.shared`), K/V pooled (:mod:`~jaxshare.init.kv`, ``train.init_kv_pool``), MLPs resized
   (:mod:`~jaxshare.init.mlp`, ``train.init_mlp_widen``), LISA's factors started (:mod:`~jaxshare.init.lisa`,
@@ -125,6 +125,7 @@ def params_from_source(cfg: Config, schedule: Schedule, ties: HeadTies | None, p
   Raises:
     ValueError / ConfigError: the models differ in depth, or a rule's setting is invalid for them.
   """
+  schedule = plan_of(cfg).schedule
   if ties is None:
     params = copy_shared_weights(src, src_schedule, params, schedule)
     params = convert_kv(src, src_schedule, params, schedule, kv_pool=init_kv_pool(cfg))

@@ -24,7 +24,6 @@ sequence in on-chip memory: on TPU that bounds ``S·(e + d)`` per head to VMEM (
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 

@@ -30,8 +30,8 @@ import jax.numpy as jnp
 from flax import struct
 
 from jaxshare import parallel
-from jaxshare.config import ModelConfig
-from jaxshare.schedule import LayerRole, Schedule
+from jaxshare.plan import ModelPlan
+from jaxshare.schedule import LayerRole
 
 Buffers = dict[str, jax.Array]
 # [superblocks, layers of the run, B, G, S, e]: the layer axes mirror the stacked parameters.
@@ -76,14 +76,14 @@ class DecodeCache:
     return sum(b.nbytes for b in jax.tree.leaves(self.buffers))
 
 
-def init_cache(cfg: ModelConfig, schedule: Schedule, batch: int, max_len: int, dtype=None,
-               start: jax.Array | None = None) -> DecodeCache:
+def init_cache(plan: ModelPlan, batch: int, max_len: int, dtype=None, start: jax.Array | None = None
+               ) -> DecodeCache:
   """An empty cache for ``batch`` rows of up to ``max_len`` tokens, sharded by the activation rules under the
   ambient mesh (batch over ``data``/``fsdp``, K/V heads over ``tensor``).
 
   Args:
-    cfg / schedule: the model and its compiled schedule.
-    dtype: the cache dtype (default: the compute dtype ``cfg.dtype``).
+    plan: the compiled model (the cache layout: each layer's role, grouped into stacks and runs).
+    dtype: the cache dtype (default: the compute dtype ``model.dtype``).
     start: ``[batch]`` int32 first slot of each row's prompt (left padding; default 0).
 
   Raises:
@@ -91,6 +91,7 @@ def init_cache(cfg: ModelConfig, schedule: Schedule, batch: int, max_len: int, d
   """
   if batch < 1 or max_len < 1:
     raise ValueError(f"init_cache: batch={batch} and max_len={max_len} must be >= 1")
+  cfg, schedule = plan.model, plan.schedule
   dtype = jnp.dtype(dtype or cfg.dtype)
   d = cfg.resolved_head_dim
   shapes = [[{name: (seg.count, run.length, batch, run.role.num_kv_heads, max_len, width)

@@ -180,7 +180,7 @@ class _Trainer:
     schedule = plan_of(cfg).schedule
     resuming = ckpt is not None and ckpt.latest_step() is not None
     self.ties = (runs.read_ties(self.run_dir, cfg, schedule) if resuming else
-                 compute_ties(cfg, schedule, self.tcfg.seed, self.mesh, source=self.source))
+                 compute_ties(cfg, self.tcfg.seed, self.mesh, source=self.source))
     self.ties_are_new = not resuming
     self.ckpt = ckpt
     resumed = ckpt.restore_newest_valid(self._resume_from) if ckpt is not None else None

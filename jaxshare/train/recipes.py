@@ -71,7 +71,7 @@ def postshare_pairs(cfg: Config, setup: TrainSetup, teacher: Run | None, run_dir
   if path.exists():  # resuming: the pairs chosen when the run started
     return {m: tuple(tuple(p) for p in ps) for m, ps in load_pairs(path)["pairs"].items()}, False
   source = (teacher.params, teacher.schedule) if teacher is not None else (
-    initial_params(cfg, setup.schedule, setup.ties, t.seed), setup.schedule)
+    initial_params(cfg, setup.ties, t.seed), setup.schedule)
   weights = dense_kernels(distributed.to_host(source[0]), source[1], cfg.model.num_layers)
   return direct_share(weights, tied_head_count(cfg.model, t.postshare_ratio), cfg.schedule.headwise.match).pairs, True
 

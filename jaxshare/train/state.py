@@ -79,7 +79,7 @@ def setup_training(cfg: Config, mesh: Mesh | None = None, trainable: tuple[str, 
   """
   plan = plan_of(cfg)
   mesh = mesh or parallel.make_mesh(cfg.mesh)
-  ties = ties if ties is not None else fresh_ties(cfg, plan.schedule, cfg.train.seed)
+  ties = ties if ties is not None else fresh_ties(cfg, cfg.train.seed)
   abstract_model = nnx.eval_shape(lambda: runs.build_model(plan, 0, ties))
   graphdef, abstract_params = nnx.split(abstract_model, nnx.Param)
   p_shard = parallel.param_shardings(abstract_params, mesh)
@@ -98,9 +98,9 @@ def setup_training(cfg: Config, mesh: Mesh | None = None, trainable: tuple[str, 
 
 
 def _fresh_state(setup: TrainSetup, seed: int, from_params: tuple[dict, Schedule] | None = None) -> TrainState:
-  params = initial_params(setup.cfg, setup.schedule, setup.ties, seed)
+  params = initial_params(setup.cfg, setup.ties, seed)
   if from_params is not None:
-    params = params_from_source(setup.cfg, setup.schedule, setup.ties, params, *from_params)
+    params = params_from_source(setup.cfg, setup.ties, params, *from_params)
   return _train_state(setup, params, 0)
 
 
