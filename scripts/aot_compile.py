@@ -29,22 +29,14 @@ use_host_compiler()  # before JAX is imported: the host compiles, libtpu only de
 from jaxshare import smoke  # noqa: E402
 from jaxshare.aot.compile import compile_kernels, compile_train_step  # noqa: E402
 from jaxshare.config import MeshConfig, load_config  # noqa: E402
+from jaxshare.config.catalogue import schedule_matrix  # noqa: E402
 from jaxshare.exit_codes import report_input_errors  # noqa: E402
 
 TOPOLOGIES = ("v5e:2x2", "v5p:2x2x1", "v6e:2x2", "h100:8", "a100:8")
 SMOKE_TOPOLOGIES = ("v5e:2x2", "h100:8")  # JAXSHARE_SMOKE: one TPU, one GPU
 # Train-step schedules: flash attention (dense), K/V consumers (CLA2, MLKV), probability reuse (UniAttn), both at once
 # (CLA + UniAttn), concatenated-feature attention (LISA_plus).
-SCHEDULES = {
-  "dense": [],
-  "cla": ["schedule.kind=cla"],
-  "mlkv": ["schedule.kind=mlkv", "schedule.kv_layers=2", "schedule.kv_heads=2"],
-  "uniattn": ["model.num_layers=6", "schedule.kind=uniattn", "schedule.uniattn.start=2",
-              "schedule.uniattn.block_size=2"],
-  "cla+uniattn": ["model.num_layers=6", "schedule.kind=cla+uniattn", "schedule.producers=[0,2,3,4,5]",
-                  "schedule.uniattn.start=2", "schedule.uniattn.block_size=2"],
-  "lisa_plus": ["model.num_layers=6", "schedule.kind=lisa_plus", "schedule.lisa.layers=[2,3]"],
-}
+SCHEDULES = schedule_matrix("script_aot_compile")
 SMALL_MODEL = ["model.num_layers=4", "model.d_model=128", "model.num_heads=4", "model.mlp_dim=256",
                "data.seq_len=256", "train.batch_size=8", "attention.impl=pallas", "mesh.data=2", "mesh.tensor=2",
                "mesh.fsdp=-1"]

@@ -31,13 +31,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from jaxshare.config.catalogue import schedule_matrix  # noqa: E402
+
 BASE_CONFIG = REPO / "configs" / "experiments" / "sharing_base.yaml"
 BASE = ["model.num_layers=8"]
-SCHEDULES = {  # the comparison: MLKV with m = L/4 K/V layers of g = 1 head
-  "dense": [], "cla2": ["schedule.kind=cla"],
-  "mlkv": ["schedule.kind=mlkv", "schedule.kv_layers=2", "schedule.kv_heads=1"],
-  "uniattn": ["schedule.kind=uniattn"], "lisa_plus": ["schedule.kind=lisa_plus"],
-}
+SCHEDULES = schedule_matrix("script_bench_decode")
 
 
 def _config(overrides: list[str]):

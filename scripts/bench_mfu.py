@@ -27,6 +27,7 @@ import jax
 from bench_train import one_document_rows, synthetic_batches  # scripts/ is on the path of a script run from it
 from jaxshare import accounting
 from jaxshare.config import load_config
+from jaxshare.config.catalogue import schedule_matrix
 from jaxshare.parallel import shard_batch
 from jaxshare.train.loop import jit_train_step
 from jaxshare.train.metrics import resolve_peak
@@ -35,14 +36,7 @@ from jaxshare.train.step import Objective
 
 ROOT = Path(__file__).resolve().parents[1]
 
-SCHEDULES = {
-  "dense": ["schedule.kind=dense"],
-  "cla2": ["schedule.kind=cla", "schedule.factor=2"],
-  "mlkv": ["schedule.kind=mlkv", "schedule.kv_layers=4", "schedule.kv_heads=8"],
-  "uniattn": ["schedule.kind=uniattn", "schedule.uniattn.block_size=4", "schedule.uniattn.start=8"],
-  "lisa_plus": ["schedule.kind=lisa_plus"],
-  "lisa_plus_bf16": ["schedule.kind=lisa_plus", "attention.chain_dtype=compute"],  # the chain on cuDNN (Hopper)
-}
+SCHEDULES = schedule_matrix("script_bench_mfu")
 
 
 def measure(config: Path, overrides: list[str], steps: int) -> dict:

@@ -38,6 +38,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -53,14 +54,10 @@ SHAPES = {
                     rotary_pct=1.0, theta=10000.0, peers=("hf_llama",)),
 }
 
-SCHEDULES = {
-  "dense": [],
-  "cla2": ["schedule.kind=cla", "schedule.factor=2"],
-  "mlkv": ["schedule.kind=mlkv", "schedule.kv_layers=2", "schedule.kv_heads=2"],
-  "sa": ["schedule.kind=sa", "schedule.sa.start=2", "schedule.sa.end=3"],
-  "uniattn": ["schedule.kind=uniattn", "schedule.uniattn.start=2", "schedule.uniattn.block_size=2"],
-  "lisa_plus": ["schedule.kind=lisa_plus", "schedule.lisa.layers=[1,2]", "schedule.lisa.rank=8"],
-}
+# Read from this tree's catalogue without importing jaxshare: a worker imports the jaxshare of the tree it measures
+# (--compare-tree), which may predate the catalogue.
+SCHEDULES = yaml.safe_load((ROOT / "configs" / "schedules" / "catalogue.yaml").read_text())["matrices"][
+  "script_bench_train"]
 
 
 def synthetic_batches(shape: dict, n: int = 4) -> list[tuple[np.ndarray, np.ndarray]]:

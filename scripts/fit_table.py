@@ -28,17 +28,12 @@ from jaxshare import accounting, smoke  # noqa: E402
 from jaxshare.aot.fit import max_batch  # noqa: E402
 from jaxshare.aot.report import gib  # noqa: E402
 from jaxshare.config import load_config  # noqa: E402
+from jaxshare.config.catalogue import schedule_matrix  # noqa: E402
 from jaxshare.exit_codes import report_input_errors  # noqa: E402
 from jaxshare.plan import plan_of  # noqa: E402
 
 # The ~1.2B Llama's 32 heads of 64 under each schedule (the variants docs/gpu.md and bench_mfu.py measure).
-SCHEDULES = {
-  "dense": ["schedule.kind=dense"],
-  "gqa8": ["schedule.kind=gqa", "schedule.kv_heads=8"],
-  "cla2": ["schedule.kind=cla", "schedule.factor=2"],
-  "mlkv": ["schedule.kind=mlkv", "schedule.kv_layers=4", "schedule.kv_heads=8"],
-  "uniattn": ["schedule.kind=uniattn", "schedule.uniattn.block_size=4", "schedule.uniattn.start=8"],
-}
+SCHEDULES = schedule_matrix("script_fit_table")
 CONFIG = REPO / "configs" / "experiments" / "llama_1b_h100.yaml"
 
 

@@ -79,6 +79,7 @@ import jax  # noqa: E402
 import pytest  # noqa: E402
 
 from jaxshare.config import load_config  # noqa: E402
+from jaxshare.config.catalogue import schedule_matrix  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 # The environment of a child process that compiles as production does.
@@ -216,15 +217,7 @@ def read_metrics(run_dir) -> list[dict]:
 
 
 # One small schedule of each family, as overrides on tiny_config (multi-device and determinism tests run each).
-SCHEDULE_FAMILIES = {
-  "dense": [],
-  "cla": ["schedule.kind=cla"],
-  "mlkv": ["schedule.kind=mlkv", "schedule.kv_layers=2", "schedule.kv_heads=2"],
-  "uniattn": ["schedule.kind=uniattn", "schedule.uniattn.block_size=2"],
-  "lisa_plus": ["schedule.kind=lisa_plus", "schedule.lisa.layers=[2,3]"],
-  "cla+uniattn": ["schedule.kind=cla+uniattn", "schedule.producers=[0,2,3]", "schedule.uniattn.start=2",
-                  "schedule.uniattn.block_size=2"],
-}
+SCHEDULE_FAMILIES = schedule_matrix("families")
 
 STRAIGHT = ("schedule.kind=mlkv", "schedule.kv_layers=2")  # the straight run's schedule, as overrides
 

@@ -10,26 +10,18 @@ from flax import nnx
 
 from conftest import tiny_config
 from jaxshare import accounting
+from jaxshare.config.catalogue import schedule_matrix
 from jaxshare.model.cache import init_cache
 from jaxshare.init.shared import copy_shared_weights
 from jaxshare.model.params import layer_location
 from jaxshare.plan import plan_of
 from jaxshare.schedule import compile_schedule
-from test_model import DEPTH_PRESETS, randomized, tokens
-from test_model_pallas import CASES
+from test_model import randomized, tokens
 
-COMPOSED = {
-  "explicit+lisa_plus": ["model.num_layers=6", "schedule.kind=explicit+lisa_plus", "schedule.sources=0_0_2_3_4_4",
-                         "schedule.lisa.layers=[2,3]"],
-  "gqa+uniattn_normed": ["schedule.kind=gqa+uniattn", "schedule.kv_heads=2", "schedule.uniattn.block_size=2",
-                         "schedule.uniattn.wc_input=normed"],
-  "lisa_groups": ["model.num_layers=6", "schedule.kind=lisa", "schedule.lisa.hidden=8", "schedule.lisa.rope=true",
-                  "schedule.lisa.groups=[{layers: [1, 2], integrator: ffn}, {layers: [4], integrator: linear}]"],
-}
-ALL = {**{name: [*DEPTH_PRESETS[name], *(["schedule.lisa.layers=[1,2]"] if "lisa" in name or name == "ds" else [])]
-          for name in DEPTH_PRESETS}, **CASES, **COMPOSED}
+ALL = schedule_matrix("decode")
 # The prefill/decode parity skips the variants whose layers take the same roles as another case (placements,
-# semantics, the linear aligner: see test_model_pallas.PRESETS) and the bf16 case (test_bf16_decode_...).
+# semantics, the linear aligner: the catalogue's kernels matrix leaves them out too) and the bf16 case
+# (test_bf16_decode_...).
 PARITY = sorted(set(ALL) - {"cla4", "mlkv_m3_paper", "sa_paper", "lisa_sl", "bf16_lisa_plus"})
 # Prompt lengths of the two rows: the second is left-padded by 5 slots.
 LENGTHS = (11, 6)

@@ -8,9 +8,10 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import SCHEDULE_FAMILIES, read_metrics, tiny_config
+from conftest import read_metrics, tiny_config
 from jaxshare import parallel
 from jaxshare.config import MeshConfig
+from jaxshare.config.catalogue import schedule_matrix
 from jaxshare.data import Datasets
 from jaxshare.train.loop import jit_train_step, train
 from jaxshare.train.state import init_state, setup_training
@@ -34,7 +35,7 @@ def test_same_config_and_seed_give_bit_identical_runs(straight_run, tmp_path):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
-SCHEDULES = {**SCHEDULE_FAMILIES, "sa": ["schedule.kind=sa", "schedule.sa.start=1"]}
+SCHEDULES = schedule_matrix("determinism")
 
 
 def _train_steps(cfg, batches):

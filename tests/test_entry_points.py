@@ -21,24 +21,10 @@ import numpy as np
 import pytest
 
 from conftest import CORPUS, TINY, read_metrics, write_multiple_choice_task
+from jaxshare.config.catalogue import schedule_matrix
 
 # One small schedule of every kind (and a composed one) on TINY's 4 layers x 4 heads.
-KINDS = {
-  "dense": [],
-  "gqa": ["schedule.kind=gqa", "schedule.kv_heads=2"],
-  "mqa": ["schedule.kind=mqa"],
-  "cla": ["schedule.kind=cla"],
-  "mlkv": ["schedule.kind=mlkv", "schedule.kv_layers=2", "schedule.kv_heads=2"],
-  "sa": ["schedule.kind=sa", "schedule.sa.start=1", "schedule.sa.end=2"],
-  "uniattn": ["schedule.kind=uniattn", "schedule.uniattn.block_size=2"],
-  "lisa": ["schedule.kind=lisa", "schedule.lisa.layers=[2,3]"],
-  "lisa_plus": ["schedule.kind=lisa_plus", "schedule.lisa.layers=[2,3]"],
-  "ds": ["schedule.kind=ds", "schedule.lisa.layers=[2,3]"],
-  "directshare": ["schedule.kind=headwise", "schedule.headwise.ratio=0.3"],
-  "postshare": ["train.postshare_gamma=0.5", "train.postshare_ratio=0.3"],
-  "cla+uniattn": ["schedule.kind=cla+uniattn", "schedule.producers=[0,2,3]", "schedule.uniattn.start=2",
-                  "schedule.uniattn.block_size=2"],
-}
+KINDS = schedule_matrix("kinds")
 # What `convert uptrain` turns a dense run into: every kind but the source's own (PostShare is a training penalty on
 # a dense model; its conversion is head-wise sharing of the pairs it penalised, tested in test_headwise.py).
 UPTRAIN_KINDS = [k for k in KINDS if k not in ("dense", "postshare")]

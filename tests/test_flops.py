@@ -9,6 +9,7 @@ from flax import nnx
 from conftest import tiny_config
 from jaxshare import accounting
 from jaxshare.config import LisaConfig, ModelConfig, SAConfig, ScheduleConfig, UniAttnConfig
+from jaxshare.config.catalogue import schedule_matrix
 from jaxshare.plan import plan_of
 from jaxshare.schedule import compile_schedule
 from jaxshare.runs import build_model
@@ -70,19 +71,7 @@ def test_train_flops_average_the_causal_context():
 
 # The XLA comparison: with T=128 keys and D=128 the context terms are a fifth of the FLOPs, so a context term counted
 # twice (+5%) shows through the margin.
-XLA_SCHEDULES = {
-  "dense": [],
-  "gqa": ["schedule.kind=gqa", "schedule.kv_heads=2"],
-  "cla2": ["schedule.kind=cla"],
-  "mlkv": ["schedule.kind=mlkv", "schedule.kv_layers=2", "schedule.kv_heads=1"],
-  "sa": ["schedule.kind=sa", "schedule.sa.start=1", "schedule.sa.end=3"],
-  "uniattn": ["schedule.kind=uniattn", "schedule.uniattn.start=0", "schedule.uniattn.block_size=2"],
-  "ds": ["schedule.kind=ds", "schedule.lisa.layers=[1,2,3]"],
-  "lisa_plus": ["schedule.kind=lisa_plus", "schedule.lisa.layers=[1,2,3]"],
-  "lisa_linear": ["schedule.kind=lisa", "schedule.lisa.layers=[2,3]", "schedule.lisa.integrator=linear"],
-  "lisa_ffn": ["schedule.kind=lisa", "schedule.lisa.layers=[2,3]", "schedule.lisa.hidden=16"],
-  "headwise": ["schedule.kind=headwise", "schedule.headwise.ratio=0.3"],
-}
+XLA_SCHEDULES = schedule_matrix("flops")
 XLA_MARGIN = 0.03  # XLA also counts elementwise work (norms, softmax, RoPE, SwiGLU): about 1% of these models
 
 

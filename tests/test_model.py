@@ -10,6 +10,7 @@ from flax import nnx
 
 import reference_numpy
 from conftest import tiny_config
+from jaxshare.config.catalogue import schedule_matrix
 from jaxshare.init.headwise import compute_ties
 from jaxshare.model.params import layer_params
 from jaxshare.plan import plan_of
@@ -147,20 +148,7 @@ def test_remat_and_bf16():
 
 
 # Presets whose knobs do not depend on depth; 12 and 48 layers give the same stacks and runs, only longer.
-DEPTH_PRESETS = {
-  "dense": [], "gqa": ["schedule.kind=gqa", "schedule.kv_heads=2"], "cla2": ["schedule.kind=cla"],
-  "cla4": ["schedule.kind=cla", "schedule.factor=4"],
-  "mlkv_m3": ["schedule.kind=mlkv", "schedule.kv_layers=3", "schedule.kv_heads=2"],
-  "mlkv_m3_paper": ["schedule.kind=mlkv", "schedule.kv_layers=3", "schedule.placement=paper"],
-  "sa": ["schedule.kind=sa"], "sa_paper": ["schedule.kind=sa", "schedule.sa.semantics=paper"],
-  "uniattn": ["schedule.kind=uniattn", "schedule.uniattn.block_size=2"],
-  "lisa": ["schedule.kind=lisa", "schedule.lisa.hidden=8"],
-  "lisa_sl": ["schedule.kind=lisa", "schedule.lisa.integrator=linear"],
-  "lisa_plus": ["schedule.kind=lisa_plus"], "ds": ["schedule.kind=ds"],
-  "headwise": ["schedule.kind=headwise", "schedule.headwise.ratio=0.3"],
-  "gqa+lisa_plus": ["schedule.kind=gqa+lisa_plus", "schedule.kv_heads=2"],
-  "mqa+sa": ["schedule.kind=mqa+sa"],
-}
+DEPTH_PRESETS = schedule_matrix("depth_presets")
 
 
 def _program_size(jaxpr) -> int:

@@ -11,25 +11,14 @@ from flax import nnx
 from conftest import tiny_config
 from jaxshare import parallel
 from jaxshare.config import MeshConfig
+from jaxshare.config.catalogue import schedule_matrix
 from jaxshare.kernels import dispatch, reference, tuning, xla
 from jaxshare.plan import plan_of
 from jaxshare.runs import build_model
 from jaxshare.init.headwise import compute_ties
-from test_model import DEPTH_PRESETS, randomized, tokens
+from test_model import randomized, tokens
 
-COMPOSED = {
-  "cla+uniattn": ["model.num_layers=6", "schedule.kind=cla+uniattn", "schedule.producers=[0,2,3,4,5]",
-                  "schedule.uniattn.start=2", "schedule.uniattn.block_size=2"],
-  "gqa_per_layer+ds": ["schedule.kind=gqa+ds", "schedule.kv_heads_per_layer=[2,4,1,4]",
-                       "schedule.lisa.layers=[1,2,3]"],
-  "mistral_window+sa": ["schedule.kind=sa", "model.sliding_window=5"],
-  "bf16_lisa_plus": ["schedule.kind=lisa_plus", "schedule.lisa.layers=[1,2]", "model.dtype=bfloat16"],
-}
-# Every preset once (DEPTH_PRESETS' placement and semantics variants of CLA, MLKV, SA and LISA use the same kernel
-# roles). The tiny model has 4 layers, too few for the LISA presets' default layers (3..L-3): they share layers 1, 2.
-PRESETS = [name for name in DEPTH_PRESETS if name not in ("cla4", "mlkv_m3_paper", "sa_paper", "lisa_sl")]
-CASES = {**{name: [*DEPTH_PRESETS[name], *(["schedule.lisa.layers=[1,2]"] if "lisa" in name or name == "ds" else [])]
-            for name in PRESETS}, **COMPOSED}
+CASES = schedule_matrix("kernels")
 
 
 def _graphdef(cfg):

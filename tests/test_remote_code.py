@@ -16,6 +16,7 @@ import pytest
 from flax import nnx
 
 from jaxshare import accounting
+from jaxshare.config.catalogue import schedule_matrix
 from jaxshare.convert.hf_export import export_params
 from jaxshare.convert.hf_import import load_hf_model
 from jaxshare.convert.mapping import UnsupportedModelError
@@ -32,17 +33,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 # Every kind transformers has no class for, both flavours, and the features that change the code path.
-CASES = {
-  **{k: v for k, v in KINDS.items() if k not in ("dense", "gqa", "mqa", "postshare")},
-  "lisa_linear_rope": ["schedule.kind=lisa", "schedule.lisa.layers=[2,3]", "schedule.lisa.integrator=linear",
-                       "schedule.lisa.rope=true"],
-  "neox_uniattn": ["model.flavor=neox", "model.rotary_pct=0.5", "schedule.kind=uniattn",
-                   "schedule.uniattn.block_size=2"],
-  "neox_mlkv": ["model.flavor=neox", "schedule.kind=mlkv", "schedule.kv_layers=2", "schedule.kv_heads=2"],
-  "window_tied_cla": ["model.sliding_window=6", "model.tie_embeddings=true", "schedule.kind=cla"],
-  "per_layer_gqa": ["schedule.kind=gqa", "schedule.kv_heads_per_layer=[4,2,2,1]"],
-  "mlkv_matched": ["schedule.kind=mlkv", "schedule.kv_layers=2", "schedule.kv_heads=1", "schedule.match_params=true"],
-}
+CASES = schedule_matrix("remote_code")
 NEW_TOKENS = 32
 
 

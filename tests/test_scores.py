@@ -9,6 +9,7 @@ import pytest
 from flax import nnx
 
 from conftest import tiny_config
+from jaxshare.config.catalogue import schedule_matrix
 from jaxshare.kernels import reference
 from jaxshare.model import scores
 from jaxshare.model.attention import Attention
@@ -18,14 +19,7 @@ from jaxshare.plan import plan_of
 T = 256
 BF16_D128 = ["model.dtype=bfloat16", "model.head_dim=128", "model.d_model=64", "model.num_heads=2",
              "model.init_std=0.3", f"data.seq_len={T}"]  # init_std 0.3: logits of a few units, as in trained models
-SCHEDULES = {
-  "sa": ["schedule.kind=sa", "schedule.sa.start=1", "schedule.sa.end=2"],
-  "uniattn": ["schedule.kind=uniattn", "schedule.uniattn.start=0", "schedule.uniattn.block_size=2"],
-  "lisa_plus": ["schedule.kind=lisa_plus", "schedule.lisa.layers=[1]", "schedule.lisa.rank=8"],
-  "ds": ["schedule.kind=ds", "schedule.lisa.layers=[1]"],
-  "gqa_per_layer_lisa_plus": ["schedule.kind=gqa+lisa_plus", "schedule.kv_heads_per_layer=[2,1,2,2]",
-                              "schedule.lisa.layers=[1]", "schedule.lisa.rank=8"],
-}
+SCHEDULES = schedule_matrix("score_states")
 
 
 def producer_and_reuser(name, mode):

@@ -14,35 +14,13 @@ from flax import nnx
 import reference_numpy
 from conftest import tiny_config
 from jaxshare import accounting
+from jaxshare.config.catalogue import schedule_matrix
 from jaxshare.init.shared import copy_shared_weights
 from jaxshare.plan import plan_of
 from jaxshare.runs import build_model
 from test_model import forward, loss_and_grads, randomized, tokens
 
-SCORE_SCHEDULES = {
-  "sa_reference_code": ["schedule.kind=sa", "schedule.sa.start=2", "schedule.sa.end=3"],
-  "sa_paper": ["schedule.kind=sa", "schedule.sa.start=1", "schedule.sa.end=3", "schedule.sa.semantics=paper"],
-  "uniattn": ["schedule.kind=uniattn", "schedule.uniattn.start=0", "schedule.uniattn.block_size=2"],
-  "uniattn_normed": ["schedule.kind=uniattn", "schedule.uniattn.block_size=3", "schedule.uniattn.start=1",
-                     "schedule.uniattn.wc_input=normed"],
-  "lisa_ffn": ["schedule.kind=lisa", "schedule.lisa.layers=[1,2]", "schedule.lisa.rank=4", "schedule.lisa.hidden=8"],
-  "lisa_linear": ["schedule.kind=lisa", "schedule.lisa.layers=[2,3]", "schedule.lisa.integrator=linear"],
-  "lisa_plus": ["schedule.kind=lisa_plus", "schedule.lisa.layers=[1,2,3]"],
-  "ds": ["schedule.kind=ds", "schedule.lisa.layers=[2,3]"],
-  "lisa_plus_rope": ["schedule.kind=lisa_plus", "schedule.lisa.layers=[1,3]", "schedule.lisa.rope=true"],
-  "gqa_lisa_plus": ["schedule.kind=gqa+lisa_plus", "schedule.kv_heads=2", "schedule.lisa.layers=[2]"],
-  # per-layer GQA: LISA layers whose source has another K/V head count (the chain regroups to lcm(G_src, G))
-  "gqa_per_layer_lisa_plus": ["schedule.kind=gqa+lisa_plus", "schedule.kv_heads_per_layer=[4,2,4,4]",
-                              "schedule.lisa.layers=[1,2]"],
-  "gqa_per_layer_ds": ["schedule.kind=gqa+ds", "schedule.kv_heads_per_layer=[2,4,1,4]", "schedule.lisa.layers=[1,2,3]"],
-  # one integrator per group (LISA_SL(7+10)-style): a linear layer, then a DS chain reading its logits
-  "lisa_groups": ["schedule.kind=lisa", "schedule.lisa.groups=[{layers: [1], integrator: linear}, "
-                  "{layers: [2, 3], integrator: none}]"],
-  # LISA layers keep their (unused, frozen) W_q/W_k for NF decoding
-  "lisa_plus_keep_qk": ["schedule.kind=lisa_plus", "schedule.lisa.layers=[2,3]", "schedule.lisa.keep_qk=true"],
-  "cla_uniattn": ["model.num_layers=6", "schedule.kind=cla+uniattn", "schedule.producers=[0,2,3,4,5]",
-                  "schedule.uniattn.start=2", "schedule.uniattn.block_size=2"],
-}
+SCORE_SCHEDULES = schedule_matrix("score_sharing")
 RECOMPUTABLE = ["sa_reference_code", "sa_paper", "uniattn", "lisa_plus", "lisa_plus_rope", "ds", "gqa_lisa_plus",
                 "cla_uniattn", "gqa_per_layer_lisa_plus", "gqa_per_layer_ds", "lisa_plus_keep_qk", "lisa_ffn",
                 "lisa_linear", "lisa_groups"]
