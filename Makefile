@@ -18,8 +18,8 @@ $(VENV)/.installed-dev: $(VENV)/.installed
 	$(PY) -m pip install -q -e '.[hf,dev,eval]'
 	touch $@
 
-# libtpu for compiling TPU programs ahead of time on this host (scripts/aot_compile.py, tests/test_aot.py), kept out
-# of the venv: installed there, every jax process would try to start a TPU runtime and hold its lock file.
+# libtpu for compiling TPU programs ahead of time on this host (scripts/aot_compile.py, tests/unit/aot/test_aot.py),
+# kept out of the venv: installed there, every jax process would try to start a TPU runtime and hold its lock file.
 LIBTPU := .libtpu
 $(LIBTPU)/.installed: $(VENV)/.installed
 	$(PY) -m pip install -q --no-deps --target $(LIBTPU) "$$($(PY) -c "import importlib.metadata as m; \
@@ -27,8 +27,8 @@ $(LIBTPU)/.installed: $(VENV)/.installed
 	touch $@
 
 # jax's CUDA plugin for compiling GPU programs ahead of time on this host (train.py --compile-only --topology h100:8,
-# scripts/aot_compile.py, tests/test_aot.py), of the installed jax's version and kept out of the venv as libtpu is:
-# installed there, every jax start would probe CUDA. No NVIDIA libraries are needed to compile (~480 MB).
+# scripts/aot_compile.py, tests/unit/aot/test_aot.py), of the installed jax's version and kept out of the venv as libtpu
+# is: installed there, every jax start would probe CUDA. No NVIDIA libraries are needed to compile (~480 MB).
 JAXCUDA := .jaxcuda
 $(JAXCUDA)/.installed: $(VENV)/.installed
 	v=$$($(PY) -c "import jax; print(jax.__version__)") && \
@@ -42,11 +42,12 @@ $(JAXCUDA)/.cudnn: $(JAXCUDA)/.installed
 	$(PY) -m pip install -q --no-deps --target $(JAXCUDA) "$(CUDNN)"
 	touch $@
 
-# The released vLLM beside the venv, for tests/vllm_released_checks.py (driven by tests/test_vllm_released.py): its
-# wheel without dependencies and without its CUDA kernels (the checks run vLLM's own Python on the CPU), the pure-Python
-# packages its import path needs, and the lowest transformers the `hf` extra allows (vLLM 0.33's floor, with the
-# huggingface_hub 1.x it needs), so that the remote code is tested there too. 231 MB installed (the wheel is 336 MB).
-# vLLM pins torch 2.14.0; the checks run on the venv's torch 2.13.0 (CPU), the one this project installs.
+# The released vLLM beside the venv, for tests/support/vllm_released_checks.py (driven by
+# tests/equivalence/test_vllm_released.py): its wheel without dependencies and without its CUDA kernels (the checks run
+# vLLM's own Python on the CPU), the pure-Python packages its import path needs, and the lowest transformers the `hf`
+# extra allows (vLLM 0.33's floor, with the huggingface_hub 1.x it needs), so that the remote code is tested there too.
+# 231 MB installed (the wheel is 336 MB). vLLM pins torch 2.14.0; the checks run on the venv's torch 2.13.0 (CPU), the
+# one this project installs.
 VLLM_ENV := .vllm
 VLLM_PACKAGES := vllm==0.33.0 transformers==5.16.1 huggingface_hub==1.33.0 httpx==0.28.1 httpcore==1.0.9 \
   apache-tvm-ffi==0.1.11 cachetools==8.0.2 cbor2==6.3.0 compressed-tensors==0.17.0 fastapi==0.136.3 \

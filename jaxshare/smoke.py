@@ -1,5 +1,5 @@
-"""``JAXSHARE_SMOKE=1``: every documented command as a quick check of itself (tests/test_readme.py runs the README and
-docs/ this way). What the commands measure (losses, speeds, fits) means nothing under it; that they run does.
+"""``JAXSHARE_SMOKE=1``: every documented command as a quick check of itself (tests/e2e/test_readme.py runs the README
+and docs/ this way). What the commands measure (losses, speeds, fits) means nothing under it; that they run does.
 
 Under it:
 

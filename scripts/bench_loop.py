@@ -107,6 +107,9 @@ def main() -> None:
   parser.add_argument("overrides", nargs="*", help="config overrides")
   args = parser.parse_intermixed_args()
   cfg = load_config(args.config, [*args.overrides, "train.progress_bar=false", "train.eval_every=0"])
+  if args.steps < 2 * cfg.train.log_every:  # the first interval (compilation) is left out: a second must follow
+    parser.error(f"--steps {args.steps}: the loop is timed after its first logging interval, so it needs at least "
+                 f"two (>= {2 * cfg.train.log_every} steps at train.log_every={cfg.train.log_every})")
   pure = pure_seconds_per_step(cfg, 50)
   with tempfile.TemporaryDirectory() as tmp:
     pieces = host_work_ms(cfg, Path(tmp))

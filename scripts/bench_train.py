@@ -56,7 +56,7 @@ SHAPES = {
 
 # Read from this tree's catalogue without importing jaxshare: a worker imports the jaxshare of the tree it measures
 # (--compare-tree), which may predate the catalogue.
-SCHEDULES = yaml.safe_load((ROOT / "configs" / "schedules" / "catalogue.yaml").read_text())["matrices"][
+SCHEDULES = yaml.safe_load((ROOT / "configs" / "schedule_catalogue.yaml").read_text())["matrices"][
   "script_bench_train"]
 
 

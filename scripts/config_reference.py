@@ -5,8 +5,8 @@ default and meaning, generated from the config dataclasses (jaxshare.config.docu
   python scripts/config_reference.py            # print the tables
   python scripts/config_reference.py --write    # regenerate them in docs/configuration.md (between its markers)
 
-tests/test_config.py checks that docs/configuration.md names every field, tests/test_docs.py that its tables are this
-script's output."""
+tests/unit/config/test_config.py checks that docs/configuration.md names every field, tests/e2e/test_docs.py that its
+tables are this script's output."""
 
 import argparse
 import sys

@@ -20,9 +20,10 @@ import os
 # - executables of more than one device are compiled afresh, never cached. With them read back, an in-process run on
 #   the 8-device mesh aborted in XLA:CPU's collective rendezvous (its 40 s timeout; the device threads of one RunId
 #   at different collectives: 6 of 8 at a gradient all-reduce, one per fsdp group at an all-gather), with a warm cache
-#   2 of 2 times (later 0 of 1: it depends on timing) in `pytest -p no:xdist tests/test_determinism.py
-#   tests/test_multihost.py -k "not two_processes and not sigterm and not cannot_read"`, and in 1 of 6 full runs. Single-device executables, most of the suite's,
-#   never showed it. Not root-caused; jax-ml/jax#38004 reports crashes reading cached executables of device subsets.
+#   2 of 2 times (later 0 of 1: it depends on timing) in `pytest -p no:xdist tests/equivalence/test_determinism.py
+#   tests/equivalence/test_multihost.py -k "not two_processes and not sigterm and not cannot_read"`, and in 1 of 6
+#   full runs. Single-device executables, most of the suite's, never showed it. Not root-caused; jax-ml/jax#38004
+#   reports crashes reading cached executables of device subsets.
 # Production-compiled children (OPTIMIZED_ENV) never use the cache, nor do the processes of a multi-process run
 # (cpu_env's xla_cache=False): with it, a SIGTERM to one of two processes under the suite's load left both running past
 # the test's limit. Every test process runs with Python's faulthandler, so a crash inside XLA prints its stack.
@@ -110,7 +111,7 @@ TINY = ["model.num_layers=4", "model.d_model=32", "model.num_heads=4", "model.ml
         "train.log_every=5", "train.eval_every=10", "train.eval_batches=2", "train.checkpoint_every=10",
         "train.progress_bar=false", "train.lr=3e-3",
         # a configured MFU peak: measuring the host's roofline costs each train.py process ~0.5 s
-        # (tests/test_metrics.py and test_train.py's real run measure it)
+        # (tests/unit/train/test_metrics.py and test_train.py's real run measure it)
         "train.peak_tflops=0.1"]
 
 

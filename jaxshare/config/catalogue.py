@@ -1,4 +1,4 @@
-"""The catalogue of schedule variants (``configs/schedules/catalogue.yaml``): every variant that tests and benchmark
+"""The catalogue of schedule variants (``configs/schedule_catalogue.yaml``): every variant that tests and benchmark
 scripts run, described once, and the named matrices of variants each of them runs."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import yaml
 
 from jaxshare.config.schema import CONFIGS_DIR, ConfigError
 
-CATALOGUE = CONFIGS_DIR / "schedules" / "catalogue.yaml"
+CATALOGUE = CONFIGS_DIR / "schedule_catalogue.yaml"
 
 
 @functools.cache

@@ -14,7 +14,7 @@ def write_byte_tokenizer(out: Path, max_length: int) -> None:
   """jaxshare's byte tokenizer as ``tokenizer.json`` + ``tokenizer_config.json`` in ``out``, so that ``AutoTokenizer``
   loads the directory: a byte-level BPE without merges whose vocabulary maps each byte's GPT-2 character to the
   byte's value, EOS (and padding) the byte 0. Written as the JSON the ``tokenizers`` library saves for that model
-  (tests/test_byte_tokenizer.py compares them), so exporting needs no tokenizers install."""
+  (tests/equivalence/test_hf_export.py compares them), so exporting needs no tokenizers install."""
   alphabet = byte_alphabet()
   byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}
   spec = {"version": "1.0", "truncation": None, "padding": None, "added_tokens": [], "normalizer": None,

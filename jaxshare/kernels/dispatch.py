@@ -19,7 +19,7 @@ from jaxshare.kernels import cudnn, decode, flash_decode, pallas, reference, spl
 log = logging.getLogger(__name__)
 
 # attention.impl=auto, by platform and role: (platform, role, what runs, why: the measurement behind the choice).
-# docs/kernels.md shows this table (tests/test_splash.py checks that it does).
+# docs/kernels.md shows this table (tests/equivalence/test_splash.py checks that it does).
 AUTO_TABLE = (
   ("TPU", "own scores (dense, GQA/MQA, producers), K/V consumers", "splash",
    "the library kernel MaxText runs on TPUs; compiles here for v5e, v5p and v6e; not yet timed on a TPU"),

@@ -1,0 +1,126 @@
+"""Every script in scripts/ imports: a name moved or removed elsewhere breaks a script no other test runs end to end
+(uptrain_experiment.py imported three names that the sweep rewrite had removed); and the benchmarks run end to end at
+toy sizes, their printed figures consistent with what they measure (scripts/bench_attention.py's CPU check takes
+minutes and is the kernels' own tests; scripts/bench_loop.py trains the default experiment)."""
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO
+
+_IMPORT_ALL = """
+import importlib.util, pathlib, sys
+sys.path.insert(0, "scripts")
+for path in sorted(pathlib.Path("scripts").glob("*.py")):
+  spec = importlib.util.spec_from_file_location(f"script_{path.stem}", path)
+  spec.loader.exec_module(importlib.util.module_from_spec(spec))  # main() stays behind its __main__ guard
+  print(path.name)
+"""
+
+
+def test_every_script_imports():
+  proc = subprocess.run([sys.executable, "-c", _IMPORT_ALL], cwd=REPO, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert set(proc.stdout.split()) == {p.name for p in (REPO / "scripts").glob("*.py")}
+
+
+def test_data_benchmark_prints_its_tables():
+  """scripts/bench_data.py end to end at toy sizes: both preparations agree on the token count (it asserts so) and
+  every table prints."""
+  proc = subprocess.run([sys.executable, "scripts/bench_data.py", "--size-mb", "1", "--tokenizers", "byte",
+                         "--startup-gb", "0.01", "--skip", "loader"], cwd=REPO, capture_output=True, text=True,
+                        timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  rows = [ln for ln in proc.stdout.splitlines() if ln.startswith("| byte") or ln.startswith("| 0.01 GB")]
+  assert len(rows) == 3, proc.stdout
+
+
+def test_mfu_benchmark_measures_every_schedule(capsys):
+  """scripts/bench_mfu.py on a toy config (CPU): a row with tokens/s, MFU and a finite loss, and a failing schedule
+  reported on its own line without stopping the others."""
+  sys.path.insert(0, str(REPO / "scripts"))
+  import bench_mfu
+  bench_mfu.main(["--config", str(REPO / "configs/experiments/shakespeare_dense.yaml"), "--schedules", "uniattn",
+                  "dense", "--impls", "xla", "--batch", "8", "--seq-len", "32", "--steps", "1"])
+  rows = {ln.split()[0]: ln for ln in capsys.readouterr().out.splitlines()[1:]}
+  assert "FAILED ScheduleError" in rows["uniattn"]  # the 1B superblock placement does not fit 4 layers
+  assert "tok/s" in rows["dense"] and "MFU" in rows["dense"], rows
+  assert 0 < float(rows["dense"].split("loss")[1]) < 10, rows
+
+
+def test_attention_tuning_sweeps_and_names_the_best_launch(capsys):
+  """scripts/tune_attention.py without a GPU: the tile sweep in interpret mode against XLA attention, a timing line
+  per configuration and the best per phase (the GPU figures it produced are in docs/gpu.md)."""
+  sys.path.insert(0, str(REPO / "scripts"))
+  import tune_attention
+  tune_attention.main(["--lengths", "64", "--widths", "32", "--blocks", "32", "64", "--warps", "4", "--stages", "2",
+                       "--batch", "1", "--heads", "2", "--repeats", "1"])
+  out = capsys.readouterr().out
+  assert len([ln for ln in out.splitlines() if ln.strip().startswith("bq=")]) == 4, out
+  assert "best forward: bq=" in out and "x xla" in out, out
+
+
+def _run_script(*argv: str, timeout: int = 600) -> str:
+  proc = subprocess.run([sys.executable, *argv], cwd=REPO, capture_output=True, text=True, timeout=timeout)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  return proc.stdout
+
+
+def test_compile_benchmark_tables_each_preset_with_its_ratio():
+  """scripts/bench_compile.py at two toy depths: one row per preset, its ratio the deeper compile over the
+  shallower."""
+  out = _run_script("scripts/bench_compile.py", "--layers", "2", "4", "--only", "dense", "cla2")
+  rows = [[c.strip() for c in ln.strip("|").split("|")] for ln in out.splitlines() if ln.startswith("| dense")
+          or ln.startswith("| cla2")]
+  assert [r[0] for r in rows] == ["dense", "cla2"], out
+  for _, shallow, deep, ratio in rows:
+    # the table rounds the seconds to 10 ms: the ratio is of the unrounded times
+    assert float(shallow) > 0 and float(ratio.rstrip("x")) == pytest.approx(float(deep) / float(shallow), rel=0.03)
+
+
+def test_decode_benchmark_measures_the_cache_the_accounting_predicts(tmp_path):
+  """scripts/bench_decode.py on two schedules: the live cache's bytes per token equal the accounting's, CLA2 halves
+  dense's, and the largest batch is the budget over one row's cache at that context."""
+  out = tmp_path / "decode"
+  _run_script("scripts/bench_decode.py", "--schedules", "dense", "cla2", "--contexts", "32", "--batch", "2",
+              "--steps", "2", "--prefill", "16", "--budget-gib", "0.001", "--max-batch-context", "64",
+              "--no-max-batch-timing", "--out", str(out))
+  rows = {r["name"]: r for r in json.loads((out / "decode.json").read_text())["rows"]}
+  for r in rows.values():
+    assert r["kv_bytes_per_token_measured"] == r["kv_bytes_per_token"]
+    assert r["max_batch"] == int(0.001 * 2 ** 30) // (r["kv_bytes_per_token"] * 64)
+    assert r["decode"][0]["tokens_per_s"] > 0
+  assert rows["cla2"]["kv_bytes_per_token"] * 2 == rows["dense"]["kv_bytes_per_token"]
+  assert "| cla2 |" in (out / "decode.md").read_text()
+
+
+def test_full_lisa_benchmark_reports_both_paths_and_their_ratios():
+  """scripts/bench_full_lisa.py at one short length: both score-sharing paths compile and run, and the printed
+  ratios are those of the printed figures."""
+  out = _run_script("scripts/bench_full_lisa.py", "--lengths", "128", "--repeats", "1")
+  m = re.search(r"materialize\s+([\d.]+) MiB\s+(\d+) ms \| recompute\s+([\d.]+) MiB\s+(\d+) ms \| "
+                r"memory ([\d.]+)x less, time ([\d.]+)x", out)
+  assert m, out
+  mem_m, ms_m, mem_r, ms_r, less, slower = map(float, m.groups())
+  assert less == pytest.approx(mem_m / mem_r, abs=0.06) and slower == pytest.approx(ms_r / ms_m, rel=0.05, abs=0.02)
+
+
+def test_convert_benchmark_reports_import_and_export_memory():
+  """scripts/bench_convert.py on a toy checkpoint: the checkpoint's size, the baseline, and a peak-memory line for
+  each conversion, as multiples of the weights."""
+  out = _run_script("scripts/bench_convert.py", "--layers", "2", "--d-model", "64", "--vocab", "256")
+  assert re.search(r"checkpoint: [\d.]+M parameters", out) and "baseline (import jax)" in out, out
+  for name in ("import", "export"):
+    assert re.search(rf"^{name}\s+peak RSS [\d.]+ GiB = baseline \+ -?[\d.]+ x weights", out, re.M), out
+
+
+def test_loop_benchmark_refuses_a_round_too_short_to_time():
+  """scripts/bench_loop.py times the loop after its first logging interval; fewer steps than two intervals is refused
+  by name before anything trains (it raised an IndexError after training)."""
+  proc = subprocess.run([sys.executable, "scripts/bench_loop.py", "--steps", "4"], cwd=REPO, capture_output=True,
+                        text=True, timeout=300)
+  assert proc.returncode == 2 and "--steps 4" in proc.stderr and "train.log_every" in proc.stderr, proc.stderr[-2000:]
