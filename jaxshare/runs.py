@@ -81,13 +81,14 @@ def write_ties(run_dir: str | os.PathLike, ties: HeadTies) -> None:
   write_atomic(epath.Path(run_dir) / TIES_FILE, ties.to_json())
 
 
-def read_ties(run_dir: str | os.PathLike, cfg: Config, schedule: Schedule) -> HeadTies | None:
-  """The head-wise ties of the run of ``cfg`` and its compiled ``schedule`` (None when it ties no heads).
+def read_ties(run_dir: str | os.PathLike, cfg: Config) -> HeadTies | None:
+  """The head-wise ties of the run of ``cfg`` (None when its schedule ties no heads).
 
   Raises:
     CheckpointError: the schedule ties heads and the file is missing (a run written before ties were stored with
       it: the message gives the command that re-creates them), malformed, or ties another number of heads.
   """
+  schedule = plan_of(cfg).schedule
   if not schedule.tied_heads:
     return None
   run_dir = epath.Path(run_dir)
@@ -187,9 +188,8 @@ def load_run(path: str | os.PathLike, mesh: Mesh | None = None) -> Run:
   if mesh is None:
     cfg = dataclasses.replace(cfg, mesh=MeshConfig() if jax.process_count() == 1 else MeshConfig(fsdp=-1))
     mesh = parallel.make_mesh(cfg.mesh, jax.devices()[:1] if jax.process_count() == 1 else None)
-  schedule = plan_of(cfg).schedule
   step = _existing_step(run_dir, step, cfg.train.keep_checkpoints)
-  ties = read_ties(run_dir, cfg, schedule)
+  ties = read_ties(run_dir, cfg)
   graphdef, target = abstract_params(plan_of(cfg), ties, mesh)
   ckpt = Checkpointer(run_dir / "checkpoints", cfg.train.keep_checkpoints)
   try:  # closed either way: an open manager's threads at interpreter exit printed a traceback after the error

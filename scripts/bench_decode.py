@@ -97,13 +97,13 @@ def export_schedule(name: str, out: str) -> tuple[str, int]:
   bytes per token."""
   from flax import nnx
 
-  from jaxshare import accounting
   from jaxshare.convert.hf_export import export_params
+  from jaxshare.plan import plan_of
 
   cfg = _config(SCHEDULES[name])
-  model, schedule = _model(cfg)  # SCHEDULES tie no heads
+  model, _ = _model(cfg)  # SCHEDULES tie no heads
   arch = export_params(cfg, nnx.to_pure_dict(nnx.state(model, nnx.Param)), out)
-  return arch, accounting.kv_cache_bytes_per_token(cfg.model, schedule, 4)
+  return arch, plan_of(cfg).kv_cache_bytes_per_token(4)
 
 
 def torch_measurement(directory: str, *, batch: int, context: int, new_tokens: int) -> dict:

@@ -25,7 +25,6 @@ from pathlib import Path
 import jax
 
 from bench_train import one_document_rows, synthetic_batches  # scripts/ is on the path of a script run from it
-from jaxshare import accounting
 from jaxshare.config import load_config
 from jaxshare.config.catalogue import schedule_matrix
 from jaxshare.parallel import shard_batch
@@ -61,7 +60,7 @@ def measure(config: Path, overrides: list[str], steps: int) -> dict:
     per_step = (time.perf_counter() - start) / steps
   mem = step.memory_analysis()
   return {"compile_s": compile_s, "step_s": per_step, "tokens": b * t, "loss": float(metrics["loss"]),
-          "flops_per_token": accounting.train_flops_per_token(cfg.model, setup.schedule, t),
+          "flops_per_token": setup.plan.train_flops_per_token(t),
           "params": setup.num_params, "dtype": cfg.model.dtype,
           "temp_gib": None if mem is None else mem.temp_size_in_bytes / 2 ** 30}
 

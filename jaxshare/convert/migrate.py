@@ -28,7 +28,7 @@ def store_ties(path: str | os.PathLike) -> str:
                       "ties to store")
   if (run_dir / runs.TIES_FILE).exists():
     try:
-      runs.read_ties(run_dir, cfg, schedule)
+      runs.read_ties(run_dir, cfg)
     except CheckpointError:  # an unreadable file: chosen again below
       pass
     else:

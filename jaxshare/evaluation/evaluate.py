@@ -12,7 +12,6 @@ import grain
 import jax
 import numpy as np
 
-from jaxshare import accounting
 from jaxshare.data import Datasets, TokenStream, WindowSource, load_documents
 from jaxshare.data.batch import Batch
 from jaxshare.evaluation.generate import Generator
@@ -49,8 +48,8 @@ def evaluate_run(path: str | Path, *, max_batches: int = 0, prompt: str = "ROMEO
     "val_loss": loss, "perplexity": None if loss is None else math.exp(loss),
     "bits_per_byte": None if loss is None else loss / math.log(2) / data.bytes_per_token,
     "num_params": run.num_params,
-    "kv_bytes_per_token": accounting.kv_cache_bytes_per_token(cfg.model, run.schedule, kv_dtype_bytes),
-    "kv_bytes_per_token_bf16": accounting.kv_cache_bytes_per_token(cfg.model, run.schedule, 2),
+    "kv_bytes_per_token": run.plan.kv_cache_bytes_per_token(kv_dtype_bytes),
+    "kv_bytes_per_token_bf16": run.plan.kv_cache_bytes_per_token(2),
     "prompt": prompt, "sample": data.tokenizer.decode(sample_ids),
   }
 

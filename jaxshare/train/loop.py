@@ -19,7 +19,6 @@ from jaxshare.init.headwise import compute_ties
 from jaxshare.init.report import init_report
 from jaxshare.init.source import check_loadable, init_kv_pool, with_match_reference
 from jaxshare.kernels.dispatch import document_bounds
-from jaxshare.plan import plan_of
 from jaxshare.train.interrupts import Interrupts
 from jaxshare.train.metrics import MetricsLogger, resolve_peak
 from jaxshare.train.recipes import Stage1Monitor, build_objective, end_step, postshare_pairs, save_pairs
@@ -177,9 +176,8 @@ class _Trainer:
     set). Head-wise ties and PostShare's pairs are chosen here once, when the run starts, and read back from the run
     directory ever after."""
     cfg = self.cfg
-    schedule = plan_of(cfg).schedule
     resuming = ckpt is not None and ckpt.latest_step() is not None
-    self.ties = (runs.read_ties(self.run_dir, cfg, schedule) if resuming else
+    self.ties = (runs.read_ties(self.run_dir, cfg) if resuming else
                  compute_ties(cfg, self.tcfg.seed, self.mesh, source=self.source))
     self.ties_are_new = not resuming
     self.ckpt = ckpt

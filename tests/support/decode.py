@@ -14,8 +14,6 @@ from support.models import tokens
 
 # Prompt lengths of the two rows: the second is left-padded by 5 slots.
 LENGTHS = (11, 6)
-
-
 NEW = 4
 
 

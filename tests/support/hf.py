@@ -14,14 +14,10 @@ from jaxshare.train.state import init_state, setup_training
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-
 _LLAMA = dict(vocab_size=256, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
               rms_norm_eps=1e-5)
-
-
 _NEOX = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
              rotary_pct=0.25, rope_theta=10000.0)
-
 
 HF_CASES = {
   "llama_gqa": (transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(_LLAMA, num_key_value_heads=2)),
