@@ -21,7 +21,8 @@ from jaxshare.init.source import check_loadable, init_kv_pool, with_match_refere
 from jaxshare.kernels.dispatch import document_bounds
 from jaxshare.train.interrupts import Interrupts
 from jaxshare.train.metrics import MetricsLogger, resolve_peak
-from jaxshare.train.recipes import Stage1Monitor, build_objective, end_step, postshare_pairs, save_pairs
+from jaxshare.train.recipes import (Stage1Monitor, build_objective, end_step, postshare_pairs,
+                                    write_postshare_pairs)
 from jaxshare.train.state import (TrainSetup, abstract_state, init_state, setup_training, state_from_params,
                                   trainable_for)
 from jaxshare.train.step import Objective, TrainState, make_train_step
@@ -231,7 +232,7 @@ class _Trainer:
       if self.ties is not None and self.ties_are_new:
         runs.write_ties(self.run_dir, self.ties)
       if self.pairs is not None and self.pairs_are_new:
-        save_pairs(self.cfg, self.run_dir, self.pairs)
+        write_postshare_pairs(self.cfg, self.run_dir, self.pairs)
 
   def compile(self) -> None:
     """The auxiliary objective and the jitted steps."""

@@ -51,7 +51,8 @@ def end_step(cfg: Config, stage: int, stage_start: int) -> int:
 
 def postshare_pairs(cfg: Config, setup: TrainSetup, teacher: Run | None, run_dir) -> tuple[Pairs | None, bool]:
   """PostShare's head pairs ``{q, k, v: ((head, matched earlier head), ...)}`` as flat indices ``layer * H + head``
-  (None without PostShare), and whether they are new (to be written to the run directory, :func:`save_pairs`).
+  (None without PostShare), and whether they are new (to be written to the run directory:
+  :func:`write_postshare_pairs`).
 
   The pairs are selected once, on the pretrained weights (``init_from``) or, from scratch, on the initial ones, and
   stored as ``<run_dir>/postshare_pairs.json``: a resumed run penalises the same pairs, and a head-wise run initialised
@@ -76,7 +77,7 @@ def postshare_pairs(cfg: Config, setup: TrainSetup, teacher: Run | None, run_dir
   return direct_share(weights, tied_head_count(cfg.model, t.postshare_ratio), cfg.schedule.headwise.match).pairs, True
 
 
-def save_pairs(cfg: Config, run_dir, pairs: Pairs) -> None:
+def write_postshare_pairs(cfg: Config, run_dir, pairs: Pairs) -> None:
   """Store new PostShare pairs in the run directory (:func:`postshare_pairs`)."""
   headwise.save_pairs(run_dir / POSTSHARE_PAIRS_FILE, pairs, cfg.schedule.headwise.match, cfg.train.postshare_ratio)
 
