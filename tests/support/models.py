@@ -15,7 +15,6 @@ from jaxshare.config.catalogue import schedule_matrix
 from jaxshare.init.headwise import compute_ties
 from jaxshare.plan import plan_of
 from jaxshare.runs import build_model
-from jaxshare.schedule import compile_schedule
 
 
 def randomized(cfg, seed=0):
@@ -33,8 +32,9 @@ _RANDOMIZED: dict = {}
 
 
 def _build_randomized(cfg, seed):
-  schedule = compile_schedule(cfg.model, cfg.schedule)
-  model = build_model(plan_of(cfg), seed, compute_ties(cfg, seed))
+  plan = plan_of(cfg)
+  schedule = plan.schedule
+  model = build_model(plan, seed, compute_ties(cfg, seed))
   graphdef, state = nnx.split(model, nnx.Param)
   leaves, treedef = jax.tree.flatten(nnx.to_pure_dict(state))
   keys = jax.random.split(jax.random.key(seed + 1), len(leaves))
