@@ -4,6 +4,7 @@ Layout::
 
   <run>/config.yaml          the validated config (written atomically)
   <run>/head_ties.json       head-wise sharing's ties, when the schedule ties heads (chosen once, never re-chosen)
+  <run>/postshare_pairs.json PostShare's penalised head pairs, when the run trains with PostShare (chosen once)
   <run>/checkpoints/<step>/  orbax checkpoints (:mod:`jaxshare.checkpoint`)
   <run>/tokenizer/           the tokenizer files of a converted model (``data.tokenizer`` points here)
   <run>/metrics.jsonl ...    training's logs (:mod:`jaxshare.train.metrics`)
@@ -33,12 +34,13 @@ from jaxshare.config import Config, ConfigError, MeshConfig, config_from_yaml_te
 from jaxshare.data import Tokenizer, make_tokenizer
 from jaxshare.files import absolute, write_atomic
 from jaxshare.model import Transformer
-from jaxshare.model.ties import HeadTies
+from jaxshare.model.ties import HeadTies, PostSharePairs
 from jaxshare.plan import ModelPlan, plan_of
 from jaxshare.schedule import Schedule
 
 CONFIG_FILE = "config.yaml"
 TIES_FILE = "head_ties.json"
+PAIRS_FILE = "postshare_pairs.json"
 TOKENIZER_DIR = "tokenizer"
 
 
@@ -71,14 +73,35 @@ def read_config(run_dir: str | os.PathLike) -> Config:
   return config_from_yaml_text(text, str(path))
 
 
-def write_config(run_dir: str | os.PathLike, cfg: Config) -> None:
-  """Write ``config.yaml``, through a temporary file renamed over it: a kill mid-write never leaves a torn one."""
-  write_atomic(epath.Path(run_dir) / CONFIG_FILE, to_yaml(cfg))
+def write_run_files(run_dir: str | os.PathLike, cfg: Config, ties: HeadTies | None = None,
+                    pairs: PostSharePairs | None = None) -> None:
+  """Write ``config.yaml`` and, when given, head-wise sharing's ties and PostShare's pairs, each through a temporary
+  file renamed over it: a kill mid-write never leaves a torn one."""
+  texts = {CONFIG_FILE: to_yaml(cfg), TIES_FILE: ties and ties.to_json(), PAIRS_FILE: pairs and pairs.to_json()}
+  for name, text in texts.items():
+    if text is not None:
+      write_atomic(epath.Path(run_dir) / name, text)
 
 
 def write_ties(run_dir: str | os.PathLike, ties: HeadTies) -> None:
-  """Save head-wise sharing's ties beside the run's checkpoints (atomically, as :func:`write_config`)."""
+  """Save head-wise sharing's ties beside the run's checkpoints (atomically, as :func:`write_run_files`)."""
   write_atomic(epath.Path(run_dir) / TIES_FILE, ties.to_json())
+
+
+def read_pairs(run_dir: str | os.PathLike) -> PostSharePairs | None:
+  """The PostShare pairs stored in ``run_dir`` (None when it has none: not a PostShare run, or not started yet).
+
+  Raises:
+    CheckpointError: the file is unreadable or malformed.
+  """
+  path = epath.Path(run_dir) / PAIRS_FILE
+  if not path.exists():
+    return None
+  try:
+    return PostSharePairs.from_json(path.read_text(), repr(str(path)))
+  except (OSError, ValueError) as e:
+    raise CheckpointError(f"{e}: restore the file (a resumed run penalises the pairs it started with), or start "
+                          "afresh in a new train.run_dir") from None
 
 
 def read_ties(run_dir: str | os.PathLike, cfg: Config) -> HeadTies | None:
@@ -258,9 +281,7 @@ def write_run(run_dir: str | os.PathLike, cfg: Config, params: dict, *, ties: He
     for f in tokenizer_files:
       shutil.copy2(f, run_dir / TOKENIZER_DIR / f.name)
     data = dataclasses.replace(data, tokenizer=str(run_dir / TOKENIZER_DIR))
-  write_config(run_dir, dataclasses.replace(cfg, data=data, train=dataclasses.replace(cfg.train,
-                                                                                      run_dir=str(run_dir))))
-  if ties is not None:
-    write_ties(run_dir, ties)
+  write_run_files(run_dir, dataclasses.replace(cfg, data=data, train=dataclasses.replace(cfg.train,
+                                                                                         run_dir=str(run_dir))), ties)
   save_params(run_dir / "checkpoints", 0, params, {"step": 0, "stage": 0, **(meta or {})})
   return run_dir

@@ -50,7 +50,7 @@ def uptrain_run(src_run, out_run, overrides, *, calibration_batches: int = 8, wc
                       "score source's, in the source model to start from; use train.init_lisa=ds")
   if lisa_calibrated and not calibration_batches:
     raise ConfigError("train.init_lisa=calibrated needs calibration batches: --calibration-batches must be >= 1")
-  ties = compute_ties(cfg, cfg.train.seed)
+  ties = compute_ties(cfg, cfg.train.seed, src)
   graphdef, _ = runs.abstract_params(plan_of(cfg), ties)
   params = jax.jit(lambda s: params_from_source(start_cfg, ties, initial_params(start_cfg, ties, cfg.train.seed), s,
                                                 src.schedule))(src.params)

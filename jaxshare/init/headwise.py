@@ -9,13 +9,10 @@ Each head has at most one edge to an earlier layer, so the pairs form a forest a
 from __future__ import annotations
 
 import dataclasses
-import json
 
 import jax.numpy as jnp
 import numpy as np
-from etils import epath
 from flax import nnx
-from jax.sharding import Mesh
 
 from jaxshare import distributed, runs
 from jaxshare.config import Config, ConfigError, HeadwiseConfig
@@ -25,7 +22,6 @@ from jaxshare.model.ties import MATRICES, HeadTies
 from jaxshare.plan import plan_of
 from jaxshare.schedule import Schedule
 
-POSTSHARE_PAIRS_FILE = "postshare_pairs.json"  # in a PostShare run directory: the pairs its penalty pulled together
 _MATCH_FEATURES = {"qk": ("q", "k"), "q": ("q",), "k": ("k",), "v": ("v",), "qkv": ("q", "k", "v")}
 
 
@@ -154,28 +150,6 @@ def ties_from_pairs(weights: dict[str, np.ndarray], pairs: dict[str, list], matc
   return _ties(chosen, L, H)
 
 
-def save_pairs(path, pairs: dict[str, tuple[tuple[int, int], ...]], match: str, ratio: float) -> None:
-  """Write PostShare's penalised pairs (``{q, k, v: ((head, matched head), ...)}``, with their match function and
-  ratio) as JSON."""
-  epath.Path(path).write_text(json.dumps({"match": match, "ratio": ratio,
-                                          "pairs": {m: [list(p) for p in pairs[m]] for m in MATRICES}}))
-
-
-def load_pairs(path) -> dict:
-  """``{"match", "ratio", "pairs": {m: [[i, j], ...]}}`` as :func:`save_pairs` wrote them.
-
-  Raises:
-    ConfigError: unreadable or malformed file.
-  """
-  try:
-    data = json.loads(epath.Path(path).read_text())
-    if not isinstance(data, dict) or set(data) != {"match", "ratio", "pairs"} or set(data["pairs"]) != set(MATRICES):
-      raise ValueError("expected {match, ratio, pairs: {q, k, v}}")
-  except (OSError, ValueError) as e:
-    raise ConfigError(f"PostShare pairs file {str(path)!r} is unreadable or malformed: {e}") from e
-  return data
-
-
 def tie_weights(weights: dict[str, np.ndarray], ties: HeadTies) -> dict[str, np.ndarray]:
   """The stored head table ``{m: [rows, D, d]}`` holding each representative's weights from ``[L, D, H, d]``."""
   return {m: np.stack([np.asarray(weights[m])[l, :, h, :] for l, h in ties.rows[m]]) for m in MATRICES}
@@ -219,20 +193,21 @@ def fresh_ties(cfg: Config, seed: int) -> HeadTies | None:
                       cfg.schedule.headwise.match)
 
 
-def compute_ties(cfg: Config, seed: int, mesh: Mesh | None = None, source: runs.Run | None = None
-                 ) -> HeadTies | None:
+def compute_ties(cfg: Config, seed: int, source: runs.Run | None = None) -> HeadTies | None:
   """Choose DirectShare's head ties (None without head-wise sharing) on the dense model the run starts from:
-  ``train.init_from`` when set (uptraining, :func:`ties_from_source`), else the dense model initialised from
-  ``seed`` (:func:`fresh_ties`). Called once per run, when it is created: the run then stores its ties
-  (:func:`jaxshare.runs.write_ties`). ``source``: the ``train.init_from`` run when already loaded (else it is loaded
-  here, onto ``mesh``).
+  ``source``, the ``train.init_from`` run, when ``cfg`` sets one (uptraining, :func:`ties_from_source`), else the dense
+  model initialised from ``seed`` (:func:`fresh_ties`). Called once per run, when it is created: the run then stores
+  its ties (:func:`jaxshare.runs.write_run_files`).
 
   Raises:
     ConfigError: as :func:`ties_from_source`.
+    ValueError: ``cfg`` ties heads and sets ``train.init_from``, but no ``source`` is given.
   """
   if not plan_of(cfg).tied_heads or not cfg.train.init_from:
     return fresh_ties(cfg, seed)
-  return ties_from_source(cfg, source if source is not None else runs.load_run(cfg.train.init_from, mesh))
+  if source is None:
+    raise ValueError(f"compute_ties: train.init_from={cfg.train.init_from!r} is set; pass its loaded run as source")
+  return ties_from_source(cfg, source)
 
 
 def ties_from_source(cfg: Config, src: runs.Run) -> HeadTies:
@@ -258,16 +233,15 @@ def ties_from_source(cfg: Config, src: runs.Run) -> HeadTies:
     raise ConfigError(f"train.init_from={cfg.train.init_from!r} has schedule {src.schedule.kind!r}: "
                       "head-wise sharing is selected on a dense MHA model (or continued from a head-wise one)")
   weights = dense_kernels(distributed.to_host(src.params), src.schedule, cfg.model.num_layers)
-  pairs_file = src.directory / POSTSHARE_PAIRS_FILE
-  if not pairs_file.exists():
+  post = runs.read_pairs(src.directory)
+  if post is None:
     return direct_share(weights, schedule.tied_heads, cfg.schedule.headwise.match)
-  post = load_pairs(pairs_file)
-  if len(post["pairs"]["q"]) != schedule.tied_heads:
+  if len(post.pairs["q"]) != schedule.tied_heads:
     raise ConfigError(f"train.init_from={cfg.train.init_from!r} is a PostShare run that penalised "
-                      f"{len(post['pairs']['q'])} head pairs (train.postshare_ratio={post['ratio']}); "
+                      f"{len(post.pairs['q'])} head pairs (train.postshare_ratio={post.ratio}); "
                       f"schedule.headwise.ratio={cfg.schedule.headwise.ratio} would tie {schedule.tied_heads}: set "
-                      f"schedule.headwise.ratio={post['ratio']} to tie exactly the penalised pairs")
-  if post["match"] != cfg.schedule.headwise.match:
+                      f"schedule.headwise.ratio={post.ratio} to tie exactly the penalised pairs")
+  if post.match != cfg.schedule.headwise.match:
     raise ConfigError(f"schedule.headwise.match={cfg.schedule.headwise.match!r} is invalid with train.init_from="
-                      f"{cfg.train.init_from!r}: its PostShare pairs were matched with {post['match']!r}")
-  return ties_from_pairs(weights, post["pairs"], post["match"])
+                      f"{cfg.train.init_from!r}: its PostShare pairs were matched with {post.match!r}")
+  return ties_from_pairs(weights, post.pairs, post.match)

@@ -79,3 +79,41 @@ class HeadTies:
     if bad:
       raise ValueError(f"head-wise ties {source} are malformed: the index of {bad} points past its stored rows")
     return ties
+
+
+@dataclasses.dataclass(frozen=True)
+class PostSharePairs:
+  """PostShare's penalised head pairs (Head-wise Shareable Attention, Sec. 4.3): chosen once when a PostShare run
+  starts, kept in its run directory, and tied exactly by a head-wise run initialised from it.
+
+  Attributes:
+    pairs: per matrix (``q``, ``k``, ``v``), the ``(head, matched earlier head)`` pairs as flat indices
+      ``layer * H + head``.
+    match: the match function they were chosen by (``schedule.headwise.match``).
+    ratio: ``train.postshare_ratio``, the share of heads they pair.
+  """
+
+  pairs: dict[str, tuple[tuple[int, int], ...]]
+  match: str
+  ratio: float
+
+  def to_json(self) -> str:
+    """The pairs as JSON text, what :meth:`from_json` reads."""
+    return json.dumps({"match": self.match, "ratio": self.ratio,
+                       "pairs": {m: [list(p) for p in self.pairs[m]] for m in MATRICES}})
+
+  @classmethod
+  def from_json(cls, text: str, source: str) -> PostSharePairs:
+    """Pairs from :meth:`to_json`'s text; ``source`` names where it came from in errors.
+
+    Raises:
+      ValueError: not JSON, or not ``{match, ratio, pairs: {q, k, v: [[i, j], ...]}}``.
+    """
+    try:
+      data = json.loads(text)
+      if not isinstance(data, dict) or set(data) != {"match", "ratio", "pairs"} or set(data["pairs"]) != set(MATRICES):
+        raise ValueError("expected {match, ratio, pairs: {q, k, v}}")
+      return cls({m: tuple((int(i), int(j)) for i, j in data["pairs"][m]) for m in MATRICES}, str(data["match"]),
+                 float(data["ratio"]))
+    except (KeyError, TypeError, ValueError) as e:
+      raise ValueError(f"PostShare pairs {source} are unreadable or malformed: {e}") from e

@@ -3,17 +3,17 @@ two-stage schedule."""
 
 from __future__ import annotations
 
+from jax.sharding import Mesh
+
 from jaxshare import distributed
 from jaxshare.config import Config, ConfigError, ScoreReuse
-from jaxshare.init import headwise
-from jaxshare.init.headwise import POSTSHARE_PAIRS_FILE, dense_kernels, direct_share, load_pairs
+from jaxshare.init.headwise import dense_kernels, direct_share
 from jaxshare.init.source import initial_params
+from jaxshare.model.ties import HeadTies, PostSharePairs
 from jaxshare.runs import Run
 from jaxshare.schedule import tied_head_count
-from jaxshare.train.state import TrainSetup
+from jaxshare.train.state import TrainSetup, setup_training, trainable_for
 from jaxshare.train.step import Objective
-
-Pairs = dict[str, tuple[tuple[int, int], ...]]  # PostShare's head pairs per matrix
 
 
 class Stage1Monitor:
@@ -49,40 +49,49 @@ def end_step(cfg: Config, stage: int, stage_start: int) -> int:
   return stage_start + t.stage2_steps if stage == 2 and t.stage2_steps else t.steps
 
 
-def postshare_pairs(cfg: Config, setup: TrainSetup, teacher: Run | None, run_dir) -> tuple[Pairs | None, bool]:
-  """PostShare's head pairs ``{q, k, v: ((head, matched earlier head), ...)}`` as flat indices ``layer * H + head``
-  (None without PostShare), and whether they are new (to be written to the run directory:
-  :func:`write_postshare_pairs`).
+def stage_of(cfg: Config, meta: dict) -> tuple[int, int]:
+  """``(stage, stage_start)`` of a run whose newest checkpoint's metadata is ``meta`` ({} for a fresh start): UniAttn's
+  recipe stage (0 without the two-stage recipe) and the step its learning-rate schedule began."""
+  return meta.get("stage", 0) or (1 if cfg.train.recipe == "uniattn_two_stage" else 0), meta.get("stage_start", 0)
 
-  The pairs are selected once, on the pretrained weights (``init_from``) or, from scratch, on the initial ones, and
-  stored as ``<run_dir>/postshare_pairs.json``: a resumed run penalises the same pairs, and a head-wise run initialised
-  from this one ties exactly them (:func:`jaxshare.init.headwise.compute_ties`).
+
+def stage_setup(cfg: Config, mesh: Mesh, ties: HeadTies | None, stage: int, stage_start: int) -> TrainSetup:
+  """The run's setup in recipe stage ``stage`` begun at ``stage_start``: what trains (:func:`trainable_for`) and the
+  learning-rate schedule from ``stage_start`` to :func:`end_step`."""
+  return setup_training(cfg, mesh, trainable_for(cfg, stage), ties, start_step=stage_start,
+                        end_step=end_step(cfg, stage, stage_start))
+
+
+def postshare_pairs(cfg: Config, setup: TrainSetup, teacher: Run | None, saved: PostSharePairs | None
+                    ) -> PostSharePairs | None:
+  """PostShare's head pairs (None without PostShare): ``saved``, the run directory's (:func:`jaxshare.runs.read_pairs`)
+  when it has them, else chosen by DirectShare's matching (Head-wise Shareable Attention, Sec. 4.3) on the
+  pretrained weights (``init_from``) or, from scratch, on the initial ones.
+
+  Chosen once and stored with the run (:func:`jaxshare.runs.write_run_files`): a resumed run penalises the same pairs,
+  and a head-wise run initialised from this one ties exactly them (:func:`jaxshare.init.headwise.compute_ties`).
 
   Raises:
-    ConfigError: PostShare on a model that is not an untied dense MHA model, or an unreadable pairs file.
+    ConfigError: PostShare on a model that is not an untied dense MHA model.
   """
   t = cfg.train
   if t.postshare_gamma <= 0:
-    return None, False
+    return None
   if any(not (p.is_producer and p.has_query_key and p.num_kv_heads == cfg.model.num_heads)
          for p in setup.schedule.layers) or setup.ties is not None:
     raise ConfigError(f"train.postshare_gamma={t.postshare_gamma} needs an untied dense MHA model; schedule.kind="
                       f"{cfg.schedule.kind!r} is not")
-  path = run_dir / POSTSHARE_PAIRS_FILE
-  if path.exists():  # resuming: the pairs chosen when the run started
-    return {m: tuple(tuple(p) for p in ps) for m, ps in load_pairs(path)["pairs"].items()}, False
+  if saved is not None:
+    return saved
   source = (teacher.params, teacher.schedule) if teacher is not None else (
     initial_params(cfg, setup.ties, t.seed), setup.schedule)
   weights = dense_kernels(distributed.to_host(source[0]), source[1], cfg.model.num_layers)
-  return direct_share(weights, tied_head_count(cfg.model, t.postshare_ratio), cfg.schedule.headwise.match).pairs, True
+  match = cfg.schedule.headwise.match
+  return PostSharePairs(direct_share(weights, tied_head_count(cfg.model, t.postshare_ratio), match).pairs, match,
+                        t.postshare_ratio)
 
 
-def write_postshare_pairs(cfg: Config, run_dir, pairs: Pairs) -> None:
-  """Store new PostShare pairs in the run directory (:func:`postshare_pairs`)."""
-  headwise.save_pairs(run_dir / POSTSHARE_PAIRS_FILE, pairs, cfg.schedule.headwise.match, cfg.train.postshare_ratio)
-
-
-def build_objective(cfg: Config, setup: TrainSetup, teacher: Run | None, pairs: Pairs | None) -> Objective:
+def build_objective(cfg: Config, setup: TrainSetup, teacher: Run | None, pairs: PostSharePairs | None) -> Objective:
   """The auxiliary losses of ``cfg`` (``teacher``: the ``train.init_from`` run, when set; ``pairs``: PostShare's,
   from :func:`postshare_pairs`).
 
@@ -96,5 +105,5 @@ def build_objective(cfg: Config, setup: TrainSetup, teacher: Run | None, pairs: 
                       f"{cfg.schedule.kind!r} has none")
   return Objective(kd_beta=t.kd_beta, kd_delta=t.kd_delta, kd_layers=kd_layers,
                    teacher_graphdef=teacher.graphdef if teacher is not None else None,
-                   postshare_gamma=t.postshare_gamma, postshare_pairs=pairs,
+                   postshare_gamma=t.postshare_gamma, postshare_pairs=None if pairs is None else pairs.pairs,
                    schedule=setup.schedule, window=cfg.model.sliding_window)

@@ -229,7 +229,7 @@ def test_a_checkpoint_written_before_the_stacks_were_renamed_resumes_and_loads(t
   optimizer's moments): a run resumes from one, verified against its own checksums, and load_run reads its weights,
   both under today's names and with the same values."""
   from jaxshare.checkpoint import rename_keys
-  from jaxshare.runs import write_config
+  from jaxshare.runs import write_run_files
   from jaxshare.train.state import abstract_state, init_state, setup_training
 
   cfg = tiny_config("schedule.kind=cla", f"train.run_dir={tmp_path}")
@@ -237,7 +237,7 @@ def test_a_checkpoint_written_before_the_stacks_were_renamed_resumes_and_loads(t
   state = init_state(setup)
   old = rename_keys(state.as_dict(), {"stacks": "segments"})
   assert "segments" in old["params"] and "segments" in old["opt_state"][1][0].mu  # what an older jaxshare saved
-  write_config(tmp_path, cfg)
+  write_run_files(tmp_path, cfg)
   ckpt = Checkpointer(tmp_path / "checkpoints", 2)
   ckpt.save(3, old, None, {"step": 3})
   ckpt.wait()

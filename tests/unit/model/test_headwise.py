@@ -110,6 +110,23 @@ def test_ties_round_trip_as_json_and_malformed_ones_are_refused():
     HeadTies.from_json(json.dumps(text), "here")
 
 
+def test_postshare_pairs_round_trip_through_the_run_directory_and_malformed_ones_are_refused(tmp_path):
+  from jaxshare.checkpoint import CheckpointError
+  from jaxshare.model.ties import PostSharePairs
+  from jaxshare.runs import PAIRS_FILE, read_pairs, write_run_files
+
+  pairs = PostSharePairs(direct_share(random_weights(), 5, "qk").pairs, "qk", 0.3)
+  assert read_pairs(tmp_path) is None  # a run without PostShare
+  write_run_files(tmp_path, tiny_config(), pairs=pairs)
+  assert read_pairs(tmp_path) == pairs
+  assert json.loads((tmp_path / PAIRS_FILE).read_text())["pairs"]["q"] == [list(p) for p in pairs.pairs["q"]]
+  for bad in ("{", json.dumps({"match": "qk", "ratio": 0.3, "pairs": {"q": []}}),
+              json.dumps({"match": "qk", "ratio": 0.3, "pairs": {"q": [[1]], "k": [], "v": []}})):
+    (tmp_path / PAIRS_FILE).write_text(bad)
+    with pytest.raises(CheckpointError, match="PostShare pairs .* unreadable or malformed"):
+      read_pairs(tmp_path)
+
+
 HEADWISE = ["schedule.kind=headwise", "schedule.headwise.ratio=0.3"]
 SHORT = ["train.steps=2", "train.warmup_steps=1", "train.checkpoint_every=2", "train.eval_every=0", "train.log_every=1"]
 
@@ -165,7 +182,7 @@ def test_uptrained_headwise_run_evaluates_generates_and_exports_without_its_sour
   train(tiny_config(*SHORT, f"train.run_dir={src}"))
   uptrain_run(src, tmp_path / "hw", HEADWISE)
   run = load_run(tmp_path / "hw")
-  assert run.ties == compute_ties(run.cfg, run.cfg.train.seed)  # chosen on the source, once
+  assert run.ties == compute_ties(run.cfg, run.cfg.train.seed, load_run(src))  # chosen on the source, once
   shutil.rmtree(src)
 
   again = load_run(tmp_path / "hw")
