@@ -98,6 +98,13 @@ def loss_vs_params(rows: list[dict], path: str | Path, *, params_key: str = "num
                 title="Loss vs parameters" + (f" ({title})" if title else ""), log_x=log_x)
 
 
+def loss_vs_flops(rows: list[dict], path: str | Path, *, flops_key: str, flops_label: str,
+                  loss_label: str = "validation loss", title: str = "") -> None:
+  """Loss against FLOPs per token, one point per row, with the Pareto front; arguments as :func:`loss_vs_kv`."""
+  _loss_against(rows, path, x_key=flops_key, x_label=flops_label, loss_label=loss_label, err_key=None,
+                title="Loss vs FLOPs" + (f" ({title})" if title else ""))
+
+
 def _loss_against(rows: list[dict], path: str | Path, *, x_key: str, x_label: str, loss_label: str,
                   err_key: str | None, title: str, log_x: bool = False) -> None:
   """The scatter behind :func:`loss_vs_kv` and :func:`loss_vs_params`: points labelled by name, coloured by series,

@@ -7,7 +7,9 @@
       a run's latest checkpoint -> an HF directory: LlamaForCausalLM / GPTNeoXForCausalLM for dense and GQA
       models (transformers loads it offline), jaxshare's own layout for any other schedule (re-imports exactly)
   python -m jaxshare.convert uptrain SRC_RUN OUT_RUN schedule.kind=mlkv schedule.kv_layers=2 [overrides...]
-      a trained run converted into another schedule (the source's config plus the overrides): K/V pooled per
+  python -m jaxshare.convert uptrain SRC_RUN OUT_RUN --config runs/search/frontier/cla2.yaml [overrides...]
+      a trained run converted into another schedule (the source's config, with the --config file's schedule, plus
+      the overrides): K/V pooled per
       train.init_kv_pool, MLPs widened per train.init_mlp_widen, UniAttn's W_c fitted by least squares on
       calibration batches, shared tensors copied, the rest freshly initialised; prints which rule built each tensor.
       Then train it: python train.py <same overrides> train.init_from=OUT_RUN train.run_dir=NEW_DIR
@@ -47,8 +49,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
   up = sub.add_parser("uptrain", help="jaxshare run -> the same model converted into another schedule")
   up.add_argument("src_run", help="source run directory (e.g. a dense model, imported or trained)")
   up.add_argument("out_run", help="new run directory to write")
-  up.add_argument("overrides", nargs="+", help="overrides of the source's config, e.g. schedule.kind=gqa "
+  up.add_argument("overrides", nargs="*", help="overrides of the source's config, e.g. schedule.kind=gqa "
                   "schedule.kv_heads=2 train.init_kv_pool=running")
+  up.add_argument("--config", metavar="YAML", help="take the target's schedule from this config file (e.g. a "
+                  "schedule search's frontier/<name>.yaml); the overrides apply after it")
   up.add_argument("--calibration-batches", type=int, default=8, metavar="N",
                   help="UniAttn: fit each W_c by least squares on the first N training batches (Thm 3.1 / Alg. 1, "
                   "bottom-up); 0 keeps W_c at zero (default: %(default)s)")
@@ -66,6 +70,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     up.error(f"--calibration-batches={args.calibration_batches} is invalid: must be >= 0")
   if args.command == "uptrain" and args.lisa_steps < 0:
     up.error(f"--lisa-steps={args.lisa_steps} is invalid: must be >= 0")
+  if args.command == "uptrain" and not args.overrides and not args.config:
+    up.error("the target schedule is missing: give overrides (e.g. schedule.kind=cla) or --config YAML")
   if args.command == "export" and args.max_shard_gb <= 0:
     exp.error(f"--max-shard-gb={args.max_shard_gb} is invalid: must be > 0")
   return args
@@ -104,8 +110,11 @@ def _run(args) -> int:
       del model
     print(f"imported {ckpt.architecture} ({what}) into {run}")
   elif args.command == "uptrain":
+    from jaxshare.config import load_config
+
+    schedule = load_config(args.config, []).schedule if args.config else None
     for line in uptrain_run(args.src_run, args.out_run, args.overrides, calibration_batches=args.calibration_batches,
-                            wc_fit=args.wc_fit, lisa_steps=args.lisa_steps):
+                            wc_fit=args.wc_fit, lisa_steps=args.lisa_steps, schedule=schedule):
       print(line)
   elif args.command == "ties":
     print(store_ties(args.run_dir))

@@ -3,12 +3,14 @@ directory, by the rules of :mod:`jaxshare.init` plus what is fitted on calibrati
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import jax
+from flax import nnx
 
 from jaxshare import runs
-from jaxshare.config import ConfigError, apply_overrides
+from jaxshare.config import Config, ConfigError, ScheduleConfig, apply_overrides
 from jaxshare.data import Datasets
 from jaxshare.init.compensation import calibrate_compensation, format_fits
 from jaxshare.init.headwise import compute_ties
@@ -16,29 +18,64 @@ from jaxshare.init.lisa import calibrate_low_rank, fittable_lisa_layers
 from jaxshare.init.report import init_report
 from jaxshare.init.source import (check_loadable, init_kv_pool, initial_params, params_from_source,
                                   with_match_reference)
+from jaxshare.model.ties import HeadTies
 from jaxshare.plan import plan_of
 
 
-def uptrain_run(src_run, out_run, overrides, *, calibration_batches: int = 8, wc_fit: str = "tokens",
-                lisa_steps: int = 200) -> list[str]:
-  """Convert a run into another schedule and write it as a new run directory (step 0); returns the report lines.
+@dataclasses.dataclass(frozen=True)
+class Conversion:
+  """A source run converted into another schedule (:func:`convert`), held in memory.
 
-  The target config is the source's with ``overrides`` applied (``train.init_from`` set to the source), its
+  Attributes:
+    cfg: the target's config (the source's with the overrides, ``train.init_from`` the source).
+    ties: its head-wise ties (None without head-wise sharing).
+    graphdef / params: the target model (params a pure dict of host or device arrays).
+    lines: the conversion's report (one line per rule applied or fitted).
+  """
+
+  cfg: Config
+  ties: HeadTies | None
+  graphdef: nnx.GraphDef
+  params: dict
+  lines: list[str]
+
+
+def uptrain_run(src_run, out_run, overrides, *, calibration_batches: int = 8, wc_fit: str = "tokens",
+                lisa_steps: int = 200, schedule: ScheduleConfig | None = None) -> list[str]:
+  """Convert a run into another schedule (:func:`convert`) and write it as a new run directory (step 0); returns the
+  report lines.
+
+  Raises:
+    As :func:`convert`. FileExistsError: ``out_run`` not empty.
+  """
+  src = runs.load_run(src_run)
+  out = convert(src, src_run, overrides, calibration_batches=calibration_batches, wc_fit=wc_fit,
+                lisa_steps=lisa_steps, schedule=schedule)
+  runs.write_run(out_run, out.cfg, out.params, ties=out.ties,
+                 meta={"uptrained_from": str(src_run), "source_step": src.step})
+  return [f"{src.schedule.describe()} -> {plan_of(out.cfg).schedule.describe()}", *out.lines, f"written to {out_run}"]
+
+
+def convert(src: runs.Run, src_run, overrides, *, calibration_batches: int = 8, wc_fit: str = "tokens",
+            lisa_steps: int = 200, schedule: ScheduleConfig | None = None) -> Conversion:
+  """Convert the loaded run ``src`` (read from ``src_run``) into another schedule, in memory.
+
+  The target config is the source's, with ``schedule`` when given (e.g. a search's frontier config's), with
+  ``overrides`` applied (``train.init_from`` set to the source), its
   parameters those ``train.py`` would start from with ``train.init_from``, except what is fitted on the first
   ``calibration_batches`` training batches: UniAttn's W_c by least squares (:mod:`jaxshare.init.compensation`; 0
   batches keep them at zero), and with ``train.init_lisa=calibrated`` LISA's low-rank factors, from the ``fit``
   start by ``lisa_steps`` Adam steps (:func:`~jaxshare.init.lisa.calibrate_low_rank`). A head-wise target's ties
-  are chosen here, once, and written with it.
+  are chosen here, once.
 
   Raises:
     ConfigError / CheckpointError: unreadable source or invalid overrides, or ``train.init_lisa=calibrated`` with
       no calibration batches. DataError: the calibration data cannot be read. ValueError: invalid ``wc_fit``.
-      FileExistsError: ``out_run`` not empty.
   """
-  src = runs.load_run(src_run)
   # the source's own reference (if it was matched) is not the target's: the target is matched to the source
-  cfg = with_match_reference(apply_overrides(src.cfg, ["schedule.match_reference_params=0", *overrides,
-                                                       f"train.init_from={src_run}"]), src.cfg)
+  base = src.cfg if schedule is None else dataclasses.replace(src.cfg, schedule=schedule)
+  cfg = with_match_reference(apply_overrides(base, ["schedule.match_reference_params=0", *overrides,
+                                                    f"train.init_from={src_run}"]), src.cfg)
   check_loadable(src.cfg, cfg, str(src_run))
   start = "fit" if cfg.train.init_lisa == "calibrated" else cfg.train.init_lisa  # calibrated starts from fit
   start_cfg = apply_overrides(cfg, [f"train.init_lisa={start}"])
@@ -72,5 +109,4 @@ def uptrain_run(src_run, out_run, overrides, *, calibration_batches: int = 8, wc
     lines.append(f"layers {list(fit.layers)} attn/q_lr, k_lr: {lisa_steps} Adam steps from the fit on "
                  f"{len(batches)} calibration batches: squared logit error vs the source's own, relative to plain "
                  f"reuse (DS = 1): fit {fit.start:.4f} -> {outcome} {fit.calibrated:.4f}")
-  runs.write_run(out_run, cfg, params, ties=ties, meta={"uptrained_from": str(src_run), "source_step": src.step})
-  return [f"{src.schedule.describe()} -> {schedule.describe()}", *lines, f"written to {out_run}"]
+  return Conversion(cfg, ties, graphdef, params, lines)

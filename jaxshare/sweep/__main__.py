@@ -135,7 +135,7 @@ def _sweep(args) -> int:
         print(command(DeviceGroup(), eval_args(run)))
       else:  # the group each run would get if runs took equally long
         group = groups[i % len(groups)]
-        print(command(group, train_args(sweep, run)) + " && " + command(group, eval_args(run)))
+        print(command(group, train_args(sweep.experiment, run)) + " && " + command(group, eval_args(run)))
     return 0
 
   failures = 0
@@ -161,7 +161,7 @@ def _sweep(args) -> int:
       reached = latest_step(run.run_dir)
       if reached == steps:
         print(f"{run.label}: evaluating (step {steps})", flush=True)
-        row = execute(sweep, run, steps, group, evaluate_only=True)
+        row = execute(sweep.experiment, run, steps, group, evaluate_only=True)
       else:
         print(f"{run.label}: not finished (step {reached} of {steps})", flush=True)
         row = result_row(run, "incomplete", {"step": reached if reached is not None else ""})

@@ -61,8 +61,9 @@ def command(group: DeviceGroup, args: list[str]) -> str:
   return " ".join(env + [shlex.join([*group.prefix, *args])])
 
 
-def train_args(sweep: Sweep, run: Trial) -> list[str]:
-  return [sys.executable, "train.py", "--config", sweep.experiment, "--no-eval", *run.train_overrides()]
+def train_args(experiment: str, run: Trial) -> list[str]:
+  """``train.py`` of ``run`` on the experiment config ``experiment`` (without the evaluation summary)."""
+  return [sys.executable, "train.py", "--config", experiment, "--no-eval", *run.train_overrides()]
 
 
 def eval_args(run: Trial) -> list[str]:
@@ -83,9 +84,9 @@ def _call(group: DeviceGroup, args: list[str], log: Path, capture: bool = False)
   return proc.returncode, proc.stdout or ""
 
 
-def execute(sweep: Sweep, run: Trial, steps: int, group: DeviceGroup, evaluate_only: bool = False) -> dict:
-  """Train (or resume) and evaluate one run; a result row with status ok or failed (never raises for the run's
-  own errors: their output is in <run_dir>/sweep.log)."""
+def execute(experiment: str, run: Trial, steps: int, group: DeviceGroup, evaluate_only: bool = False) -> dict:
+  """Train (or resume) and evaluate one run of the experiment config ``experiment``; a result row with status ok or
+  failed (never raises for the run's own errors: their output is in <run_dir>/sweep.log)."""
   run.run_dir.mkdir(parents=True, exist_ok=True)
   log = run.run_dir / "sweep.log"
 
@@ -94,7 +95,7 @@ def execute(sweep: Sweep, run: Trial, steps: int, group: DeviceGroup, evaluate_o
     return result_row(run, "failed", error=f"{what}: {tail[-1] if tail else 'no output'}"[:300])
 
   if not evaluate_only:
-    code, _ = _call(group, train_args(sweep, run), log)
+    code, _ = _call(group, train_args(experiment, run), log)
     if code == exit_codes.INTERRUPTED:  # Ctrl-C or preemption: the run saved a checkpoint and resumes next time
       return result_row(run, "interrupted", error=f"stopped by a signal at step {latest_step(run.run_dir)} with a "
                         "checkpoint; run the sweep again to resume it")
@@ -127,7 +128,7 @@ def train_all(sweep: Sweep, todo: list[tuple[Trial, int]], groups: list[DeviceGr
       where = f" on {group.label}" if group.label else ""
       say(f"[{i}/{total}] {run.label}: training to step {steps}{where} (log: {rel(run.run_dir / 'sweep.log')})")
       start = time.monotonic()
-      row = execute(sweep, run, steps, group)
+      row = execute(sweep.experiment, run, steps, group)
       took = time.monotonic() - start
       if row["status"] == "ok":
         say(f"[{i}/{total}] {run.label}: val_loss {float(row['val_loss']):.4f} ({took:.0f} s)")
