@@ -10,7 +10,8 @@ Under it:
   directory a command names exists as it would in the full run (:func:`overrides`); a fit check keeps its batch,
   and ``--max-batch`` compiles it alone;
 - experiment drivers (sweeps, the uptraining experiment, ``scripts/aot_compile.py``, ``scripts/bench_decode.py``) run
-  their first variant at their first seed (:func:`first`);
+  their first variant at their first seed (:func:`first`); a schedule search (``python -m jaxshare.search``) its
+  first two candidates, at one seed;
 - decode measurements (``eval.py efficiency``, ``scripts/bench_decode.py``) time caches of at most :data:`CONTEXT`
   tokens in a :data:`BUDGET_GIB` budget (:func:`cache_sizes`).
 """

@@ -1,0 +1,179 @@
+"""The space a schedule search draws from: every family's options on a given model (K/V sources and heads,
+probability-reuse superblocks and spans, LISA layer sets, head-wise ratios) and their compositions, each a
+``schedule.*`` override list of the source's config that the existing CLIs train, convert, export and serve.
+
+The papers' own settings (CLA's factor 2, MLKV's owners, UniAttn's "top half, blocks of 4", SA's span, LISA's
+layers, DirectShare's 30%) are marked ``preset``: a search compares its result with them at the same budget.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Iterable, Sequence
+
+from jaxshare.config import Config, ConfigError, apply_overrides
+from jaxshare.init.source import with_match_reference
+from jaxshare.search.budget import Budget, Footprint, SearchError, footprint
+
+FAMILIES = ("kv", "scores", "lisa", "headwise")
+
+
+@dataclasses.dataclass(frozen=True)
+class Option:
+  """One family's setting: a name (directory-safe), the ``schedule.*`` overrides that set it (``kind`` apart, which a
+  composition joins with ``+``), and whether it is a paper's own setting."""
+
+  name: str
+  family: str
+  kind: str
+  knobs: tuple[str, ...] = ()
+  preset: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+  """A schedule of the search.
+
+  Attributes:
+    name: directory-safe, e.g. ``cla2+uniattn_b4``.
+    overrides: ``schedule.*`` overrides of the source's config (``schedule.kind`` first).
+    families: the families it composes, e.g. ``("kv", "scores")``.
+    preset: every part is a paper's own setting.
+    cost: its KV bytes, FLOPs and parameters (:func:`~jaxshare.search.budget.footprint`).
+  """
+
+  name: str
+  overrides: tuple[str, ...]
+  families: tuple[str, ...]
+  preset: bool
+  cost: Footprint
+
+  @property
+  def schedule(self) -> str:
+    """The overrides as one line (what results.csv records)."""
+    return " ".join(self.overrides)
+
+
+def _divisors_below(n: int) -> list[int]:
+  return [g for g in range(1, n) if n % g == 0]
+
+
+def kv_options(num_layers: int, num_heads: int) -> list[Option]:
+  """K/V sharing: GQA/MQA within layers, CLA factors (alone and with fewer heads), MLKV's owner counts."""
+  opts = [Option(f"gqa{g}", "kv", "gqa", (f"schedule.kv_heads={g}",), preset=g == 1 or g == num_heads // 2)
+          for g in _divisors_below(num_heads)]
+  for f in range(2, num_layers // 2 + 1):
+    opts.append(Option(f"cla{f}", "kv", "cla", (f"schedule.factor={f}",), preset=f == 2))
+    opts += [Option(f"cla{f}_g{g}", "kv", "cla", (f"schedule.factor={f}", f"schedule.kv_heads={g}"))
+             for g in _divisors_below(num_heads) if f == 2]
+  for m in sorted({num_layers // 2, num_layers // 4, 2, 1} - {0}):
+    if m < num_layers:
+      opts.append(Option(f"mlkv{m}", "kv", "mlkv", (f"schedule.kv_layers={m}",), preset=True))
+      opts += [Option(f"mlkv{m}_g{g}", "kv", "mlkv", (f"schedule.kv_layers={m}", f"schedule.kv_heads={g}"))
+               for g in _divisors_below(num_heads) if g == num_heads // 2]
+  return opts
+
+
+def explicit_option(sources: Sequence[int], name: str) -> Option:
+  """A K/V option of per-layer sources (LCKV style: layer i reads layer ``sources[i] <= i``), e.g. KVSharer's."""
+  return Option(name, "kv", "explicit", ("schedule.sources=" + "_".join(map(str, sources)),))
+
+
+def score_options(num_layers: int) -> list[Option]:
+  """Probability reuse: UniAttn superblocks (block sizes, over the top half or from layer 1) and SA spans."""
+  opts = []
+  for b, start in itertools.product((2, 3, 4), (num_layers // 2, 1)):
+    if num_layers - start >= b:
+      opts.append(Option(f"uniattn_b{b}_s{start}", "scores", "uniattn",
+                         (f"schedule.uniattn.block_size={b}", f"schedule.uniattn.start={start}"),
+                         preset=b == 4 and start == num_layers // 2))
+  for start in sorted({num_layers // 2, num_layers // 4} - {0}):
+    if num_layers - 2 > start:
+      opts.append(Option(f"sa_{start}_{num_layers - 2}", "scores", "sa",
+                         (f"schedule.sa.start={start}", f"schedule.sa.end={num_layers - 2}"),
+                         preset=start == num_layers // 2))
+  return opts
+
+
+def lisa_options(num_layers: int) -> list[Option]:
+  """Logit reuse: LISA (ffn aligner) and LISA_plus (add) over the paper's span (layers 3 to L-3) and the top half."""
+  spans = {"": None, f"_top{num_layers // 2}": list(range(num_layers // 2, num_layers - 1))}
+  opts = []
+  for kind, (suffix, layers) in itertools.product(("lisa", "lisa_plus"), spans.items()):
+    knobs = () if layers is None else ("schedule.lisa.layers=[" + ",".join(map(str, layers)) + "]",)
+    opts.append(Option(kind + suffix, "lisa", kind, knobs, preset=layers is None))
+  return opts
+
+
+def headwise_options() -> list[Option]:
+  """Head-wise weight tying (DirectShare) at sharing ratios 10-30% (the paper's headline is 30%)."""
+  return [Option(f"headwise{int(r * 100)}", "headwise", "headwise", (f"schedule.headwise.ratio={r}",),
+                 preset=r == 0.3) for r in (0.1, 0.2, 0.3)]
+
+
+def combine(parts: Sequence[Option]) -> tuple[str, tuple[str, ...]]:
+  """``(name, overrides)`` of one option per family composed (``schedule.kind`` joined with ``+``)."""
+  return ("+".join(p.name for p in parts),
+          ("schedule.kind=" + "+".join(p.kind for p in parts), *itertools.chain.from_iterable(p.knobs for p in parts)))
+
+
+def compositions(families: Sequence[str], options: dict[str, list[Option]]) -> list[tuple[Option, ...]]:
+  """Each family's options alone; then every K/V option composed with each other family's preset (and with every
+  option of the other families at CLA's factor 2): the papers compose K/V sharing with the rest, one at a time."""
+  out = [(o,) for f in families for o in options[f]]
+  if "kv" in families:
+    for f in families:
+      if f == "kv":
+        continue
+      out += [(k, o) for k in options["kv"] for o in options[f] if o.preset or k.name == "cla2"]
+  return out
+
+
+def candidates(src_cfg: Config, src_run: str, budget: Budget, families: Sequence[str] = FAMILIES,
+               extra_kv: Iterable[Option] = ()) -> tuple[list[Candidate], Footprint]:
+  """Every valid candidate within ``budget``, ordered presets first, then by KV bytes.
+
+  Args:
+    src_cfg: the source run's config (its model, data and tokenizer are every candidate's).
+    src_run: the source run directory (``train.init_from`` of every candidate).
+    extra_kv: K/V options beyond the enumerated ones (e.g. KVSharer's proposals).
+
+  Returns:
+    ``(the candidates within budget, the source's footprint)``.
+
+  Raises:
+    SearchError: an unknown family, or a budget no valid candidate meets (naming the smallest achievable figures).
+  """
+  unknown = [f for f in families if f not in FAMILIES]
+  if unknown or not families:
+    raise SearchError(f"--families {','.join(families)!r} is invalid: choose among {', '.join(FAMILIES)}")
+  m = src_cfg.model
+  options = {"kv": kv_options(m.num_layers, m.num_heads) + list(extra_kv), "scores": score_options(m.num_layers),
+             "lisa": lisa_options(m.num_layers), "headwise": headwise_options()}
+  source = footprint(src_cfg)
+  base = ["schedule.kind=dense", "schedule.match_reference_params=0", f"train.init_from={src_run}"]
+  if budget.equal_params:
+    base.append("schedule.match_params=true")
+  valid, seen = [], set()
+  for parts in compositions(families, options):
+    name, overrides = combine(parts)
+    if name in seen:
+      continue
+    seen.add(name)
+    try:
+      cfg = with_match_reference(apply_overrides(src_cfg, [*base, *overrides]), src_cfg)
+      cost = footprint(cfg)
+    except (ConfigError, ValueError):  # a composition the schedule language refuses, or a width below one neuron
+      continue
+    overrides = overrides + (("schedule.match_params=true",) if budget.equal_params else ())
+    valid.append(Candidate(name, overrides, tuple(p.family for p in parts), all(p.preset for p in parts), cost))
+  within = [c for c in valid if budget.fits(c.cost, source)]
+  if not within:
+    kv, flops = min(c.cost.kv_bytes for c in valid), min(c.cost.flops for c in valid)
+    raise SearchError(f"no candidate of the families {','.join(families)} fits the budget "
+                      f"({budget.describe(source)}): the smallest achievable is {kv:,} KV B/token "
+                      f"({kv / source.kv_bytes:.3f} of the source's) and {flops / 1e6:,.3f} MFLOP/token "
+                      f"({flops / source.flops:.3f} of the source's)")
+  within.sort(key=lambda c: (not c.preset, c.cost.kv_bytes, c.cost.flops, c.name))
+  return within, source

@@ -1,0 +1,197 @@
+"""A schedule search's stages over its candidates: stage 1 converts each from the source and scores it on
+calibration batches (no training); stage 2 uptrains the best by successive halving (the better half of each rung
+trained again with twice the steps); the finals run the winner and the best preset at every seed.
+
+Every stage is an Optuna study of a fixed grid (:mod:`jaxshare.search.study`); the trainings are ``train.py`` and
+``eval.py`` runs through the sweep's runner, one per device group at a time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import queue
+import shutil
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from jaxshare import runs
+from jaxshare.convert.uptrain import convert
+from jaxshare.search.budget import SearchError
+from jaxshare.search.calibration import Calibration
+from jaxshare.search.space import Candidate
+from jaxshare.search.study import failures, run_grid
+from jaxshare.sweep.devices import DeviceGroup
+from jaxshare.sweep.runner import execute, say
+from jaxshare.sweep.spec import Trial
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+  """How a search trains and scores.
+
+  Attributes:
+    out: the search directory (converted runs, trained runs, results).
+    source: the source run directory.
+    steps: S, the uptraining steps of stage 2's first rung (rung r trains ``S * 2**r``).
+    trials: stage 2's budget of uptraining runs over all rungs (the finals apart).
+    seeds: the finals' seeds.
+    lr: uptraining's peak learning rate.
+    calibration_batches: batches a conversion fits on (UniAttn's W_c, a calibrated LISA start).
+    overrides: more overrides of every uptraining run (e.g. ``train.batch_size=8``).
+  """
+
+  out: Path
+  source: str
+  steps: int
+  trials: int
+  seeds: int
+  lr: float
+  calibration_batches: int = 8
+  overrides: tuple[str, ...] = ()
+
+
+class Progress:
+  """One line per finished trial: how many of the stage are done, the best so far, and the time left at the mean
+  pace so far."""
+
+  def __init__(self, stage: str, total: int):
+    self.stage, self.total, self.done, self.start = stage, total, 0, time.monotonic()
+    self.best: tuple[float, str] | None = None
+
+  def finished(self, name: str, value: float, detail: str = "") -> None:
+    self.done += 1
+    if self.best is None or value < self.best[0]:
+      self.best = (value, name)
+    pace = (time.monotonic() - self.start) / self.done
+    left = max(self.total - self.done, 0) * pace
+    say(f"[{self.stage} {self.done}/{self.total}] {name}: {value:.4f}{detail} | best {self.best[1]} "
+        f"{self.best[0]:.4f} | ~{left / 60:.1f} min left")
+
+
+def _write_converted(path: Path, conversion, src_run: str) -> None:
+  """Write a converted candidate as a run directory, atomically: a worker killed mid-write leaves no half run."""
+  if path.exists():
+    return
+  tmp = path.with_name(path.name + ".partial")
+  shutil.rmtree(tmp, ignore_errors=True)
+  runs.write_run(tmp, conversion.cfg, conversion.params, ties=conversion.ties,
+                 meta={"uptrained_from": src_run})
+  # the config names its own directory (train.run_dir): rewrite it for where it lands
+  runs.write_run_files(tmp, _moved(runs.read_config(tmp), path), conversion.ties)
+  tmp.rename(path)
+
+
+def _moved(cfg, path: Path):
+  return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, run_dir=str(path.absolute())))
+
+
+def stage1(settings: Settings, src: runs.Run, candidates: Sequence[Candidate], calibration: Calibration,
+           storage) -> dict:
+  """Convert and score every candidate (:class:`~jaxshare.search.calibration.Stage1Score`); each converted run is
+  kept in ``<out>/converted/<name>`` for stage 2. Returns the completed trials by candidate name."""
+  by_name = {c.name: c for c in candidates}
+  progress = Progress("stage 1", len(candidates))
+
+  def objective(name: str) -> tuple[float, dict]:
+    cand = by_name[name]
+    conversion = convert(src, settings.source, list(cand.overrides),
+                         calibration_batches=settings.calibration_batches)
+    score = calibration.score(conversion.graphdef, conversion.params)
+    _write_converted(settings.out / "converted" / name, conversion, settings.source)
+    progress.finished(name, score.loss, f" (KL {score.kl:.4f})")
+    return score.loss, {"kl": score.kl}
+
+  return run_grid(storage, "stage1", [c.name for c in candidates], objective)
+
+
+def halving(first: int) -> list[int]:
+  """Candidates per rung of successive halving from ``first``: half (rounded up) each rung, down to one."""
+  sizes = [first]
+  while sizes[-1] > 1:
+    sizes.append(math.ceil(sizes[-1] / 2))
+  return sizes
+
+
+def rung_sizes(trials: int, candidates: int) -> list[int]:
+  """The longest halving (:func:`halving`) of at most ``candidates`` whose runs in all fit in ``trials``."""
+  fitting = [halving(n) for n in range(1, candidates + 1) if sum(halving(n)) <= trials]
+  return fitting[-1] if fitting else []
+
+
+def _train_objective(settings: Settings, groups: Sequence[DeviceGroup], run_dir: Callable[[str], Path],
+                     steps: int, progress: Progress) -> Callable[[str], tuple[float, dict]]:
+  """A trial that uptrains ``point`` (``name`` or ``name@seed<k>``) from its converted run for ``steps`` steps, in a
+  free device group, and returns eval.py's validation loss."""
+  free: queue.Queue[DeviceGroup] = queue.Queue()
+  for g in groups:
+    free.put(g)
+
+  def objective(point: str) -> tuple[float, dict]:
+    name, _, seed = point.partition("@seed")
+    seed = int(seed or 0)
+    converted = (settings.out / "converted" / name).absolute()
+    overrides = (f"train.init_from={converted}", f"train.steps={steps}", f"train.warmup_steps={max(1, steps // 10)}",
+                 f"train.eval_every={steps}", f"train.checkpoint_every={steps}", f"train.lr={settings.lr}",
+                 f"train.seed={seed}", f"data.shuffle_seed={seed}", *settings.overrides)
+    trial = Trial(name, seed, overrides, run_dir(point))
+    group = free.get()
+    try:
+      row = execute(str(converted / runs.CONFIG_FILE), trial, steps, group)
+    finally:
+      free.put(group)
+    if row["status"] != "ok":
+      raise RuntimeError(f"{point}: {row['error']} (log: {trial.run_dir / 'sweep.log'})")
+    progress.finished(point, float(row["val_loss"]), f" after {steps} steps")
+    return float(row["val_loss"]), {"steps": steps}
+
+  return objective
+
+
+def stage2(settings: Settings, ranked: Sequence[str], presets: set[str], storage,
+           groups: Sequence[DeviceGroup]) -> list[dict[str, float]]:
+  """Successive halving over ``ranked`` (best stage-1 score first): rung r uptrains its candidates for
+  ``S * 2**r`` steps; the better half goes on. The best preset by stage 1 always enters the first rung.
+
+  Returns:
+    Per rung, ``{name: validation loss}``.
+
+  Raises:
+    SearchError: the trial budget cannot fund even one rung, or every run of a rung failed.
+  """
+  sizes = rung_sizes(settings.trials, len(ranked))
+  if not sizes:
+    raise SearchError(f"--trials {settings.trials} is invalid: stage 2 needs at least 1 uptraining run")
+  first = list(ranked[:sizes[0]])
+  best_preset = next((n for n in ranked if n in presets), None)
+  if best_preset is not None and best_preset not in first:
+    first[-1] = best_preset
+  results, names = [], first
+  for r, n in enumerate(sizes):
+    steps = settings.steps * 2 ** r
+    names = names[:n]
+    progress = Progress(f"stage 2 rung {r} ({steps} steps)", len(names))
+    objective = _train_objective(settings, groups, lambda p, r=r: settings.out / f"rung{r}" / p, steps, progress)
+    done = run_grid(storage, f"rung{r}", names, objective, workers=len(groups))
+    scores = {name: done[name].value for name in names if name in done}
+    if not scores:
+      raise SearchError(f"every run of stage 2's rung {r} failed: " + "; ".join(
+        f"{k}: {v}" for k, v in failures(storage, f"rung{r}").items()))
+    results.append(scores)
+    names = sorted(scores, key=scores.get)
+  return results
+
+
+def finals(settings: Settings, names: Sequence[str], steps: int, storage, groups: Sequence[DeviceGroup],
+           seed0: dict[str, float]) -> dict[str, list[float]]:
+  """``names`` uptrained for ``steps`` steps at every seed (``train.seed`` and ``data.shuffle_seed``); ``seed0``: the
+  losses of those that the last rung already trained so, at seed 0 (not run again). Returns the validation losses
+  by name, in seed order (a failed seed left out)."""
+  points = [f"{n}@seed{k}" for n in names for k in range(settings.seeds) if k or n not in seed0]
+  progress = Progress(f"finals ({steps} steps)", len(points))
+  objective = _train_objective(settings, groups, lambda p: settings.out / "finals" / p.replace("@", "/"), steps,
+                               progress)
+  done = run_grid(storage, "finals", points, objective, workers=len(groups))
+  return {n: ([seed0[n]] if n in seed0 else []) + [done[p].value for p in points if p.startswith(n + "@")
+                                                   and p in done] for n in names}

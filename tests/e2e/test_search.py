@@ -1,0 +1,78 @@
+"""``python -m jaxshare.search`` end to end on a tiny trained dense run: stage 1 scores every candidate within the
+budget, successive halving uptrains the best through train.py and eval.py, the finals run the winner and the best
+preset; the report, the plots and the frontier configs are written; run again, it resumes and runs nothing; a
+frontier config is what train.py and convert uptrain take."""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import io
+
+import optuna
+import pytest
+
+from conftest import tiny_config
+from jaxshare.config import load_config
+from jaxshare.convert.__main__ import main as convert_main
+from jaxshare.init.source import load_train_config
+from jaxshare.runs import load_run
+from jaxshare.search.__main__ import main
+
+pytestmark = pytest.mark.usefixtures("keep_signal_handlers")
+
+
+def search(*argv: str) -> str:
+  out = io.StringIO()
+  with contextlib.redirect_stdout(out):
+    assert main(list(argv)) == 0
+  return out.getvalue()
+
+
+def test_a_search_reports_its_frontier_resumes_and_its_configs_train(tmp_path):
+  from jaxshare.train.loop import train
+
+  src = tmp_path / "dense"
+  train(tiny_config(f"train.run_dir={src}"))
+  out = tmp_path / "search"
+  argv = (str(src), "--kv-budget", "0.5", "--families", "kv", "--trials", "3", "--steps", "2", "--seeds", "1",
+          "--calibration-batches", "1", "--set", "train.eval_batches=1", "train.log_every=1", "--out", str(out))
+  log = search(*argv)
+  with (out / "results.csv").open() as f:
+    rows = {r["name"]: r for r in csv.DictReader(f)}
+  stage1 = [line for line in log.splitlines() if line.startswith("[stage 1 ")]
+  assert len(stage1) == len(rows) >= 5 and {"cla2", "gqa2", "mlkv2"} <= set(rows)
+  assert any(name.startswith("kvsharer") for name in rows)  # KVSharer's proposals beside the enumerated space
+  assert all(float(r["kv_fraction"]) <= 0.5 and float(r["stage1_loss"]) > 0 for r in rows.values())
+  rung0 = [n for n, r in rows.items() if r["rung0_loss_2_steps"]]
+  rung1 = [n for n, r in rows.items() if r["rung1_loss_4_steps"]]
+  assert len(rung0) == 2 and len(rung1) == 1 and set(rung1) <= set(rung0)
+  assert rung1[0] == min(rung0, key=lambda n: float(rows[n]["rung0_loss_2_steps"]))  # the better half goes on
+  assert rows[rung1[0]]["final_losses"]  # the winner's finals
+  ranked = sorted(rows, key=lambda n: float(rows[n]["stage1_loss"]))
+  presets = [n for n in ranked if rows[n]["preset"] == "True"]
+  assert set(rung0) == {ranked[0], presets[0]} or set(rung0) == set(ranked[:2])  # the best preset always enters
+  report = (out / "frontier.md").read_text()
+  for needle in ("Frontier against KV bytes", "Frontier against FLOPs", "## Finals", "Best preset",
+                 "Did stage 1 predict stage 2?"):
+    assert needle in report
+  assert (out / "frontier.png").stat().st_size > 0 and (out / "frontier_flops.png").stat().st_size > 0
+
+  again = search(*argv)  # resumed: every trial finished, nothing runs again
+  assert not [line for line in again.splitlines() if line.startswith("[")]
+  for name in ("stage1", "rung0", "rung1", "finals"):
+    study = optuna.load_study(study_name=name, storage=f"sqlite:///{out / 'study.db'}")
+    points = [t.params["point"] for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
+    assert len(points) == len(set(points))
+
+  configs = sorted((out / "frontier").glob("*.yaml"))
+  assert configs
+  name = configs[0].stem
+  cfg = load_train_config(configs[0], [])  # what train.py --config runs: the source's model, the schedule found
+  assert cfg.train.init_from == str(src) and cfg.model == load_run(src).cfg.model
+  assert cfg.train.run_dir == str(out / "uptrained" / name)  # never the source's own directory
+  assert cfg.schedule == load_config(configs[0], []).schedule
+  with contextlib.redirect_stdout(io.StringIO()):
+    assert convert_main(["uptrain", str(src), str(tmp_path / "again"), "--config", str(configs[0]),
+                         "--calibration-batches", "0"]) == 0
+  assert load_run(tmp_path / "again").cfg.schedule == load_run(out / "converted" / name).cfg.schedule

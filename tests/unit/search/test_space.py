@@ -1,0 +1,75 @@
+"""The search space and its budget: every candidate a valid schedule within budget (a property over models and
+budgets), budgets parsed with units, an impossible budget refused with the smallest achievable figures."""
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from conftest import tiny_config
+from jaxshare import accounting
+from jaxshare.config import apply_overrides
+from jaxshare.init.source import with_match_reference
+from jaxshare.plan import plan_of
+from jaxshare.search.budget import Budget, Limit, SearchError, parse_limit
+from jaxshare.search.space import FAMILIES, candidates
+
+
+def _cfg(layers: int, heads: int):
+  return tiny_config(f"model.num_layers={layers}", f"model.num_heads={heads}", "model.d_model=32")
+
+
+@settings(max_examples=12, deadline=None)
+@given(layers=st.sampled_from([2, 4, 6, 8]), heads=st.sampled_from([2, 4]),
+       kv=st.sampled_from([None, 0.25, 0.5, 0.75, 1.0]), flops=st.sampled_from([None, 0.9, 1.0]),
+       equal=st.booleans(), families=st.sets(st.sampled_from(FAMILIES), min_size=1))
+def test_every_candidate_is_a_valid_schedule_within_budget(layers, heads, kv, flops, equal, families):
+  src = _cfg(layers, heads)
+  budget = Budget(None if kv is None else Limit(kv, True), None if flops is None else Limit(flops, True), equal)
+  try:
+    cands, source = candidates(src, "runs/src", budget, sorted(families))
+  except SearchError as e:
+    assert "smallest achievable" in str(e)
+    return
+  names = [c.name for c in cands]
+  assert len(set(names)) == len(names)
+  src_plan = plan_of(src)
+  assert source.kv_bytes == accounting.kv_cache_bytes_per_token(src.model, src_plan.schedule)
+  for c in cands:
+    cfg = with_match_reference(apply_overrides(src, ["schedule.kind=dense", "schedule.match_reference_params=0",
+                                                     *c.overrides, "train.init_from=runs/src"]), src)
+    plan = plan_of(cfg)  # compiles: a schedule the CLIs train, convert and serve
+    kv_bytes = accounting.kv_cache_bytes_per_token(cfg.model, plan.schedule)
+    assert kv_bytes == c.cost.kv_bytes
+    assert kv is None or kv_bytes <= kv * source.kv_bytes
+    assert flops is None or c.cost.flops <= flops * source.flops * (1 + 1e-9)
+    if equal:  # matched to the source's parameters (within half an MLP neuron per layer)
+      assert abs(plan.param_count().total - source.params) <= layers * accounting.params_per_mlp_neuron(cfg.model)
+    assert set(c.families) <= families
+
+
+def test_the_papers_presets_are_among_the_candidates_at_their_budget():
+  cands, _ = candidates(_cfg(8, 4), "runs/src", Budget(Limit(0.5, True)))
+  presets = {c.name for c in cands if c.preset}
+  assert {"cla2", "mlkv4", "gqa2"} <= presets
+  assert all(c.preset for c in cands[:len(presets)])  # presets first
+
+
+def test_an_impossible_budget_is_refused_with_the_smallest_achievable_value():
+  with pytest.raises(SearchError, match=r"smallest achievable is 64 KV B/token \(0\.125 of the source's\)"):
+    candidates(_cfg(4, 4), "runs/src", Budget(Limit(8, False)), ["kv"])
+  with pytest.raises(SearchError, match="--families 'kv,heads' is invalid"):
+    candidates(_cfg(4, 4), "runs/src", Budget(Limit(0.5, True)), ["kv", "heads"])
+
+
+@pytest.mark.parametrize("text,kind,expected", [("0.5", "kv", Limit(0.5, True)), ("2048B", "kv", Limit(2048, False)),
+                                                ("1.5KiB", "kv", Limit(1536, False)),
+                                                ("3.2MFLOP", "flops", Limit(3.2e6, False)),
+                                                ("1", "flops", Limit(1.0, True))])
+def test_budgets_parse_as_fractions_or_figures_with_units(text, kind, expected):
+  assert parse_limit(text, kind, "--flag") == expected
+
+
+@pytest.mark.parametrize("text,needle", [("1.5", "must be in \\(0, 1\\]"), ("0", "is invalid"), ("2GB", "unit 'GB'"),
+                                         ("abc", "is invalid")])
+def test_bad_budgets_name_the_flag_and_what_is_allowed(text, needle):
+  with pytest.raises(SearchError, match=f"--kv-budget '{text}'.*{needle}|{needle}.*B, KiB, MiB"):
+    parse_limit(text, "kv", "--kv-budget")

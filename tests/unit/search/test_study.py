@@ -1,0 +1,73 @@
+"""The search's bookkeeping in Optuna: a killed stage resumes without re-running finished trials, and two worker
+processes sharing one study split its points, each point run once."""
+
+import multiprocessing
+import time
+
+import pytest
+
+from jaxshare.search.study import failures, open_storage, run_grid
+
+POINTS = [f"p{i}" for i in range(6)]
+
+
+def _log(path, point):
+  with open(path, "a") as f:
+    f.write(point + "\n")
+
+
+def test_a_killed_stage_resumes_without_rerunning_finished_trials(tmp_path):
+  url, log = f"sqlite:///{tmp_path / 'study.db'}", tmp_path / "calls"
+
+  def dies_at_the_third(point):
+    _log(log, point)
+    if len(log.read_text().split()) == 3:
+      raise KeyboardInterrupt  # the worker is stopped mid-trial
+    return float(point[1:]), {"twice": 2 * int(point[1:])}
+
+  with pytest.raises(KeyboardInterrupt):
+    run_grid(open_storage(url), "stage", POINTS, dies_at_the_third)
+  before = log.read_text().split()
+  assert len(before) == 3
+  done = run_grid(open_storage(url), "stage", POINTS, lambda p: (_log(log, p), (float(p[1:]), {}))[1])
+  after = log.read_text().split()[3:]
+  assert sorted(done) == POINTS and {p: t.value for p, t in done.items()} == {p: float(p[1:]) for p in POINTS}
+  assert sorted(after) == sorted(set(POINTS) - set(before[:2]))  # the two finished are not run again
+  assert done[before[0]].user_attrs == {"twice": 2 * int(before[0][1:])}
+  assert failures(open_storage(url), "stage") == {}
+
+
+def test_a_failing_point_is_recorded_and_the_stage_goes_on(tmp_path):
+  storage = open_storage(f"sqlite:///{tmp_path / 'study.db'}")
+
+  def objective(point):
+    if point == "p2":
+      raise ValueError("no such schedule")
+    return 1.0, {}
+
+  done = run_grid(storage, "stage", POINTS, objective)
+  assert sorted(done) == [p for p in POINTS if p != "p2"]
+  assert failures(storage, "stage") == {"p2": "ValueError: no such schedule"}
+
+
+def _worker(url, log, name):
+  def objective(point):
+    _log(log, f"{name}:{point}")
+    time.sleep(0.3)
+    return 0.0, {}
+  run_grid(open_storage(url), "stage", POINTS, objective, poll_s=0.2)
+
+
+def test_two_worker_processes_split_one_study(tmp_path):
+  url, log = f"sqlite:///{tmp_path / 'study.db'}", tmp_path / "calls"
+  open_storage(url)  # create the schema once, before two processes race to
+  ctx = multiprocessing.get_context("spawn")
+  procs = [ctx.Process(target=_worker, args=(url, str(log), name)) for name in ("a", "b")]
+  for p in procs:
+    p.start()
+  for p in procs:
+    p.join(120)
+    assert p.exitcode == 0
+  calls = [line.split(":") for line in log.read_text().split()]
+  assert sorted(point for _, point in calls) == POINTS  # every point once
+  assert {name for name, _ in calls} == {"a", "b"}  # both worked
