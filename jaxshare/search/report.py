@@ -81,9 +81,10 @@ def _table(rows: Sequence[dict], loss: str, cost: str, cost_label: str) -> list[
 
 
 def frontier_markdown(title: str, rows: Sequence[dict], rung_keys: Sequence[str],
-                      finals: dict[str, list[float]], winner: str | None, best_preset: str | None) -> str:
+                      finals: dict[str, list[float]], winner: str | None, best_preset: str | None,
+                      failed: dict[str, str]) -> str:
   """``frontier.md``: per loss measured (stage 1, each rung), the frontier against KV bytes and FLOPs; the finals;
-  stage 1's rank correlation with the first rung."""
+  stage 1's rank correlation with the first rung; the trials that failed (``{study/point: error}``)."""
   out = [f"# {title}", ""]
   for key, what in [("stage1_loss", "after conversion (stage 1, calibration batches)")] + [
       (k, f"after uptraining ({k.split('_', 2)[2].replace('_', ' ')}, stage 2)") for k in rung_keys]:
@@ -110,6 +111,8 @@ def frontier_markdown(title: str, rows: Sequence[dict], rung_keys: Sequence[str]
             ("too few candidates reached stage 2 to tell" if rc is None else
              f"Spearman's rank correlation of the stage-1 loss with the first rung's: {rc[0]:+.3f} over {rc[1]} "
              "candidates."), ""]
+  if failed:
+    out += ["## Failed trials", "", *(f"- `{k}`: {v}" for k, v in failed.items()), ""]
   return "\n".join(out)
 
 

@@ -15,7 +15,7 @@ from jaxshare.search.calibration import Calibration, calibration_batches
 from jaxshare.search.kvsharer import kvsharer_options
 from jaxshare.search.space import candidates
 from jaxshare.search.stages import Settings, finals, stage1, stage2
-from jaxshare.search.study import open_storage
+from jaxshare.search.study import failures, open_storage
 from jaxshare.sweep.devices import device_groups
 from jaxshare.sweep.runner import say
 
@@ -73,7 +73,10 @@ def search(args: argparse.Namespace) -> int:
   report.write_csv(out / "results.csv", rows)
   rung_keys = [f"rung{r}_loss_{s}_steps" for r, s in enumerate(rung_steps)]
   title = f"Schedule search: {budget.describe(src_cost)}"
-  (out / "frontier.md").write_text(report.frontier_markdown(title, rows, rung_keys, final, winner, best_preset))
+  failed = {f"{stage}/{point}": error for stage in ["stage1", *(f"rung{r}" for r in range(len(rungs))), "finals"]
+            for point, error in failures(storage, stage).items()}
+  (out / "frontier.md").write_text(report.frontier_markdown(title, rows, rung_keys, final, winner, best_preset,
+                                                            failed))
   plots = report.plot(rows, rung_keys[0] if rung_keys else "stage1_loss", out, title)
   front = {r["name"] for key in ["stage1_loss", *rung_keys] for cost in ("kv_bytes_per_token_bf16", "flops_per_token")
            for r in report.pareto([r for r in rows if r.get(key) is not None], cost, key)}
@@ -87,7 +90,8 @@ def search(args: argparse.Namespace) -> int:
       + f", frontier/ ({len(front)} configs)"
       + (f" | winner {winner}: {report.mean_std(final[winner])}" if winner else "")
       + (f" | best preset {best_preset}: {report.mean_std(final[best_preset])}"
-         if best_preset and best_preset in final else ""))
+         if best_preset and best_preset in final else "")
+      + (f" | {len(failed)} trial(s) failed: see frontier.md" if failed else ""))
   return 0
 
 

@@ -2,6 +2,10 @@
 processes sharing one study split its points, each point run once."""
 
 import multiprocessing
+import os
+import shutil
+import subprocess
+import tempfile
 import time
 
 import pytest
@@ -51,15 +55,43 @@ def test_a_failing_point_is_recorded_and_the_stage_goes_on(tmp_path):
 
 
 def _worker(url, log, name):
+  open(f"{log}.{name}", "w").close()  # started
+
   def objective(point):
+    deadline = time.monotonic() + 60
+    while not all(os.path.exists(f"{log}.{w}") for w in "ab") and time.monotonic() < deadline:
+      time.sleep(0.05)  # a trial waits for the other worker to start: both must find the study half done
     _log(log, f"{name}:{point}")
     time.sleep(0.3)
     return 0.0, {}
   run_grid(open_storage(url), "stage", POINTS, objective, poll_s=0.2)
 
 
-def test_two_worker_processes_split_one_study(tmp_path):
-  url, log = f"sqlite:///{tmp_path / 'study.db'}", tmp_path / "calls"
+@pytest.fixture
+def postgres_url():
+  """A PostgreSQL server of this machine's (as several hosts would share one), started in a scratch cluster for the
+  test: a URL of its socket. PostgreSQL refuses to run as root, so the cluster belongs to the postgres user."""
+  if not (shutil.which("initdb") and shutil.which("pg_ctl")):
+    pytest.fail("PostgreSQL's initdb and pg_ctl are missing: the multi-host storage cannot be tested")
+  root = tempfile.mkdtemp(prefix="pg")  # short: a socket path has at most 107 characters
+  as_user = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
+  if as_user:
+    shutil.chown(root, "postgres")
+  subprocess.run([*as_user, "initdb", "-D", f"{root}/data", "-A", "trust", "-U", "postgres"], check=True,
+                 capture_output=True)
+  subprocess.run([*as_user, "pg_ctl", "-D", f"{root}/data", "-o", f"-k {root} -p 54329 -c listen_addresses=''",
+                  "-l", f"{root}/log", "-w", "start"], check=True, capture_output=True)
+  try:
+    yield f"postgresql://postgres@/postgres?host={root}&port=54329"
+  finally:
+    subprocess.run([*as_user, "pg_ctl", "-D", f"{root}/data", "-m", "fast", "stop"], capture_output=True)
+    shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.mark.parametrize("storage", ["sqlite", "postgresql"])
+def test_two_worker_processes_split_one_study(tmp_path, storage, request):
+  url = f"sqlite:///{tmp_path / 'study.db'}" if storage == "sqlite" else request.getfixturevalue("postgres_url")
+  log = tmp_path / "calls"
   open_storage(url)  # create the schema once, before two processes race to
   ctx = multiprocessing.get_context("spawn")
   procs = [ctx.Process(target=_worker, args=(url, str(log), name)) for name in ("a", "b")]
