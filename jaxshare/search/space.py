@@ -168,6 +168,9 @@ def candidates(src_cfg: Config, src_run: str, budget: Budget, families: Sequence
       continue
     overrides = overrides + (("schedule.match_params=true",) if budget.equal_params else ())
     valid.append(Candidate(name, overrides, tuple(p.family for p in parts), all(p.preset for p in parts), cost))
+  if not valid:
+    raise SearchError(f"--families {','.join(families)} has no valid schedule on this model "
+                      f"({m.num_layers} layers of {m.num_heads} heads): add a family")
   within = [c for c in valid if budget.fits(c.cost, source)]
   if not within:
     kv, flops = min(c.cost.kv_bytes for c in valid), min(c.cost.flops for c in valid)

@@ -2,8 +2,9 @@
 candidate@seed), split among the workers that share its storage, resumed from it after a kill.
 
 Each pending point is a queued trial that one worker takes; a worker that dies leaves its trial RUNNING, its
-heartbeat stops, and the next worker to look marks it failed and queues its point again. The storage is SQLite in the search directory by default (one host, any number of
-worker processes); a PostgreSQL URL lets workers on several hosts run one search.
+heartbeat stops, and the next worker to look marks it failed and queues its point again. The storage is SQLite in
+the search directory by default (one host, any number of worker processes); a PostgreSQL URL lets workers on
+several hosts run one search.
 """
 
 from __future__ import annotations
@@ -79,7 +80,7 @@ def run_grid(storage: RDBStorage, name: str, points: Sequence[str],
     optuna.storages.fail_stale_trials(study)  # a dead worker's trial: failed, and queued again
     trials = study.get_trials(deepcopy=False)
     busy = {_point(t) for t in trials if t.state in (TrialState.COMPLETE, TrialState.RUNNING, TrialState.WAITING)
-            or (t.state == TrialState.FAIL and t.number >= first)}
+            or (t.state == TrialState.FAIL and t.number >= first and "error" in t.user_attrs)}
     for point in points:
       if point not in busy:
         study.enqueue_trial({"point": point})

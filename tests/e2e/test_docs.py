@@ -29,6 +29,7 @@ COMMAND_TESTS = {
   "jaxshare.convert uptrain": [("tests/e2e/test_entry_points.py", 'convert_cli("uptrain"')],
   "jaxshare.convert ties": [("tests/unit/model/test_headwise.py", 'main(["ties"')],
   "jaxshare.analysis": [("tests/unit/analysis/test_analysis.py", "jaxshare.analysis.__main__")],
+  "jaxshare.search": [("tests/e2e/test_search.py", "jaxshare.search.__main__")],
   "jaxshare.data prepare": [("tests/unit/data/test_data_prepare.py", 'main(["prepare"')],
   "jaxshare.evaluation.lm_eval_harness": [("tests/unit/evaluation/test_lm_eval.py",
                                             "jaxshare.evaluation.lm_eval_harness")],

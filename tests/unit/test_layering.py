@@ -22,10 +22,11 @@ LAYERS = (
   ("model", ("jaxshare.kernels", "jaxshare.model", "jaxshare.data")),
   ("runs", ("jaxshare.checkpoint", "jaxshare.integrity", "jaxshare.runs", "jaxshare.init")),
   ("workflows", ("jaxshare.train", "jaxshare.evaluation", "jaxshare.convert", "jaxshare.analysis", "jaxshare.sweep",
-                 "jaxshare.aot")),
+                 "jaxshare.aot", "jaxshare.search")),
   ("cli", ("train", "eval")),
 )
-NO_TRAIN = ("jaxshare.evaluation", "jaxshare.convert", "jaxshare.analysis", "jaxshare.sweep", "eval")
+NO_TRAIN = ("jaxshare.evaluation", "jaxshare.convert", "jaxshare.analysis", "jaxshare.sweep", "jaxshare.search",
+            "eval")
 
 
 def _modules() -> dict[str, Path]:
