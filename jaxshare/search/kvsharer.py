@@ -33,12 +33,12 @@ def layer_kv_means(src: Run, batches: list[Batch]) -> np.ndarray:
     return nnx.merge(src.graphdef, params).capture_mha(b.inputs, b.positions, b.segment_ids)[1].normed.mean((1, 2))
 
   normed = np.mean([np.asarray(capture(src.params, b), np.float64) for b in batches], axis=0)  # [L, D]
-  means = []
+  params, means = jax.device_get(src.params), []
   for layer, plan in enumerate(src.schedule.layers):
     if not plan.is_producer:
       raise ValueError(f"KVSharer starts from a model whose every layer computes its K/V; layer {layer} of "
                        f"schedule {src.schedule.kind!r} reads another's")
-    attn = layer_params(jax.device_get(src.params), src.schedule, layer)["attn"]
+    attn = layer_params(params, src.schedule, layer)["attn"]
     parts = []
     for name in ("k_proj", "v_proj"):
       kv = np.einsum("d,dgh->gh", normed[layer], np.asarray(attn[name]["kernel"], np.float64))

@@ -7,13 +7,11 @@ import argparse
 from pathlib import Path
 
 from jaxshare import runs, smoke
-from jaxshare.config import apply_overrides
-from jaxshare.init.source import with_match_reference
 from jaxshare.search import report
 from jaxshare.search.budget import Budget, parse_limit
 from jaxshare.search.calibration import Calibration, calibration_batches
 from jaxshare.search.kvsharer import kvsharer_options
-from jaxshare.search.space import candidates
+from jaxshare.search.space import candidate_config, candidates
 from jaxshare.search.stages import Settings, finals, stage1, stage2
 from jaxshare.search.study import failures, open_storage
 from jaxshare.sweep.devices import device_groups
@@ -82,9 +80,8 @@ def search(args: argparse.Namespace) -> int:
            for r in report.pareto([r for r in rows if r.get(key) is not None], cost, key)}
   (out / "frontier").mkdir(exist_ok=True)
   for name in sorted(front):
-    cfg = with_match_reference(apply_overrides(src.cfg, ["schedule.match_reference_params=0",
-                                                         *by_name[name].overrides, f"train.init_from={source}",
-                                                         f"train.run_dir={out / 'uptrained' / name}"]), src.cfg)
+    run_dir = out / "uptrained" / name
+    cfg = candidate_config(src.cfg, source, [*by_name[name].overrides, f"train.run_dir={run_dir}"])
     report.write_config(out / "frontier" / f"{name}.yaml", cfg)
   say(f"results: {out / 'results.csv'}, frontier.md, " + ", ".join(p.name for p in plots)
       + f", frontier/ ({len(front)} configs)"

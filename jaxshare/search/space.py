@@ -130,6 +130,18 @@ def compositions(families: Sequence[str], options: dict[str, list[Option]]) -> l
   return out
 
 
+def candidate_config(src_cfg: Config, src_run: str, overrides: Sequence[str]) -> Config:
+  """The config of a candidate uptrained from ``src_run`` (whose config is ``src_cfg``): the source's with the
+  candidate's ``overrides`` (``schedule.*``, then any other), matched to the source when it matches parameters.
+
+  Raises:
+    ConfigError / ScheduleError: the overrides make an invalid config or schedule.
+  """
+  cfg = apply_overrides(src_cfg, ["schedule.kind=dense", "schedule.match_reference_params=0",
+                                  f"train.init_from={src_run}", *overrides])
+  return with_match_reference(cfg, src_cfg)
+
+
 def candidates(src_cfg: Config, src_run: str, budget: Budget, families: Sequence[str] = FAMILIES,
                extra_kv: Iterable[Option] = ()) -> tuple[list[Candidate], Footprint]:
   """Every valid candidate within ``budget``, ordered presets first, then by KV bytes.
@@ -152,9 +164,7 @@ def candidates(src_cfg: Config, src_run: str, budget: Budget, families: Sequence
   options = {"kv": kv_options(m.num_layers, m.num_heads) + list(extra_kv), "scores": score_options(m.num_layers),
              "lisa": lisa_options(m.num_layers), "headwise": headwise_options()}
   source = footprint(src_cfg)
-  base = ["schedule.kind=dense", "schedule.match_reference_params=0", f"train.init_from={src_run}"]
-  if budget.equal_params:
-    base.append("schedule.match_params=true")
+  matched = ("schedule.match_params=true",) if budget.equal_params else ()
   valid, seen = [], set()
   for parts in compositions(families, options):
     name, overrides = combine(parts)
@@ -162,11 +172,10 @@ def candidates(src_cfg: Config, src_run: str, budget: Budget, families: Sequence
       continue
     seen.add(name)
     try:
-      cfg = with_match_reference(apply_overrides(src_cfg, [*base, *overrides]), src_cfg)
-      cost = footprint(cfg)
+      overrides += matched
+      cost = footprint(candidate_config(src_cfg, src_run, overrides))
     except (ConfigError, ValueError):  # a composition the schedule language refuses, or a width below one neuron
       continue
-    overrides = overrides + (("schedule.match_params=true",) if budget.equal_params else ())
     valid.append(Candidate(name, overrides, tuple(p.family for p in parts), all(p.preset for p in parts), cost))
   if not valid:
     raise SearchError(f"--families {','.join(families)} has no valid schedule on this model "

@@ -76,15 +76,12 @@ def _write_converted(path: Path, conversion, src_run: str) -> None:
     return
   tmp = path.with_name(path.name + ".partial")
   shutil.rmtree(tmp, ignore_errors=True)
-  runs.write_run(tmp, conversion.cfg, conversion.params, ties=conversion.ties,
-                 meta={"uptrained_from": src_run})
-  # the config names its own directory (train.run_dir): rewrite it for where it lands
-  runs.write_run_files(tmp, _moved(runs.read_config(tmp), path), conversion.ties)
+  runs.write_run(tmp, conversion.cfg, conversion.params, ties=conversion.ties, meta={"uptrained_from": src_run})
+  # write_run's config names the directory written (train.run_dir): name the one it lands in
+  cfg = conversion.cfg
+  runs.write_run_files(tmp, dataclasses.replace(cfg, train=dataclasses.replace(cfg.train,
+                                                                                run_dir=str(path.absolute()))))
   tmp.rename(path)
-
-
-def _moved(cfg, path: Path):
-  return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, run_dir=str(path.absolute())))
 
 
 def stage1(settings: Settings, src: runs.Run, candidates: Sequence[Candidate], calibration: Calibration,

@@ -27,7 +27,9 @@ def open_storage(url: str) -> RDBStorage:
   optuna.logging.set_verbosity(optuna.logging.WARNING)
   # heartbeats have been "experimental" since Optuna 2.8; they are what lets a search outlive its workers
   warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
-  return RDBStorage(url, heartbeat_interval=HEARTBEAT_S, grace_period=GRACE_S)
+  # SQLite serialises writers: under load a worker may wait for another's write longer than SQLite's default 5 s
+  engine = {"connect_args": {"timeout": 120}} if url.startswith("sqlite") else {}
+  return RDBStorage(url, engine_kwargs=engine, heartbeat_interval=HEARTBEAT_S, grace_period=GRACE_S)
 
 
 def _study(storage: RDBStorage, name: str) -> optuna.Study:
