@@ -62,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
   if args.compile_only:
     return _compile_only(args)
   from jaxshare import exit_codes
+  from jaxshare.files import StorageUnavailable
   from jaxshare.train.interrupts import interrupt_outside_loop
   from jaxshare.train.loop import DivergenceError
 
@@ -83,6 +84,11 @@ def main(argv: list[str] | None = None) -> int:
       sys.stdout.flush()  # would hang; gone, it is noticed by the coordination service, which stops them
       os._exit(code)
     return code
+  except StorageUnavailable as e:  # the bucket's outage outlasted train.storage_patience_s
+    print(f"error: {e}. Nothing committed was lost: re-run the same command to resume from the last committed "
+          "checkpoint", file=sys.stderr, flush=True)
+    sys.stdout.flush()  # without teardown: the writers of the unreachable bucket would try to flush again
+    os._exit(exit_codes.STORAGE_UNAVAILABLE)
   except KeyboardInterrupt as e:  # outside the loop (nothing of this run written yet, or all of it), or a third signal
     print(f"interrupted{f' ({e})' if str(e) else ''}: re-run the same command to resume from the last finished "
           "checkpoint", file=sys.stderr, flush=True)

@@ -3,6 +3,7 @@ converted model, its parameters alone)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -18,7 +19,7 @@ from etils import epath
 
 from jaxshare import integrity
 from jaxshare.exit_codes import InputError
-from jaxshare.files import absolute
+from jaxshare.files import StorageUnavailable, absolute, is_remote, quiet_transient_tracebacks
 
 T = TypeVar("T")
 CHECKSUMS = "checksums"  # meta key: integrity.checksums of the saved arrays
@@ -96,12 +97,21 @@ def _root_cause(e: BaseException) -> str:
 
 
 def finished_steps(directory: str | os.PathLike) -> list[int]:
-  """The steps of the finished checkpoints in ``directory``, ascending (an unfinished write's temporary directory
-  is not one); ``[]`` when it does not exist. Creates nothing."""
+  """The steps of the finished checkpoints in ``directory``, ascending (an unfinished write is not one: see
+  :func:`unfinished_writes`); ``[]`` when it does not exist. Creates nothing."""
   directory = absolute(directory)
   if not directory.is_dir():
     return []
-  return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit() and p.is_dir())
+  return sorted(int(p.name) for p in directory.iterdir()
+                if p.name.isdigit() and p.is_dir() and ocp.path.step.is_path_finalized(p))
+
+
+def unfinished_writes(directory: epath.Path) -> list[str]:
+  """The names of the step directories in ``directory`` whose write did not finish, sorted. Locally orbax writes a
+  step under a temporary name (:data:`TMP_MARKER`) and renames it when done; on a bucket, which has no atomic rename,
+  it writes the step in place and adds a commit marker (``commit_success.txt``) last, so there an unfinished write is
+  a step directory without one."""
+  return sorted(ocp.path.step.tmp_checkpoints(directory)) if directory.exists() else []
 
 
 PARAMS_ONLY = "params_only"  # meta key of a checkpoint holding only the parameters (a converted model at step 0)
@@ -129,13 +139,15 @@ class Checkpointer:
   """``CheckpointManager`` over ``<run_dir>/checkpoints`` with items ``state``, ``data`` and ``meta``.
 
   Every save records checksums of the state's arrays in ``meta`` (:mod:`jaxshare.integrity`) and every restore
-  checks them. Only finished checkpoints are listed (orbax writes into a temporary directory and renames it when
-  done); temporary directories an interrupted write left behind are deleted on opening (``cleaned`` names them).
+  checks them. Only finished checkpoints are listed (:func:`unfinished_writes`, locally and on a bucket); what an
+  interrupted write left behind is deleted on opening (``cleaned`` names it).
   """
 
   def __init__(self, directory: str | os.PathLike, keep: int):
     self.directory = absolute(directory)
-    self.cleaned = sorted(p.name for p in self.directory.glob(f"*{TMP_MARKER}*")) if self.directory.exists() else []
+    if is_remote(self.directory):
+      quiet_transient_tracebacks()  # an outage is reported once, as StorageUnavailable
+    self.cleaned = unfinished_writes(self.directory)
     self.manager = ocp.CheckpointManager(
       self.directory, item_names=("state", "data", "meta"),
       options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True, cleanup_tmp_directories=True))
@@ -144,12 +156,30 @@ class Checkpointer:
     return self.manager.latest_step()
 
   def save(self, step: int, state: Any, data_iter: grain.DatasetIterator | None, meta: dict) -> None:
-    """Save asynchronously (call :meth:`wait` before exiting); ``meta`` gains the arrays' checksums."""
+    """Save asynchronously (call :meth:`wait` before exiting); ``meta`` gains the arrays' checksums.
+
+    Raises:
+      StorageUnavailable: on a bucket, this or the previous asynchronous save failed (TensorStore's and gcsfs's
+        retries spent): the committed checkpoints are whole, and the run resumes from the newest.
+    """
     meta = {**meta, CHECKSUMS: integrity.checksums(state)}
     items = {"state": ocp.args.StandardSave(state), "meta": ocp.args.JsonSave(meta)}
     if data_iter is not None:
       items["data"] = grain.checkpoint.CheckpointSave(data_iter)
-    self.manager.save(step, args=ocp.args.Composite(**items), force=True)
+    with self._bucket_failures(f"checkpoint {step}"):
+      self.manager.save(step, args=ocp.args.Composite(**items), force=True)
+
+  @contextlib.contextmanager
+  def _bucket_failures(self, what: str):
+    """A write to a bucket that failed, raised as StorageUnavailable (one line: the cause without TensorStore's
+    specs); local failures pass unchanged."""
+    try:
+      yield
+    except Exception as e:
+      if not is_remote(self.directory):
+        raise
+      raise StorageUnavailable(f"{what} (or the one before it) could not be written to {self.directory}: "
+                               f"{_root_cause(e)}") from None
 
   def restore(self, step: int, abstract_state: Any, data_iter: grain.DatasetIterator | None) -> tuple[Any, dict]:
     """Restore ``(state, meta)`` at ``step`` into ``abstract_state``'s shapes, dtypes and shardings, verified
@@ -284,7 +314,13 @@ class Checkpointer:
     return target
 
   def wait(self) -> None:
-    self.manager.wait_until_finished()
+    """Block until the asynchronous save in flight is committed.
+
+    Raises:
+      StorageUnavailable: see :meth:`save`.
+    """
+    with self._bucket_failures("the last checkpoint"):
+      self.manager.wait_until_finished()
 
   def close(self) -> None:
     self.manager.close()

@@ -9,6 +9,8 @@ from typing import Callable
 
 BAD_INPUT = 2  # invalid config, data, run directory, checkpoint, HF directory or sweep file: nothing was done
 DIVERGED = 3  # a non-finite step under train.nan_policy=stop
+# the run directory's bucket stayed unreachable longer than train.storage_patience_s: resumable like an interruption
+STORAGE_UNAVAILABLE = 4
 # stopped on a signal after saving its checkpoint (128 + SIGINT, the shell's own code for Ctrl-C), whichever signal
 INTERRUPTED = 130
 

@@ -232,3 +232,19 @@ def straight_run(tmp_path_factory):
   run_dir = tmp_path_factory.mktemp("straight")
   cfg = tiny_config(*STRAIGHT, f"train.run_dir={run_dir}")
   return cfg, run_dir, train(cfg)
+
+
+@pytest.fixture(scope="session")
+def gcs(tmp_path_factory):
+  """A real GCS server (tests/support/gcs.py) for this test process, with bucket ``runs``; this process's clients
+  point at it (for in-process reads and writes), and ``gcs.env()`` points a child's. A test that stops it starts it
+  again before it ends."""
+  from support.gcs import GCSServer, restore_environment, set_environment
+
+  server = GCSServer(tmp_path_factory.mktemp("gcs"))
+  server.start()
+  server.make_bucket("runs")
+  previous = set_environment(server)
+  yield server
+  restore_environment(previous)
+  server.stop()

@@ -83,6 +83,8 @@ def validate(cfg: Config) -> None:
   _require(t.batch_size % t.grad_accum_steps == 0, "train.grad_accum_steps", t.grad_accum_steps,
            f"must divide train.batch_size={t.batch_size}")
   _require(-2**63 <= t.seed < 2**63, "train.seed", t.seed, "must be a signed 64-bit integer")
+  _require(math.isfinite(t.storage_patience_s) and t.storage_patience_s >= 0, "train.storage_patience_s",
+           t.storage_patience_s, "must be a finite number of seconds >= 0")
   _require(t.peak_tflops >= 0, "train.peak_tflops", t.peak_tflops, "must be >= 0 (0: the device's known peak)")
   _require(math.isfinite(t.lr) and t.lr > 0, "train.lr", t.lr, "must be a finite number > 0")
   for name in ("b1", "b2"):

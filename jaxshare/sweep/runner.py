@@ -99,6 +99,9 @@ def execute(experiment: str, run: Trial, steps: int, group: DeviceGroup, evaluat
     if code == exit_codes.INTERRUPTED:  # Ctrl-C or preemption: the run saved a checkpoint and resumes next time
       return result_row(run, "interrupted", error=f"stopped by a signal at step {latest_step(run.run_dir)} with a "
                         "checkpoint; run the sweep again to resume it")
+    if code == exit_codes.STORAGE_UNAVAILABLE:  # the bucket went away: its committed checkpoints resume next time
+      return result_row(run, "interrupted", error=f"its bucket was unreachable; stopped after checkpoint "
+                        f"{latest_step(run.run_dir)}; run the sweep again to resume it")
     if code != 0:
       return failed(f"train.py exit {code}")
     reached = latest_step(run.run_dir)

@@ -116,7 +116,7 @@ class _Trainer:
     self.flops_per_token = setup.plan.train_flops_per_token(cfg.data.seq_len)
     self.peak = resolve_peak(tcfg.peak_tflops, n_dev, cfg.model.dtype)
     kv_bytes = setup.plan.kv_cache_bytes_per_token(2 if cfg.model.dtype == "bfloat16" else 4)
-    self.log = log = MetricsLogger(self.run_dir, tcfg.steps, self.step, tcfg.progress_bar)
+    self.log = log = MetricsLogger(self.run_dir, tcfg.steps, self.step, tcfg.progress_bar, tcfg.storage_patience_s)
     start = (f"resumed at step {self.step}" if self.start.latest is not None else
              f"weights from {tcfg.init_from} (step {self.source.step})" if self.source is not None else
              f"fresh start (seed {tcfg.seed})")

@@ -15,6 +15,8 @@ import jax.numpy as jnp
 from etils import epath
 from tqdm.auto import tqdm
 
+from jaxshare.files import is_remote, with_retries
+
 # Dense bf16 peak TFLOP/s per device, by substring of jax's device_kind (MaxText's and vendors' figures).
 _PEAK_TFLOPS = (("v6 lite", 918.0), ("v6e", 918.0), ("v5 lite", 197.0), ("v5e", 197.0), ("v5p", 459.0),
                 ("v5", 459.0), ("v4", 275.0), ("h200", 989.0), ("h100", 989.0), ("a100", 312.0), ("b200", 2250.0),
@@ -115,11 +117,13 @@ class MetricsLogger:
   the file holds one consistent curve.
   """
 
-  def __init__(self, run_dir: str | os.PathLike, total_steps: int, start_step: int, progress_bar: bool):
+  def __init__(self, run_dir: str | os.PathLike, total_steps: int, start_step: int, progress_bar: bool,
+               patience_s: float = 0.0):
     self.run_dir = epath.Path(run_dir)
+    self.patience_s = patience_s  # a bucket's outage: how long writes are retried (files.with_retries)
     self.path = self.run_dir / "metrics.jsonl"
     # Objects on a bucket cannot be appended to: there the file is rewritten whole at each record.
-    self._lines: list[str] | None = [] if "://" in str(self.path) else None
+    self._lines: list[str] | None = [] if is_remote(self.path) else None
     self._primary = jax.process_index() == 0
     self._file = self._tb = self._bar = None
     if not self._primary:
@@ -142,11 +146,12 @@ class MetricsLogger:
       self._file.flush()
     else:
       self._lines.append(json.dumps(record))
-      self.path.write_text("".join(ln + "\n" for ln in self._lines))
+      text = "".join(ln + "\n" for ln in self._lines)
+      with_retries(self.path, lambda: self.path.write_text(text), "metrics.jsonl", self.patience_s)
     for k, v in record.items():
       if k != "step" and isinstance(v, (int, float)) and math.isfinite(v):
         self._tb.add_scalar(k, v, record["step"])
-    self._tb.flush()
+    with_retries(self.run_dir, self._tb.flush, "TensorBoard events", self.patience_s)
 
   def print(self, line: str) -> None:
     if not self._primary:

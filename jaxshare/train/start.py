@@ -13,7 +13,7 @@ from jaxshare import distributed, parallel, runs
 from jaxshare.checkpoint import PARAMS_ONLY, Checkpointer
 from jaxshare.config import Config, ConfigError, get_field
 from jaxshare.data import Datasets
-from jaxshare.files import absolute
+from jaxshare.files import writable_dir
 from jaxshare.init.headwise import compute_ties
 from jaxshare.init.report import init_report
 from jaxshare.init.source import check_loadable, init_kv_pool, with_match_reference
@@ -89,12 +89,12 @@ def start_run(cfg: Config, mesh: Mesh | None = None) -> RunStart:
     ConfigError / DataError / CheckpointError: bad config, data or run directory (checkpoints of another experiment:
       :func:`check_resume_compatible`), or a ``train.init_from`` run whose weights this model cannot load.
   """
+  run_dir = writable_dir(cfg.train.run_dir, "train.run_dir")
   mesh = mesh or parallel.make_mesh(cfg.mesh)
   source = runs.load_run(cfg.train.init_from, mesh) if cfg.train.init_from else None
   if source is not None:
     cfg = with_match_reference(cfg, source.cfg)
     check_loadable(source.cfg, cfg, cfg.train.init_from)
-  run_dir = absolute(cfg.train.run_dir)
   data = _open_data(cfg, mesh)
   ckpt = _existing_checkpoints(cfg, run_dir)
   resuming = ckpt is not None and ckpt.latest_step() is not None

@@ -1,11 +1,15 @@
-"""jaxshare.files.write_atomic: what exists is one writer's whole file, and a failed write changes nothing."""
+"""jaxshare.files: what write_atomic leaves is one writer's whole file and a failed write changes nothing, locally
+and on a bucket (a real GCS server: the gcs fixture); a directory that cannot be written is refused; a bucket's
+outage is retried for the patience given, then reported in one line."""
 
 import threading
+import time
 
 import pytest
 from etils import epath
 
-from jaxshare.files import write_atomic
+from jaxshare.exit_codes import InputError
+from jaxshare.files import with_retries, writable_dir, write_atomic
 
 
 def test_concurrent_writers_leave_one_whole_file_and_no_temporaries(tmp_path):
@@ -31,3 +35,59 @@ def test_a_failed_write_keeps_the_old_file_and_removes_its_temporary(tmp_path, m
   with pytest.raises(OSError, match="No space"):
     write_atomic(path, "new")
   assert path.read_bytes() == b"old" and [p.name for p in tmp_path.iterdir()] == ["config.yaml"]
+
+
+def test_on_a_bucket_concurrent_writers_leave_one_whole_object_and_no_temporaries(gcs):
+  path = epath.Path("gs://runs/files/table.md")
+  texts = [str(i) * 200_000 for i in range(4)]
+  threads = [threading.Thread(target=write_atomic, args=(path, t)) for t in texts]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join()
+  assert path.read_text() in texts
+  assert gcs.objects("runs", "files/") == ["files/table.md"]  # as the server lists them: no copy, no temporary
+
+
+def test_a_bucket_that_does_not_exist_or_a_file_in_the_way_is_refused_naming_the_field(gcs, tmp_path):
+  with pytest.raises(InputError, match=r"^train.run_dir=gs://no-such-bucket/r: cannot write there \(the bucket "
+                     r"does not exist\)"):
+    writable_dir("gs://no-such-bucket/r", "train.run_dir")
+  (tmp_path / "file").write_text("")
+  with pytest.raises(InputError, match=r"--out=.*file/sub: cannot write there .*file is not a writable directory"):
+    writable_dir(tmp_path / "file" / "sub", "--out")
+  assert writable_dir("gs://runs/new/run", "train.run_dir") == epath.Path("gs://runs/new/run")
+  assert gcs.objects("runs", "new/") == []  # the probe is gone
+  assert writable_dir(tmp_path / "a" / "b", "--out") == tmp_path / "a" / "b" and not (tmp_path / "a").exists()
+
+
+def test_a_write_to_a_bucket_is_retried_through_an_outage(gcs):
+  """(An outage longer than the patience: tests/e2e/test_gcs.py.)"""
+  path = epath.Path("gs://runs/files/metrics.jsonl")
+  tries = []
+
+  def write():
+    tries.append(time.monotonic())
+    if len(tries) == 2:  # the server is back for the second try
+      gcs.start()
+    path.write_text("x")
+
+  gcs.stop()
+  try:
+    with_retries(path, write, "metrics.jsonl", patience_s=600)
+  finally:
+    if gcs.proc is None:
+      gcs.start()
+  assert len(tries) == 2 and path.read_text() == "x"  # failed (after the client's own retries), then written
+
+
+def test_a_local_write_is_never_retried(tmp_path):
+  calls = []
+
+  def fail():
+    calls.append(1)
+    raise OSError(28, "No space left on device")
+
+  with pytest.raises(OSError, match="No space"):
+    with_retries(tmp_path / "m.jsonl", fail, "metrics.jsonl", patience_s=600)
+  assert calls == [1]

@@ -1,0 +1,144 @@
+"""Runs on a bucket, against a real GCS server process (fake-gcs-server, tests/support/gcs.py): a run directory on
+gs:// (config, metrics, TensorBoard events, checkpoints, the iterator state) written, resumed and evaluated; SIGKILLs
+during checkpoint writes to the bucket and the server going away mid-run lose nothing (the curve equals a local,
+uninterrupted run's bit for bit); a bucket that does not exist is refused before any compile."""
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import REPO, cpu_env
+from jaxshare import exit_codes
+from support.faults import SIGNALS, Run, losses_by_step
+
+BUCKET = "runs"  # the gcs fixture's bucket (conftest.py)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> dict[int, float]:
+  """The uninterrupted run on local disk: its loss at every step."""
+  run_dir = tmp_path_factory.mktemp("reference")
+  run = Run(run_dir)
+  assert run.finish() == 0, run.output[-3000:]
+  return losses_by_step(run_dir)
+
+
+def _eval(path: str, env: dict) -> str:
+  r = subprocess.run([sys.executable, "eval.py", path, "--max-batches", "2", "--sample-tokens", "0"], cwd=REPO,
+                     env=env, capture_output=True, text=True, timeout=300)
+  assert r.returncode == 0, r.stderr[-3000:]
+  return r.stdout
+
+
+def _steps(gcs, prefix: str) -> tuple[set[int], set[int]]:
+  """(every step directory under ``prefix`` on the server, those with orbax's commit marker)."""
+  names = gcs.objects(BUCKET, prefix)
+  started = {int(n[len(prefix):].split("/")[0]) for n in names}
+  committed = {int(n[len(prefix):].split("/")[0]) for n in names if n.count("/") == prefix.count("/") + 1
+               and n.endswith("/commit_success.txt")}
+  return started, committed
+
+
+@pytest.mark.slow
+def test_a_run_on_a_bucket_survives_sigkills_during_writes_and_ends_on_the_local_curve(gcs, reference, tmp_path):
+  """Three SIGKILLs, each once the run has committed a checkpoint to the bucket and while it writes a newer one:
+  every restart resumes from the newest committed checkpoint and removes the half-written one; the logged curve
+  equals the local run's bit for bit, and every file of the run directory is an object on the server. eval.py reads
+  the run from the bucket and reports what it reports for the same run on local disk."""
+  run_dir, env, prefix = f"gs://{BUCKET}/killed", gcs.env(), "killed/checkpoints/"
+  half_written = set()
+  for i in range(3):
+    run = Run(run_dir, env=env)
+    before = _steps(gcs, prefix)[1]
+
+    def newer_commit_and_a_write_in_flight() -> bool:
+      started, committed = _steps(gcs, prefix)
+      return bool(committed - before) and bool(started - committed)
+
+    assert run.wait_until(newer_commit_and_a_write_in_flight, poll=0.005), run.output[-3000:]
+    run.signal(SIGNALS["SIGKILL"])
+    run.finish()
+    assert run.proc.returncode == -9, f"kill {i}: {run.output[-2000:]}"
+    started, committed = _steps(gcs, prefix)
+    if before:
+      assert f"resumed at step {max(before)}" in run.output
+    half_written |= started - committed
+    if i > 0:
+      assert "unfinished checkpoint write(s) an interrupted run left" in run.output
+  assert half_written  # the kills really landed during writes to the bucket
+  run = Run(run_dir, env=env)
+  assert run.finish() == 0, run.output[-3000:]
+  assert "Traceback" not in run.output
+  names = gcs.objects(BUCKET, "killed/")
+  assert {"killed/config.yaml", "killed/metrics.jsonl"} <= set(names)
+  assert any(n.startswith("killed/tensorboard/events.out.tfevents") for n in names)
+  started, committed = _steps(gcs, prefix)
+  assert started == committed and committed  # no half-written step is left
+  assert all(f"{prefix}{s}/data/process_0-of-1.json" in names for s in committed)  # the iterator state
+  assert not any(".jaxshare-write-probe" in n for n in names)
+  assert _losses_on_bucket(gcs, "killed") == reference
+  local = tmp_path / "local"
+  assert Run(local).finish() == 0
+  env_local = cpu_env(1)
+  bucket_report = _eval(run_dir, {**env_local, **env})
+  assert _metric(bucket_report, "val loss") == _metric(_eval(str(local), env_local), "val loss")
+
+
+def _losses_on_bucket(gcs, run: str) -> dict[int, float]:
+  import json
+  import urllib.request
+
+  with urllib.request.urlopen(f"{gcs.url}/storage/v1/b/{BUCKET}/o/{run}%2Fmetrics.jsonl?alt=media") as r:
+    records = [json.loads(line) for line in r.read().decode().splitlines()]
+  steps = [r["step"] for r in records]
+  assert len(steps) == len(set(steps)), f"steps logged twice: {steps}"
+  return {r["step"]: r["loss"] for r in records}
+
+
+def _metric(report: str, name: str) -> str:
+  return next(line for line in report.splitlines() if line.strip().startswith(name))
+
+
+def test_a_bucket_that_does_not_exist_is_refused_before_any_compile(gcs):
+  run = Run("gs://no-such-bucket/run", env=gcs.env())
+  assert run.finish() == 2
+  lines = run.output.strip().splitlines()
+  assert lines == ["error: train.run_dir=gs://no-such-bucket/run: cannot write there (the bucket does not exist)."]
+
+
+@pytest.mark.slow
+def test_a_short_outage_of_the_server_is_retried_and_the_run_goes_on(gcs, reference):
+  """The server stopped for 5 s mid-run (during steps and, likely, a checkpoint write) and started again: the
+  clients' retries carry the run through; it ends on the uninterrupted curve."""
+  run = Run(f"gs://{BUCKET}/short-outage", env=gcs.env())
+  assert run.wait_until(lambda: run.last_step >= 10), run.output[-3000:]
+  gcs.stop()
+  time.sleep(5)
+  gcs.start()
+  assert run.finish() == 0, run.output[-3000:]
+  assert "Traceback" not in run.output
+  assert _losses_on_bucket(gcs, "short-outage") == reference
+
+
+@pytest.mark.slow
+def test_an_outage_longer_than_the_patience_stops_the_run_with_one_line_and_it_resumes(gcs, reference):
+  """The server stopped mid-run and kept down: the run stops with exit code 4 and one line naming the bucket and
+  the patience, no traceback; with the server back, the same command resumes from the last committed checkpoint and
+  ends on the uninterrupted curve."""
+  run = Run(f"gs://{BUCKET}/long-outage", "train.storage_patience_s=2", env=gcs.env())
+  assert run.wait_until(lambda: run.last_step >= 10), run.output[-3000:]
+  gcs.stop()
+  try:
+    assert run.finish() == exit_codes.STORAGE_UNAVAILABLE, run.output[-3000:]
+  finally:
+    gcs.start()
+  assert "Traceback" not in run.output and "ERROR" not in run.output
+  last = run.output.strip().splitlines()[-1]
+  assert last.startswith("error: ") and f"gs://{BUCKET}/long-outage" in last and "train.storage_patience_s" in last
+  committed = _steps(gcs, "long-outage/checkpoints/")[1]
+  run = Run(f"gs://{BUCKET}/long-outage", env=gcs.env())
+  assert run.finish() == 0, run.output[-3000:]
+  assert f"resumed at step {max(committed)}" in run.output
+  assert _losses_on_bucket(gcs, "long-outage") == reference
