@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -251,7 +250,7 @@ def _all_finite(params) -> jax.Array:
 
 
 def write_run(run_dir: str | os.PathLike, cfg: Config, params: dict, *, ties: HeadTies | None = None,
-              tokenizer_files: Sequence[Path] = (), meta: dict | None = None) -> Path:
+              tokenizer_files: Sequence[Path] = (), meta: dict | None = None) -> epath.Path:
   """Save ``params`` (pure dict, NumPy or JAX arrays) as run directory ``run_dir`` at step 0 (a parameters-only
   checkpoint: ``train.init_from`` and :func:`load_run` read just the parameters, and a run resumed in this
   directory starts a fresh optimizer), with the head-wise ``ties`` when the schedule ties heads.
@@ -265,7 +264,7 @@ def write_run(run_dir: str | os.PathLike, cfg: Config, params: dict, *, ties: He
       schedule ties no heads or missing when it ties some.
     FileExistsError: ``run_dir`` exists and is not empty (nothing is overwritten).
   """
-  run_dir = Path(run_dir).absolute()
+  run_dir = absolute(run_dir)
   if run_dir.exists() and any(run_dir.iterdir()):
     raise FileExistsError(f"run directory {str(run_dir)!r} exists and is not empty; choose a new one")
   if not tokenizer_files and cfg.data.tokenizer == "byte" and cfg.model.vocab_size < 256:
@@ -278,8 +277,8 @@ def write_run(run_dir: str | os.PathLike, cfg: Config, params: dict, *, ties: He
   data = cfg.data
   if tokenizer_files:
     (run_dir / TOKENIZER_DIR).mkdir()
-    for f in tokenizer_files:
-      shutil.copy2(f, run_dir / TOKENIZER_DIR / f.name)
+    for f in tokenizer_files:  # a few small files, local or on a bucket
+      (run_dir / TOKENIZER_DIR / f.name).write_bytes(Path(f).read_bytes())
     data = dataclasses.replace(data, tokenizer=str(run_dir / TOKENIZER_DIR))
   write_run_files(run_dir, dataclasses.replace(cfg, data=data, train=dataclasses.replace(cfg.train,
                                                                                          run_dir=str(run_dir))), ties)

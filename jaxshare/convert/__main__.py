@@ -37,12 +37,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   sub = parser.add_subparsers(dest="command", required=True)
   imp = sub.add_parser("import", help="HF directory -> jaxshare run directory")
-  imp.add_argument("hf_dir", help="local HF model directory (config.json, model.safetensors[.index.json])")
+  imp.add_argument("hf_dir", help="HF model directory (config.json, model.safetensors[.index.json]), local or gs://")
   imp.add_argument("run_dir", help="new jaxshare run directory to write")
   imp.add_argument("overrides", nargs="*", help="jaxshare config overrides for the run (train.*, data.*)")
   exp = sub.add_parser("export", help="jaxshare run directory -> HF directory")
   exp.add_argument("run_dir", help="run directory (latest checkpoint) or checkpoint step directory")
-  exp.add_argument("hf_dir", help="new output directory")
+  exp.add_argument("hf_dir", help="new output directory, local or gs:// (written locally, then uploaded)")
   exp.add_argument("--max-shard-gb", type=float, default=5.0, metavar="GB",
                    help="split the weights into safetensors shards of at most this size, with an index "
                    "(default: %(default)s, as save_pretrained)")
@@ -92,14 +92,22 @@ def _run(args) -> int:
   from jaxshare.convert.byte_tokenizer import is_byte_tokenizer
   from jaxshare.convert.hf_import import load_hf_model
   from jaxshare.convert.migrate import store_ties
+  from jaxshare.convert.staging import local_hf_input, local_hf_output
+  from jaxshare.files import absolute, is_remote, writable_dir
   from jaxshare.convert.uptrain import uptrain_run
   from jaxshare.runs import write_run
 
   if args.command == "import":
-    ckpt = HFCheckpoint(args.hf_dir)
-    out = Path(args.run_dir).absolute()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=".import-", dir=out.parent) as scratch:  # disk-backed parameters
+    out = absolute(args.run_dir)
+    if is_remote(out):
+      writable_dir(out, "run_dir")
+    else:
+      out.parent.mkdir(parents=True, exist_ok=True)
+    # disk-backed parameters: beside the run on its disk, or in the system's temporary directory for a bucket
+    scratch_parent = None if is_remote(out) else out.parent
+    with local_hf_input(args.hf_dir) as hf_dir, tempfile.TemporaryDirectory(prefix=".import-",
+                                                                             dir=scratch_parent) as scratch:
+      ckpt = HFCheckpoint(hf_dir)
       model = load_hf_model(ckpt, args.overrides, progress=True, scratch_dir=scratch)
       # a jaxshare export of a byte-tokenizer run carries that tokenizer for transformers; the run keeps "byte"
       byte_run = is_byte_tokenizer(ckpt.directory)
@@ -119,8 +127,8 @@ def _run(args) -> int:
   elif args.command == "ties":
     print(store_ties(args.run_dir))
   else:
-    arch, why_remote = export_run(args.run_dir, args.hf_dir, progress=True,
-                                  max_shard_bytes=int(args.max_shard_gb * 1e9))
+    with local_hf_output(args.hf_dir) as out_dir:
+      arch, why_remote = export_run(args.run_dir, out_dir, progress=True, max_shard_bytes=int(args.max_shard_gb * 1e9))
     print(f"exported {args.run_dir} as {arch} into {args.hf_dir}"
           + (f" (remote code, as no transformers class holds it: {why_remote}; load it with "
              "AutoModelForCausalLM.from_pretrained(..., trust_remote_code=True))" if why_remote else ""))

@@ -142,3 +142,41 @@ def test_an_outage_longer_than_the_patience_stops_the_run_with_one_line_and_it_r
   assert run.finish() == 0, run.output[-3000:]
   assert f"resumed at step {max(committed)}" in run.output
   assert _losses_on_bucket(gcs, "long-outage") == reference
+
+
+def _cli(*args: str, env: dict) -> str:
+  r = subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+  assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+  return r.stdout
+
+
+@pytest.mark.slow
+def test_prepare_train_export_and_import_on_a_bucket_as_on_local_disk(gcs, corpus, tmp_path):
+  """The pod workflow with every path on the bucket — prepare two corpora to gs://, train on their mixture into a
+  gs:// run, export it to a gs:// HF directory and import that into a gs:// run — gives what the same commands give
+  on local disk: the same shards, the same losses, the same HF files, the same evaluations of the run and of the
+  re-imported model."""
+  env = {**cpu_env(1), **gcs.env()}
+  digits = tmp_path / "digits.txt"
+  digits.write_text("\n\n".join(" ".join(str((i * 7919 + j * 104729) % 10**6) for j in range(200))
+                                for i in range(300)))
+  roots = {"local": str(tmp_path / "local"), "bucket": f"gs://{BUCKET}/pod"}
+  evals = {}
+  for where, root in roots.items():
+    _cli("-m", "jaxshare.data", "prepare", "--out", f"{root}/data/play", str(corpus), "--val-fraction", "0.1",
+         "--no-progress", env=env)
+    _cli("-m", "jaxshare.data", "prepare", "--out", f"{root}/data/digits", str(digits), "--document-separator", "\n\n",
+         "--val-docs", "30", "--no-progress", env=env)
+    mixture = f"[{{path: {root}/data/play, weight: 0.7}}, {{path: {root}/data/digits, weight: 0.3}}]"
+    run = Run(f"{root}/run", "train.steps=8", "data.source=prepared", f"data.mixture={mixture}", env=env)
+    assert run.finish() == 0, run.output[-3000:]
+    _cli("-m", "jaxshare.convert", "export", f"{root}/run", f"{root}/hf", env=env)
+    _cli("-m", "jaxshare.convert", "import", f"{root}/hf", f"{root}/imported", env=env)
+    evals[where] = (_metric(_eval(f"{root}/run", env), "val loss"), _metric(_eval(f"{root}/imported", env), "val loss"))
+  local_data = tmp_path / "local" / "data"
+  local_files = sorted(str(p.relative_to(local_data)) for p in local_data.rglob("*") if p.is_file())
+  assert sorted(n.removeprefix("pod/data/") for n in gcs.objects(BUCKET, "pod/data/")) == local_files
+  assert _losses_on_bucket(gcs, "pod/run") == losses_by_step(tmp_path / "local" / "run")
+  hf = sorted(n.removeprefix("pod/hf/") for n in gcs.objects(BUCKET, "pod/hf/"))
+  assert hf == sorted(p.name for p in (tmp_path / "local" / "hf").iterdir())
+  assert evals["bucket"] == evals["local"]  # (an export's round trip itself: tests/equivalence/test_hf_*.py)

@@ -4,7 +4,6 @@ disjoint rows making up the global batch; exact resume; a changed tokenizer and 
 
 import dataclasses
 import json
-import sys
 
 import numpy as np
 import pytest
@@ -184,35 +183,16 @@ def test_an_interrupted_run_on_a_mixture_resumes_on_the_same_losses(tmp_path, tw
   assert all(r["tokens_play"] + r["tokens_digits"] == r["step"] * 8 * 32 for r in straight)
 
 
-@pytest.fixture
-def fake_gcs():
-  """gs:// paths served by fsspec's in-memory filesystem (etils.epath reaches gs:// through fsspec's 'gcs')."""
-  import fsspec
-  from fsspec.implementations.memory import MemoryFileSystem
-
-  class FakeGCS(MemoryFileSystem):
-    protocol = ("gs", "gcs")
-
-    def __init__(self, *args, finalize_on_close=False, **kwargs):
-      super().__init__(*args, **kwargs)
-
-  registry = sys.modules["fsspec.registry"]._registry  # fsspec.registry itself is a read-only view
-  previous = registry.get("gcs")
-  fsspec.register_implementation("gcs", FakeGCS, clobber=True)
-  yield "gs://test-bucket"
-  FakeGCS.store.clear()
-  registry.pop("gcs", None)
-  if previous is not None:
-    registry["gcs"] = previous
-
-
-def test_gs_inputs_and_outputs_prepare_and_train_like_local_ones(fake_gcs, corpus, prepared_shakespeare):
+def test_gs_inputs_and_outputs_prepare_and_train_like_local_ones(gcs, corpus, prepared_shakespeare):
+  """Read from and written to a real GCS server (the gcs fixture): the same shards, batches and bytes per token."""
   from etils import epath
 
-  epath.Path(f"{fake_gcs}/raw/play.txt").write_bytes(corpus.read_bytes())
-  m = prepare([f"{fake_gcs}/raw/play.txt"], f"{fake_gcs}/prepared", PrepareOptions(val_fraction=0.1), progress=False)
+  epath.Path("gs://runs/raw/play.txt").write_bytes(corpus.read_bytes())
+  m = prepare(["gs://runs/raw/play.txt"], "gs://runs/prepared", PrepareOptions(val_fraction=0.1), progress=False)
   assert m.shards == read_manifest(prepared_shakespeare).shards
-  remote = Datasets(DataConfig(source="prepared", path=f"{fake_gcs}/prepared", seq_len=64), 8)
+  local_files = sorted(str(p.relative_to(prepared_shakespeare)) for p in prepared_shakespeare.rglob("*") if p.is_file())
+  assert sorted(n.removeprefix("prepared/") for n in gcs.objects("runs", "prepared/")) == local_files  # no temporaries
+  remote = Datasets(DataConfig(source="prepared", path="gs://runs/prepared", seq_len=64), 8)
   local = Datasets(DataConfig(source="prepared", path=str(prepared_shakespeare), seq_len=64), 8)
   assert_batches_equal(take(remote.train_iter(), 3), take(local.train_iter(), 3))
   assert remote.bytes_per_token == local.bytes_per_token
