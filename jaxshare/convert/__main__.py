@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
-from pathlib import Path
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -39,6 +39,16 @@ def test_data_benchmark_prints_its_tables():
   assert len(rows) == 3, proc.stdout
 
 
+def test_data_benchmark_reads_the_same_data_from_a_bucket_and_from_disk():
+  """scripts/bench_data.py --remote local: a real GCS server on loopback; both rows print with a loader speed."""
+  proc = subprocess.run([sys.executable, "scripts/bench_data.py", "--remote", "local", "--skip", "prepare", "startup",
+                         "loader"], cwd=REPO, capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  rows = [ln.split("|") for ln in proc.stdout.splitlines() if ln.startswith(("| local disk", "| bucket"))]
+  assert [r[1].strip().split()[0] for r in rows] == ["local", "bucket"], proc.stdout
+  assert all(float(r[4].replace(",", "")) > 0 for r in rows)
+
+
 def test_mfu_benchmark_measures_every_schedule(capsys):
   """scripts/bench_mfu.py on a toy config (CPU): a row with tokens/s, MFU and a finite loss, and a failing schedule
   reported on its own line without stopping the others."""
