@@ -1,7 +1,9 @@
-"""PNG figures of the similarity metrics (matplotlib, Agg canvas: no display, no global pyplot state)."""
+"""PNG figures of the similarity metrics (matplotlib, Agg canvas: no display, no global pyplot state), written whole
+to a local path or a bucket (gs://)."""
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 import numpy as np
@@ -9,10 +11,14 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter
 
+from jaxshare.files import write_atomic
+
 
 def _save(fig: Figure, path: str | Path) -> None:
   FigureCanvasAgg(fig)  # attaches the Agg canvas to the figure
-  fig.savefig(path, dpi=120, bbox_inches="tight")
+  png = io.BytesIO()
+  fig.savefig(png, format="png", dpi=120, bbox_inches="tight")
+  write_atomic(path, png.getvalue())
 
 
 def heatmap(matrix: np.ndarray, path: str | Path, *, title: str, label: str, group: int = 1) -> None:

@@ -42,7 +42,8 @@ from jaxshare.schedule import ScheduleError
 from jaxshare.sweep.devices import DeviceGroup, device_groups
 from jaxshare.sweep.launch import LAUNCHERS, check_launcher_args, launch, launcher_command
 from jaxshare.sweep.results import Results, markdown_table, plot, result_row, summarize
-from jaxshare.sweep.runner import cached_eval, command, eval_args, execute, latest_step, say, train_all, train_args
+from jaxshare.sweep.runner import (appending, cached_eval, command, eval_args, execute, latest_step, say, train_all,
+                                   train_args)
 from jaxshare.sweep.spec import Sweep, SweepError, Trial, check_config, load_sweep, rel
 
 
@@ -142,7 +143,7 @@ def _sweep(args) -> int:
   for run, _, error in pending:
     if error:  # recorded without starting a process: train.py would refuse the same config
       run.run_dir.mkdir(parents=True, exist_ok=True)
-      with (run.run_dir / "sweep.log").open("a") as f:
+      with appending(run.run_dir / "sweep.log") as f:
         f.write(f"\n== {time.strftime('%Y-%m-%d %H:%M:%S')} invalid config: {error}\n")
       print(f"{run.label}: FAILED, invalid config: {error}", flush=True)
       done.append(result_row(run, "failed", error=f"invalid config: {error}"[:300]))

@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import csv
 import fcntl
+import hashlib
 import io
 import math
+import os
+import tempfile
 import threading
 from pathlib import Path
 
-from jaxshare.files import write_atomic
+from jaxshare.files import is_remote, write_atomic
 from jaxshare.sweep.spec import Sweep, Trial, rel
 
 FIELDS = ("variant", "seed", "status", "val_loss", "bits_per_byte", "perplexity", "kv_bytes_per_token_bf16",
@@ -46,9 +49,8 @@ def read_results(path: Path) -> tuple[list[dict], list[str]]:
   """Rows and column names of an existing results.csv (none if absent)."""
   if not path.exists():
     return [], []
-  with path.open(newline="") as f:
-    reader = csv.DictReader(f)
-    rows, columns = list(reader), list(reader.fieldnames or [])
+  reader = csv.DictReader(io.StringIO(path.read_text(), newline=""))  # (a bucket's files open without newline=)
+  rows, columns = list(reader), list(reader.fieldnames or [])
   if "variant" not in columns and "name" in columns:  # the table of the sweep script before seeds: one run each
     rows = [{"variant": r["name"], "seed": "", "status": "ok", **{k: v for k, v in r.items() if k != "name"}}
             for r in rows]
@@ -120,6 +122,16 @@ def plot(summary: list[dict], sweep: Sweep, root: Path) -> list[Path]:
   return paths
 
 
+def _lock_file(root) -> str:
+  """The file whose lock serialises merges into ``root``'s table: beside it locally (sweeps on every machine that
+  mounts it); for a bucket, which has no locks, in this machine's temporary directory, so that two sweeps over one
+  gs:// run_root must run on one machine (docs/sweeps.md)."""
+  if not is_remote(root):
+    return str(root / ".results.lock")
+  return os.path.join(tempfile.gettempdir(), f"jaxshare-sweep-{hashlib.sha256(str(root).encode()).hexdigest()[:16]}"
+                      ".lock")
+
+
 class Results:
   """The sweep's table: rows merged into <run_root>/results.csv under a file lock (two sweeps over one run_root
   never drop each other's rows), written atomically, and results.md regenerated from the merged table."""
@@ -131,7 +143,7 @@ class Results:
   def add(self, rows: list[dict]) -> list[dict]:
     """Merge ``rows`` in; returns the whole merged table."""
     self.root.mkdir(parents=True, exist_ok=True)
-    with self.lock, (self.root / ".results.lock").open("w") as lock:
+    with self.lock, open(_lock_file(self.root), "w") as lock:
       fcntl.flock(lock, fcntl.LOCK_EX)
       existing, columns = read_results(self.root / "results.csv")
       merged = merge_rows(existing, rows, list(self.sweep.variants))

@@ -4,19 +4,23 @@ its output in <run_dir>/sweep.log, as many runs at once as there are groups."""
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import os
 import queue
 import shlex
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Iterator, TextIO
 
 from jaxshare.config import REPO_ROOT
 from jaxshare.sweep.devices import DeviceGroup
-from jaxshare.files import write_atomic
+from jaxshare.checkpoint import finished_steps
+from jaxshare.files import is_remote, write_atomic
 from jaxshare.sweep.results import Results, result_row
 from jaxshare.sweep.spec import Sweep, Trial, rel
 from jaxshare import exit_codes
@@ -33,9 +37,29 @@ def say(*lines: str, file=None) -> None:
 
 
 def latest_step(run_dir: Path) -> int | None:
-  """The run's newest finished checkpoint (orbax writes ``checkpoints/<step>``; unfinished ones have a suffix)."""
-  steps = [int(p.name) for p in (run_dir / "checkpoints").glob("*") if p.name.isdigit() and p.is_dir()]
-  return max(steps) if steps else None
+  """The run's newest finished checkpoint (on a bucket too: :func:`~jaxshare.checkpoint.finished_steps`)."""
+  steps = finished_steps(run_dir / "checkpoints")
+  return steps[-1] if steps else None
+
+
+@contextlib.contextmanager
+def appending(log) -> Iterator[TextIO]:
+  """``log`` open for appending, as a real file (a child process writes to it). An object on a bucket cannot be
+  appended to: there the text goes to a local temporary file, after what the log held, and replaces the object in
+  one upload on exit (``tail -f`` follows a local log only)."""
+  if not is_remote(log):
+    with open(log, "a") as f:
+      yield f
+    return
+  with tempfile.NamedTemporaryFile("w+", prefix="sweep-log-", suffix=".log") as f:
+    f.write(log.read_text() if log.exists() else "")
+    f.flush()
+    try:
+      yield f
+    finally:
+      f.flush()
+      f.seek(0)
+      write_atomic(log, f.read())
 
 
 def cached_eval(run_dir: Path, steps: int) -> dict | None:
@@ -49,7 +73,7 @@ def cached_eval(run_dir: Path, steps: int) -> dict | None:
 
 def _tail(path: Path, lines: int) -> list[str]:
   try:
-    text = path.read_text(errors="replace")
+    text = path.read_bytes().decode(errors="replace")  # (epath's read_text on a bucket takes no errors=)
   except OSError:
     return []
   return [ln for ln in text.splitlines() if ln.strip()][-lines:]
@@ -74,7 +98,7 @@ def _call(group: DeviceGroup, args: list[str], log: Path, capture: bool = False)
   """Run a command with the group's devices, appending its output to ``log`` as it comes (``tail -f`` follows a
   run); with ``capture`` stdout is returned instead and appended at the end. ``(exit code, stdout)``."""
   env = {**os.environ, **dict(group.env), "PYTHONUNBUFFERED": "1"}
-  with log.open("a") as f:
+  with appending(log) as f:
     f.write(f"\n== {time.strftime('%Y-%m-%d %H:%M:%S')} {command(group, args)}\n")
     f.flush()
     proc = subprocess.run([*group.prefix, *args], cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE if capture else f,

@@ -10,10 +10,12 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from etils import epath
 
 from jaxshare import smoke
 from jaxshare.config import REPO_ROOT, load_config
 from jaxshare.exit_codes import InputError
+from jaxshare.files import is_remote
 from jaxshare.plan import plan_of
 
 SPEC_KEYS = ("experiment", "run_root", "base", "seeds", "variants", "grid", "series")
@@ -61,7 +63,7 @@ class Sweep:
 
   path: Path
   experiment: str
-  run_root: Path
+  run_root: Path  # an epath.Path for a bucket (gs://)
   base: list[str]
   seeds: list[int] | None
   variants: dict[str, list[str]]
@@ -197,7 +199,8 @@ def load_sweep(path: str | Path) -> Sweep:
     if (not isinstance(seeds, list) or not seeds or not all(type(s) is int for s in seeds)
         or len(set(seeds)) != len(seeds)):
       raise SweepError(f"{path}: 'seeds' must be a non-empty list of distinct integers, got {seeds!r}")
-  return Sweep(path, spec["experiment"], REPO_ROOT / spec["run_root"], _overrides(spec.get("base"), "base", path),
+  root = epath.Path(spec["run_root"]) if is_remote(spec["run_root"]) else REPO_ROOT / spec["run_root"]
+  return Sweep(path, spec["experiment"], root, _overrides(spec.get("base"), "base", path),
                seeds, variants, series)
 
 

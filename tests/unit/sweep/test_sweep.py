@@ -2,6 +2,7 @@
 (trains, evaluates, tabulates, plots; skips finished runs; records failures; keeps results it does not own)."""
 
 import csv
+import io
 import os
 import re
 import shlex
@@ -286,3 +287,27 @@ def test_ctrl_c_saves_the_running_run_and_records_it_as_interrupted(tmp_path):
   row = read_results(tmp_path / "runs" / "results.csv")[0][0]
   assert row["status"] == "interrupted" and row["error"] == (
     f"stopped by a signal at step {stopped} with a checkpoint; run the sweep again to resume it")
+
+
+def test_a_sweep_whose_run_root_is_on_a_bucket_trains_tabulates_and_resumes_there(gcs, tmp_path, capsys):
+  """run_root on gs:// (a real GCS server: the gcs fixture): the runs, their sweep.log and eval.json, results.csv,
+  results.md and the plots are objects on the bucket; a failing run's log is there too; run again, nothing reruns."""
+  spec = tmp_path / "sweep.yaml"
+  spec.write_text(f"experiment: configs/experiments/sharing_base.yaml\nrun_root: gs://runs/sweep\nbase: {TINY}\n"
+                  "variants:\n  dense: []\n  broken: [data.path=no_such_corpus.txt]\n")
+  assert main([str(spec)]) == 1  # broken fails
+  names = set(gcs.objects("runs", "sweep/"))
+  assert {"sweep/results.csv", "sweep/results.md", "sweep/loss_vs_kv.png", "sweep/loss_vs_params.png",
+          "sweep/dense/eval.json", "sweep/dense/sweep.log", "sweep/dense/config.yaml",
+          "sweep/dense/checkpoints/2/commit_success.txt", "sweep/broken/sweep.log"} <= names
+  from etils import epath
+
+  rows = list(csv.DictReader(io.StringIO(epath.Path("gs://runs/sweep/results.csv").read_text())))
+  assert [(r["variant"], r["status"]) for r in rows] == [("dense", "ok"), ("broken", "failed")]
+  assert "no_such_corpus.txt" in rows[1]["error"]
+  log = epath.Path("gs://runs/sweep/dense/sweep.log").read_text()
+  assert "train.py" in log and "eval.py" in log and "step      2/2" in log
+  capsys.readouterr()
+  assert main([str(spec), "--only", "dense"]) == 0
+  assert "skipped (finished at step 2" in capsys.readouterr().out
+  assert epath.Path("gs://runs/sweep/dense/sweep.log").read_text() == log  # nothing ran
