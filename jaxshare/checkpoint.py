@@ -19,7 +19,7 @@ from etils import epath
 
 from jaxshare import integrity
 from jaxshare.exit_codes import InputError
-from jaxshare.files import StorageUnavailable, absolute, is_remote, quiet_transient_tracebacks
+from jaxshare.files import StorageUnavailable, absolute, is_remote, move_tree, quiet_transient_tracebacks
 
 T = TypeVar("T")
 CHECKSUMS = "checksums"  # meta key: integrity.checksums of the saved arrays
@@ -304,8 +304,7 @@ class Checkpointer:
     while target.exists():
       target, n = self.directory.parent / "corrupt_checkpoints" / f"{step}-{n}", n + 1
     if jax.process_index() == 0:
-      target.parent.mkdir(parents=True, exist_ok=True)
-      (self.directory / str(step)).rename(target)
+      move_tree(self.directory / str(step), target)
     if jax.process_count() > 1:  # the others wait for the move before listing the steps again
       from jax.experimental import multihost_utils
 

@@ -141,6 +141,21 @@ def with_retries(path: epath.PathLike, write: Callable[[], T], what: str, patien
       wait = min(2 * wait, 30.0)
 
 
+def move_tree(src: epath.Path, dst: epath.Path) -> None:
+  """Move directory ``src`` to ``dst`` (whose parent may not exist yet): a rename locally; on a bucket, where a
+  directory is only a prefix of object names, each object is copied on the server, then the originals are deleted
+  (a kill mid-move leaves whole objects, some in both places)."""
+  if not is_remote(src):
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    src.rename(dst)
+    return
+  from etils.epath import backend
+
+  fs = backend.fsspec_backend.fs(src)  # the gcsfs instance epath (and orbax, through epath) lists with
+  fs.mv(str(src), str(dst), recursive=True)
+  fs.invalidate_cache()  # its cached listings still hold src
+
+
 def write_atomic(path: epath.PathLike, data: bytes | memoryview | str) -> None:
   """Write ``data`` (``str``: as UTF-8) to ``path`` whole or not at all: locally under a temporary name unique to this
   process and thread, then renamed over ``path``; on a bucket as one upload (atomic there). A file that exists is

@@ -180,3 +180,25 @@ def test_prepare_train_export_and_import_on_a_bucket_as_on_local_disk(gcs, corpu
   hf = sorted(n.removeprefix("pod/hf/") for n in gcs.objects(BUCKET, "pod/hf/"))
   assert hf == sorted(p.name for p in (tmp_path / "local" / "hf").iterdir())
   assert evals["bucket"] == evals["local"]  # (an export's round trip itself: tests/equivalence/test_hf_*.py)
+
+
+@pytest.mark.slow
+def test_a_checkpoint_changed_on_the_bucket_is_detected_set_aside_and_the_run_resumes_before_it(gcs, reference):
+  """The array objects of the last committed checkpoint cut short on the bucket: the rerun finds it corrupt, moves it to
+  corrupt_checkpoints/ (on the bucket), resumes from the one before and ends on the uninterrupted curve."""
+  run_dir, prefix = f"gs://{BUCKET}/damaged", "damaged/checkpoints/"
+  run = Run(run_dir, env=gcs.env())
+  assert run.finish() == 0, run.output[-3000:]
+  steps = sorted(_steps(gcs, prefix)[1])
+  from etils import epath
+
+  for name in gcs.objects(BUCKET, f"{prefix}{steps[-1]}/state/"):
+    if "/d/" in name:  # OCDBT's data files
+      obj = epath.Path(f"gs://{BUCKET}/{name}")
+      obj.write_bytes(obj.read_bytes()[:16])
+  run = Run(run_dir, env=gcs.env())
+  assert run.finish() == 0, run.output[-3000:]
+  assert f"Resuming from checkpoint {steps[-2]}" in run.output and f"resumed at step {steps[-2]}" in run.output
+  assert "Traceback" not in run.output, run.output[-4000:]
+  assert any(n.startswith(f"damaged/corrupt_checkpoints/{steps[-1]}/") for n in gcs.objects(BUCKET, "damaged/"))
+  assert _losses_on_bucket(gcs, "damaged") == reference

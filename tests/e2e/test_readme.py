@@ -7,8 +7,8 @@ variables); a server command (``tensorboard``) must serve a page, then is stoppe
 The only change is ``JAXSHARE_SMOKE=1`` (jaxshare/smoke.py, documented in the README): every training run trains a
 narrow model on small batches for the same steps (so every checkpoint and path the docs name exists), and experiment
 drivers run one seed of one variant. What is not run: ``make test`` (this suite), and blocks marked
-``<!-- not run here: REASON -->`` on the line before them (a GPU, a cloud bucket, a cluster): NOT_HERE lists the
-reasons a block may give.
+``<!-- not run here: REASON -->`` on the line before them (a GPU, a cloud project, a cluster): NOT_HERE lists the
+reasons a block may give. A page's ``gs://my-bucket`` is served by a real GCS server on loopback (fake-gcs-server).
 """
 
 from __future__ import annotations
@@ -153,8 +153,11 @@ class Shell:
 
 
 @pytest.fixture(scope="module")
-def shell(checkout, tmp_path_factory) -> Shell:
-  env = {**cpu_env(1), "JAXSHARE_SMOKE": "1", "JAXSHARE_TOKEN_CACHE": str(tmp_path_factory.mktemp("tokens"))}
+def shell(checkout, tmp_path_factory, gcs) -> Shell:
+  """The user's shell; the docs' gs://my-bucket is a real GCS server on loopback (the gcs fixture)."""
+  gcs.make_bucket("my-bucket")
+  env = {**cpu_env(1), **gcs.env(), "JAXSHARE_SMOKE": "1",
+         "JAXSHARE_TOKEN_CACHE": str(tmp_path_factory.mktemp("tokens"))}
   env.pop("PYTHONPATH", None)  # as a user's shell has it: the copy's own files, found from where commands run
   return Shell(checkout, env)
 

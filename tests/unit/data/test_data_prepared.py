@@ -198,6 +198,22 @@ def test_gs_inputs_and_outputs_prepare_and_train_like_local_ones(gcs, corpus, pr
   assert remote.bytes_per_token == local.bytes_per_token
 
 
+def test_a_changed_or_truncated_shard_on_a_bucket_is_refused_in_one_line(gcs, corpus):
+  from etils import epath
+
+  m = prepare([str(corpus)], "gs://runs/damaged", PrepareOptions(val_fraction=0.1), progress=False)
+  shard = epath.Path(f"gs://runs/damaged/{m.shards[0].name}.tokens")
+  raw = bytearray(shard.read_bytes())
+  raw[1000] ^= 1
+  shard.write_bytes(bytes(raw))
+  ds = Datasets(DataConfig(source="prepared", path="gs://runs/damaged", seq_len=32), 4)
+  with pytest.raises(DataError, match=rf"does not match its checksum in the manifest at bytes \[0, {len(raw)}\)"):
+    ds.train_source[0]
+  shard.write_bytes(bytes(raw[:64]))  # an object cut short (a bucket never shows a half-finished upload)
+  with pytest.raises(DataError, match="has 64 bytes, the manifest says"):
+    Datasets(DataConfig(source="prepared", path="gs://runs/damaged", seq_len=32), 4).train_source[0]
+
+
 def test_data_prepared_without_a_validation_split_trains_with_validation_off_and_says_so(tmp_path, corpus, capsys,
                                                                                          keep_signal_handlers):
   """issue 43: it used to exit 2 ("the validation split split has 0 tokens ... data.val_fraction"), even with
