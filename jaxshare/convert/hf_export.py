@@ -25,6 +25,7 @@ from jaxshare.convert.hf_import import dims
 from jaxshare.convert.llama import LLAMA
 from jaxshare.convert.mapping import params_to_hf
 from jaxshare.convert.neox import NEOX
+from jaxshare.data.tokenizers import local_tokenizer_dir
 from jaxshare.model.ties import HeadTies
 from jaxshare.runs import load_run
 from jaxshare.plan import plan_of
@@ -96,9 +97,10 @@ def export_params(cfg: Config, params: dict, out_dir: str | Path, *,
   write_shards(groups, out, max_shard_bytes)
   (out / "config.json").write_text(json.dumps(config, indent=2))
   if tokenizer_dir is not None:
+    local = Path(local_tokenizer_dir(str(tokenizer_dir)))  # a run's tokenizer on a bucket: its local copy
     for name in TOKENIZER_FILES:
-      if (Path(tokenizer_dir) / name).is_file():
-        shutil.copy2(Path(tokenizer_dir) / name, out / name)
+      if (local / name).is_file():
+        shutil.copy2(local / name, out / name)
   return config["architectures"][0]
 
 

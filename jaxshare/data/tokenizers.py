@@ -6,14 +6,16 @@ import hashlib
 import importlib.metadata
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Protocol, Sequence
 
 import numpy as np
+from etils import epath
 
 from jaxshare.config import DataConfig
 from jaxshare.data.errors import DataError
-from jaxshare.files import write_atomic
+from jaxshare.files import is_remote, write_atomic
 
 
 class Tokenizer(Protocol):
@@ -40,11 +42,13 @@ class ByteTokenizer:
 
 
 class HFTokenizer:
-  """A local Hugging Face tokenizer directory (``tokenizer.json`` etc.); never downloads."""
+  """A Hugging Face tokenizer directory (``tokenizer.json`` etc.), local or on a bucket (read through a local copy:
+  :func:`local_tokenizer_dir`); never downloads from a hub."""
 
   def __init__(self, path: str):
-    if not Path(path).is_dir():
+    if not epath.Path(path).is_dir():
       raise DataError(f"data.tokenizer={path!r} is neither 'byte' nor an existing tokenizer directory")
+    path = local_tokenizer_dir(path)
     try:
       from transformers import AutoTokenizer  # heavy import, only when asked for
     except ImportError as e:
@@ -125,6 +129,27 @@ def cache_dir() -> Path:
   return Path(root) if root else Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "jaxshare"
 
 
+def local_tokenizer_dir(spec: str) -> str:
+  """``spec`` itself when local; a tokenizer directory on a bucket (a converted run's ``<run>/tokenizer`` on gs://)
+  as a local copy under :func:`cache_dir`, named by its content's fingerprint, since transformers reads local files
+  only. Copied once per content: into a temporary directory renamed into place, so concurrent processes (a pod
+  host's) never load a half-copied one."""
+  if not is_remote(spec):
+    return spec
+  local = cache_dir() / "tokenizer-dirs" / tokenizer_fingerprint(spec)
+  if not local.is_dir():
+    tmp = local.with_name(f".{local.name}.{os.getpid()}.tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    for f in epath.Path(spec).iterdir():
+      if f.is_file():
+        (tmp / f.name).write_bytes(f.read_bytes())
+    try:
+      tmp.rename(local)
+    except OSError:  # another process put its copy there first
+      shutil.rmtree(tmp, ignore_errors=True)
+  return str(local)
+
+
 def encoding_tokenizer(spec: str, fingerprint: str) -> Tokenizer:
   """The tokenizer a preparation encodes and decodes with: bytes; or a Hugging Face directory's Rust backend as
   transformers configures it, kept in :func:`cache_dir` under the directory's ``fingerprint``
@@ -166,15 +191,15 @@ def make_tokenizer(spec: DataConfig | str) -> Tokenizer:
 
 
 def tokenizer_fingerprint(spec: str) -> str:
-  """What tokens depend on, of the tokenizer ``spec`` (``byte`` or a local tokenizer directory): ``"byte"``, or the
-  SHA-256 (24 hex digits) of the directory's file names and contents.
+  """What tokens depend on, of the tokenizer ``spec`` (``byte`` or a tokenizer directory, local or on a bucket):
+  ``"byte"``, or the SHA-256 (24 hex digits) of the directory's file names and contents.
 
   Raises:
     DataError: ``spec`` is neither ``byte`` nor an existing directory.
   """
   if spec == "byte":
     return "byte"
-  path = Path(spec)
+  path = epath.Path(spec)
   if not path.is_dir():
     raise DataError(f"tokenizer {spec!r} is neither 'byte' nor an existing tokenizer directory")
   files = [(f.name, hashlib.sha256(f.read_bytes()).hexdigest()) for f in sorted(path.iterdir()) if f.is_file()]

@@ -202,3 +202,27 @@ def test_a_checkpoint_changed_on_the_bucket_is_detected_set_aside_and_the_run_re
   assert "Traceback" not in run.output, run.output[-4000:]
   assert any(n.startswith(f"damaged/corrupt_checkpoints/{steps[-1]}/") for n in gcs.objects(BUCKET, "damaged/"))
   assert _losses_on_bucket(gcs, "damaged") == reference
+
+
+@pytest.mark.slow
+def test_a_run_with_its_own_tokenizer_on_a_bucket_trains_from_it_evaluates_and_exports(gcs, tmp_path, corpus):
+  """A converted run with a BPE tokenizer written to gs:// (as convert import writes one), a run initialised from it
+  on gs://, evaluated and exported to gs://: transformers reads the bucket's tokenizer through a local copy, and the
+  export carries the same tokenizer files."""
+  from conftest import TINY, tiny_config, write_bpe_tokenizer
+  from jaxshare.runs import write_run
+  from jaxshare.train.state import init_state, setup_training
+
+  tokenizer = write_bpe_tokenizer(tmp_path / "tk", corpus.read_text()[:20000])
+  cfg = tiny_config("model.vocab_size=300")
+  write_run(f"gs://{BUCKET}/bpe", cfg, init_state(setup_training(cfg), seed=0).params,
+            tokenizer_files=sorted(tokenizer.iterdir()))
+  env = {**cpu_env(1), **gcs.env(), "JAXSHARE_CACHE_DIR": str(tmp_path / "cache")}
+  not_model = [o for o in TINY if not o.startswith("model.")]
+  _cli("train.py", "--no-eval", *not_model, "train.steps=3", f"train.init_from=gs://{BUCKET}/bpe",
+       f"train.run_dir=gs://{BUCKET}/bpe-up", env=env)
+  assert "val loss" in _eval(f"gs://{BUCKET}/bpe-up", env)
+  _cli("-m", "jaxshare.convert", "export", f"gs://{BUCKET}/bpe-up", f"gs://{BUCKET}/bpe-hf", env=env)
+  from etils import epath
+
+  assert epath.Path(f"gs://{BUCKET}/bpe-hf/tokenizer.json").read_bytes() == (tokenizer / "tokenizer.json").read_bytes()
