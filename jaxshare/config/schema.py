@@ -345,11 +345,11 @@ class TrainConfig:
   eval_batches: int = _f(16, "Validation batches per pass (0: the whole validation split).")
   checkpoint_every: int = _f(500, "Steps between checkpoints (one is always written at the end).")
   keep_checkpoints: int = _f(2, "Checkpoints kept on disk.")
-  storage_patience_s: float = _f(300.0, "A run directory on a bucket (gs://): how long, in seconds, writing its files "
-                                 "(metrics, TensorBoard events) is retried with exponential backoff while the bucket is "
-                                 "unreachable or failing, before the run stops with one line (exit code 4; run it "
-                                 "again to resume from its last committed checkpoint). A checkpoint write that fails "
-                                 "after TensorStore's own retries stops the run the same way.")
+  storage_patience_s: float = _f(300.0, "A run directory on a bucket (gs://): how long, in seconds, writing its "
+                                 "files (metrics, TensorBoard events) is retried with exponential backoff while the "
+                                 "bucket is unreachable or failing, before the run stops with one line (exit code 4; "
+                                 "run it again to resume from its last committed checkpoint). A checkpoint write "
+                                 "that fails after TensorStore's own retries stops the run the same way.")
   peak_tflops: float = _f(0.0, "Per-device peak TFLOP/s that MFU is reported against; 0: the vendor's dense bf16 "
                           "peak of a known TPU/GPU, or on CPU the host's matmul roofline measured at start.")
   progress_bar: bool = _f(True, "Show a tqdm progress bar (log lines are printed either way).")
