@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from support.faults import SIGNALS, TMP_MARKER, Run, finished_checkpoints, losses_by_step
+from support.faults import SIGNALS, TMP_MARKER, Run, finished_checkpoints, losses_by_step, uninterrupted_losses
 
 INTERRUPTED = 130  # train.py's exit code for a run stopped by a signal after saving (or aborted by a third one)
 
@@ -16,10 +16,7 @@ INTERRUPTED = 130  # train.py's exit code for a run stopped by a signal after sa
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> dict[int, float]:
   """The uninterrupted run's loss at every step."""
-  run_dir = tmp_path_factory.mktemp("reference")
-  run = Run(run_dir)
-  assert run.finish() == 0, run.output[-3000:]
-  return losses_by_step(run_dir)
+  return uninterrupted_losses(tmp_path_factory.mktemp("reference"))
 
 
 def _resume_to_the_end(run_dir, reference, expect_resumed_at: int | None = None) -> str:

@@ -11,7 +11,7 @@ import pytest
 
 from conftest import REPO, cpu_env
 from jaxshare import exit_codes
-from support.faults import SIGNALS, Run, losses_by_step
+from support.faults import SIGNALS, Run, losses_by_step, uninterrupted_losses
 
 BUCKET = "runs"  # the gcs fixture's bucket (conftest.py)
 
@@ -19,10 +19,7 @@ BUCKET = "runs"  # the gcs fixture's bucket (conftest.py)
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> dict[int, float]:
   """The uninterrupted run on local disk: its loss at every step."""
-  run_dir = tmp_path_factory.mktemp("reference")
-  run = Run(run_dir)
-  assert run.finish() == 0, run.output[-3000:]
-  return losses_by_step(run_dir)
+  return uninterrupted_losses(tmp_path_factory.mktemp("reference"))
 
 
 def _eval(path: str, env: dict) -> str:

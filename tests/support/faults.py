@@ -87,6 +87,14 @@ def finished_checkpoints(run_dir: Path) -> list[int]:
   return sorted(int(p.name) for p in (Path(run_dir) / "checkpoints").iterdir() if p.name.isdigit())
 
 
+def uninterrupted_losses(run_dir: Path) -> dict[int, float]:
+  """The loss at every step of :data:`RUN` trained without interruption in ``run_dir`` (what faulted runs must
+  reproduce)."""
+  run = Run(run_dir)
+  assert run.finish() == 0, run.output[-3000:]
+  return losses_by_step(run_dir)
+
+
 def losses_by_step(run_dir: Path) -> dict[int, float]:
   """``{step: loss}`` of a run's ``metrics.jsonl``; a step logged twice is an error (a resume must truncate)."""
   import json
