@@ -229,3 +229,23 @@ def test_a_run_with_its_own_tokenizer_on_a_bucket_trains_from_it_evaluates_and_e
   from etils import epath
 
   assert epath.Path(f"gs://{BUCKET}/bpe-hf/tokenizer.json").read_bytes() == (tokenizer / "tokenizer.json").read_bytes()
+
+
+@pytest.mark.slow
+def test_head_wise_ties_and_postshare_pairs_are_written_to_the_bucket_and_read_back_on_resume(gcs, tmp_path):
+  """The run files beside the config: head-wise sharing's ties and PostShare's pairs, chosen once when the run
+  starts, are objects on the bucket equal to a local run's, and a resumed run reads them back from there."""
+  from etils import epath
+
+  runs = {"headwise": ("schedule.kind=headwise", "schedule.headwise.ratio=0.3"),
+          "postshare": ("train.postshare_gamma=0.5", "train.postshare_ratio=0.3")}
+  files = {"headwise": "head_ties.json", "postshare": "postshare_pairs.json"}
+  for name, overrides in runs.items():
+    for run_dir in (f"gs://{BUCKET}/{name}", tmp_path / name):
+      env = gcs.env() if isinstance(run_dir, str) else None
+      assert Run(run_dir, *overrides, "train.steps=8", env=env).finish() == 0
+    assert epath.Path(f"gs://{BUCKET}/{name}/{files[name]}").read_text() == (tmp_path / name / files[name]).read_text()
+    run = Run(f"gs://{BUCKET}/{name}", *overrides, "train.steps=8", env=gcs.env())  # the same command again
+    assert run.finish() == 0, run.output[-3000:]
+    assert "resumed at step 8" in run.output  # with the ties/pairs read from the bucket
+    assert _losses_on_bucket(gcs, name) == losses_by_step(tmp_path / name)
