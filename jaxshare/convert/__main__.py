@@ -92,15 +92,13 @@ def _run(args) -> int:
   from jaxshare.convert.hf_import import load_hf_model
   from jaxshare.convert.migrate import store_ties
   from jaxshare.convert.staging import local_hf_input, local_hf_output
-  from jaxshare.files import absolute, is_remote, writable_dir
+  from jaxshare.files import is_remote, writable_dir
   from jaxshare.convert.uptrain import uptrain_run
   from jaxshare.runs import write_run
 
   if args.command == "import":
-    out = absolute(args.run_dir)
-    if is_remote(out):
-      writable_dir(out, "run_dir")
-    else:
+    out = writable_dir(args.run_dir, "run_dir")
+    if not is_remote(out):
       out.parent.mkdir(parents=True, exist_ok=True)
     # disk-backed parameters: beside the run on its disk, or in the system's temporary directory for a bucket
     scratch_parent = None if is_remote(out) else out.parent

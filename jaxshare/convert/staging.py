@@ -5,22 +5,13 @@ and then uploaded, ``config.json`` last: on the bucket, a directory that has its
 from __future__ import annotations
 
 import contextlib
-import shutil
 import tempfile
-from pathlib import Path
 from typing import Iterator
 
 from etils import epath
 
 from jaxshare.exit_codes import InputError
-from jaxshare.files import is_remote, writable_dir
-
-_CHUNK = 64 << 20  # bytes per read while streaming a file between the bucket and local disk
-
-
-def _stream(src, dst) -> None:
-  with src.open("rb") as r, dst.open("wb") as w:
-    shutil.copyfileobj(r, w, _CHUNK)
+from jaxshare.files import copy_files, is_remote, writable_dir
 
 
 @contextlib.contextmanager
@@ -34,13 +25,10 @@ def local_hf_input(path: str) -> Iterator[str]:
   if not is_remote(path):
     yield path
     return
-  src = epath.Path(path)
-  files = [f for f in src.iterdir() if f.is_file()] if src.is_dir() else []
-  if not files:
+  if not epath.Path(path).is_dir():
     raise InputError(f"hf_dir={path}: no such HF directory on the bucket (no files under it)")
   with tempfile.TemporaryDirectory(prefix="jaxshare-hf-") as tmp:
-    for f in files:
-      _stream(f, Path(tmp) / f.name)
+    copy_files(path, tmp)
     yield tmp
 
 
@@ -60,5 +48,4 @@ def local_hf_output(path: str) -> Iterator[str]:
     raise FileExistsError(f"output directory {path!r} exists and is not empty; choose a new one")
   with tempfile.TemporaryDirectory(prefix="jaxshare-hf-") as tmp:
     yield tmp
-    for f in sorted(Path(tmp).iterdir(), key=lambda f: (f.name == "config.json", f.name)):
-      _stream(f, out / f.name)
+    copy_files(tmp, out, last=("config.json",))

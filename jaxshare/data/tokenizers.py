@@ -15,7 +15,7 @@ from etils import epath
 
 from jaxshare.config import DataConfig
 from jaxshare.data.errors import DataError
-from jaxshare.files import is_remote, write_atomic
+from jaxshare.files import copy_files, is_remote, write_atomic
 
 
 class Tokenizer(Protocol):
@@ -140,9 +140,7 @@ def local_tokenizer_dir(spec: str) -> str:
   if not local.is_dir():
     tmp = local.with_name(f".{local.name}.{os.getpid()}.tmp")
     tmp.mkdir(parents=True, exist_ok=True)
-    for f in epath.Path(spec).iterdir():
-      if f.is_file():
-        (tmp / f.name).write_bytes(f.read_bytes())
+    copy_files(spec, tmp)
     try:
       tmp.rename(local)
     except OSError:  # another process put its copy there first
