@@ -21,11 +21,14 @@ from jaxshare.config import ConfigError, MeshConfig
 
 T = TypeVar("T")
 
-MESH_AXES = ("data", "fsdp", "tensor")
+# Outermost first, as MaxText orders them: data parallelism is the axis that tolerates the slowest links, tensor
+# parallelism needs the fastest; the context axis sits between (its per-layer K/V gathers are larger than fsdp's
+# weight gathers at long context, smaller than tensor parallelism's activation traffic).
+MESH_AXES = ("data", "fsdp", "context", "tensor")
 
 DEFAULT_RULES: dict[str, tuple[str, ...]] = {
-  # weights
-  "embed": ("fsdp",),
+  # weights: FSDP-sharded over the context axis too (MaxText's rule), which would otherwise hold whole copies
+  "embed": ("fsdp", "context"),
   "vocab": ("tensor",),
   "heads": ("tensor",),
   "kv_heads": ("tensor",),
@@ -35,7 +38,7 @@ DEFAULT_RULES: dict[str, tuple[str, ...]] = {
   "layers": (),
   # activations
   "activation_batch": ("data", "fsdp"),
-  "activation_length": (),
+  "activation_length": ("context",),
   "activation_embed": (),
   "activation_heads": ("tensor",),
   "activation_kv_heads": ("tensor",),
@@ -56,7 +59,7 @@ def _fill(sizes: list[int], count: int, what: str) -> list[int]:
 
 
 def make_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
-  """A ``(data, fsdp, tensor)`` mesh over ``devices`` (default: all global devices).
+  """A ``(data, fsdp, context, tensor)`` mesh over ``devices`` (default: all global devices).
 
   One slice (``cfg.num_slices == 1``): the ICI sizes (one may be -1) may use fewer than all devices; on TPU the
   devices are laid out by ``mesh_utils.create_device_mesh`` so that mesh neighbours are torus neighbours. Several
@@ -72,28 +75,30 @@ def make_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> M
   if len(devices) % slices:
     raise ConfigError(f"mesh.dcn_*: {slices} slices do not divide the {len(devices)} devices")
   per_slice = len(devices) // slices
-  ici = _fill([cfg.data, cfg.fsdp, cfg.tensor], per_slice, "devices per slice" if slices > 1 else "devices")
+  ici = _fill([cfg.data, cfg.fsdp, cfg.context, cfg.tensor], per_slice,
+              "devices per slice" if slices > 1 else "devices")
+  sizes = " ".join(f"{a}={n}" for a, n in zip(MESH_AXES, ici))
   n = math.prod(ici)
   if slices == 1:
     if n > len(devices):
-      raise ConfigError(f"mesh data={ici[0]} fsdp={ici[1]} tensor={ici[2]} needs {n} devices, "
-                        f"{len(devices)} available")
+      raise ConfigError(f"mesh {sizes} needs {n} devices, {len(devices)} available")
     if devices[0].platform == "tpu" and n == len(devices):
       arr = mesh_utils.create_device_mesh(ici, devices, allow_split_physical_axes=True)
     else:
       arr = np.asarray(devices[:n], dtype=object).reshape(ici)
   else:
     if n != per_slice:
-      raise ConfigError(f"mesh data={ici[0]} fsdp={ici[1]} tensor={ici[2]} uses {n} devices of each slice; with "
-                        f"mesh.dcn_* sizes it must fill all {per_slice}")
+      raise ConfigError(f"mesh {sizes} uses {n} devices of each slice; with mesh.dcn_* sizes it must fill all "
+                        f"{per_slice}")
     by_slice = len({getattr(d, "slice_index", 0) for d in devices}) == slices
     if not by_slice and len({d.process_index for d in devices}) != slices:
       raise ConfigError(f"mesh.dcn_*: {slices} slices requested, but the devices come from "
                         f"{len({getattr(d, 'slice_index', 0) for d in devices})} slice(s) and "
                         f"{len({d.process_index for d in devices})} process(es)")
-    arr = mesh_utils.create_hybrid_device_mesh(ici, [cfg.dcn_data, cfg.dcn_fsdp, cfg.dcn_tensor], devices,
-                                               process_is_granule=not by_slice, allow_split_physical_axes=True)
-  return Mesh(arr, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 3)
+    arr = mesh_utils.create_hybrid_device_mesh(ici, [cfg.dcn_data, cfg.dcn_fsdp, cfg.dcn_context, cfg.dcn_tensor],
+                                               devices, process_is_granule=not by_slice,
+                                               allow_split_physical_axes=True)
+  return Mesh(arr, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))
 
 
 def logical_to_spec(logical_axes: Sequence[str | None], shape: Sequence[int], mesh: Mesh,

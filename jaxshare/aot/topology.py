@@ -208,7 +208,7 @@ def _capability(text: str) -> tuple[int, ...]:
 
 
 def topology_mesh(topology: str, mesh_cfg: MeshConfig) -> jax.sharding.Mesh:
-  """A ``(data, fsdp, tensor)`` mesh over the devices of a TPU topology such as ``v5e:2x2`` or ``v5p:2x2x1``
+  """A ``(data, fsdp, context, tensor)`` mesh over the devices of a TPU topology such as ``v5e:2x2`` or ``v5p:2x2x1``
   (``mesh_cfg.num_slices`` slices of it).
 
   Raises:
@@ -229,6 +229,7 @@ def with_slices(cfg: Config, num_slices: int | None) -> Config:
   if num_slices is None or num_slices == cfg.mesh.num_slices:
     return cfg
   if num_slices < 1 or cfg.mesh.num_slices != 1:
-    raise ConfigError(f"--num-slices {num_slices}: must be >= 1 and match mesh.dcn_data x dcn_fsdp x dcn_tensor = "
+    raise ConfigError(f"--num-slices {num_slices}: must be >= 1 and match mesh.dcn_data x dcn_fsdp x dcn_context x "
+                      f"dcn_tensor = "
                       f"{cfg.mesh.num_slices} (or leave the dcn_* sizes at 1: the slices then split the data axis)")
   return dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, dcn_data=num_slices))

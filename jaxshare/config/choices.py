@@ -79,6 +79,20 @@ class AttentionImpl(enum.StrEnum):
   CUDNN = "cudnn"
 
 
+class RematPolicy(enum.StrEnum):
+  """``model.remat``: what each layer keeps for the backward pass and what it recomputes (MaxText's
+  ``remat_policy`` names, :mod:`jaxshare.model.remat`)."""
+
+  NONE = "none"
+  FULL = "full"
+  MINIMAL = "minimal"
+  SAVE_QKV_PROJ = "save_qkv_proj"
+  SAVE_DOT_EXCEPT_MLP = "save_dot_except_mlp"
+  SAVE_OUT_PROJ = "save_out_proj"
+  MINIMAL_OFFLOADED = "minimal_offloaded"
+  QKV_PROJ_OFFLOADED = "qkv_proj_offloaded"
+
+
 class ScoreSharing(enum.StrEnum):
   """``attention.score_sharing``: whether reusing layers recompute the shared scores or receive them whole."""
 

@@ -9,7 +9,8 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from jaxshare.config.choices import INTEGRATORS, AttentionImpl, KVPool, LisaStart, MLPWiden, ScoreSharing
+from jaxshare.config.choices import (INTEGRATORS, AttentionImpl, KVPool, LisaStart, MLPWiden, RematPolicy,
+                                     ScoreSharing)
 from jaxshare.exit_codes import InputError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -97,7 +98,15 @@ class ModelConfig:
   scan_layers: bool = _f(True, "Scan each stack of identical superblocks and each run of identical layers inside "
                          "a superblock (K/V consumers, probability reusers, LISA chains): compile time independent of "
                          "depth. false unrolls the same math.")
-  remat: str = _f("none", "Rematerialise each superblock in the backward pass: none | full.", ("none", "full"))
+  remat: str = _f("none", "Rematerialisation policy, applied to each layer (MaxText's names): none keeps every "
+                  "activation; full keeps only each layer's input and recomputes the rest; minimal keeps the outputs "
+                  "of the weight matmuls (projections and MLP); save_qkv_proj keeps the Q/K/V projections; "
+                  "save_dot_except_mlp those and the output projection; save_out_proj the output projection; "
+                  "minimal_offloaded / qkv_proj_offloaded move what minimal / save_qkv_proj keep to host memory "
+                  "(GPU and TPU only). A superblock of several layers is also rematerialised as a whole, keeping "
+                  "its layers' inputs: what its layers share (a producer's K/V, a score source's Q/K) is recomputed "
+                  "once for all its readers, never kept per layer (docs/scale-out.md, \"Long context\").",
+                  tuple(RematPolicy))
 
   @property
   def resolved_head_dim(self) -> int:
@@ -283,22 +292,34 @@ class DataConfig:
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
-  """Device mesh: sizes inside a slice (data x fsdp x tensor = its devices, one may be -1) times dcn_* sizes across slices."""
+  """Device mesh: sizes inside a slice (data x fsdp x context x tensor = its devices, one may be -1) times dcn_* sizes
+  across slices."""
 
   # MaxText's ici/dcn split: a slice is a TPU slice over ICI, or a process of a GPU/CPU cluster; slices talk over the
   # data-centre network, where only data parallelism is cheap.
 
   data: int = _f(1, "Data-parallel axis size inside a slice (batch sharded, parameters replicated).")
   fsdp: int = _f(1, "Fully-sharded data-parallel axis size inside a slice (batch and parameters sharded).")
+  context: int = _f(1, "Context-parallel axis size inside a slice (MaxText's ici_context_parallelism): every "
+                    "sequence's tokens split over it in a load-balanced causal layout (chunks i and 2c-1-i on device "
+                    "i), K/V all-gathered over it once per producer layer, parameters FSDP-sharded over it too. "
+                    "data.seq_len must be a multiple of 2 x its size x dcn_context.")
   tensor: int = _f(1, "Tensor-parallel axis size inside a slice (heads and MLP sharded).")
   dcn_data: int = _f(1, "Data-parallel size across slices (multi-slice TPU: data parallel over DCN, fsdp/tensor "
                      "inside each slice). 1: one slice.")
   dcn_fsdp: int = _f(1, "FSDP size across slices (rarely worth the DCN traffic; MaxText's dcn_fsdp_parallelism).")
+  dcn_context: int = _f(1, "Context-parallel size across slices (MaxText's dcn_context_parallelism; each layer's K/V "
+                        "gather then crosses the DCN).")
   dcn_tensor: int = _f(1, "Tensor-parallel size across slices (almost never worth it).")
 
   @property
   def num_slices(self) -> int:
-    return self.dcn_data * self.dcn_fsdp * self.dcn_tensor
+    return self.dcn_data * self.dcn_fsdp * self.dcn_context * self.dcn_tensor
+
+  @property
+  def context_size(self) -> int:
+    """Devices one sequence is split over (``context x dcn_context``; -1 counts as unknown: 0)."""
+    return max(self.context, 0) * self.dcn_context
 
 
 @dataclasses.dataclass(frozen=True)

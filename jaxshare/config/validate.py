@@ -25,6 +25,22 @@ def _leaf_fields(obj: Any, prefix: str = ""):
       yield f"{prefix}{f.name}", f, value
 
 
+def _check_context(cfg: Config) -> None:
+  """Context parallelism's demands on the rest of the config (refused before any compile)."""
+  c = cfg.mesh.context_size
+  if c == 1:
+    return
+  _require(c == 0 or cfg.data.seq_len % (2 * c) == 0, "data.seq_len", cfg.data.seq_len,
+           f"must be a multiple of 2 x the context axis ({2 * c}: mesh.context={cfg.mesh.context} x "
+           f"mesh.dcn_context={cfg.mesh.dcn_context}), which splits every sequence into two chunks per device")
+  _require(cfg.attention.score_sharing == "recompute", "attention.score_sharing", cfg.attention.score_sharing,
+           "must be recompute with mesh.context > 1 (materialize hands on [B, H, T, T] tensors, which context "
+           "parallelism exists to avoid)")
+  _require(cfg.train.kd_beta == 0, "train.kd_beta", cfg.train.kd_beta,
+           "must be 0 with mesh.context > 1 (distillation compares [L, B, H, T, T] attention logits, which context "
+           "parallelism never materialises)")
+
+
 def validate(cfg: Config) -> None:
   """Check every field and field combination; the schedule itself is checked by :mod:`jaxshare.schedule`.
 
@@ -114,13 +130,14 @@ def validate(cfg: Config) -> None:
            "longest the two-stage run can take)")
   _require(t.recipe != "uniattn_two_stage" or t.trainable == "all", "train.trainable", t.trainable,
            "must be all with train.recipe=uniattn_two_stage (stage 1 trains W_c alone, stage 2 fine-tunes everything)")
-  for name in ("data", "fsdp", "tensor"):
+  for name in ("data", "fsdp", "context", "tensor"):
     v = getattr(cfg.mesh, name)
     _require(v == -1 or v >= 1, f"mesh.{name}", v, "must be a positive axis size or -1 (fill)")
-  _require([cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor].count(-1) <= 1, "mesh", "-1 twice",
+  _require([cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.context, cfg.mesh.tensor].count(-1) <= 1, "mesh", "-1 twice",
            "at most one mesh axis may be -1")
-  for name in ("dcn_data", "dcn_fsdp", "dcn_tensor"):
+  for name in ("dcn_data", "dcn_fsdp", "dcn_context", "dcn_tensor"):
     _require(getattr(cfg.mesh, name) >= 1, f"mesh.{name}", getattr(cfg.mesh, name), "must be a positive axis size")
+  _check_context(cfg)
   dist = cfg.distributed
   _require(dist.num_processes >= 0, "distributed.num_processes", dist.num_processes, "must be >= 0 (0: auto-detected)")
   _require(dist.process_id >= -1 and (dist.num_processes == 0 or dist.process_id < dist.num_processes),

@@ -14,7 +14,9 @@ import jax.numpy as jnp
 
 from jaxshare.config import ConfigError
 from jaxshare.config.choices import AttentionImpl, parse
-from jaxshare.kernels import cudnn, decode, flash_decode, pallas, reference, splash, tuning, xla
+from jaxshare import context
+from jaxshare.kernels import (cudnn, decode, flash, flash_decode, local_queries, pallas, reference, splash, tuning,
+                              xla)
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +106,68 @@ _NO_ACCELERATOR = "no GPU or TPU"
 
 
 def get_attention(impl: str) -> AttentionOps:
+  """The attention computations for ``impl`` (:func:`_get_attention`), which under context parallelism (a mesh
+  with a ``context`` axis, :mod:`jaxshare.context`) attend each device's query chunks to the gathered keys
+  with a kernel that takes a query offset (:func:`_context_kernels`).
+
+  Raises:
+    ValueError: unknown implementation name.
+  """
+  ops = _get_attention(impl)
+  local = functools.partial(_context_kernels, parse(AttentionImpl, impl, "attention.impl"))
+
+  def attention(q, k, v, q_segment_ids, kv_segment_ids, **kwargs):
+    if context.active():
+      return local_queries.attention(local()[0], q, k, v, kv_segment_ids, **kwargs)
+    return ops.attention(q, k, v, q_segment_ids, kv_segment_ids, **kwargs)
+
+  def attention_from_lse(q, k, lse, v, q_segment_ids, kv_segment_ids, **kwargs):
+    if context.active():
+      if lse is None:  # the source ran a library kernel that hands on no LSE: impossible here, it ran ours
+        raise ValueError("probability reuse under context parallelism needs its source's log-sum-exp")
+      return local_queries.attention_from_lse(local()[1], q, k, lse, v, kv_segment_ids, **kwargs)
+    return ops.attention_from_lse(q, k, lse, v, q_segment_ids, kv_segment_ids, **kwargs)
+
+  return dataclasses.replace(ops, attention=attention, attention_from_lse=attention_from_lse)
+
+
+# Why a library kernel does not attend a context-parallel device's queries, by implementation.
+_CONTEXT_FALLBACK = {
+  "cudnn": "cuDNN's causal mask (jax 0.10) aligns queries and keys at the start and takes no query offset, so it "
+           "cannot attend a sequence shard's queries to the gathered keys",
+  "splash": "splash attention's mask is static per query shard and cannot follow the load-balanced layout's "
+            "per-device offsets",
+}
+
+
+def _context_kernels(impl: str) -> tuple[Callable, Callable]:
+  """``(attention, attention_from_lse)`` run per device and query chunk under context parallelism: kernels of the
+  reference contract that take ``q_offset``. jaxshare's Pallas kernels on GPU/TPU (the libraries fall back to them,
+  with one warning naming why), XLA on CPU and where the kernels refuse the shapes.
+
+  Raises:
+    ConfigError: ``pallas`` (or a library) on a platform without its kernels.
+  """
+  if impl in ("xla", "reference"):
+    return (xla.attention if impl == "xla" else reference.attention), _checkpointed_reuse
+  library = impl.removesuffix("_interpret")
+  if library in _CONTEXT_FALLBACK or (impl == "auto" and tuning.platform() in _AUTO_LIBRARIES):
+    name = _AUTO_LIBRARIES.get(tuning.platform(), library) if impl == "auto" else library
+    if name in _CONTEXT_FALLBACK:
+      reason = f"{name} not used under context parallelism ({_CONTEXT_FALLBACK[name]}); jaxshare's kernels run"
+      if reason not in _warned:
+        _warned.add(reason)
+        log.warning("attention.impl=%s: %s", impl, reason)
+  if impl.endswith("_interpret"):
+    return (functools.partial(flash.attention, backend="interpret"),
+            functools.partial(flash.attention_from_lse, backend="interpret"))
+  if impl == "auto":
+    return (_auto(flash.attention, xla.attention, _QKV), _auto(flash.attention_from_lse, _checkpointed_reuse,
+                                                                _REUSE_QKV))
+  return _require_accelerator(flash.attention, _QKV), _require_accelerator(flash.attention_from_lse, _REUSE_QKV)
+
+
+def _get_attention(impl: str) -> AttentionOps:
   """The attention computations for ``impl``.
 
   ``xla``: FlashAttention-style backward in XLA; ``reference``: plain autodiff (the numerical source of truth);
@@ -136,7 +200,7 @@ def get_attention(impl: str) -> AttentionOps:
                         _require_accelerator(pallas.decode_attention, _DECODE_QKV))
   if impl in _LIBRARIES:  # jaxshare's kernels for what the library cannot run (LISA_plus's float32 features)
     library = _LIBRARIES[impl]
-    own = get_attention("pallas_interpret" if library.interpret else "pallas")
+    own = _get_attention("pallas_interpret" if library.interpret else "pallas")
     return AttentionOps(_library_or(library, own.attention),
                         _library_reuse_or(library, own.attention, own.attention_from_lse),
                         own.decode_attention)

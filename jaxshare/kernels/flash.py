@@ -52,26 +52,36 @@ def _mask(geo: tuning.Geometry, q_start, k_start, q_seg: jax.Array, k_seg: jax.A
   return mask
 
 
-def _key_blocks(geo: tuning.Geometry, i):
-  """Half-open range of key blocks that query block ``i`` can see (causal and window skip the rest)."""
+def _key_blocks(geo: tuning.Geometry, i, offset=0):
+  """Half-open range of key blocks that query block ``i`` can see (causal and window skip the rest); its rows are
+  tokens ``offset + i·block_q ..`` of the keys' sequence."""
   nk = geo.s_padded // geo.block_k
   lo, hi = 0, nk
   if geo.causal:
-    hi = jnp.minimum(nk, lax.div((i + 1) * geo.block_q + geo.block_k - 1, geo.block_k))
+    hi = jnp.minimum(nk, lax.div((i + 1) * geo.block_q + offset + geo.block_k - 1, geo.block_k))
   if geo.window:
-    lo = lax.div(jnp.maximum(i * geo.block_q - geo.window + 1, 0), geo.block_k)
+    lo = jnp.minimum(hi, lax.div(jnp.maximum(i * geo.block_q + offset - geo.window + 1, 0), geo.block_k))
   return lo, hi
 
 
-def _query_blocks(geo: tuning.Geometry, j):
-  """Half-open range of query blocks that can see key block ``j``."""
+def _query_blocks(geo: tuning.Geometry, j, offset=0):
+  """Half-open range of query blocks that can see key block ``j`` (query rows are tokens ``offset + row``)."""
   nq = geo.t_padded // geo.block_q
   lo, hi = 0, nq
   if geo.causal:
-    lo = lax.div(j * geo.block_k, geo.block_q)
-  if geo.window:
-    hi = jnp.minimum(nq, lax.div((j + 1) * geo.block_k + geo.window - 2, geo.block_q) + 1)
+    lo = jnp.minimum(nq, lax.div(jnp.maximum(j * geo.block_k - offset, 0), geo.block_q))
+  if geo.window:  # the last row r with r + offset - ((j + 1) block_k - 1) < window, plus one, as a block count
+    hi = jnp.minimum(nq, lax.div(jnp.maximum((j + 1) * geo.block_k + geo.window - 2 - offset + geo.block_q, 0),
+                                 geo.block_q))
   return lo, hi
+
+
+def _offset(refs, geo: tuning.Geometry):
+  """``(query offset, the other refs)``: with ``geo.offset`` the first ref holds the queries' offset in the keys'
+  sequence (an int32 ``[1]`` in SMEM on TPU), else it is 0."""
+  if not geo.offset:
+    return 0, refs
+  return refs[0][0], refs[1:]
 
 
 def _dot(a, b, dims=(((1,), (0,)), ((), ()))):
@@ -95,6 +105,7 @@ def _probs(geo: tuning.Geometry, q, k, lse, mask):
 
 
 def _forward_kernel(*refs, geo: tuning.Geometry, reuse: bool):
+  offset, refs = _offset(refs, geo)
   if reuse:
     q_ref, k_ref, v_ref, q_seg_ref, k_seg_ref, lse_in_ref, o_ref = refs
   else:
@@ -105,9 +116,9 @@ def _forward_kernel(*refs, geo: tuning.Geometry, reuse: bool):
 
   def tile(j):
     keys = _block_slice(j, geo.block_k, geo.s_padded)
-    return k_ref[keys, :], v_ref[keys, :], _mask(geo, i * bq, j * bk, q_seg, k_seg_ref[:, keys])
+    return k_ref[keys, :], v_ref[keys, :], _mask(geo, i * bq + offset, j * bk, q_seg, k_seg_ref[:, keys])
 
-  lo, hi = _key_blocks(geo, i)
+  lo, hi = _key_blocks(geo, i, offset)
   acc = jnp.zeros((bq, v_ref.shape[-1]), jnp.float32)
   if reuse:
     lse = lse_in_ref[...]
@@ -138,7 +149,8 @@ def _forward_kernel(*refs, geo: tuning.Geometry, reuse: bool):
   lse_ref[...] = m + jnp.log(l)
 
 
-def _dq_kernel(q_ref, k_ref, v_ref, q_seg_ref, k_seg_ref, lse_ref, delta_ref, do_ref, dq_ref, *, geo: tuning.Geometry):
+def _dq_kernel(*refs, geo: tuning.Geometry):
+  offset, (q_ref, k_ref, v_ref, q_seg_ref, k_seg_ref, lse_ref, delta_ref, do_ref, dq_ref) = _offset(refs, geo)
   bq, bk = geo.block_q, geo.block_k
   i = pl.program_id(2)
   q, q_seg, lse, delta, do = q_ref[...], q_seg_ref[...], lse_ref[...], delta_ref[...], do_ref[...]
@@ -146,23 +158,23 @@ def _dq_kernel(q_ref, k_ref, v_ref, q_seg_ref, k_seg_ref, lse_ref, delta_ref, do
   def body(j, dq):
     keys = _block_slice(j, geo.block_k, geo.s_padded)
     k, v = k_ref[keys, :], v_ref[keys, :]
-    p = _probs(geo, q, k, lse, _mask(geo, i * bq, j * bk, q_seg, k_seg_ref[:, keys]))
+    p = _probs(geo, q, k, lse, _mask(geo, i * bq + offset, j * bk, q_seg, k_seg_ref[:, keys]))
     ds = p * (_dot(do, v, _NT) - delta)
     return dq + _dot(ds.astype(k.dtype), k)
 
-  lo, hi = _key_blocks(geo, i)
+  lo, hi = _key_blocks(geo, i, offset)
   dq = lax.fori_loop(lo, hi, body, jnp.zeros(q.shape, jnp.float32))
   dq_ref[...] = (dq * geo.scale).astype(dq_ref.dtype)
 
 
-def _dkv_kernel(q_ref, k_ref, v_ref, q_seg_ref, k_seg_ref, lse_ref, delta_ref, do_ref, dk_ref, dv_ref, *,
-                geo: tuning.Geometry):
+def _dkv_kernel(*refs, geo: tuning.Geometry):
   """Keys × queries orientation: ``Pᵀ = exp(s·K Qᵀ − lse)`` with the row statistics lane-dense (``[1, T]`` per
   head, 4 bytes a position in VMEM where a ``[T, 1]`` column takes a 128-lane row), and no tile transposes."""
+  offset, (q_ref, k_ref, v_ref, q_seg_ref, k_seg_ref, lse_ref, delta_ref, do_ref, dk_ref, dv_ref) = _offset(refs, geo)
   bk = geo.block_k
   j = pl.program_id(2)
   k, v, k_seg = k_ref[...], v_ref[...], k_seg_ref[...]
-  lo, hi = _query_blocks(geo, j)
+  lo, hi = _query_blocks(geo, j, offset)
 
   def head(r, carry):
     def body(i, carry):
@@ -170,7 +182,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, q_seg_ref, k_seg_ref, lse_ref, delta_ref, d
       rows = pl.ds(pl.multiple_of(i * geo.block_q, geo.block_q), geo.block_q)  # sublane offsets: any multiple of 8
       cols = _block_slice(i, geo.block_q, geo.t_padded)
       q, do = q_ref[r, rows, :], do_ref[r, rows, :]
-      mask = _mask(geo, i * geo.block_q, j * bk, q_seg_ref[:, cols], k_seg, transposed=True)
+      mask = _mask(geo, i * geo.block_q + offset, j * bk, q_seg_ref[:, cols], k_seg, transposed=True)
       p_t = jnp.where(mask, jnp.exp(_dot(k, q, _NT) * geo.scale - lse_ref[r, :, cols]), 0.0)  # [bk, bq]
       dv = dv + _dot(p_t.astype(do.dtype), do)
       ds_t = p_t * (_dot(v, do, _NT) - delta_ref[r, :, cols])
@@ -183,6 +195,15 @@ def _dkv_kernel(q_ref, k_ref, v_ref, q_seg_ref, k_seg_ref, lse_ref, delta_ref, d
   dk, dv = lax.fori_loop(0, q_ref.shape[0], head, zeros)
   dk_ref[...] = (dk * geo.scale).astype(dk_ref.dtype)
   dv_ref[...] = dv.astype(dv_ref.dtype)
+
+
+def _offset_spec(backend: str) -> list:
+  """The BlockSpec of the int32 ``[1]`` query offset, first among a kernel's inputs (none without one): in SMEM on
+  TPU, where loop bounds are scalars; a one-element block elsewhere."""
+  if backend == "mosaic_tpu":
+    from jax.experimental.pallas import tpu as pltpu
+    return [pl.BlockSpec(memory_space=pltpu.SMEM)]
+  return [pl.BlockSpec((1,), lambda *_: (0,))]
 
 
 def _specs(geo: tuning.Geometry, q, k, v):
@@ -200,7 +221,7 @@ def _specs(geo: tuning.Geometry, q, k, v):
   )
 
 
-def _forward(q, k, v, q_seg, k_seg, lse_in, geo: tuning.Geometry, backend: str):
+def _forward(q, k, v, q_seg, k_seg, lse_in, offset, geo: tuning.Geometry, backend: str):
   geo = geo.forward()
   b, h, tp, _ = q.shape
   spec = _specs(geo, q, k, v)
@@ -213,14 +234,23 @@ def _forward(q, k, v, q_seg, k_seg, lse_in, geo: tuning.Geometry, backend: str):
   outs = pl.pallas_call(
     functools.partial(_forward_kernel, geo=geo, reuse=reuse), out_shape=out_shape,
     grid=(b, h, tp // geo.block_q),
-    in_specs=[spec["q"], spec["k"], spec["v"], spec["q_seg"], spec["k_seg"]] + ([spec["row"]] if reuse else []),
+    in_specs=_offsets(geo, backend) + [spec["q"], spec["k"], spec["v"], spec["q_seg"], spec["k_seg"]]
+    + ([spec["row"]] if reuse else []),
     out_specs=out_specs,
     **tuning.launch_params(backend, "jaxshare_flash_forward", geo, tuning.operands(q, k, v, out_shape[0].dtype)),
-  )(q, k, v, q_seg, k_seg, *([lse_in] if reuse else []))
+  )(*_offset_arg(offset), q, k, v, q_seg, k_seg, *([lse_in] if reuse else []))
   return outs[0] if reuse else (outs[0], outs[1])
 
 
-def _backward(q, k, v, q_seg, k_seg, lse, delta, do, geo: tuning.Geometry, backend: str):
+def _offsets(geo: tuning.Geometry, backend: str) -> list:
+  return _offset_spec(backend) if geo.offset else []
+
+
+def _offset_arg(offset) -> tuple:
+  return () if offset is None else (offset,)
+
+
+def _backward(q, k, v, q_seg, k_seg, lse, delta, do, offset, geo: tuning.Geometry, backend: str):
   """``(dQ, dK, dV)`` in the input dtypes; ``lse``/``delta [B, H, Tp, 1]`` float32; segment ids as the forward's."""
   b, h, tp, e = q.shape
   g, sp = k.shape[1], k.shape[2]
@@ -230,10 +260,10 @@ def _backward(q, k, v, q_seg, k_seg, lse, delta, do, geo: tuning.Geometry, backe
   dq = pl.pallas_call(
     functools.partial(_dq_kernel, geo=geo), out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
     grid=(b, h, tp // geo.block_q),
-    in_specs=[spec["q"], spec["k"], spec["v"], spec["q_seg"], spec["k_seg"], spec["row"], spec["row"],
-              spec["o"]],
+    in_specs=_offsets(geo, backend) + [spec["q"], spec["k"], spec["v"], spec["q_seg"], spec["k_seg"], spec["row"],
+                                       spec["row"], spec["o"]],
     out_specs=spec["q"], **tuning.launch_params(backend, "jaxshare_flash_dq", geo, ops),
-  )(q, k, v, q_seg, k_seg, lse, delta, do)
+  )(*_offset_arg(offset), q, k, v, q_seg, k_seg, lse, delta, do)
   # The dK/dV grid (B, G, S/bk): a K/V head's block against the whole query sequence of its H/G query heads; row
   # statistics and query segment ids as lane-dense rows, key segment ids as a column.
   heads = lambda *tail: pl.BlockSpec((None, r, *tail), lambda b_, g_, j: (b_, g_, 0, 0))  # noqa: E731
@@ -242,50 +272,50 @@ def _backward(q, k, v, q_seg, k_seg, lse, delta, do, geo: tuning.Geometry, backe
     functools.partial(_dkv_kernel, geo=geo),
     out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
     grid=(b, g, sp // bk),
-    in_specs=[heads(tp, e), keys(e), keys(v.shape[3]), pl.BlockSpec((None, 1, tp), lambda b_, g_, j: (b_, 0, 0)),
-              pl.BlockSpec((None, bk, 1), lambda b_, g_, j: (b_, j, 0)), heads(1, tp), heads(1, tp),
-              heads(tp, v.shape[3])],
+    in_specs=_offsets(geo, backend) + [
+      heads(tp, e), keys(e), keys(v.shape[3]), pl.BlockSpec((None, 1, tp), lambda b_, g_, j: (b_, 0, 0)),
+      pl.BlockSpec((None, bk, 1), lambda b_, g_, j: (b_, j, 0)), heads(1, tp), heads(1, tp), heads(tp, v.shape[3])],
     out_specs=[keys(e), keys(v.shape[3])], **tuning.launch_params(backend, "jaxshare_flash_dkv", geo, ops),
-  )(q, k, v, q_seg.reshape(b, 1, tp), k_seg.reshape(b, sp, 1), lse.reshape(b, h, 1, tp),
+  )(*_offset_arg(offset), q, k, v, q_seg.reshape(b, 1, tp), k_seg.reshape(b, sp, 1), lse.reshape(b, h, 1, tp),
     delta.reshape(b, h, 1, tp), do)
   return dq, dk, dv
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def _flash(q, k, v, q_seg, k_seg, geo, backend):
-  return _forward(q, k, v, q_seg, k_seg, None, geo, backend)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
+def _flash(q, k, v, q_seg, k_seg, offset, geo, backend):
+  return _forward(q, k, v, q_seg, k_seg, None, offset, geo, backend)
 
 
-def _flash_fwd(q, k, v, q_seg, k_seg, geo, backend):
-  out, lse = _forward(q, k, v, q_seg, k_seg, None, geo, backend)
-  return (out, lse), (q, k, v, q_seg, k_seg, out, lse)
+def _flash_fwd(q, k, v, q_seg, k_seg, offset, geo, backend):
+  out, lse = _forward(q, k, v, q_seg, k_seg, None, offset, geo, backend)
+  return (out, lse), (q, k, v, q_seg, k_seg, offset, out, lse)
 
 
 def _flash_bwd(geo, backend, res, cotangents):
-  q, k, v, q_seg, k_seg, out, lse = res
+  q, k, v, q_seg, k_seg, offset, out, lse = res
   d_out, d_lse = cotangents
   delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1, keepdims=True) - d_lse
-  return (*_backward(q, k, v, q_seg, k_seg, lse, delta, d_out, geo, backend), None, None)
+  return (*_backward(q, k, v, q_seg, k_seg, lse, delta, d_out, offset, geo, backend), None, None, None)
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
-def _reuse(q, k, lse, v, q_seg, k_seg, geo, backend):
-  return _forward(q, k, v, q_seg, k_seg, lse, geo, backend)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
+def _reuse(q, k, lse, v, q_seg, k_seg, offset, geo, backend):
+  return _forward(q, k, v, q_seg, k_seg, lse, offset, geo, backend)
 
 
-def _reuse_fwd(q, k, lse, v, q_seg, k_seg, geo, backend):
-  out = _forward(q, k, v, q_seg, k_seg, lse, geo, backend)
-  return out, (q, k, lse, v, q_seg, k_seg, out)
+def _reuse_fwd(q, k, lse, v, q_seg, k_seg, offset, geo, backend):
+  out = _forward(q, k, v, q_seg, k_seg, lse, offset, geo, backend)
+  return out, (q, k, lse, v, q_seg, k_seg, offset, out)
 
 
 def _reuse_bwd(geo, backend, res, d_out):
-  q, k, lse, v, q_seg, k_seg, out = res
+  q, k, lse, v, q_seg, k_seg, offset, out = res
   rowsum = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1, keepdims=True)
-  dq, dk, dv = _backward(q, k, v, q_seg, k_seg, lse, jnp.zeros_like(rowsum), d_out, geo, backend)
-  return dq, dk, -rowsum, dv, None, None
+  dq, dk, dv = _backward(q, k, v, q_seg, k_seg, lse, jnp.zeros_like(rowsum), d_out, offset, geo, backend)
+  return dq, dk, -rowsum, dv, None, None, None
 
 
 _reuse.defvjp(_reuse_fwd, _reuse_bwd)
@@ -303,6 +333,10 @@ def _segments(q_segment_ids, kv_segment_ids, geo: tuning.Geometry):
   return q_seg, k_seg
 
 
+def _offset_operand(q_offset) -> jax.Array | None:
+  return None if q_offset is None else jnp.asarray(q_offset, jnp.int32).reshape(1)
+
+
 def _check(q, k, v):
   if q.shape[2] % k.shape[2] or k.shape[2] != v.shape[2]:
     raise ValueError(f"flash attention needs K/V heads that divide the query heads: q {q.shape}, k {k.shape}, "
@@ -311,8 +345,8 @@ def _check(q, k, v):
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_segment_ids: jax.Array, kv_segment_ids: jax.Array,
               *, causal: bool = True, scale: float | None = None, window: int = 0, return_lse: bool = False,
-              backend: str | None = None, block_q: int | None = None, block_k: int | None = None
-              ) -> jax.Array | tuple[jax.Array, jax.Array]:
+              backend: str | None = None, block_q: int | None = None, block_k: int | None = None,
+              q_offset: jax.Array | int | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
   """Flash attention; same contract as :func:`jaxshare.kernels.reference.attention`.
 
   Args:
@@ -325,6 +359,8 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_segment_ids: jax.Array
       device's (see :func:`default_backend`).
     block_q, block_k: tile sizes of both phases (upper bounds; shortened for short sequences); None: the backend's
       (:func:`default_block` for the backward, :func:`default_forward_blocks` for the forward).
+    q_offset: the queries are tokens ``q_offset ..`` of the keys' sequence (an int32 scalar, traced: context
+      parallelism's query chunks); None: 0, and the kernels take no offset operand.
 
   Returns:
     ``[B, T, H, d]`` in q's dtype (and the LSE).
@@ -337,24 +373,25 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_segment_ids: jax.Array
   scale = e ** -0.5 if scale is None else scale
   backend = backend or tuning.default_backend()
   geo = tuning.call_geometry(t, k.shape[1], tuning.operands(q, k, v, q.dtype), causal, window, scale, backend,
-                             block_q, block_k)
+                             block_q, block_k, offset=q_offset is not None)
   out, lse = _flash(_to_kernel_layout(q, geo.t_padded), _to_kernel_layout(k, geo.s_padded),
-                    _to_kernel_layout(v, geo.s_padded), *_segments(q_segment_ids, kv_segment_ids, geo), geo, backend)
+                    _to_kernel_layout(v, geo.s_padded), *_segments(q_segment_ids, kv_segment_ids, geo),
+                    _offset_operand(q_offset), geo, backend)
   out = out[:, :, :t, :v.shape[3]].transpose(0, 2, 1, 3)
   return (out, lse[:, :, :t, 0]) if return_lse else out
 
 
 def attention_from_lse(q: jax.Array, k: jax.Array, lse: jax.Array, v: jax.Array, q_segment_ids: jax.Array,
                        kv_segment_ids: jax.Array, *, scale: float, causal: bool = True, window: int = 0,
-                       backend: str | None = None, block_q: int | None = None, block_k: int | None = None
-                       ) -> jax.Array:
+                       backend: str | None = None, block_q: int | None = None, block_k: int | None = None,
+                       q_offset: jax.Array | int | None = None) -> jax.Array:
   """Probability reuse as a kernel: ``exp(scale q kᵀ − lse) · v`` tile by tile, no softmax reduction; same contract
   as :func:`jaxshare.kernels.reference.attention_from_lse`.
 
   Args:
     q, k: the source layer's ``[B, T, H, e]`` / ``[B, S, Gk, e]``; lse: its ``[B, H, T]`` float32 log-sum-exp.
     v: the consumer's ``[B, S, Gv, d]`` values (Gk ≠ Gv are both repeated to their least common multiple).
-    backend, block_q, block_k: as :func:`attention`.
+    backend, block_q, block_k, q_offset: as :func:`attention`.
 
   Returns:
     ``[B, T, H, d]`` in v's dtype; gradients reach q, k, lse and v.
@@ -365,8 +402,9 @@ def attention_from_lse(q: jax.Array, k: jax.Array, lse: jax.Array, v: jax.Array,
   _check(q, k, v)
   backend = backend or tuning.default_backend()
   geo = tuning.call_geometry(t, k.shape[1], tuning.operands(q, k, v, v.dtype), causal, window, scale, backend,
-                             block_q, block_k)
+                             block_q, block_k, offset=q_offset is not None)
   lse = jnp.pad(lse.astype(jnp.float32), ((0, 0), (0, 0), (0, geo.t_padded - t)))[..., None]
   out = _reuse(_to_kernel_layout(q, geo.t_padded), _to_kernel_layout(k, geo.s_padded), lse,
-               _to_kernel_layout(v, geo.s_padded), *_segments(q_segment_ids, kv_segment_ids, geo), geo, backend)
+               _to_kernel_layout(v, geo.s_padded), *_segments(q_segment_ids, kv_segment_ids, geo),
+               _offset_operand(q_offset), geo, backend)
   return out[:, :, :t, :v.shape[3]].transpose(0, 2, 1, 3)

@@ -111,7 +111,7 @@ def apply_probs(probs: jax.Array, v: jax.Array, dtype) -> jax.Array:
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_segment_ids: jax.Array, kv_segment_ids: jax.Array,
               *, causal: bool = True, scale: float | None = None, window: int = 0,
-              return_lse: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
+              return_lse: bool = False, q_offset: jax.Array | int = 0) -> jax.Array | tuple[jax.Array, jax.Array]:
   """Softmax attention with grouped query heads.
 
   Args:
@@ -125,26 +125,30 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_segment_ids: jax.Array
     window: sliding window (0: none); see :func:`attention_mask`.
     return_lse: also return the log-sum-exp of the masked logits, ``[B, H, T]`` float32 (the softmax statistics
       that probability-reusing layers recompute from).
+    q_offset: the queries are tokens ``q_offset .. q_offset + T - 1`` of the keys' sequence (int32 scalar, traced
+      or not; context parallelism's local query chunks): causal and window masks compare those positions.
 
   Returns:
     ``[B, T, H, d]`` in q's dtype (and the LSE). Logits and softmax are computed in float32.
   """
   scale = q.shape[-1] ** -0.5 if scale is None else scale
-  probs, lse = masked_softmax(scores(q, k, scale), attention_mask(q_segment_ids, kv_segment_ids, causal, window))
+  mask = attention_mask(q_segment_ids, kv_segment_ids, causal, window, q_start=q_offset)
+  probs, lse = masked_softmax(scores(q, k, scale), mask)
   out = apply_probs(probs, v, q.dtype)
   return (out, lse) if return_lse else out
 
 
 def attention_from_lse(q: jax.Array, k: jax.Array, lse: jax.Array, v: jax.Array, q_segment_ids: jax.Array,
                        kv_segment_ids: jax.Array, *, scale: float, causal: bool = True,
-                       window: int = 0) -> jax.Array:
+                       window: int = 0, q_offset: jax.Array | int = 0) -> jax.Array:
   """Apply another layer's softmax probabilities, recomputed as ``exp(scale q kᵀ - lse)``, to values ``v``.
 
   Same math as reusing the materialised probabilities (Shared Attention Alg. 1, UniAttn Eq. 3) without a softmax
   reduction; under ``jax.checkpoint`` (as the model uses it) nothing of size ``[B, H, T, S]`` is kept for the
-  backward pass. Shapes as :func:`attention`, ``lse [B, H, T]``.
+  backward pass. Shapes and ``q_offset`` as :func:`attention`, ``lse [B, H, T]``.
   """
-  probs = probs_from_lse(q, k, lse, attention_mask(q_segment_ids, kv_segment_ids, causal, window), scale)
+  probs = probs_from_lse(q, k, lse, attention_mask(q_segment_ids, kv_segment_ids, causal, window, q_start=q_offset),
+                         scale)
   return apply_probs(probs, v, v.dtype)
 
 

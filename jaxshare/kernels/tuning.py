@@ -219,6 +219,7 @@ class Geometry:
   forward_block_k: int
   pad_q: int  # the padding multiple of each axis: the larger of the two phases' tiles
   pad_k: int
+  offset: bool = False  # the kernels take the queries' offset in the keys' sequence as their first operand
 
   @property
   def t_padded(self) -> int:
@@ -252,9 +253,16 @@ def operands(q, k, v, out_dtype) -> Operands:
 
 
 def call_geometry(t: int, s: int, ops: Operands, causal: bool, window: int, scale: float, backend: str,
-                   block_q: int | None, block_k: int | None) -> Geometry:
+                   block_q: int | None, block_k: int | None, offset: bool = False) -> Geometry:
   """Given tiles serve both phases; by default each phase takes its backend's own (:func:`default_forward_blocks`),
-  on Triton shrunk where the device's shared memory cannot hold them (:func:`fit_tiles`)."""
+  on Triton shrunk where the device's shared memory cannot hold them (:func:`fit_tiles`). ``offset``: the kernels
+  take the queries' offset in the keys' sequence (:attr:`Geometry.offset`)."""
+  return dataclasses.replace(_call_geometry(t, s, ops, causal, window, scale, backend, block_q, block_k),
+                             offset=offset)
+
+
+def _call_geometry(t: int, s: int, ops: Operands, causal: bool, window: int, scale: float, backend: str,
+                   block_q: int | None, block_k: int | None) -> Geometry:
   if block_q or block_k:
     bq, bk = block_q or default_block(backend), block_k or default_block(backend)
     return geometry(t, s, causal=causal, window=window, scale=scale, block_q=bq, block_k=bk)

@@ -21,24 +21,24 @@ import jax.numpy as jnp
 from jaxshare.kernels import reference
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
-def _attention(q, k, v, q_segment_ids, kv_segment_ids, causal, scale, window):
-  return _forward(q, k, v, q_segment_ids, kv_segment_ids, causal, scale, window)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
+def _attention(q, k, v, q_segment_ids, kv_segment_ids, q_offset, causal, scale, window):
+  return _forward(q, k, v, q_segment_ids, kv_segment_ids, q_offset, causal, scale, window)[0]
 
 
-def _forward(q, k, v, q_segment_ids, kv_segment_ids, causal, scale, window):
-  mask = reference.attention_mask(q_segment_ids, kv_segment_ids, causal, window)
+def _forward(q, k, v, q_segment_ids, kv_segment_ids, q_offset, causal, scale, window):
+  mask = reference.attention_mask(q_segment_ids, kv_segment_ids, causal, window, q_start=q_offset)
   probs, lse = reference.masked_softmax(reference.scores(q, k, scale), mask)
   out = reference.apply_probs(probs, v, q.dtype)
-  return (out, lse), (q, k, v, q_segment_ids, kv_segment_ids, out, lse)
+  return (out, lse), (q, k, v, q_segment_ids, kv_segment_ids, q_offset, out, lse)
 
 
 def _backward(causal, scale, window, res, cotangents):
-  q, k, v, q_segment_ids, kv_segment_ids, out, lse = res
+  q, k, v, q_segment_ids, kv_segment_ids, q_offset, out, lse = res
   d_out, d_lse = cotangents
   b, t, h, _ = q.shape
   s, g = k.shape[1], k.shape[2]
-  mask = reference.attention_mask(q_segment_ids, kv_segment_ids, causal, window)
+  mask = reference.attention_mask(q_segment_ids, kv_segment_ids, causal, window, q_start=q_offset)
   probs = reference.probs_from_lse(q, k, lse, mask, scale)  # [B, H, T, S] f32, zero where masked
   rows = lambda x: x.reshape(b, g, h // g * t, s)  # noqa: E731  [B, H, T, S] -> [B, G, R·T, S], free
   do_h = reference.heads_major(d_out, g)  # [B, G, R·T, d]
@@ -54,7 +54,7 @@ def _backward(causal, scale, window, res, cotangents):
   d_kt = jnp.einsum("bgms,bgme->bges", rows(d_s).astype(q.dtype), reference.heads_major(q, g),
                     preferred_element_type=jnp.float32)
   return (reference.from_heads_major(d_q, t).astype(q.dtype), d_kt.transpose(0, 3, 1, 2).astype(k.dtype),
-          d_vt.transpose(0, 3, 1, 2).astype(v.dtype), None, None)
+          d_vt.transpose(0, 3, 1, 2).astype(v.dtype), None, None, None)
 
 
 _attention.defvjp(_forward, _backward)
@@ -62,10 +62,10 @@ _attention.defvjp(_forward, _backward)
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_segment_ids: jax.Array, kv_segment_ids: jax.Array,
               *, causal: bool = True, scale: float | None = None, window: int = 0,
-              return_lse: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
+              return_lse: bool = False, q_offset: jax.Array | int = 0) -> jax.Array | tuple[jax.Array, jax.Array]:
   """Same contract as :func:`jaxshare.kernels.reference.attention` (shapes, GQA grouping, packed segments, sliding
-  window, LSE);
-  only the backward pass differs (see the module docstring)."""
+  window, LSE, query offset); only the backward pass differs (see the module docstring)."""
   scale = q.shape[-1] ** -0.5 if scale is None else scale
-  out, lse = _attention(q, k, v, q_segment_ids, kv_segment_ids, causal, scale, window)
+  out, lse = _attention(q, k, v, q_segment_ids, kv_segment_ids, jnp.asarray(q_offset, jnp.int32), causal, scale,
+                        window)
   return (out, lse) if return_lse else out

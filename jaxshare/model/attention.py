@@ -13,15 +13,17 @@ import math
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
+from flax import nnx, struct
+from jax.ad_checkpoint import checkpoint_name
 
-from jaxshare import parallel
+from jaxshare import context, parallel
 from jaxshare.config.choices import Integrator, ScoreReuse, ScoreSharing
 from jaxshare.kernels.dispatch import get_attention
 from jaxshare.model import cache as kv_cache
 from jaxshare.model import scores
 from jaxshare.model.cache import StepContext
 from jaxshare.model.layers import DenseGeneral
+from jaxshare.model.remat import KEY_PROJ, OUT_PROJ, QUERY_PROJ, VALUE_PROJ
 from jaxshare.model.rope import RopeScaling, apply_rope
 from jaxshare.model.scores import LowRank, ScoreFeatures, ScoreState, ScoreTensors
 from jaxshare.plan import ModelPlan
@@ -32,8 +34,28 @@ KV = tuple[jax.Array | None, jax.Array]
 DecodeKV = tuple[tuple[jax.Array, ...] | None, tuple[jax.Array, ...]]
 
 
+_PROJ_NAMES = {"q": QUERY_PROJ, "k": KEY_PROJ, "v": VALUE_PROJ}
 
-@dataclasses.dataclass(frozen=True)
+
+@struct.dataclass
+class Prepared:
+  """What a layer's attention reads that its superblock may compute outside the layer's checkpoint
+  (:mod:`jaxshare.model.remat`): the parts other layers share, computed once for all their readers.
+
+  Attributes:
+    kv: the layer's ``(K, V)`` (``[B, S, G, d]``, K None for a producer that reuses scores): a consumer's producer's,
+      or a producer's own when its readers share them; None: the layer projects its own.
+    q: ``[B, T, H, d]`` rotated queries of a layer whose scores others reuse; None: the layer projects them.
+    state: the score state the layer attends with: a probability reuser's source state, or a LISA layer's chain
+      extended by its low-rank delta (None for a layer with its own scores).
+  """
+
+  kv: KV | None = None
+  q: jax.Array | None = None
+  state: ScoreState | None = None
+
+
+@struct.dataclass
 class Attended:
   """What an attention layer hands back in a forward pass.
 
@@ -151,18 +173,21 @@ class Attention(nnx.Module):
 
   def _project(self, name: str, x: jax.Array, head_kernels: dict | None) -> jax.Array:
     if head_kernels is None:
-      return getattr(self, f"{name}_proj")(x)
-    return jnp.einsum("btd,dhk->bthk", x.astype(self.dtype), head_kernels[name].astype(self.dtype))
+      y = getattr(self, f"{name}_proj")(x)
+    else:
+      y = jnp.einsum("btd,dhk->bthk", x.astype(self.dtype), head_kernels[name].astype(self.dtype))
+    return checkpoint_name(y, _PROJ_NAMES[name])
 
-  def _kv(self, x: jax.Array, positions: jax.Array, kv_in: KV | None, head_kernels: dict | None) -> KV:
-    if not self.role.is_producer:
-      if kv_in is None:
-        raise ValueError("a K/V consumer layer needs its producer's K/V")
-      return kv_in
+  def _kv(self, x: jax.Array, positions: jax.Array, head_kernels: dict | None) -> KV:
+    """A producer's own K/V; under context parallelism gathered over the sequence shards
+    (:func:`jaxshare.context.gather_keys`), which every reader of them then uses."""
     k = None
     if not self.role.score_reuse:
-      k = parallel.constrain(self._rope(self._project("k", x, head_kernels), positions), _BTG)
-    return k, parallel.constrain(self._project("v", x, head_kernels), _BTG)
+      k = context.gather_keys(parallel.constrain(self._rope(self._project("k", x, head_kernels), positions), _BTG))
+    return k, context.gather_keys(parallel.constrain(self._project("v", x, head_kernels), _BTG))
+
+  def _q(self, x: jax.Array, positions: jax.Array, head_kernels: dict | None) -> jax.Array:
+    return parallel.constrain(self._rope(self._project("q", x, head_kernels), positions), _BTH)
 
   def _rope(self, x: jax.Array, positions: jax.Array, rotary_dim: int | None = None) -> jax.Array:
     return apply_rope(x, positions, self.theta, self.rotary_dim if rotary_dim is None else rotary_dim,
@@ -183,39 +208,74 @@ class Attention(nnx.Module):
       return (self.align_in[...], self.align_out[...])
     return ()
 
-  def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array, kv_in: KV | None = None,
-               score_in: ScoreState | None = None, slot: jax.Array | int = 0, head_kernels: dict | None = None
-               ) -> Attended:
-    """Attend.
+  def prepare(self, x: jax.Array, positions: jax.Array, kv_in: KV | None = None, score_in: ScoreState | None = None,
+              slot: jax.Array | int = 0, head_kernels: dict | None = None, *, own_kv: bool = False,
+              source_q: bool = False) -> Prepared:
+    """What the layer reads from other layers, and with ``own_kv`` / ``source_q`` what other layers read from it.
 
     Args:
       x: ``[B, T, D]`` normalised input.
       positions: ``[B, T]`` int32 RoPE positions.
-      segment_ids: ``[B, T]`` int32 packed-document ids.
       kv_in: a K/V consumer's producer ``(K, V)`` (K None if the producer reuses scores).
       score_in: a probability reuser's source state, or a LISA layer's chain state (see
         :func:`~jaxshare.model.scores.chain_entry`).
       slot: LISA_plus in a features chain: the offset of this layer's feature slot; full LISA in an
         :class:`~jaxshare.model.scores.AlignerChain`: this layer's slot.
       head_kernels: head-wise sharing: this layer's gathered ``{"q", "k", "v"}`` kernels ``[D, H, d]``.
+      own_kv: a producer computes its own K/V here (its readers share them), else in :meth:`__call__`.
+      source_q: a layer with its own scores computes its queries here (its scores are reused), else in
+        :meth:`__call__`.
+
+    Raises:
+      ValueError: a consumer without its producer's K/V, a score-reusing layer without its source's state.
+    """
+    role = self.role
+    if not role.is_producer and kv_in is None:
+      raise ValueError("a K/V consumer layer needs its producer's K/V")
+    kv = kv_in if not role.is_producer else self._kv(x, positions, head_kernels) if own_kv else None
+    q = self._q(x, positions, head_kernels) if source_q and not role.score_reuse else None
+    if not role.score_reuse:
+      return Prepared(kv, q, None)
+    if score_in is None:
+      raise ValueError("a score-reusing layer needs its source layer's score state")
+    if role.score_reuse == ScoreReuse.PROBS:
+      return Prepared(kv, None, score_in)
+    delta = None
+    if role.has_low_rank:  # its low-rank keys, like K, are read over the whole sequence
+      q_lr, k_lr = self._low_rank(x, positions)
+      delta = q_lr, context.gather_keys(k_lr)
+    return Prepared(kv, None, score_in.extend(delta, slot, role.integrator, self._aligner_weights()))
+
+  def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array, prepared: Prepared,
+               head_kernels: dict | None = None) -> Attended:
+    """Attend.
+
+    Args:
+      x: ``[B, T, D]`` normalised input.
+      positions: ``[B, T]`` int32 RoPE positions.
+      segment_ids: ``[B, T]`` int32 packed-document ids (under context parallelism the whole sequence's, in order:
+        :func:`jaxshare.context.gather_keys`).
+      prepared: what :meth:`prepare` computed (the rest is computed here).
+      head_kernels: head-wise sharing: this layer's gathered ``{"q", "k", "v"}`` kernels ``[D, H, d]``.
 
     Returns:
       The output, the layer's (K, V), the state handed on and the state whose logits it used (:class:`Attended`).
     """
     role = self.role
-    k, v = self._kv(x, positions, kv_in, head_kernels)
+    k, v = prepared.kv if prepared.kv is not None else self._kv(x, positions, head_kernels)
     if not role.score_reuse:
-      return self._own_scores(x, positions, segment_ids, k, v, head_kernels)
-    if score_in is None:
-      raise ValueError("a score-reusing layer needs its source layer's score state")
+      q = prepared.q if prepared.q is not None else self._q(x, positions, head_kernels)
+      return self._own_scores(q, segment_ids, k, v)
+    state = prepared.state
     if role.score_reuse == ScoreReuse.PROBS:
-      out = score_in.reuse(self.ops, v, segment_ids, window=self.window, dtype=self.dtype)
-      return Attended(self.o_proj(out), (k, v), None, None)
-    delta = self._low_rank(x, positions) if role.has_low_rank else None
-    state = score_in.extend(delta, slot, role.integrator, self._aligner_weights())
+      out = state.reuse(self.ops, v, segment_ids, window=self.window, dtype=self.dtype)
+      return Attended(self._out(out), (k, v), None, None)
     out = state.attend(self.ops, v, segment_ids, window=self.window, dtype=self.dtype,
                        features_dtype=self.chain_dtype)
-    return Attended(self.o_proj(out), (k, v), state, state)
+    return Attended(self._out(out), (k, v), state, state)
+
+  def _out(self, out: jax.Array) -> jax.Array:
+    return checkpoint_name(self.o_proj(out), OUT_PROJ)
 
   def decode(self, x: jax.Array, ctx: StepContext, cache: kv_cache.Buffers, kv_in: DecodeKV | None,
              score_in: jax.Array | None, head_kernels: dict | None = None, nf: bool = False) -> Decoded:
@@ -289,20 +349,19 @@ class Attention(nnx.Module):
     logits = self.ops.scores(q, k, self.head_dim ** -0.5)
     return jnp.pad(logits, ((0, 0), (0, 0), (0, 0), (keys - logits.shape[-1], 0)))
 
-  def _own_scores(self, x, positions, segment_ids, k, v, head_kernels) -> Attended:
+  def _own_scores(self, q, segment_ids, k, v) -> Attended:
     if k is None:
       raise ValueError("this layer computes its own scores but its K/V producer has no K")
     role, scale = self.role, self.head_dim ** -0.5
-    q = parallel.constrain(self._rope(self._project("q", x, head_kernels), positions), _BTH)
     if role.feeds and not self.recompute:  # materialise once: for this layer's output and for its readers
       a = self.ops.scores(q, k, scale)
       out, probs = self.ops.logits_attention(a, v, segment_ids, window=self.window, dtype=self.dtype)
       state = ScoreTensors(logits=a) if role.feeds == ScoreReuse.LOGITS else ScoreTensors(probs=probs)
-      return Attended(self.o_proj(out), (k, v), state, ScoreTensors(logits=a))
+      return Attended(self._out(out), (k, v), state, ScoreTensors(logits=a))
     if role.feeds:
       out, lse = self.ops.attention(q, k, v, segment_ids, segment_ids, causal=True, scale=scale, window=self.window,
                                     return_lse=True)
       state = ScoreFeatures(q, k, lse, scale)
-      return Attended(self.o_proj(out), (k, v), state, state)
+      return Attended(self._out(out), (k, v), state, state)
     out = self.ops.attention(q, k, v, segment_ids, segment_ids, causal=True, scale=scale, window=self.window)
-    return Attended(self.o_proj(out), (k, v), None, ScoreFeatures(q, k, None, scale))
+    return Attended(self._out(out), (k, v), None, ScoreFeatures(q, k, None, scale))

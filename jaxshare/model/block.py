@@ -9,13 +9,14 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
+from flax import nnx, struct
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxshare import parallel
 from jaxshare.config.choices import ScoreReuse, ScoreSharing
 from jaxshare.model import cache as kv_cache
-from jaxshare.model import scores
-from jaxshare.model.attention import KV, Attended, Attention, Decoded, DecodeKV
+from jaxshare.model import remat, scores
+from jaxshare.model.attention import KV, Attended, Attention, Decoded, DecodeKV, Prepared
 from jaxshare.model.cache import StepContext
 from jaxshare.model.layers import MLP, DenseGeneral, make_norm
 from jaxshare.model.scan import scan_or_unroll
@@ -76,15 +77,22 @@ class DecoderLayer(nnx.Module):
                    out_std=cfg.init_std / math.sqrt(2 * cfg.num_layers), dtype=jnp.dtype(cfg.dtype),
                    param_dtype=pdtype, rngs=rngs)
 
-  def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array, kv_in: KV | None,
-               score_in: ScoreState | None, slot: jax.Array | int = 0, head_kernels: dict | None = None
-               ) -> tuple[Attended, MHAActivations]:
+  def prepare(self, x: jax.Array, positions: jax.Array, kv_in: KV | None, score_in: ScoreState | None,
+              slot: jax.Array | int = 0, head_kernels: dict | None = None, *, own_kv: bool = False,
+              source_q: bool = False) -> Prepared:
+    """``x [B,T,D]``: what the layer reads from other layers and, with ``own_kv`` / ``source_q``, what they read
+    from it (see :meth:`Attention.prepare`)."""
+    return self.attn.prepare(self.norm1(x), positions, kv_in, score_in, slot, head_kernels, own_kv=own_kv,
+                             source_q=source_q)
+
+  def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array, prepared: Prepared,
+               head_kernels: dict | None = None) -> tuple[Attended, MHAActivations]:
     """``x [B,T,D]``: the layer's output as :class:`~jaxshare.model.attention.Attended` (``y`` the residual
     stream ``[B,T,D]``) and its attention block in residual-stream terms; see :meth:`Attention.__call__`."""
     h = self.norm1(x)
-    att = self.attn(h, positions, segment_ids, kv_in, score_in, slot, head_kernels)
+    att = self.attn(h, positions, segment_ids, prepared, head_kernels)
     a = self._compensate(x, h, att.y)
-    return dataclasses.replace(att, y=self._residual(x, a)), MHAActivations(x, h, x + a)
+    return att.replace(y=self._residual(x, a)), MHAActivations(x, h, x + a)
 
   def decode(self, x: jax.Array, ctx: StepContext, cache: kv_cache.Buffers, kv_in: DecodeKV | None,
              score_in: jax.Array | None, head_kernels: dict | None = None, nf: bool = False) -> Decoded:
@@ -111,12 +119,21 @@ class LayerRun(nnx.Module):
   """``length`` consecutive layers of one role with parameters stacked on a leading axis, scanned.
 
   What the layers read from outside the run (a producer's K/V, a probability source) is loop-invariant; a LISA
-  chain's score state is carried from layer to layer in a fixed shape (see :func:`scores.chain_entry`).
+  chain's score state is carried from layer to layer in a fixed shape (see :func:`scores.chain_entry`). Under
+  ``model.remat`` each layer runs under its policy's checkpoint (:mod:`jaxshare.model.remat`).
+
+  Args:
+    hoist: what the layers share with other layers of their superblock (``shares_kv``: this one-layer run's K/V;
+      ``shares_q``: its queries, whose scores others reuse; a LISA chain's low-rank delta) is computed outside the
+      layers' checkpoints, where the superblock's checkpoint recomputes it once for all its readers.
   """
 
-  def __init__(self, plan: ModelPlan, run: RunPlan, *, rngs: nnx.Rngs):
+  def __init__(self, plan: ModelPlan, run: RunPlan, *, hoist: bool = False, shares_kv: bool = False,
+               shares_q: bool = False, rngs: nnx.Rngs):
     self.length, self.role, self.scan = run.length, run.role, plan.model.scan_layers
     self.recompute = plan.attention.score_sharing == ScoreSharing.RECOMPUTE
+    self.remat = plan.model.remat
+    self.hoist, self.shares_kv, self.shares_q = hoist, shares_kv, shares_q
 
     @nnx.split_rngs(splits=run.length)
     @nnx.vmap(in_axes=(0,), out_axes=0)
@@ -151,12 +168,18 @@ class LayerRun(nnx.Module):
         base = score_in.q.shape[-1] - self.length * role.lisa_rank
       elif isinstance(score_in, AlignerChain):  # one slot per layer
         base, width = score_in.q_lr.shape[0] - self.length, 1
+    call = self._layer_call(capture)
 
     def body(layer: DecoderLayer, carry, i, kernels):
       x, state = carry
-      out, mha = layer(x, positions, segment_ids, kv_in, state if chain else score_in, base + i * width, kernels)
-      item = mha if capture == "mha" else scores.logits(out.used) if capture and out.used is not None else None
-      return (out.y, out.handed if chain else None), (out.kv, out.handed, item)
+      x = checkpoint_name(x, remat.LAYER_INPUT)  # what a superblock's checkpoint keeps of each layer
+      score, slot = (state if chain else score_in), base + i * width
+      prepared = layer.prepare(x, positions, kv_in, score, slot, kernels, own_kv=self.shares_kv,
+                               source_q=self.shares_q) if self.hoist else None
+      out, item = call(layer, x, positions, segment_ids, *((None, None) if self.hoist else (kv_in, score)), slot,
+                       kernels, prepared)
+      handed = _keep_lse(out.handed)
+      return (out.y, handed if chain else None), (out.kv, handed, item)
 
     carry = (x, score_in if chain else None)
     if self.length == 1:  # the only layer: what it hands on (its K/V, its scores) may be read by position
@@ -171,6 +194,18 @@ class LayerRun(nnx.Module):
                                         count=self.length, scan=self.scan)
     captured = [jax.tree.map(lambda a: a[i], logits) for i in range(self.length)] if self._captures(capture) else []
     return RunOut(x, None, state, captured)
+
+  def _layer_call(self, capture: str | None):
+    """One layer's forward (its :meth:`DecoderLayer.prepare`, unless prepared outside, and its call), under the
+    layer's checkpoint when ``model.remat`` asks for one. Returns ``(Attended without its used state, capture)``."""
+    def call(layer: DecoderLayer, x, positions, segment_ids, kv_in, score, slot, kernels, prepared):
+      if prepared is None:
+        prepared = layer.prepare(x, positions, kv_in, score, slot, kernels)
+      out, mha = layer(x, positions, segment_ids, prepared, kernels)
+      item = mha if capture == "mha" else scores.logits(out.used) if capture and out.used is not None else None
+      return out.replace(used=None), item
+
+    return remat.checkpoint(call, remat.layer_policy(self.remat)) if remat.enabled(self.remat) else call
 
   def decode(self, x: jax.Array, ctx: StepContext, buffers: kv_cache.Buffers, kv_in: DecodeKV | None,
              score_in: jax.Array | None, head_kernels: dict | None, nf: bool = False) -> Decoded:
@@ -212,6 +247,20 @@ class LayerRun(nnx.Module):
     return capture == "mha" or (capture == "logits" and self.role.score_reuse != ScoreReuse.PROBS)
 
 
+def shared_checkpoint(plan: ModelPlan, runs: tuple[RunPlan, ...]) -> bool:
+  """Whether a superblock of ``runs`` runs under its own checkpoint (:func:`jaxshare.model.remat.superblock_policy`):
+  under ``model.remat`` when it has several layers, whose shared tensors it then recomputes once for all readers."""
+  return remat.enabled(plan.model.remat) and sum(run.length for run in runs) > 1
+
+
+def _keep_lse(state: ScoreState | None) -> ScoreState | None:
+  """A score source's state with its log-sum-exp named for the superblock's checkpoint to keep
+  (:data:`~jaxshare.model.remat.SCORE_LSE`): ``[B, H, T]`` float32, which recomputing would cost an attention."""
+  if isinstance(state, ScoreFeatures) and state.lse is not None:
+    return state.replace(lse=checkpoint_name(state.lse, remat.SCORE_LSE))
+  return state
+
+
 class Superblock(nnx.Module):
   """Consecutive layers closed under K/V and score references, as runs of identical layers; the unit that is
   stacked and scanned over a stack.
@@ -222,7 +271,11 @@ class Superblock(nnx.Module):
 
   def __init__(self, plan: ModelPlan, runs: tuple[RunPlan, ...], *, rngs: nnx.Rngs):
     self.plan = tuple(runs)
-    self.runs = nnx.List([LayerRun(plan, run, rngs=rngs) for run in runs])
+    hoist = shared_checkpoint(plan, runs)
+    read_kv = {run.role.kv_from for run in runs}
+    recompute = plan.attention.score_sharing == ScoreSharing.RECOMPUTE
+    self.runs = nnx.List([LayerRun(plan, run, hoist=hoist, shares_kv=run.start in read_kv and run.role.is_producer,
+                                   shares_q=bool(run.role.feeds) and recompute, rngs=rngs) for run in runs])
 
   def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array, capture: str | None = None,
                head_kernels: dict | None = None) -> tuple[jax.Array, tuple]:

@@ -27,8 +27,9 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from jaxshare import context
 from jaxshare.config.choices import Integrator
-from jaxshare.kernels import reference
+from jaxshare.kernels import local_queries, reference
 
 if TYPE_CHECKING:
   from jaxshare.kernels.dispatch import AttentionOps
@@ -165,6 +166,8 @@ class AlignerChain:
     """Causal attention of slot ``last``'s logits, recomputed per query chunk (:func:`chain_attention`):
     ``[B, T, H, d]`` in ``dtype``."""
     del ops, features_dtype  # the chain's logits exist in no kernel's contract: XLA, chunk by chunk
+    if context.active():
+      return _context_chain_attention(self, v, segment_ids, window).astype(dtype)
     return chain_attention(self, v, segment_ids, window).astype(dtype)
 
 
@@ -198,11 +201,14 @@ def _chain_rows(state: AlignerChain, q: jax.Array, q_lr: jax.Array) -> jax.Array
   return a
 
 
-def chain_attention(state: AlignerChain, v: jax.Array, segment_ids: jax.Array, window: int = 0) -> jax.Array:
+def chain_attention(state: AlignerChain, v: jax.Array, segment_ids: jax.Array, window: int = 0,
+                    q_offset: jax.Array | int = 0) -> jax.Array:
   """Causal softmax attention of the chain's logits (slot ``state.last``) applied to ``v [B, S, G, d]``, computed in
   query chunks of :data:`QUERY_CHUNK` rows, each under ``jax.checkpoint`` (the backward pass recomputes a chunk's
-  logits instead of keeping them). Returns ``[B, T, H, d]`` float32."""
+  logits instead of keeping them). ``segment_ids [B, S]``: the keys' documents; the queries are tokens
+  ``q_offset ..`` of that sequence (context parallelism's query chunks). Returns ``[B, T, H, d]`` float32."""
   b, t, h, _ = state.q.shape
+  q_segment_ids = jax.lax.dynamic_slice_in_dim(segment_ids, q_offset, t, axis=1)
   chunk = min(QUERY_CHUNK, t)
   n = -(-t // chunk)
   pad = n * chunk - t
@@ -215,12 +221,29 @@ def chain_attention(state: AlignerChain, v: jax.Array, segment_ids: jax.Array, w
   @jax.checkpoint
   def rows(args):
     start, q, q_lr, q_seg = args
-    mask = reference.attention_mask(q_seg, segment_ids, True, window, q_start=start)
+    mask = reference.attention_mask(q_seg, segment_ids, True, window, q_start=start + q_offset)
     probs, _ = reference.masked_softmax(_chain_rows(state, q, q_lr), mask)
     return reference.apply_probs(probs, v, jnp.float32)
 
-  out = jax.lax.map(rows, (jnp.arange(n) * chunk, split(state.q, 1), split(state.q_lr, 2), split(segment_ids, 1)))
+  out = jax.lax.map(rows, (jnp.arange(n) * chunk, split(state.q, 1), split(state.q_lr, 2), split(q_segment_ids, 1)))
   return jnp.moveaxis(out, 0, 1).reshape(b, n * chunk, h, -1)[:, :t]
+
+
+def _context_chain_attention(state: AlignerChain, v: jax.Array, segment_ids: jax.Array, window: int) -> jax.Array:
+  """:func:`chain_attention` under context parallelism: each device's query chunks (``q``, ``q_lr`` in the layout)
+  against the chain's gathered keys (:func:`jaxshare.kernels.local_queries.local_queries`), heads whole."""
+  q_axes = ("activation_batch", "activation_length", None, None)
+  whole = lambda x: ("activation_batch",) + (None,) * (x.ndim - 1)  # noqa: E731
+  stacked = lambda x: (None, "activation_batch") + (None,) * (x.ndim - 2)  # noqa: E731
+
+  def kernel(q, q_lr, k, k_lr, weights, last, v, segments, offset):
+    chunk = AlignerChain(q, k, q_lr, k_lr, weights, last, state.integrator)
+    return chain_attention(chunk, v, segments, window, q_offset=offset)
+
+  return local_queries.local_queries(
+    kernel, [(state.q, q_axes), (state.q_lr, (None, "activation_batch", "activation_length", None, None))],
+    [(state.k, whole(state.k)), (state.k_lr, stacked(state.k_lr)), (state.weights, None), (state.last, ()),
+     (v, whole(v)), (segment_ids, whole(segment_ids))], q_axes, query_axis=(1, 2), out_query_axis=1)
 
 
 def append_aligner(state: AlignerChain, slot: jax.Array | int, q_lr: jax.Array, k_lr: jax.Array,

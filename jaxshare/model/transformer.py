@@ -6,10 +6,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxshare import parallel
+from jaxshare import context, parallel
 from jaxshare.config import ModelConfig
 from jaxshare.model import cache as kv_cache
-from jaxshare.model.block import MHAActivations, Superblock
+from jaxshare.model import remat
+from jaxshare.model.block import MHAActivations, Superblock, shared_checkpoint
 from jaxshare.model.cache import DecodeCache, StepContext
 from jaxshare.model.layers import DenseGeneral, make_norm, param
 from jaxshare.model.scan import scan_or_unroll
@@ -22,7 +23,9 @@ class Stack(nnx.Module):
   """``count`` structurally identical superblocks with parameters stacked on a leading ``layers`` axis."""
 
   def __init__(self, plan: ModelPlan, stack: StackPlan, *, rngs: nnx.Rngs):
-    self.count, self.scan, self.remat = stack.count, plan.model.scan_layers, plan.model.remat == "full"
+    self.count, self.scan = stack.count, plan.model.scan_layers
+    # the policy's name (a policy is a fresh function each time, and NNX compares graphs by their static fields)
+    self.remat = plan.model.remat if shared_checkpoint(plan, stack.runs) else None
 
     @nnx.split_rngs(splits=stack.count)
     @nnx.vmap(in_axes=(0,), out_axes=0)
@@ -40,8 +43,9 @@ class Stack(nnx.Module):
     def apply(block: Superblock, x: jax.Array, kernels):
       return block(x, positions, segment_ids, capture, kernels)
 
-    x, ys = scan_or_unroll(nnx.remat(apply) if self.remat else apply, self.blocks, x, head_kernels,
-                           count=self.count, scan=self.scan)
+    if self.remat:  # the superblock's own checkpoint, around its layers' (jaxshare.model.remat)
+      apply = remat.checkpoint(apply, remat.superblock_policy(self.remat))
+    x, ys = scan_or_unroll(apply, self.blocks, x, head_kernels, count=self.count, scan=self.scan)
     return x, [jax.tree.map(lambda a: a[c], y) for c in range(self.count) for y in ys]
 
   def decode(self, x: jax.Array, ctx: StepContext, buffers: list[kv_cache.Buffers], head_kernels: dict | None = None,
@@ -145,12 +149,18 @@ class Transformer(nnx.Module):
       positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     if segment_ids is None:
       segment_ids = jnp.ones((b, t), jnp.int32)
+    if context.active():  # the tokens in the load-balanced layout, every layer's keys read in order
+      if capture:
+        raise ValueError(f"capturing {capture} is not available under context parallelism (mesh.context > 1): "
+                         "it would materialise every layer's [B, H, T, T] scores")
+      tokens, positions = context.to_layout(tokens), context.to_layout(positions)
+      segment_ids = context.whole_sequence(segment_ids)
     x = self._embed(tokens)
     captured: list[jax.Array] = []
     for stack, kernels in zip(self.stacks, self._stack_kernels()):
       x, ys = stack(x, positions, segment_ids, capture, kernels)
       captured.extend(ys)
-    logits = self._logits(x)
+    logits = self._logits(context.from_layout(x))
     return logits, (jax.tree.map(lambda *a: jnp.stack(a), *captured) if capture else None)
 
   def decode(self, tokens: jax.Array, cache: DecodeCache, nf: bool = False) -> tuple[jax.Array, DecodeCache]:

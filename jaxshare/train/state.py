@@ -15,6 +15,7 @@ from jaxshare import parallel, runs
 from jaxshare.config import Config
 from jaxshare.init.headwise import fresh_ties
 from jaxshare.init.source import initial_params, params_from_source
+from jaxshare.model import remat
 from jaxshare.model.ties import HeadTies
 from jaxshare.plan import ModelPlan, plan_of
 from jaxshare.schedule import Schedule
@@ -75,10 +76,12 @@ def setup_training(cfg: Config, mesh: Mesh | None = None, trainable: tuple[str, 
       ends (None: ``train.steps``).
 
   Raises:
-    ScheduleError / ConfigError: the schedule or mesh does not fit the model or the devices.
+    ScheduleError / ConfigError: the schedule or mesh does not fit the model or the devices; a remat policy the
+      devices' platform lacks.
   """
   plan = plan_of(cfg)
   mesh = mesh or parallel.make_mesh(cfg.mesh)
+  remat.check_platform(cfg.model.remat, mesh.devices.flat[0].platform)
   ties = ties if ties is not None else fresh_ties(cfg, cfg.train.seed)
   abstract_model = nnx.eval_shape(lambda: runs.build_model(plan, 0, ties))
   graphdef, abstract_params = nnx.split(abstract_model, nnx.Param)

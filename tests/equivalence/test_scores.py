@@ -55,7 +55,7 @@ def test_reused_probabilities_are_the_producers_softmax_in_bf16(name):
   cfg, producer, _, _ = producer_and_reuser(name, "recompute")
   x, pos, seg = inputs(cfg)
   mask = reference.attention_mask(seg, seg, True)
-  state = producer(x, pos, seg).handed
+  state = producer(x, pos, seg, producer.prepare(x, pos)).handed
   assert isinstance(state, ScoreFeatures) and state.q.dtype == jnp.bfloat16
   reused = np.asarray(scores.probs(state, mask))  # what every probability reuser applies to its V
   np.testing.assert_allclose(reused.sum(-1), 1.0, atol=2e-5)
@@ -64,7 +64,7 @@ def test_reused_probabilities_are_the_producers_softmax_in_bf16(name):
   np.testing.assert_allclose(reused, expected, atol=2e-5)
   # the materialising producer hands on the same probabilities
   _, producer_m, _, _ = producer_and_reuser(name, "materialize")
-  state_m = producer_m(x, pos, seg).handed
+  state_m = producer_m(x, pos, seg, producer_m.prepare(x, pos)).handed
   assert isinstance(state_m, ScoreTensors)
   np.testing.assert_allclose(np.asarray(state_m.probs), reused, atol=2e-5)
 
@@ -75,12 +75,12 @@ def test_lisa_chain_logits_are_the_materialised_sum_in_bf16(name):
   for mode in ("recompute", "materialize"):
     cfg, producer, layer, role = producer_and_reuser(name, mode)
     x, pos, seg = inputs(cfg)
-    state = producer(x, pos, seg).handed
+    state = producer(x, pos, seg, producer.prepare(x, pos)).handed
     chain = scores.chain_entry(state, integrator=role.integrator, num_kv_heads=role.num_kv_heads, slots=1,
                                rank=role.lisa_rank, recompute=mode == "recompute")
     slot = chain.q.shape[-1] - role.lisa_rank if isinstance(chain, ScoreFeatures) else 0
     h = x  # the layer's normalised input; any bf16 input shows the arithmetic
-    att = layer(h, pos, seg, None, chain, slot)
+    att = layer(h, pos, seg, layer.prepare(h, pos, None, chain, slot))
     y, chain_out = att.y, att.handed
     out[mode] = (np.asarray(scores.logits(chain_out)), np.asarray(y, np.float32), state, layer, h)
   logits_r, y_r, state, layer, h = out["recompute"]

@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 LAYERS = (
   ("foundation", ("jaxshare.config", "jaxshare.schedule", "jaxshare.cli_args", "jaxshare.allocator",
                   "jaxshare.distributed", "jaxshare.parallel", "jaxshare.accounting", "jaxshare.exit_codes",
-                  "jaxshare.files", "jaxshare.smoke", "jaxshare.plan")),
+                  "jaxshare.files", "jaxshare.smoke", "jaxshare.plan", "jaxshare.context")),
   ("model", ("jaxshare.kernels", "jaxshare.model", "jaxshare.data")),
   ("runs", ("jaxshare.checkpoint", "jaxshare.integrity", "jaxshare.runs", "jaxshare.init")),
   ("workflows", ("jaxshare.train", "jaxshare.evaluation", "jaxshare.convert", "jaxshare.analysis", "jaxshare.sweep",

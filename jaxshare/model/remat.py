@@ -1,0 +1,106 @@
+"""Rematerialisation policies (``model.remat``): what each layer keeps for the backward pass, and how a superblock
+keeps what its layers share.
+
+Two levels, so that a shared schedule never keeps more than dense does:
+
+- **Per layer** (every schedule): the layer runs under ``jax.checkpoint`` with the policy of its name. ``full`` keeps
+  the layer's input only; the others keep the named projection outputs as MaxText's policies of the same names do
+  (``jax.checkpoint_policies``; MaxText ``decoders.py``). A layer's backward pass then holds one layer's
+  activations, whatever the size of its superblock.
+- **Per superblock** (superblocks of several layers): the superblock runs under ``jax.checkpoint`` too, keeping its
+  layers' inputs (:data:`LAYER_INPUT`), the score sources' log-sum-exp (:data:`SCORE_LSE`, ``[B, H, T]`` float32) and
+  what the layer policy keeps. What the layers share — a producer's K/V, a score source's Q, a LISA chain's low-rank
+  features — is computed at the superblock level, outside the layers' checkpoints (:meth:`~jaxshare.model.block
+  .DecoderLayer.prepare`), so the backward pass recomputes it once for all its readers, and neither keeps it per
+  layer nor recomputes a producer's projections inside every reader. Without this level the readers' checkpoints
+  would keep the shared tensors as residuals (a CLA2 producer's K/V: two ``[B, T, D]`` arrays per superblock more
+  than dense keeps).
+
+Host offloading (``*_offloaded``) moves the kept arrays to pinned host memory, which jax has on GPUs and TPUs only:
+:func:`check_platform` refuses them elsewhere before anything is compiled.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import jax
+from flax import nnx
+
+from jaxshare.config import ConfigError
+from jaxshare.config.choices import RematPolicy, parse
+
+# Names of the arrays the policies choose from (jax.ad_checkpoint.checkpoint_name), MaxText's where they mean the same.
+QUERY_PROJ, KEY_PROJ, VALUE_PROJ, OUT_PROJ = "query_proj", "key_proj", "value_proj", "out_proj"
+LAYER_INPUT = "layer_input"  # a layer's input residual stream [B, T, D], kept by every superblock checkpoint
+SCORE_LSE = "score_lse"  # a score source's log-sum-exp [B, H, T] float32, which its probability reusers read
+
+_QKV = (QUERY_PROJ, KEY_PROJ, VALUE_PROJ)
+_OFFLOAD = dict(offload_src="device", offload_dst="pinned_host")
+# each offloading policy and the policy that keeps the same arrays on the device
+OFFLOADED = {RematPolicy.MINIMAL_OFFLOADED: RematPolicy.MINIMAL,
+             RematPolicy.QKV_PROJ_OFFLOADED: RematPolicy.SAVE_QKV_PROJ}
+_OFFLOAD_PLATFORMS = ("gpu", "tpu")
+
+
+@functools.cache
+def layer_policy(name: str) -> Callable | None:
+  """The ``jax.checkpoint`` policy of ``model.remat=name`` for one layer (None: save nothing but the inputs).
+
+  Raises:
+    ValueError: ``none`` (no checkpoint at all) or an unknown name.
+  """
+  policy = parse(RematPolicy, name, "model.remat")
+  cp = jax.checkpoint_policies
+  table = {
+    RematPolicy.FULL: None,
+    RematPolicy.MINIMAL: cp.checkpoint_dots_with_no_batch_dims,
+    RematPolicy.SAVE_QKV_PROJ: cp.save_only_these_names(*_QKV),
+    RematPolicy.SAVE_DOT_EXCEPT_MLP: cp.save_only_these_names(*_QKV, OUT_PROJ),
+    RematPolicy.SAVE_OUT_PROJ: cp.save_only_these_names(OUT_PROJ),
+    RematPolicy.MINIMAL_OFFLOADED: cp.offload_dot_with_no_batch_dims(**_OFFLOAD),
+    RematPolicy.QKV_PROJ_OFFLOADED: cp.save_and_offload_only_these_names(
+      names_which_can_be_saved=[], names_which_can_be_offloaded=list(_QKV), **_OFFLOAD),
+  }
+  if policy not in table:
+    raise ValueError(f"model.remat={name!r} has no checkpoint policy: it rematerialises nothing")
+  return table[policy]
+
+
+@functools.cache
+def superblock_policy(name: str) -> Callable:
+  """The policy of a superblock's checkpoint under ``model.remat=name``: keep every layer's input and every score
+  source's log-sum-exp, and what the layer policy keeps (so that the layers' checkpoints find it kept)."""
+  shared = jax.checkpoint_policies.save_only_these_names(LAYER_INPUT, SCORE_LSE)
+  inner = layer_policy(name)
+  if inner is None:
+    return shared
+
+  def policy(prim, *args, **params):
+    return shared(prim, *args, **params) or inner(prim, *args, **params)
+  return policy
+
+
+def enabled(name: str) -> bool:
+  """Whether ``model.remat=name`` rematerialises anything."""
+  return parse(RematPolicy, name, "model.remat") != RematPolicy.NONE
+
+
+def checkpoint(fn: Callable, policy: Callable | None) -> Callable:
+  """``fn`` (whose first argument is an NNX module) under ``nnx.remat`` with ``policy``; ``prevent_cse=False``:
+  every use is inside a scan or a checkpoint already, where jax needs no CSE barrier."""
+  return nnx.remat(fn, policy=policy, prevent_cse=False)
+
+
+def check_platform(name: str, platform: str) -> None:
+  """Refuse a policy the platform being compiled for lacks, before anything is compiled.
+
+  Raises:
+    ConfigError: a host-offloading policy on a platform without pinned host memory (a CPU).
+  """
+  policy = parse(RematPolicy, name, "model.remat")
+  if policy in OFFLOADED and platform not in _OFFLOAD_PLATFORMS:
+    raise ConfigError(f"model.remat={name} offloads to pinned host memory, which jax has on GPUs and TPUs only; this "
+                      f"run compiles for {platform}. Use model.remat={OFFLOADED[policy]} to keep the same arrays on "
+                      "the device")
