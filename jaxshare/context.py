@@ -82,23 +82,41 @@ def from_layout(x: jax.Array, axis: int = 1) -> jax.Array:
   return _permute(x, axis, inverse=True)
 
 
-_REPLICATED_LENGTH = {2: ("activation_batch", None), 4: ("activation_batch", None, "activation_kv_heads", None)}
+def in_order(x: jax.Array, axis: int, shards: int) -> jax.Array:
+  """A whole sequence held in the :func:`layout` of ``shards`` devices, put in order by slicing its ``2 shards``
+  chunks and joining them (a local copy: inside a ``shard_map``, of keys every device holds whole)."""
+  chunk = x.shape[axis] // (2 * shards)
+  place = lambda n: 2 * n if n < shards else 2 * (2 * shards - 1 - n) + 1  # noqa: E731  chunk n's layout slot
+  return jnp.concatenate([jax.lax.slice_in_dim(x, place(n) * chunk, (place(n) + 1) * chunk, axis=axis)
+                          for n in range(2 * shards)], axis=axis)
+
+
+_REPLICATED_LENGTH = {2: ("activation_batch", None)}
+GATHERED = ("activation_gathered_batch", None, "activation_kv_heads", None)  # logical axes of gathered keys
 
 
 def gather_keys(x: jax.Array) -> jax.Array:
-  """Keys (or values, or segment ids) of the whole sequence on every device of the context axis, in order: ``x``
-  (``[B, T, G, e]`` or ``[B, T]`` in the :func:`layout`, sequence sharded over the context axis) all-gathered and
-  permuted back (identity without a context axis). Named ``kv_gather`` in the compiled program, so that the fit
-  check counts its bytes as K/V traffic."""
-  if not active():
+  """Keys (or values) of the whole sequence on every device of the context axis: ``x`` (``[B, T, G, e]`` in the
+  :func:`layout`, sequence sharded over the context axis) all-gathered, still in the layout, as ``c`` copies stacked
+  on the batch dimension (``[c B, T, G, e]``, copy ``r`` on the devices of context index ``r``: logical axes
+  :data:`GATHERED`). Identity without a context axis.
+
+  Why copies: every layer that reads the keys adds its gradient to the copy of its own device, and the one sum over
+  the context axis (the transpose of the copies) comes after all of them, as one reduce-scatter. Keys merely
+  replicated over the axis would make each reader's attention sum its gradient across the axis on its own: with CLA2
+  two full all-reduces per producer, as much as dense's. The attention kernels put the keys in order locally
+  (:func:`in_order`). Named ``kv_gather`` in the compiled program, so that the fit check counts its bytes as K/V
+  traffic."""
+  c = size()
+  if c == 1:
     return x
   with jax.named_scope("kv_gather"):
-    return from_layout(parallel.constrain(x, _REPLICATED_LENGTH[x.ndim]))
+    return parallel.constrain(jnp.tile(x, (c,) + (1,) * (x.ndim - 1)), GATHERED[:x.ndim])
 
 
 def whole_sequence(x: jax.Array) -> jax.Array:
-  """``x`` (``[B, T]``, in order) on every device of the context axis: what :func:`gather_keys` gives, for an array
-  the caller holds in order already (the model's document ids). Identity without a context axis."""
+  """``x`` (``[B, T]``, in order) on every device of the context axis (the model's document ids, which the attention
+  kernels read in order beside the gathered keys). Identity without a context axis."""
   if not active():
     return x
   return parallel.constrain(x, _REPLICATED_LENGTH[x.ndim])

@@ -38,6 +38,9 @@ DEFAULT_RULES: dict[str, tuple[str, ...]] = {
   "layers": (),
   # activations
   "activation_batch": ("data", "fsdp"),
+  # context parallelism's gathered keys: a copy per device of the context axis, stacked on the batch dimension
+  # (jaxshare.context.gather_keys)
+  "activation_gathered_batch": ("context", "data", "fsdp"),
   "activation_length": ("context",),
   "activation_embed": (),
   "activation_heads": ("tensor",),

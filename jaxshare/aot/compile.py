@@ -185,7 +185,8 @@ def trace_train_step(cfg: Config, mesh: jax.sharding.Mesh) -> TracedStep:
   state = abstract_state(setup)
   batch = Batch.spec(cfg.train.batch_size, cfg.data.seq_len, setup.batch_sharding)
   with jax.set_mesh(mesh):
-    return TracedStep(setup, state, jit_train_step(setup, Objective(), None).trace(state, batch, None))
+    objective = Objective(vocab_tiles=cfg.train.num_vocab_tiling)
+    return TracedStep(setup, state, jit_train_step(setup, objective, None).trace(state, batch, None))
 
 
 def compile_traced(step: TracedStep, name: str) -> Compiled:

@@ -356,6 +356,10 @@ class TrainConfig:
   b2: float = _f(0.95, "AdamW beta2.")
   eps: float = _f(1e-8, "AdamW epsilon.")
   clip_norm: float = _f(1.0, "Global gradient-norm clip; 0 disables.")
+  num_vocab_tiling: int = _f(1, "Compute the language-modelling loss over this many tiles of the vocabulary (MaxText's "
+                             "name): only [B, T, V / tiles] logits exist at a time, recomputed in the backward pass, "
+                             "where whole logits and their gradient take 31 GiB per 128k-token sequence at V = 32000 "
+                             "in float32. Must divide model.vocab_size; 1: whole logits.")
   seed: int = _f(0, "Parameter initialisation seed.")
   nan_policy: str = _f("stop", "A step whose loss or gradient norm is not finite never updates the state. stop: the run "
                        "stops at the next log line or checkpoint with a diagnostic (exit code 3), writing no checkpoint "

@@ -96,6 +96,8 @@ def validate(cfg: Config) -> None:
   _require(len(set(names)) == len(names), "data.mixture", names, "names its components twice (give each a name)")
   for name in ("steps", "batch_size", "grad_accum_steps", "log_every", "checkpoint_every", "keep_checkpoints"):
     _require(getattr(t, name) > 0, f"train.{name}", getattr(t, name), "must be a positive integer")
+  _require(t.num_vocab_tiling >= 1 and m.vocab_size % t.num_vocab_tiling == 0, "train.num_vocab_tiling",
+           t.num_vocab_tiling, f"must be a positive divisor of model.vocab_size={m.vocab_size}")
   _require(t.batch_size % t.grad_accum_steps == 0, "train.grad_accum_steps", t.grad_accum_steps,
            f"must divide train.batch_size={t.batch_size}")
   _require(-2**63 <= t.seed < 2**63, "train.seed", t.seed, "must be a signed 64-bit integer")

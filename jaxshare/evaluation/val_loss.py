@@ -15,9 +15,10 @@ from jaxshare.data import Datasets
 from jaxshare.model.loss import token_losses
 
 
-def make_eval_step(graphdef: nnx.GraphDef) -> Callable[[dict, dict], tuple[jax.Array, jax.Array]]:
-  """``(params, batch) -> (sum_loss, count)`` for validation (:func:`~jaxshare.model.loss.token_losses`)."""
-  return functools.partial(token_losses, graphdef)
+def make_eval_step(graphdef: nnx.GraphDef, vocab_tiles: int = 1) -> Callable[[dict, dict], tuple[jax.Array, jax.Array]]:
+  """``(params, batch) -> (sum_loss, count)`` for validation (:func:`~jaxshare.model.loss.token_losses`, over
+  ``vocab_tiles`` vocabulary tiles)."""
+  return functools.partial(token_losses, graphdef, vocab_tiles=vocab_tiles)
 
 
 def loss_sums(eval_fn, batch_sharding: NamedSharding, params, batches: Iterable[dict]) -> tuple[float, float]:

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxshare import parallel
-from jaxshare.context import AXIS, size
+from jaxshare.context import AXIS, GATHERED, in_order, size
 
 
 def _chunks(q_rows: int) -> tuple[tuple[int, jax.Array], ...]:
@@ -27,8 +27,8 @@ def _chunks(q_rows: int) -> tuple[tuple[int, jax.Array], ...]:
   return (0, i * half), (half, (2 * c - 1 - i) * half)
 
 
-def local_queries(kernel: Callable, queries: Sequence[tuple[jax.Array, tuple]], keys: Sequence[tuple[jax.Array,
-                  tuple]], out_axes, *, query_axis: Sequence[int], out_query_axis) -> object:
+def local_queries(kernel: Callable, queries: Sequence[tuple[jax.Array, tuple]], keys: Sequence[tuple],
+                  out_axes, *, query_axis: Sequence[int], out_query_axis) -> object:
   """Run ``kernel(*local query chunks, *keys, q_offset)`` on each device's two query chunks and join the results.
 
   Args:
@@ -36,8 +36,10 @@ def local_queries(kernel: Callable, queries: Sequence[tuple[jax.Array, tuple]], 
       the sequence (int32 scalar); returns an array or a tuple of arrays.
     queries: ``(array, logical axes)`` pairs sharded along the sequence (``activation_length``: over the context
       axis) in the load-balanced layout (:func:`jaxshare.context.layout`).
-    keys: ``(array, logical axes)`` pairs replicated along the sequence (gathered, in order); a pytree with axes None
-      is replicated whole.
+    keys: ``(array, logical axes, sequence axis)`` triples replicated along the sequence: gathered keys in the
+      layout (:func:`jaxshare.context.gather_keys`), put in order on each device (:func:`~jaxshare.context.in_order`)
+      along their sequence axis; None where the array is in order already or has none (document ids, weights). A
+      pytree with axes None is replicated whole.
     out_axes: the logical axes of each output (a tuple of tuples for several outputs).
     query_axis: the sequence axis of each query array; out_query_axis: of each output (an int or a tuple).
 
@@ -53,8 +55,11 @@ def local_queries(kernel: Callable, queries: Sequence[tuple[jax.Array, tuple]], 
 
   several = isinstance(out_query_axis, tuple)
 
+  c = size()
+
   def per_device(*args):
-    local_q, local_k = args[:len(queries)], args[len(queries):]
+    local_q = args[:len(queries)]
+    local_k = [x if ax is None else in_order(x, ax, c) for x, (_, _, ax) in zip(args[len(queries):], keys)]
     rows = local_q[0].shape[query_axis[0]]
     outs = []
     for start, offset in _chunks(rows):
@@ -64,9 +69,10 @@ def local_queries(kernel: Callable, queries: Sequence[tuple[jax.Array, tuple]], 
       return tuple(jnp.concatenate(parts, axis=ax) for parts, ax in zip(zip(*outs), out_query_axis))
     return jnp.concatenate(outs, axis=out_query_axis)
 
-  in_specs = tuple(spec(a, axes) for a, axes in (*queries, *keys))
-  return jax.shard_map(per_device, mesh=mesh, in_specs=in_specs, out_specs=_out_specs(out_axes, queries, mesh),
-                       check_vma=False)(*(a for a, _ in (*queries, *keys)))
+  in_specs = tuple(spec(a, axes) for a, axes, *_ in (*queries, *keys))
+  with jax.named_scope("kv_gather"):  # its transpose sums the keys' gradients over the context axis: K/V traffic
+    return jax.shard_map(per_device, mesh=mesh, in_specs=in_specs, out_specs=_out_specs(out_axes, queries, mesh),
+                         check_vma=False)(*(a for a, *_ in (*queries, *keys)))
 
 
 def _out_specs(out_axes, queries, mesh):
@@ -81,7 +87,7 @@ def _out_specs(out_axes, queries, mesh):
 
 
 _Q = ("activation_batch", "activation_length", "activation_heads", None)
-_KV = ("activation_batch", None, "activation_kv_heads", None)
+_KV = GATHERED
 _SEG = ("activation_batch", None)
 _LSE = ("activation_batch", "activation_heads", "activation_length")
 
@@ -92,7 +98,7 @@ def _kv_axes(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[tuple, tuple]:
   mesh = jax.sharding.get_abstract_mesh()
   heads = parallel.logical_to_spec(("activation_heads",), q.shape[2:3], mesh)[0]
   split = math.prod(mesh.shape[a] for a in ((heads,) if isinstance(heads, str) else heads or ()))
-  axes = lambda g: _KV if split > 1 and g % split == 0 else ("activation_batch", None, None, None)  # noqa: E731
+  axes = lambda g: _KV if split > 1 and g % split == 0 else (_KV[0], None, None, None)  # noqa: E731
   if split > 1 and any(g % split and g != 1 for g in (k.shape[2], v.shape[2])):
     raise NotImplementedError("context parallelism with K/V heads that do not split like the query heads")
   return axes(k.shape[2]), axes(v.shape[2])
@@ -101,8 +107,9 @@ def _kv_axes(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[tuple, tuple]:
 def attention(kernel: Callable, q, k, v, segment_ids, *, causal: bool = True, scale: float | None = None,
               window: int = 0, return_lse: bool = False):
   """Softmax attention (the contract of :func:`jaxshare.kernels.reference.attention`) of local queries ``q [B, T, H,
-  e]`` (in the :func:`~jaxshare.context.layout`) against gathered keys ``k [B, S, G, e]``, ``v [B, S, G, d]`` and document ids
-  ``segment_ids [B, S]`` (in order): ``kernel`` (that contract plus ``q_offset``) per device and query chunk."""
+  e]`` (in the :func:`~jaxshare.context.layout`) against gathered keys ``k [B, S, G, e]``, ``v [B, S, G, d]`` (in the
+  layout too) and document ids ``segment_ids [B, S]`` (in order): ``kernel`` (that contract plus ``q_offset``) per
+  device and query chunk."""
   k_axes, v_axes = _kv_axes(q, k, v)
 
   def chunk(q, k, v, seg, offset):
@@ -111,7 +118,7 @@ def attention(kernel: Callable, q, k, v, segment_ids, *, causal: bool = True, sc
                   q_offset=offset)
 
   out_axes, out_query_axis = ((_Q, _LSE), (1, 2)) if return_lse else (_Q, 1)
-  return local_queries(chunk, [(q, _Q)], [(k, k_axes), (v, v_axes), (segment_ids, _SEG)], out_axes,
+  return local_queries(chunk, [(q, _Q)], [(k, k_axes, 1), (v, v_axes, 1), (segment_ids, _SEG, None)], out_axes,
                        query_axis=(1,), out_query_axis=out_query_axis)
 
 
@@ -126,5 +133,5 @@ def attention_from_lse(kernel: Callable, q, k, lse, v, segment_ids, *, scale: fl
     q_seg = jax.lax.dynamic_slice_in_dim(seg, offset, q.shape[1], axis=1)
     return kernel(q, k, lse, v, q_seg, seg, scale=scale, causal=causal, window=window, q_offset=offset)
 
-  return local_queries(chunk, [(q, _Q), (lse, _LSE)], [(k, k_axes), (v, v_axes), (segment_ids, _SEG)], _Q,
-                       query_axis=(1, 2), out_query_axis=1)
+  return local_queries(chunk, [(q, _Q), (lse, _LSE)], [(k, k_axes, 1), (v, v_axes, 1), (segment_ids, _SEG, None)],
+                       _Q, query_axis=(1, 2), out_query_axis=1)

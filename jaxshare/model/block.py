@@ -134,6 +134,8 @@ class LayerRun(nnx.Module):
     self.recompute = plan.attention.score_sharing == ScoreSharing.RECOMPUTE
     self.remat = plan.model.remat
     self.hoist, self.shares_kv, self.shares_q = hoist, shares_kv, shares_q
+    # the superblock's input is its checkpoint's own argument, kept anyway: naming it would keep a second copy
+    self.named_input = hoist and run.start > 0
 
     @nnx.split_rngs(splits=run.length)
     @nnx.vmap(in_axes=(0,), out_axes=0)
@@ -170,20 +172,21 @@ class LayerRun(nnx.Module):
         base, width = score_in.q_lr.shape[0] - self.length, 1
     call = self._layer_call(capture)
 
-    def body(layer: DecoderLayer, carry, i, kernels):
+    def body(layer: DecoderLayer, carry, i, kernels, stacked: bool = False):
       x, state = carry
-      x = checkpoint_name(x, remat.LAYER_INPUT)  # what a superblock's checkpoint keeps of each layer
+      if self.named_input:  # what a superblock's checkpoint keeps of each layer after its first
+        x = checkpoint_name(x, remat.LAYER_INPUT)
       score, slot = (state if chain else score_in), base + i * width
-      prepared = layer.prepare(x, positions, kv_in, score, slot, kernels, own_kv=self.shares_kv,
-                               source_q=self.shares_q) if self.hoist else None
+      prepared = (self._first(layer) if stacked else layer).prepare(
+        x, positions, kv_in, score, slot, kernels, own_kv=self.shares_kv, source_q=self.shares_q) if self.hoist else None
       out, item = call(layer, x, positions, segment_ids, *((None, None) if self.hoist else (kv_in, score)), slot,
-                       kernels, prepared)
+                       kernels, prepared, stacked)
       handed = _keep_lse(out.handed)
       return (out.y, handed if chain else None), (out.kv, handed, item)
 
     carry = (x, score_in if chain else None)
     if self.length == 1:  # the only layer: what it hands on (its K/V, its scores) may be read by position
-      (x, _), (kv, state, item) = body(self._layer(0), carry, 0, self._first(head_kernels))
+      (x, _), (kv, state, item) = body(self.layers, carry, 0, self._first(head_kernels), stacked=True)
       return RunOut(x, kv, state, [item] if self._captures(capture) else [])
 
     def step(layer, carry, per_layer):
@@ -198,14 +201,18 @@ class LayerRun(nnx.Module):
   def _layer_call(self, capture: str | None):
     """One layer's forward (its :meth:`DecoderLayer.prepare`, unless prepared outside, and its call), under the
     layer's checkpoint when ``model.remat`` asks for one. Returns ``(Attended without its used state, capture)``."""
-    def call(layer: DecoderLayer, x, positions, segment_ids, kv_in, score, slot, kernels, prepared):
+    def call(layer: DecoderLayer, x, positions, segment_ids, kv_in, score, slot, kernels, prepared, stacked):
+      if stacked:  # sliced inside the checkpoint, which then keeps no copy of the parameters
+        layer = LayerRun._first(layer)
       if prepared is None:
         prepared = layer.prepare(x, positions, kv_in, score, slot, kernels)
       out, mha = layer(x, positions, segment_ids, prepared, kernels)
       item = mha if capture == "mha" else scores.logits(out.used) if capture and out.used is not None else None
       return out.replace(used=None), item
 
-    return remat.checkpoint(call, remat.layer_policy(self.remat)) if remat.enabled(self.remat) else call
+    if not remat.enabled(self.remat):
+      return call
+    return remat.checkpoint(call, remat.layer_policy(self.remat), static_argnums=(9,))
 
   def decode(self, x: jax.Array, ctx: StepContext, buffers: kv_cache.Buffers, kv_in: DecodeKV | None,
              score_in: jax.Array | None, head_kernels: dict | None, nf: bool = False) -> Decoded:
@@ -240,6 +247,10 @@ class LayerRun(nnx.Module):
 
   @staticmethod
   def _first(tree):
+    """The first of a stack: a module's parameters (split, sliced and merged), or an array tree's."""
+    if isinstance(tree, nnx.Module):
+      graphdef, params = nnx.split(tree)
+      return nnx.merge(graphdef, jax.tree.map(lambda a: a[0], params))
     return jax.tree.map(lambda a: a[0], tree)
 
   def _captures(self, capture: str | None) -> bool:

@@ -233,8 +233,8 @@ def _context_chain_attention(state: AlignerChain, v: jax.Array, segment_ids: jax
   """:func:`chain_attention` under context parallelism: each device's query chunks (``q``, ``q_lr`` in the layout)
   against the chain's gathered keys (:func:`jaxshare.kernels.local_queries.local_queries`), heads whole."""
   q_axes = ("activation_batch", "activation_length", None, None)
-  whole = lambda x: ("activation_batch",) + (None,) * (x.ndim - 1)  # noqa: E731
-  stacked = lambda x: (None, "activation_batch") + (None,) * (x.ndim - 2)  # noqa: E731
+  gathered = lambda x: (context.GATHERED[0],) + (None,) * (x.ndim - 1)  # noqa: E731  heads whole
+  stacked = lambda x: (None, context.GATHERED[0]) + (None,) * (x.ndim - 2)  # noqa: E731
 
   def kernel(q, q_lr, k, k_lr, weights, last, v, segments, offset):
     chunk = AlignerChain(q, k, q_lr, k_lr, weights, last, state.integrator)
@@ -242,8 +242,9 @@ def _context_chain_attention(state: AlignerChain, v: jax.Array, segment_ids: jax
 
   return local_queries.local_queries(
     kernel, [(state.q, q_axes), (state.q_lr, (None, "activation_batch", "activation_length", None, None))],
-    [(state.k, whole(state.k)), (state.k_lr, stacked(state.k_lr)), (state.weights, None), (state.last, ()),
-     (v, whole(v)), (segment_ids, whole(segment_ids))], q_axes, query_axis=(1, 2), out_query_axis=1)
+    [(state.k, gathered(state.k), 1), (state.k_lr, stacked(state.k_lr), 2), (state.weights, None, None),
+     (state.last, (), None), (v, gathered(v), 1), (segment_ids, ("activation_batch", None), None)], q_axes,
+    query_axis=(1, 2), out_query_axis=1)
 
 
 def append_aligner(state: AlignerChain, slot: jax.Array | int, q_lr: jax.Array, k_lr: jax.Array,
@@ -320,17 +321,21 @@ def _aligner_entry(state: ScoreFeatures | AlignerChain, integrator: str, slots: 
     return ScoreTensors(logits=logits(state))
   if isinstance(state, ScoreFeatures):
     state = AlignerChain(state.q.astype(jnp.float32) * jnp.float32(state.scale), state.k.astype(jnp.float32),
-                         *_empty_slots(state.q, 0, rank, hidden, integrator), jnp.asarray(-1, jnp.int32), integrator)
-  q_lr, k_lr, weights = _empty_slots(state.q, slots, rank, hidden, integrator)
+                         *_empty_slots(state.q, state.k, 0, rank, hidden, integrator), jnp.asarray(-1, jnp.int32),
+                         integrator)
+  q_lr, k_lr, weights = _empty_slots(state.q, state.k, slots, rank, hidden, integrator)
   join = lambda a, b: jnp.concatenate([a, b])  # noqa: E731
   return AlignerChain(state.q, state.k, join(state.q_lr, q_lr), join(state.k_lr, k_lr),
                       tuple(join(a, b) for a, b in zip(state.weights, weights)), state.last, integrator)
 
 
-def _empty_slots(q: jax.Array, slots: int, rank: int, hidden: int, integrator: str):
+def _empty_slots(q: jax.Array, k: jax.Array, slots: int, rank: int, hidden: int, integrator: str):
+  """Zero query and key slots (the keys' batch and length are the keys' own: gathered copies under context
+  parallelism, :func:`jaxshare.context.gather_keys`) and aligner weights."""
   b, t, h, _ = q.shape
   shapes = [(2 * h, hidden), (hidden, h)] if integrator == "ffn" else [(2 * h, h)]
-  return (jnp.zeros((slots, b, t, h, rank), jnp.float32), jnp.zeros((slots, b, t, h, rank), jnp.float32),
+  return (jnp.zeros((slots, b, t, h, rank), jnp.float32), jnp.zeros((slots, k.shape[0], k.shape[1], h, rank),
+                                                                     jnp.float32),
           tuple(jnp.zeros((slots, *shape), jnp.float32) for shape in shapes))
 
 

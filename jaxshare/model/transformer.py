@@ -142,8 +142,22 @@ class Transformer(nnx.Module):
     """
     return self._forward(tokens, positions, segment_ids, "mha")
 
+  def final_hidden(self, tokens: jax.Array, positions: jax.Array | None = None,
+                   segment_ids: jax.Array | None = None) -> jax.Array:
+    """The final norm's output ``[B, T, D]`` in the compute dtype, which the LM head (:meth:`head_kernel`) maps to
+    logits: for losses that never hold ``[B, T, V]`` (:func:`jaxshare.model.loss.tiled_cross_entropy`). Arguments
+    as :meth:`__call__`."""
+    return self.final_norm(self._forward(tokens, positions, segment_ids, None, hidden=True)[0]).astype(self.dtype)
+
+  def head_kernel(self) -> jax.Array:
+    """The LM head ``[D, V]`` in the compute dtype (the embedding transposed when tied), its embed dimension gathered
+    as FSDP gathers a weight before use: left sharded, XLA contracts over the shards and all-reduces whole-sequence
+    logits (2 GiB of float32 per 4000-entry tile at 128k tokens) instead of keeping them sharded by token."""
+    w = self.embedding[...].T if self.lm_head is None else self.lm_head.kernel[...]
+    return parallel.constrain(w, (None, "vocab")).astype(self.dtype)
+
   def _forward(self, tokens: jax.Array, positions: jax.Array | None, segment_ids: jax.Array | None,
-               capture: str | None) -> tuple[jax.Array, jax.Array | MHAActivations | None]:
+               capture: str | None, hidden: bool = False) -> tuple[jax.Array, jax.Array | MHAActivations | None]:
     b, t = tokens.shape
     if positions is None:
       positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
@@ -160,8 +174,9 @@ class Transformer(nnx.Module):
     for stack, kernels in zip(self.stacks, self._stack_kernels()):
       x, ys = stack(x, positions, segment_ids, capture, kernels)
       captured.extend(ys)
-    logits = self._logits(context.from_layout(x))
-    return logits, (jax.tree.map(lambda *a: jnp.stack(a), *captured) if capture else None)
+    x = context.from_layout(x)
+    out = x if hidden else self._logits(x)
+    return out, (jax.tree.map(lambda *a: jnp.stack(a), *captured) if capture else None)
 
   def decode(self, tokens: jax.Array, cache: DecodeCache, nf: bool = False) -> tuple[jax.Array, DecodeCache]:
     """Append ``n`` tokens to the cache and return their next-token logits: prefill (the prompt, ``n`` = its

@@ -106,7 +106,7 @@ class _Trainer:
     self.teacher_shardings = (jax.tree.map(lambda x: x.sharding, self.teacher_params)
                               if self.teacher_params is not None else None)
     self.step_fn = jit_train_step(self.setup, self.objective, self.teacher_shardings)
-    self.eval_fn = jax.jit(make_eval_step(self.setup.graphdef),
+    self.eval_fn = jax.jit(make_eval_step(self.setup.graphdef, self.cfg.train.num_vocab_tiling),
                            in_shardings=(self.setup.param_shardings, self.setup.batch_sharding))
 
   def announce(self) -> None:

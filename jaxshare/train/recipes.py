@@ -106,4 +106,4 @@ def build_objective(cfg: Config, setup: TrainSetup, teacher: Run | None, pairs: 
   return Objective(kd_beta=t.kd_beta, kd_delta=t.kd_delta, kd_layers=kd_layers,
                    teacher_graphdef=teacher.graphdef if teacher is not None else None,
                    postshare_gamma=t.postshare_gamma, postshare_pairs=None if pairs is None else pairs.pairs,
-                   schedule=setup.schedule, window=cfg.model.sliding_window)
+                   schedule=setup.schedule, window=cfg.model.sliding_window, vocab_tiles=t.num_vocab_tiling)

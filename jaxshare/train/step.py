@@ -16,7 +16,7 @@ from jaxshare.kernels.dispatch import knowing
 from jaxshare.kernels.reference import attention_mask, documents_per_row
 from jaxshare.model.ties import MATRICES
 from jaxshare.data.batch import Batch
-from jaxshare.model.loss import masked_cross_entropy
+from jaxshare.model.loss import lm_loss, masked_cross_entropy
 from jaxshare.model.params import layer_params
 from jaxshare.schedule import Schedule
 
@@ -58,6 +58,8 @@ class Objective:
       L_w``, ``L_w = (1/|N|) sum_{(i,j) in N} sum_{m in q,k,v} ||W_i^m - W_j^m||_F`` over the selected head pairs
       (``{"q", "k", "v"}: ((head, matched earlier head), ...)``, flat indices ``layer * H + head``).
     window: the model's sliding attention window (0: none); the distillation ignores cells outside it.
+    vocab_tiles: the language-modelling loss over this many vocabulary tiles (``train.num_vocab_tiling``,
+      :func:`~jaxshare.model.loss.tiled_cross_entropy`); 1: from the whole logits.
   """
 
   kd_beta: float = 0.0
@@ -68,6 +70,7 @@ class Objective:
   postshare_pairs: dict[str, tuple[tuple[int, int], ...]] | None = None
   schedule: Schedule | None = None
   window: int = 0
+  vocab_tiles: int = 1
 
 
 def _safe_norm(x: jax.Array) -> jax.Array:
@@ -142,10 +145,10 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, lr
       layers = np.asarray(objective.kd_layers)
       kd_loss = distillation_loss(attn[layers], t_attn[layers], mb.segment_ids, objective.kd_delta,
                                   objective.window)
+      lm_sum, _ = masked_cross_entropy(logits, mb)
     else:
-      logits = model(mb.inputs, mb.positions, mb.segment_ids)
+      lm_sum, _ = lm_loss(model, mb, objective.vocab_tiles)
       kd_loss = jnp.zeros((), jnp.float32)
-    lm_sum, _ = masked_cross_entropy(logits, mb)
     value = lm_weight * lm_sum / total_count + objective.kd_beta * kd_loss / grad_accum_steps
     return value, (lm_sum, kd_loss)
 
