@@ -99,11 +99,13 @@ def _signature(shapes: str) -> tuple:
 
 
 def _moved(kind: str, result: int, n: int) -> float:
+  if kind == "collective-permute":  # each device sends its buffer to one other
+    return float(result)
   if n <= 1:
     return 0.0
   share = (n - 1) / n
   return {"all-gather": result * share, "reduce-scatter": result * (n - 1), "all-reduce": 2 * result * share,
-          "all-to-all": result * share, "collective-permute": float(result)}[kind]
+          "all-to-all": result * share}[kind]
 
 
 def _computations(text: str) -> dict[str, list[str]]:

@@ -16,6 +16,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from jaxshare import parallel
+from jaxshare.aot.collectives import Traffic, traffic
 from jaxshare.config import Config
 from jaxshare.data.batch import Batch
 from jaxshare.kernels import pallas
@@ -44,7 +45,8 @@ class Compiled:
   Attributes:
     name: what was compiled. custom_calls: kernel custom calls in the program (:data:`KERNEL_CALL`). memory:
     ``memory_analysis()`` (bytes per device). flops: ``cost_analysis()`` FLOPs (None where XLA gives none: GPU).
-    kernels: the custom calls by kernel family (:func:`kernel_families`).
+    kernels: the custom calls by kernel family (:func:`kernel_families`). traffic: the bytes its collectives move
+    per device (:func:`jaxshare.aot.collectives.traffic`).
   """
 
   name: str
@@ -52,6 +54,7 @@ class Compiled:
   memory: dict | None = None
   flops: float | None = None
   kernels: dict[str, int] = dataclasses.field(default_factory=dict)
+  traffic: Traffic | None = None
 
   def kernel_summary(self) -> str:
     """``splash x6, pallas x3``: the kernel custom calls by family (:func:`kernel_families`)."""
@@ -97,7 +100,7 @@ def summarize(name: str, compiled, text: str, marker: str) -> Compiled:
   memory = {f: getattr(mem, f) for f in MEMORY_FIELDS if hasattr(mem, f)} if mem is not None else None
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, list) else cost
-  return Compiled(name, text.count(marker), memory, (cost or {}).get("flops"), kernel_families(text))
+  return Compiled(name, text.count(marker) if marker else 0, memory, (cost or {}).get("flops"), kernel_families(text), traffic(text))
 
 
 def kernel_programs(batch: int = 2, length: int = 512, heads: int = 8, kv_heads: int = 2, width: int = 128,
@@ -194,7 +197,7 @@ def compile_traced(step: TracedStep, name: str) -> Compiled:
   it does not fit in TPU HBM)."""
   with jax.set_mesh(step.setup.mesh):
     compiled = step.traced.lower().compile()
-  return summarize(name, compiled, compiled.as_text(), KERNEL_CALL[step.setup.mesh.devices.flat[0].platform])
+  return summarize(name, compiled, compiled.as_text(), KERNEL_CALL.get(step.setup.mesh.devices.flat[0].platform, ""))
 
 
 def compile_train_step(cfg: Config, mesh: jax.sharding.Mesh) -> Compiled:

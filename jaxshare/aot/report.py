@@ -44,6 +44,7 @@ import jax
 import numpy as np
 
 from jaxshare.aot import topology
+from jaxshare.aot.collectives import KINDS, Traffic
 from jaxshare.aot.compile import compile_traced, compiler_oom, trace_train_step, usable_hbm
 from jaxshare.config import Config, ConfigError
 
@@ -68,6 +69,8 @@ class Fit:
     peak_flops: the chip's dense bf16 peak FLOP/s (None: unknown). compile_s: seconds to trace and compile.
     usable_note: where ``usable`` comes from (the TPU compiler, or jax's share of a GPU).
     kernels: the compiled step's kernel calls by family (``splash x6, pallas decode x0``; "" when refused).
+    traffic: the bytes the step's collectives move per chip (None when refused;
+      :func:`jaxshare.aot.collectives.traffic`).
   """
 
   topology: str
@@ -92,6 +95,7 @@ class Fit:
   compile_s: float
   usable_note: str = "the compiler's limit"
   kernels: str = ""
+  traffic: Traffic | None = None
 
   @property
   def limit(self) -> int:
@@ -205,7 +209,7 @@ def check(cfg: Config, target: str, num_slices: int | None = None) -> Fit:
   if kernels:  # the kernels' attention, which no count sees: the model's causal attention matmuls, forward x 3
     ctx = (cfg.data.seq_len + 1) / 2
     executed += 3 * tokens * (plan.forward_flops_per_token(ctx) - plan.forward_flops_per_token(0))
-  memory, error, xla_flops, kernel_families = None, "", None, ""
+  memory, error, xla_flops, kernel_families, moved = None, "", None, "", None
   try:
     compiled = compile_traced(step, f"train_step[{cfg.schedule.kind}]")
   except jax.errors.JaxRuntimeError as e:
@@ -215,11 +219,20 @@ def check(cfg: Config, target: str, num_slices: int | None = None) -> Fit:
     hbm, said = compiler_oom(str(e))
     usable = said or usable
   else:
-    memory, xla_flops, kernel_families = compiled.memory, compiled.flops, compiled.kernel_summary()
+    memory, xla_flops, kernel_families, moved = (compiled.memory, compiled.flops, compiled.kernel_summary(),
+                                                 compiled.traffic)
     hbm = memory.get("peak_memory_in_bytes") or _sum_bytes(memory)
   return Fit(name, kind, mesh.devices.size, cfg.mesh.num_slices, dict(mesh.shape), cfg.train.batch_size,
              cfg.data.seq_len, unit, capacity, _state_bytes(step.state), hbm, usable, memory, error, model_flops,
-             executed, kernels, xla_flops, _peak_flops(kind), time.perf_counter() - start, note, kernel_families)
+             executed, kernels, xla_flops, _peak_flops(kind), time.perf_counter() - start, note, kernel_families,
+             moved)
+
+
+def traffic_summary(traffic: Traffic) -> str:
+  """``all-gather 31.82 GiB, reduce-scatter 15.96 GiB; attention K/V 42.00 GiB (87%)``: bytes moved per chip."""
+  kinds = ", ".join(f"{kind} {gib(int(traffic.by_kind[kind]))}" for kind in KINDS if kind in traffic.by_kind) or "none"
+  share = f" ({traffic.kv / traffic.total:.0%})" if traffic.total else ""
+  return f"{kinds}; attention K/V {gib(int(traffic.kv))}{share}"
 
 
 def gib(n: int | None) -> str:
@@ -257,6 +270,8 @@ def format_report(fit: Fit, target: str) -> str:
   if fit.kernels:
     lines.append(f"  attention kernels in the compiled step: {fit.kernels}")
   lines.append(f"  train state per chip: {gib(fit.state_bytes)} (parameters and optimizer moments{padding})")
+  if fit.traffic is not None and fit.chips > 1:
+    lines.append(f"  collectives per chip per step: {traffic_summary(fit.traffic)}")
   per_chip = fit.executed_flops / fit.chips
   kernels = f"; {fit.kernel_calls} Pallas kernel calls, counted as the model's attention" if fit.kernel_calls else ""
   lines.append(f"  FLOPs per step: model {fit.model_flops:.3e}, executed {fit.executed_flops:.3e} "

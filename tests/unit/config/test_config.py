@@ -32,6 +32,17 @@ def test_repo_experiment_files_load():
   (["model.rotary_pct=0.01"], "model.rotary_pct"),
   (["train.steps"], "key=value"),
   (["mesh.data=-1", "mesh.fsdp=-1"], "at most one mesh axis"),
+  (["mesh.context=4", "data.seq_len=100"],
+   "data.seq_len=100 is invalid: must be a multiple of 2 x the context axis (8: mesh.context=4 x mesh.dcn_context=1)"),
+  (["mesh.context=3", "mesh.dcn_context=2", "data.seq_len=30"], "data.seq_len=30 is invalid: must be a multiple of 2 x "
+                                                                "the context axis (12"),
+  (["mesh.context=2", "attention.score_sharing=materialize"],
+   "attention.score_sharing='materialize' is invalid: must be recompute with mesh.context > 1"),
+  (["mesh.context=2", "train.kd_beta=0.25", "train.init_from=runs/x"], "train.kd_beta=0.25 is invalid: must be 0 with"),
+  (["mesh.context=0"], "mesh.context=0 is invalid: must be a positive axis size or -1"),
+  (["model.remat=selective"], "model.remat='selective' is invalid: must be one of none, full, minimal"),
+  (["train.num_vocab_tiling=3"], "train.num_vocab_tiling=3 is invalid: must be a positive divisor of "
+                                 "model.vocab_size=256"),
   (["train.recipe=uniattn_two_stage", "train.trainable=sharing"],
    "train.trainable='sharing' is invalid: must be all with train.recipe=uniattn_two_stage"),
   (["train.stage2_steps=5"], "train.stage2_steps=5 is invalid: needs train.recipe=uniattn_two_stage"),

@@ -1,0 +1,67 @@
+"""The collective traffic of a compiled step (jaxshare.aot.collectives): ring volumes per kind, loop trip counts, the
+costliest branch, async tuples, and the K/V share; on 4 host devices CLA2 moves half of dense's K/V bytes and MLKV
+(2 producers of 2 heads against 4 layers of 4) a quarter."""
+
+import jax
+import pytest
+
+from conftest import tiny_config
+from jaxshare import parallel
+from jaxshare.aot.collectives import traffic
+from jaxshare.aot.compile import compile_traced, trace_train_step
+from jaxshare.config.catalogue import schedule_matrix
+
+HLO = """HloModule jit_step, entry_computation_layout={()->()}
+
+%body (p: (s32[], bf16[8,64])) -> (s32[], bf16[8,64]) {
+  %p = (s32[], bf16[8,64]) parameter(0)
+  %ag = ((bf16[16,64]), bf16[128,64]) all-gather-start(%x), replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}, metadata={op_name="jit(step)/while/body/kv_gather/sharding_constraint"}
+  %agd = bf16[128,64] all-gather-done(%ag)
+  %rs = ((bf16[1,128,64]), bf16[1,16,64]) reduce-scatter-start(%y), replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={1}, to_apply=%add
+  %rsd = bf16[1,16,64] reduce-scatter-done(%rs)
+  ROOT %t = (s32[], bf16[8,64]) tuple(%i, %z)
+}
+
+%cheap (a: f32[4]) -> f32[4] {
+  %a = f32[4] parameter(0)
+  ROOT %ar = f32[4] all-reduce(%a), replica_groups=[2,4]<=[8], to_apply=%add
+}
+
+%dear (a: f32[4]) -> f32[4] {
+  %a = f32[4] parameter(0)
+  %ar1 = f32[1024] all-reduce(%a), replica_groups=[2,4]<=[8], to_apply=%add
+  ROOT %cp = f32[4] collective-permute(%a), source_target_pairs={{0,1},{1,0}}
+}
+
+ENTRY %main (x: bf16[8,64]) -> f32[4] {
+  %x = bf16[8,64] parameter(0)
+  %w = (s32[], bf16[8,64]) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"3"}}
+  %c = f32[4] conditional(%i, %a, %a), branch_computations={%cheap, %dear}
+  ROOT %g = f32[4] all-gather(%a), replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_1'}, dimensions={0}
+}
+"""
+
+
+def test_volumes_loops_branches_and_the_kv_share():
+  t = traffic(HLO)
+  gather = 128 * 64 * 2 * 7 / 8  # the result each device receives, less its own eighth
+  scatter = 16 * 64 * 2 * 7  # the result's (n - 1) multiples: its operand is 8 results, 7/8 of them moved
+  costliest = 2 * 1024 * 4 * 3 / 4 + 4 * 4  # the dear branch: a ring all-reduce over 4 devices and a permute
+  assert t.by_kind == pytest.approx({"all-gather": 3 * gather + 4 * 4 * 3 / 4, "reduce-scatter": 3 * scatter,
+                                     "all-reduce": costliest - 16, "collective-permute": 16})
+  # the unnamed reduce-scatter's operand has the gathered keys' shape (up to unit dimensions): their gradients' sum
+  assert t.kv == pytest.approx(3 * (gather + scatter))
+  assert t.count == 3 * 2 + 2 + 1
+
+
+@pytest.mark.parametrize("remat", ["none", "full"])
+def test_sharing_moves_a_share_of_dense_kv_bytes_under_context_parallelism(remat):
+  families = schedule_matrix("families")
+  kv = {}
+  for name in ("dense", "cla", "mlkv"):
+    cfg = tiny_config(*families[name], "mesh.context=4", "train.batch_size=4", f"model.remat={remat}")
+    compiled = compile_traced(trace_train_step(cfg, parallel.make_mesh(cfg.mesh, jax.devices()[:4])), name)
+    kv[name] = compiled.traffic.kv
+  assert kv["dense"] > 0
+  assert kv["cla"] == pytest.approx(kv["dense"] / 2)
+  assert kv["mlkv"] == pytest.approx(kv["dense"] / 4)
