@@ -1,11 +1,14 @@
 #!/usr/bin/env python
-"""The long-context fit table: for each GPU or TPU topology, sequence length and schedule, the largest global batch
-whose train step compiles within the device's memory (``train.py --compile-only --max-batch``, compiled on this host
-for the target), and the decode KV cache one sequence of that length needs. The memory argument for sharing, as
-numbers a user planning a run can check.
+"""The long-context fit table: for each scenario (a model, a GPU or TPU topology, a sequence length and the context
+axis it is split over), schedule and rematerialisation policy, the largest global batch whose train step compiles
+within the device's memory (``train.py --compile-only --max-batch``, compiled on this host for the target), its HBM
+per chip, the bytes its collectives move per chip and step (attention K/V apart), the step-time bound of its FLOPs,
+and the decode KV cache one sequence of that length needs.
 
-  python scripts/fit_table.py                                   # h100:1 and h100:8; T = 8k, 32k, 128k; 5 schedules
-  python scripts/fit_table.py --topology v5e:2x2 --lengths 8192 --schedules dense cla2
+  python scripts/fit_table.py                      # the three long-context scenarios, remat full and save_qkv_proj
+  python scripts/fit_table.py --scenario 1b-h100-128k --remat full --schedules dense cla2
+  python scripts/fit_table.py --topology h100:8 --lengths 8192 32768 --config configs/experiments/llama_1b_h100.yaml
+  python scripts/fit_table.py --policies           # every policy's memory and FLOPs: dense at 8k and 32k
 
 Needs the compile-only runtimes of ``make install-aot``. Prints one markdown row per compile search as it finishes.
 """
@@ -13,6 +16,7 @@ Needs the compile-only runtimes of ``make install-aot``. Prints one markdown row
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -26,41 +30,119 @@ use_host_compiler()  # before JAX is imported
 
 from jaxshare import accounting, smoke  # noqa: E402
 from jaxshare.aot.fit import max_batch  # noqa: E402
-from jaxshare.aot.report import gib  # noqa: E402
+from jaxshare.aot.report import Fit, check, gib  # noqa: E402
 from jaxshare.config import load_config  # noqa: E402
 from jaxshare.config.catalogue import schedule_matrix  # noqa: E402
+from jaxshare.config.choices import RematPolicy  # noqa: E402
 from jaxshare.exit_codes import report_input_errors  # noqa: E402
 from jaxshare.plan import plan_of  # noqa: E402
 
-# The ~1.2B Llama's 32 heads of 64 under each schedule (the variants docs/gpu.md and bench_mfu.py measure).
-SCHEDULES = schedule_matrix("script_fit_table")
-CONFIG = REPO / "configs" / "experiments" / "llama_1b_h100.yaml"
+EXPERIMENTS = REPO / "configs" / "experiments"
+
+
+@dataclasses.dataclass(frozen=True)
+class Scenario:
+  """A model on a topology at a sequence length: its experiment config and overrides, and its schedule matrix."""
+
+  model: str
+  target: str
+  config: Path
+  overrides: tuple[str, ...]
+  matrix: str
+
+
+SCENARIOS = {
+  # one 128k-token sequence on one H100 (the ~1.2B Llama of models/llama_1b.yaml)
+  "1b-h100-128k": Scenario("~1.2B Llama", "h100:1", EXPERIMENTS / "llama_1b_long_context.yaml",
+                           ("data.seq_len=131072", "mesh.context=1"), "script_fit_table"),
+  # 512k tokens over a node of 8 (mesh.context=8)
+  "1b-h100x8-512k": Scenario("~1.2B Llama", "h100:8", EXPERIMENTS / "llama_1b_long_context.yaml", (),
+                             "script_fit_table"),
+  # Llama-3-8B's shape at 128k over a node of 8 (mesh.context=8)
+  "8b-h100x8-128k": Scenario("Llama-3-8B", "h100:8", EXPERIMENTS / "llama3_8b_long_context.yaml", (),
+                             "script_fit_table_8b"),
+}
+POLICY_TABLE = (("h100:1", ()), ("v5p-8", ("mesh.fsdp=-1", "train.batch_size=4")))  # one sequence per chip
+
+
+def _columns() -> None:
+  print("| model | topology | T | context | schedule | model.remat | largest global batch | HBM per chip | K/V moved "
+        "per chip per step | all collectives per chip per step | step-time bound | decode KV cache per sequence | "
+        "compiles |")
+  print("|---|---|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
+
+
+def _row(model: str, target: str, cfg, name: str, best: Fit | None, probes: list[Fit]) -> str:
+  fit = best or probes[-1]
+  found = f"{best.batch}" if best else "none (one sequence per device does not fit)"
+  moved = fit.traffic
+  kv = gib(int(moved.kv)) if moved and fit.chips > 1 else "-"
+  total = gib(int(moved.total)) if moved and fit.chips > 1 else "-"
+  bound = f"{fit.step_time_bound * 1e3:,.0f} ms" if fit.step_time_bound else "?"
+  cache = accounting.kv_cache_bytes(cfg.model, plan_of(cfg).schedule, 1, cfg.data.seq_len)
+  return (f"| {model} | {target} | {cfg.data.seq_len:,} | {cfg.mesh.context} | {name} | {cfg.model.remat} | {found} | "
+          f"{gib(fit.hbm)} | {kv} | {total} | {bound} | {gib(cache)} | {len(probes)} |")
+
+
+def fit_rows(cases, remats: list[str], schedules: list[str] | None, overrides: list[str], search: bool) -> None:
+  """One row per (case, schedule, policy): ``cases`` are ``(model, target, config, overrides, matrix)``."""
+  _columns()
+  for model, target, config, own, matrix in cases:
+    variants = schedule_matrix(matrix)
+    for remat in remats:
+      for name in smoke.first([s for s in variants if schedules is None or s in schedules]):
+        cfg = load_config(config, [*variants[name], *own, f"model.remat={remat}", *overrides])
+        if search:
+          best, probes = max_batch(cfg, target)
+        else:
+          fit = check(cfg, target)
+          best, probes = (fit if fit.fits else None), [fit]
+        print(_row(model, target, cfg, name, best, probes), flush=True)
+
+
+def policy_rows(lengths: list[int], overrides: list[str]) -> None:
+  """Every policy's HBM and executed FLOPs for the dense ~1.2B Llama, one sequence per chip."""
+  print("| topology | T | model.remat | HBM per chip | executed FLOPs per step | executed / model FLOPs | compile s |")
+  print("|---|---|---|---|---|---|---|", flush=True)
+  for target, own in POLICY_TABLE:
+    for length in lengths:
+      for policy in smoke.first([p.value for p in RematPolicy]):
+        cfg = load_config(EXPERIMENTS / "llama_1b_h100.yaml",
+                          ["train.batch_size=1", f"data.seq_len={length}", "train.num_vocab_tiling=8",
+                           f"model.remat={policy}", *own, *overrides])
+        fit = check(cfg, target)
+        verdict = gib(fit.hbm) + ("" if fit.fits else " (does not fit)")
+        print(f"| {target} | {length:,} | {policy} | {verdict} | {fit.executed_flops:.3e} | "
+              f"{fit.executed_flops / fit.model_flops:.3f} | {fit.compile_s:.0f} |", flush=True)
 
 
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  ap.add_argument("--topology", nargs="+", default=["h100:1", "h100:8"])
-  ap.add_argument("--lengths", type=int, nargs="+", default=[8192, 32768, 131072])
-  ap.add_argument("--schedules", nargs="+", choices=sorted(SCHEDULES), default=list(SCHEDULES))
-  ap.add_argument("--config", type=Path, default=CONFIG, help=f"experiment config (default {CONFIG.name})")
-  ap.add_argument("overrides", nargs="*", help="config overrides (key=value), e.g. attention.impl=cudnn")
+  ap.add_argument("--scenario", nargs="+", choices=sorted(SCENARIOS), help="long-context scenarios (default: all)")
+  ap.add_argument("--remat", nargs="+", default=["full", "save_qkv_proj"], choices=[p.value for p in RematPolicy],
+                  help="rematerialisation policies compared (default: full save_qkv_proj)")
+  ap.add_argument("--schedules", nargs="+", help="schedules of the scenario's matrix (default: all of them)")
+  ap.add_argument("--topology", nargs="+", help="instead of scenarios: these topologies ...")
+  ap.add_argument("--lengths", type=int, nargs="+", default=[8192, 32768, 131072],
+                  help="... at these sequence lengths (with --topology; with --policies: default 8192 32768)")
+  ap.add_argument("--config", type=Path, default=EXPERIMENTS / "llama_1b_h100.yaml",
+                  help="... of this experiment config (with --topology)")
+  ap.add_argument("--no-search", dest="search", action="store_false",
+                  help="compile the configured batch only, instead of searching for the largest that fits")
+  ap.add_argument("--policies", action="store_true", help="the policy table: every model.remat's memory and FLOPs")
+  ap.add_argument("overrides", nargs="*", help="config overrides (key=value), e.g. attention.impl=pallas")
   args = ap.parse_args(argv)
-  print("| topology | T | schedule | largest global batch | HBM per chip | decode KV cache per sequence | compiles |")
-  print("|---|---|---|---|---|---|---|", flush=True)
 
   def table() -> int:
-    for target in args.topology:
-      for length in args.lengths:
-        for name in smoke.first(args.schedules):
-          # from one sequence per device up: the search doubles while it fits
-          cfg = load_config(args.config, [*SCHEDULES[name], f"data.seq_len={length}", "train.batch_size=1",
-                                          *args.overrides])
-          schedule = plan_of(cfg).schedule
-          cache = accounting.kv_cache_bytes(cfg.model, schedule, 1, length)
-          best, probes = max_batch(cfg, target)
-          found = f"{best.batch}" if best else "none (one sequence per device does not fit)"
-          hbm = gib((best or probes[-1]).hbm)
-          print(f"| {target} | {length:,} | {name} | {found} | {hbm} | {gib(cache)} | {len(probes)} |", flush=True)
+    if args.policies:
+      policy_rows(args.lengths if "--lengths" in (argv or sys.argv) else [8192, 32768], args.overrides)
+    elif args.topology:
+      cases = [("config", t, args.config, (f"data.seq_len={n}", "train.batch_size=1"), "script_fit_table")
+               for t in args.topology for n in args.lengths]
+      fit_rows(cases, args.remat, args.schedules, args.overrides, args.search)
+    else:
+      cases = [dataclasses.astuple(SCENARIOS[s]) for s in (args.scenario or SCENARIOS)]
+      fit_rows(cases, args.remat, args.schedules, args.overrides, args.search)
     return 0
 
   return report_input_errors(table)

@@ -59,14 +59,19 @@ def _residual_shapes(name, policy):
 
 
 @pytest.mark.parametrize("name", ["cla", "mlkv", "uniattn"])
-def test_a_superblock_keeps_its_layers_inputs_and_nothing_they_share(name):
-  """Under full remat the forward pass keeps each layer's input ([B, T, D], stacked) and no K/V, queries or
-  probabilities: a producer's K/V and a score source's Q are recomputed once for all their readers."""
+def test_a_superblock_keeps_its_input_and_nothing_its_layers_share(name):
+  """Under full remat the forward pass keeps each superblock's input ([B, T, D], stacked over the superblocks), as a
+  dense model keeps each layer's, and no K/V, queries or probabilities: a producer's K/V and a score source's Q are
+  recomputed once for all their readers. save_qkv_proj keeps every layer's input (and its projections) too."""
   d, h = 32, 4
+  superblocks = {stack.count for stack in randomized(tiny_config(*FAMILIES[name]))[0].stacks}
   shapes = _residual_shapes(name, "full")
   per_head = [s for s in shapes if len(s) >= 4 and s[-1] == d // h]  # [.., T, heads, head_dim]: K, V or Q
-  assert not per_head, f"{name} keeps {per_head} beside its layers' inputs"
-  assert any(s[-2:] == (T, d) for s in shapes), shapes  # the layers' inputs
+  assert not per_head, f"{name} keeps {per_head} beside its superblocks' inputs"
+  inputs = [s for s in shapes if s[-2:] == (T, d)]
+  assert inputs and all(s[0] in superblocks for s in inputs if len(s) == 4), inputs
+  assert sum(s[0] if len(s) == 4 else 1 for s in inputs) < sum(
+    s[0] if len(s) == 4 else 1 for s in _residual_shapes(name, "save_qkv_proj") if s[-2:] == (T, d))
 
 
 def _kv_projections(name, policy):
