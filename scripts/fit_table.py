@@ -30,7 +30,8 @@ use_host_compiler()  # before JAX is imported
 
 from jaxshare import accounting, smoke  # noqa: E402
 from jaxshare.aot.fit import max_batch  # noqa: E402
-from jaxshare.aot.report import Fit, check, gib  # noqa: E402
+from jaxshare.aot import topology  # noqa: E402
+from jaxshare.aot.report import Fit, batch_unit, check, gib  # noqa: E402
 from jaxshare.config import load_config  # noqa: E402
 from jaxshare.config.catalogue import schedule_matrix  # noqa: E402
 from jaxshare.config.choices import RematPolicy  # noqa: E402
@@ -89,12 +90,14 @@ def fit_rows(cases, remats: list[str], schedules: list[str] | None, overrides: l
   _columns()
   for model, target, config, own, matrix in cases:
     variants = schedule_matrix(matrix)
-    for remat in remats:
+    for policy in smoke.first(remats):
       for name in smoke.first([s for s in variants if schedules is None or s in schedules]):
-        cfg = load_config(config, [*variants[name], *own, f"model.remat={remat}", *overrides])
+        cfg = load_config(config, [*variants[name], *own, f"model.remat={policy}", *overrides])
         if search:
           best, probes = max_batch(cfg, target)
-        else:
+        else:  # one sequence per batch shard
+          mesh = topology.topology_mesh(topology.topology_name(target), cfg.mesh)
+          cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, batch_size=batch_unit(cfg, mesh)))
           fit = check(cfg, target)
           best, probes = (fit if fit.fits else None), [fit]
         print(_row(model, target, cfg, name, best, probes), flush=True)
@@ -104,8 +107,8 @@ def policy_rows(lengths: list[int], overrides: list[str]) -> None:
   """Every policy's HBM and executed FLOPs for the dense ~1.2B Llama, one sequence per chip."""
   print("| topology | T | model.remat | HBM per chip | executed FLOPs per step | executed / model FLOPs | compile s |")
   print("|---|---|---|---|---|---|---|", flush=True)
-  for target, own in POLICY_TABLE:
-    for length in lengths:
+  for target, own in smoke.first(POLICY_TABLE):
+    for length in smoke.first(lengths):
       for policy in smoke.first([p.value for p in RematPolicy]):
         cfg = load_config(EXPERIMENTS / "llama_1b_h100.yaml",
                           ["train.batch_size=1", f"data.seq_len={length}", "train.num_vocab_tiling=8",
@@ -128,7 +131,7 @@ def main(argv=None) -> int:
   ap.add_argument("--config", type=Path, default=EXPERIMENTS / "llama_1b_h100.yaml",
                   help="... of this experiment config (with --topology)")
   ap.add_argument("--no-search", dest="search", action="store_false",
-                  help="compile the configured batch only, instead of searching for the largest that fits")
+                  help="compile one sequence per batch shard only, not the search for the largest batch that fits")
   ap.add_argument("--policies", action="store_true", help="the policy table: every model.remat's memory and FLOPs")
   ap.add_argument("overrides", nargs="*", help="config overrides (key=value), e.g. attention.impl=pallas")
   args = ap.parse_args(argv)
@@ -141,7 +144,7 @@ def main(argv=None) -> int:
                for t in args.topology for n in args.lengths]
       fit_rows(cases, args.remat, args.schedules, args.overrides, args.search)
     else:
-      cases = [dataclasses.astuple(SCENARIOS[s]) for s in (args.scenario or SCENARIOS)]
+      cases = [dataclasses.astuple(SCENARIOS[s]) for s in smoke.first(args.scenario or list(SCENARIOS))]
       fit_rows(cases, args.remat, args.schedules, args.overrides, args.search)
     return 0
 

@@ -95,7 +95,8 @@ def _result_bytes(shapes: str, start: bool) -> int:
 
 def _signature(shapes: str) -> tuple:
   """``(dtype, dims without the ones)`` of each array in ``shapes``: XLA bitcasts unit dimensions in and out."""
-  return tuple((dtype, tuple(int(d) for d in dims.split(",") if d and d != "1")) for dtype, dims in _ARRAY.findall(shapes))
+  return tuple((dtype, tuple(int(d) for d in dims.split(",") if d and d != "1"))
+               for dtype, dims in _ARRAY.findall(shapes))
 
 
 def _moved(kind: str, result: int, n: int) -> float:

@@ -100,7 +100,8 @@ def summarize(name: str, compiled, text: str, marker: str) -> Compiled:
   memory = {f: getattr(mem, f) for f in MEMORY_FIELDS if hasattr(mem, f)} if mem is not None else None
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, list) else cost
-  return Compiled(name, text.count(marker) if marker else 0, memory, (cost or {}).get("flops"), kernel_families(text), traffic(text))
+  return Compiled(name, text.count(marker) if marker else 0, memory, (cost or {}).get("flops"), kernel_families(text),
+                  traffic(text))
 
 
 def kernel_programs(batch: int = 2, length: int = 512, heads: int = 8, kv_heads: int = 2, width: int = 128,

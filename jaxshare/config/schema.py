@@ -98,15 +98,15 @@ class ModelConfig:
   scan_layers: bool = _f(True, "Scan each stack of identical superblocks and each run of identical layers inside "
                          "a superblock (K/V consumers, probability reusers, LISA chains): compile time independent of "
                          "depth. false unrolls the same math.")
-  remat: str = _f("none", "Rematerialisation policy, applied to each layer (MaxText's names): none keeps every "
-                  "activation; full keeps only each layer's input and recomputes the rest; minimal keeps the outputs "
-                  "of the weight matmuls (projections and MLP); save_qkv_proj keeps the Q/K/V projections; "
-                  "save_dot_except_mlp those and the output projection; save_out_proj the output projection; "
-                  "minimal_offloaded / qkv_proj_offloaded move what minimal / save_qkv_proj keep to host memory "
-                  "(GPU and TPU only). A superblock of several layers is also rematerialised as a whole, keeping "
-                  "its layers' inputs: what its layers share (a producer's K/V, a score source's Q/K) is recomputed "
-                  "once for all its readers, never kept per layer (docs/scale-out.md, \"Long context\").",
-                  tuple(RematPolicy))
+  remat: str = _f("none", "Rematerialisation policy (MaxText's names), applied to each layer: none keeps every "
+                  "activation; full keeps only each superblock's input (a dense layer's) and recomputes the rest, one "
+                  "layer at a time; minimal keeps the outputs of the weight matmuls (projections and MLP); "
+                  "save_qkv_proj keeps the Q/K/V projections; save_dot_except_mlp those and the output projection; "
+                  "save_out_proj the output projection; the named policies also keep each layer's input; "
+                  "minimal_offloaded / qkv_proj_offloaded move what minimal / save_qkv_proj keep to host memory (GPU "
+                  "and TPU only). What a superblock's layers share (a producer's K/V, a score source's Q, LISA's "
+                  "low-rank keys) is recomputed once for all its readers and never kept per layer "
+                  "(docs/scale-out.md, \"Long context\").", tuple(RematPolicy))
 
   @property
   def resolved_head_dim(self) -> int:

@@ -43,6 +43,12 @@ AUTO_TABLE = (
    "cuDNN takes bf16/fp16 only; the ~1.2B LISA_plus step ran at 0.61x dense's tokens/s on an H200"),
   ("GPU", "LISA_plus chains read in bf16 (attention.chain_dtype=compute)", "cudnn, Q/K wider than V (Hopper)",
    "jax's MLA path (cuDNN >= 9.10); compiles for an H100 here, not yet timed on a GPU"),
+  ("TPU", "every softmax role under context parallelism (mesh.context > 1)",
+   "pallas (Mosaic) by query offset where a head's whole K/V fit VMEM, else xla",
+   "splash's mask is static per query shard and cannot follow the load-balanced layout's per-device offsets"),
+  ("GPU", "every softmax role under context parallelism (mesh.context > 1)", "pallas (Triton) by query offset",
+   "cuDNN's causal mask (jax 0.10) aligns queries and keys at the start and takes no query offset; the Triton "
+   "kernels skip a chunk's invisible key blocks, so every device does the same work"),
   ("CPU", "every role", "xla", "the FlashAttention-style XLA backward: the fastest here"),
 )
 

@@ -125,8 +125,9 @@ def attention(kernel: Callable, q, k, v, segment_ids, *, causal: bool = True, sc
 def attention_from_lse(kernel: Callable, q, k, lse, v, segment_ids, *, scale: float, causal: bool = True,
                        window: int = 0):
   """Probability reuse (the contract of :func:`jaxshare.kernels.reference.attention_from_lse`) of the source's local
-  queries ``q`` and log-sum-exp ``lse [B, H, T]`` (in the :func:`~jaxshare.context.layout`) against its gathered keys ``k`` and the
-  reuser's gathered values ``v``: ``kernel`` (that contract plus ``q_offset``) per device and query chunk."""
+  queries ``q`` and log-sum-exp ``lse [B, H, T]`` (in the :func:`~jaxshare.context.layout`) against its gathered
+  keys ``k`` and the reuser's gathered values ``v``: ``kernel`` (that contract plus ``q_offset``) per device and query
+  chunk."""
   k_axes, v_axes = _kv_axes(q, k, v)
 
   def chunk(q, lse, k, v, seg, offset):

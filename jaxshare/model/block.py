@@ -9,7 +9,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from flax import nnx, struct
+from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxshare import parallel
@@ -177,8 +177,10 @@ class LayerRun(nnx.Module):
       if self.named_input:  # what a superblock's checkpoint keeps of each layer after its first
         x = checkpoint_name(x, remat.LAYER_INPUT)
       score, slot = (state if chain else score_in), base + i * width
-      prepared = (self._first(layer) if stacked else layer).prepare(
-        x, positions, kv_in, score, slot, kernels, own_kv=self.shares_kv, source_q=self.shares_q) if self.hoist else None
+      prepared = None
+      if self.hoist:  # what other layers share, outside the layer's checkpoint
+        prepared = (self._first(layer) if stacked else layer).prepare(
+          x, positions, kv_in, score, slot, kernels, own_kv=self.shares_kv, source_q=self.shares_q)
       out, item = call(layer, x, positions, segment_ids, *((None, None) if self.hoist else (kv_in, score)), slot,
                        kernels, prepared, stacked)
       handed = _keep_lse(out.handed)
@@ -229,7 +231,8 @@ class LayerRun(nnx.Module):
 
     carry = (x, score_in if chain else None)
     if self.length == 1:
-      (x, _), (new, kv, handed) = body(self._layer(0), carry, self._first(buffers), self._first(head_kernels))
+      (x, _), (new, kv, handed) = body(self._first(self.layers), carry, self._first(buffers),
+                                       self._first(head_kernels))
       return Decoded(x, jax.tree.map(lambda r: r[None], new), kv, handed)
 
     def step(layer, carry, per_layer):
@@ -239,11 +242,6 @@ class LayerRun(nnx.Module):
     (x, chained), rows = scan_or_unroll(step, self.layers, carry, (buffers, head_kernels), count=self.length,
                                         scan=self.scan)
     return Decoded(x, rows, None, chained)
-
-  def _layer(self, i: int) -> DecoderLayer:
-    """Layer ``i`` of the run, its parameters sliced from the stack."""
-    graphdef, params = nnx.split(self.layers)
-    return nnx.merge(graphdef, jax.tree.map(lambda a: a[i], params))
 
   @staticmethod
   def _first(tree):
