@@ -19,6 +19,7 @@ import argparse
 import dataclasses
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # run as a script from anywhere: jaxshare is importable without an install
@@ -41,8 +42,7 @@ from jaxshare.plan import plan_of  # noqa: E402
 EXPERIMENTS = REPO / "configs" / "experiments"
 
 
-@dataclasses.dataclass(frozen=True)
-class Scenario:
+class Scenario(NamedTuple):
   """A model on a topology at a sequence length: its experiment config and overrides, and its schedule matrix."""
 
   model: str
@@ -144,7 +144,7 @@ def main(argv=None) -> int:
                for t in args.topology for n in args.lengths]
       fit_rows(cases, args.remat, args.schedules, args.overrides, args.search)
     else:
-      cases = [dataclasses.astuple(SCENARIOS[s]) for s in smoke.first(args.scenario or list(SCENARIOS))]
+      cases = [tuple(SCENARIOS[s]) for s in smoke.first(args.scenario or list(SCENARIOS))]
       fit_rows(cases, args.remat, args.schedules, args.overrides, args.search)
     return 0
 

@@ -308,7 +308,15 @@ def advice(fit: Fit, cfg: Config) -> str:
                  f"{fit.batch_unit}{guess}); add --max-batch to find the largest that fits")
   if cfg.model.remat == "none":
     lines.append("  - model.remat=full (now none): keep only each superblock's input for the backward pass and "
-                 "recompute the rest (about a third more FLOPs)")
+                 "recompute the rest (about a third more FLOPs); or a named policy between the two (docs/scale-out.md, "
+                 "\"Long context\")")
+  logits = cfg.data.seq_len * cfg.model.vocab_size * 4 * (fit.batch // shards)  # float32 [B, T, V] per chip
+  if t.num_vocab_tiling == 1 and logits >= GIB:
+    lines.append(f"  - train.num_vocab_tiling=8 (now 1): the whole float32 logits take {gib(logits)} per chip, and "
+                 "their gradient as much; over 8 vocabulary tiles an eighth of that at a time")
+  if fit.batch == fit.batch_unit and fit.chips > 1 and cfg.mesh.context == 1:
+    lines.append(f"  - mesh.context: split each sequence over the chips of a slice (e.g. mesh.context={fit.chips} "
+                 "mesh.fsdp=1): activations per chip shrink by the axis size, K/V gathered once per producer layer")
   def splits(k: int) -> bool:  # k micro-batches, each a whole number of rows per batch shard
     return fit.batch % k == 0 and fit.batch // k % shards == 0
 

@@ -291,7 +291,8 @@ def test_slurm_launcher_starts_a_two_process_run(tmp_path, corpus):
     out, _ = proc.communicate()
     pytest.fail(f"the two processes did not finish:\n{out[-4000:]}")
   assert proc.returncode == 0, out[-4000:]
-  assert re.search(r"mesh \{'data': 1, 'fsdp': 2, 'tensor': 1\} \(2 cpu\)", out)  # one mesh over both processes
+  # one mesh over both processes
+  assert re.search(r"mesh \{'data': 1, 'fsdp': 2, 'context': 1, 'tensor': 1\} \(2 cpu\)", out)
   assert "training summary: " in out
   run_dir = runs / "two"
   steps = [json.loads(ln)["step"] for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]

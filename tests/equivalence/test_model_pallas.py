@@ -28,7 +28,8 @@ def test_dispatch_by_platform():
   q = jnp.ones((1, 8, 2, 4))
   seg = jnp.ones((1, 8), jnp.int32)
   np.testing.assert_array_equal(ops.attention(q, q, q, seg, seg), xla.attention(q, q, q, seg, seg))  # CPU: xla
-  assert dispatch.get_attention("xla").attention is xla.attention
+  np.testing.assert_array_equal(dispatch.get_attention("xla").attention(q, q, q, seg, seg),
+                                xla.attention(q, q, q, seg, seg))
   with pytest.raises(ValueError, match="attention.impl=pallas cannot run here: no GPU or TPU"):
     dispatch.get_attention("pallas").attention(q, q, q, seg, seg)
   with pytest.raises(ValueError, match="attention.impl='flash' is invalid: must be one of auto, xla, "):

@@ -176,7 +176,7 @@ def test_two_processes_train_like_one_and_a_checkpoint_one_cannot_read_stops_the
   run_dir = tmp_path / "run"
   across = ("mesh.fsdp=8", "mesh.dcn_data=1")
   first = _two_processes(run_dir, "train.steps=6", *across)
-  assert "mesh {'data': 1, 'fsdp': 8, 'tensor': 1} (8 cpu)" in first[0]
+  assert "mesh {'data': 1, 'fsdp': 8, 'context': 1, 'tensor': 1} (8 cpu)" in first[0]
   assert "jaxshare |" not in first[1] and "training summary" not in first[1]  # only process 0 logs
   assert {"process_0-of-2.json", "process_1-of-2.json"} <= {p.name for p in (run_dir / "checkpoints" / "3" / "data").iterdir()}
   np.testing.assert_allclose(_losses(run_dir), one_process_curve[:6], rtol=1e-5)

@@ -84,7 +84,9 @@ def assert_model_equals_xla(name: str, impl: str, *overrides: str) -> None:
   _, graphdef, params = randomized(tiny_config(*case, f"attention.impl={impl}"))
   la, ga = kernel_loss_and_grads(graphdef, params)
   lb, gb = kernel_loss_and_grads(abstract_graphdef(tiny_config(*case, "attention.impl=xla")), params)
-  tol = 2e-2 if name.startswith("bf16") or "model.dtype=bfloat16" in overrides else 1e-5
+  # bf16: cotangents shared by several readers accumulate in bf16 in the order XLA schedules them; a change of that
+  # order moved a bf16 LISA_plus gradient element by 5 ulps on both sides (2.3% of its leaf's largest)
+  tol = 3e-2 if name.startswith("bf16") or "model.dtype=bfloat16" in overrides else 1e-5
   np.testing.assert_allclose(float(la), float(lb), rtol=tol)
   for (path, u), v in zip(jax.tree_util.tree_leaves_with_path(ga), jax.tree.leaves(gb)):
     u, v = np.asarray(u, np.float32), np.asarray(v, np.float32)

@@ -130,7 +130,8 @@ def test_small_model_fits_on_a_tpu_topology():
 def test_two_slices_compile_with_data_parallel_across_them():
   proc = compile_only("--topology=v5e:2x2", "--num-slices=2", *SMALL, "train.batch_size=8")
   assert proc.returncode == 0, proc.stderr[-3000:]
-  assert "8 x TPU v5 lite, 2 slices" in proc.stdout and "mesh data=2 fsdp=4 tensor=1" in proc.stdout, proc.stdout
+  assert "8 x TPU v5 lite, 2 slices" in proc.stdout, proc.stdout
+  assert "mesh data=2 fsdp=4 context=1 tensor=1" in proc.stdout, proc.stdout
 
 
 @needs_libtpu
@@ -155,7 +156,7 @@ def test_small_model_fits_on_an_h100_node_and_a_large_batch_does_not():
   proc = compile_only("--topology=h100:8", *SMALL, "train.batch_size=8", "attention.impl=pallas")
   assert proc.returncode == 0, proc.stderr[-3000:]
   out = proc.stdout
-  assert "compiled for h100:8: 8 x NVIDIA H100 80GB HBM3" in out and "mesh data=1 fsdp=8 tensor=1" in out, out
+  assert "compiled for h100:8: 8 x NVIDIA H100 80GB HBM3" in out and "mesh data=1 fsdp=8 context=1 tensor=1" in out, out
   hbm = re.search(r"HBM per chip: ([\d.]+ [GM]iB) \(compiler's peak\) of 59.33 GiB usable \(jax's share: "
                   r"XLA_PYTHON_CLIENT_MEM_FRACTION=0.75; 79.11 GiB HBM\)", out).group(1)
   assert 0 < gib(hbm) < 0.1 and "3 Pallas kernel calls" in out and "fits: yes" in out
