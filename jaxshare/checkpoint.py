@@ -8,6 +8,7 @@ import logging
 import os
 import re
 import sys
+import threading
 import traceback
 from typing import Any, Callable, TypeVar
 
@@ -312,14 +313,38 @@ class Checkpointer:
     self.manager.reload()
     return target
 
-  def wait(self) -> None:
-    """Block until the asynchronous save in flight is committed.
+  def wait(self, patience_s: float | None = None) -> bool:
+    """Block until the asynchronous save in flight is committed, or for at most ``patience_s`` seconds: a write to
+    a bucket that went down mid-write outlasts TensorStore's retries (over 10 minutes measured), and a run stopping
+    for the outage need not wait for it (what it would have written is not committed; the committed checkpoints
+    are whole).
+
+    Returns:
+      Whether no save is in flight any more (False: still writing after ``patience_s``; it goes on in the
+      background).
 
     Raises:
       StorageUnavailable: see :meth:`save`.
     """
-    with self._bucket_failures("the last checkpoint"):
-      self.manager.wait_until_finished()
+    if patience_s is None:
+      with self._bucket_failures("the last checkpoint"):
+        self.manager.wait_until_finished()
+      return True
+    failed: list[BaseException] = []
+
+    def finish() -> None:
+      try:
+        self.manager.wait_until_finished()
+      except Exception as e:  # raised below, in the caller's thread
+        failed.append(e)
+
+    waiter = threading.Thread(target=finish, name="jaxshare-checkpoint-wait", daemon=True)
+    waiter.start()
+    waiter.join(patience_s)
+    if failed:
+      with self._bucket_failures("the last checkpoint"):
+        raise failed[0]
+    return not waiter.is_alive()
 
   def close(self) -> None:
     self.manager.close()

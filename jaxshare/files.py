@@ -93,22 +93,27 @@ _quieted = False
 
 def quiet_transient_tracebacks() -> None:
   """For the rest of the process, keep the tracebacks of a bucket's transient errors off the console: gcsfs logs one
-  at each spent retry budget ("out of retries on exception") and orbax one per failed background commit (through
-  absl), several screens for one outage. The same error is raised to the caller, which retries it
-  (:func:`with_retries`) or stops the run with one line; records of other errors still show."""
+  at each spent retry budget ("out of retries on exception"), orbax one per failed background commit and a line per
+  failed read of a step's metadata (through absl), several screens for one outage. The same error is raised to the
+  caller, which retries it (:func:`with_retries`) or stops the run with one line; records of other errors still show."""
   global _quieted
   if _quieted:
     return
   _quieted = True
   transient = _transient_errors()
 
-  def keep(record: logging.LogRecord) -> bool:
-    e = record.exc_info[1] if record.exc_info else None
+  def is_transient(e: BaseException | None) -> bool:
     while e is not None:
       if isinstance(e, transient):
-        return False
+        return True
       e = e.__cause__ or e.__context__
-    return True
+    return False
+
+  def keep(record: logging.LogRecord) -> bool:
+    # orbax also logs some failed reads with the error as a format argument, not as exc_info (a step's metadata)
+    args = record.args.values() if isinstance(record.args, dict) else record.args or ()
+    errors = [record.exc_info[1] if record.exc_info else None] + [a for a in args if isinstance(a, BaseException)]
+    return not any(is_transient(e) for e in errors)
 
   for name in ("gcsfs", "absl"):
     logging.getLogger(name).addFilter(keep)

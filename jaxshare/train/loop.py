@@ -13,6 +13,7 @@ from jaxshare import parallel
 from jaxshare.checkpoint import Checkpointer
 from jaxshare.config import Config
 from jaxshare.evaluation.val_loss import evaluate_loss, make_eval_step
+from jaxshare.files import StorageUnavailable
 from jaxshare.kernels.dispatch import document_bounds
 from jaxshare.train.interrupts import Interrupts
 from jaxshare.train.metrics import MetricsLogger, resolve_peak
@@ -27,16 +28,17 @@ class DivergenceError(RuntimeError):
 
 
 @contextlib.contextmanager
-def _writes_finished_on_error(ckpt: Checkpointer):
+def _writes_finished_on_error(ckpt: Checkpointer, patience_s: float):
   """An error in the loop (not a third interrupt, which means "now") first lets a checkpoint write in flight finish:
-  exiting mid-write would lose it."""
+  exiting mid-write would lose it. A bucket's outage (:class:`StorageUnavailable`) waits ``patience_s`` seconds at
+  most: the write in flight goes to the same unreachable bucket."""
   try:
     yield
   except KeyboardInterrupt:
     raise
-  except BaseException:
+  except BaseException as e:
     with contextlib.suppress(Exception):
-      ckpt.wait()
+      ckpt.wait(patience_s if isinstance(e, StorageUnavailable) else None)
     raise
 
 
@@ -150,7 +152,8 @@ class _Trainer:
     stopped run saves where it stopped; UniAttn's stage 2 may end the run sooner (``train.stage2_steps``)."""
     tcfg = self.tcfg
     self.t_last = time.perf_counter()
-    with jax.set_mesh(self.setup.mesh), Interrupts() as interrupts, _writes_finished_on_error(self.ckpt):
+    finishing = _writes_finished_on_error(self.ckpt, tcfg.storage_patience_s)
+    with jax.set_mesh(self.setup.mesh), Interrupts() as interrupts, finishing:
       while self.step < min(end, self.end) and not interrupts.should_stop(self.step):
         batch = parallel.shard_batch(self.setup.batch_sharding, next(self.data_iter))
         self.state, metrics = self.step_fn(self.state, batch, self.teacher_params)
