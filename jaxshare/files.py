@@ -122,8 +122,8 @@ def quiet_transient_tracebacks() -> None:
 def with_retries(path: epath.PathLike, write: Callable[[], T], what: str, patience_s: float) -> T:
   """``write()``, called again after a transient error (a refused or reset connection, a timeout, a server error:
   raised once the client's own few retries are spent) while ``path`` is on a bucket, waiting 1, 2, 4 ... 30 s between
-  tries, for up to ``patience_s`` seconds in all. A local path is never retried: a full or read-only disk does not
-  heal by waiting.
+  tries, for up to ``patience_s`` seconds in all, a try that has not returned by then counting as failed. A local
+  path is never retried: a full or read-only disk does not heal by waiting.
 
   Args:
     what: what is written, for the error (e.g. ``"metrics.jsonl"``).
@@ -138,13 +138,36 @@ def with_retries(path: epath.PathLike, write: Callable[[], T], what: str, patien
   deadline, wait, transient = time.monotonic() + patience_s, 1.0, _transient_errors()
   while True:
     try:
-      return write()
+      return _by(deadline, write)
     except transient as e:
       if time.monotonic() + wait > deadline:
         raise StorageUnavailable(f"{what} could not be written to {path} for {patience_s:.0f} s "
                                  f"(train.storage_patience_s): {type(e).__name__}: {str(e)[:200]}") from None
       time.sleep(wait)
       wait = min(2 * wait, 30.0)
+
+
+def _by(deadline: float, write: Callable[[], T]) -> T:
+  """``write()``, or TimeoutError once ``time.monotonic()`` passes ``deadline``, the write left running in the
+  background: a client's own retries may outlast the patience many times (google-cloud-storage's, under
+  TensorBoard's event writer, retry for 120 s), and a run stopping for the outage then exits without it."""
+  done: list = []
+
+  def attempt() -> None:
+    try:
+      done.append((True, write()))
+    except BaseException as e:  # re-raised in the caller's thread
+      done.append((False, e))
+
+  worker = threading.Thread(target=attempt, name="jaxshare-bucket-write", daemon=True)
+  worker.start()
+  worker.join(max(deadline - time.monotonic(), 0.0))
+  if not done:
+    raise TimeoutError("no answer from the bucket")
+  ok, value = done[0]
+  if not ok:
+    raise value
+  return value
 
 
 def move_tree(src: epath.Path, dst: epath.Path) -> None:

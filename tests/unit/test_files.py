@@ -10,6 +10,7 @@ import pytest
 from etils import epath
 
 from jaxshare.exit_codes import InputError
+from jaxshare.files import StorageUnavailable
 from jaxshare.files import quiet_transient_tracebacks, with_retries, writable_dir, write_atomic
 
 
@@ -127,3 +128,19 @@ def test_waiting_for_a_checkpoint_write_cut_by_an_outage_ends_after_the_patience
   finally:
     gcs.start()
   assert ckpt.wait() is True and ckpt.latest_step() == 1
+
+
+def test_a_write_whose_client_retries_past_the_patience_stops_after_the_patience(gcs):
+  """TensorBoard's events go through google-cloud-storage, whose own retries last 120 s: with the server down, a run
+  with 2 s of patience sat in them (tests/e2e/test_gcs.py timed out); the try is abandoned at the patience."""
+  from google.cloud import storage
+
+  blob = storage.Client().bucket("runs").blob("files/events")
+  gcs.stop()
+  try:
+    t0 = time.monotonic()
+    with pytest.raises(StorageUnavailable, match=r"events could not be written to gs://runs/files/events for 2 s"):
+      with_retries(epath.Path("gs://runs/files/events"), lambda: blob.upload_from_string(b"x"), "events", 2.0)
+    assert time.monotonic() - t0 < 10
+  finally:
+    gcs.start()
