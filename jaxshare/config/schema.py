@@ -97,7 +97,9 @@ class ModelConfig:
   param_dtype: str = _f("float32", "Storage dtype of parameters and optimizer state.", ("float32", "bfloat16"))
   scan_layers: bool = _f(True, "Scan each stack of identical superblocks and each run of identical layers inside "
                          "a superblock (K/V consumers, probability reusers, LISA chains): compile time independent of "
-                         "depth. false unrolls the same math.")
+                         "depth. Without remat a run inside a scanned stack is unrolled (a nested scan's residuals "
+                         "were copied: more memory than dense), so its compile time grows with the superblock's size. "
+                         "false unrolls the same math.")
   remat: str = _f("none", "Rematerialisation policy (MaxText's names), applied to each layer: none keeps every "
                   "activation; full keeps only each superblock's input (a dense layer's) and recomputes the rest, one "
                   "layer at a time; minimal keeps the outputs of the weight matmuls (projections and MLP); "

@@ -30,7 +30,8 @@ class Stack(nnx.Module):
     @nnx.split_rngs(splits=stack.count)
     @nnx.vmap(in_axes=(0,), out_axes=0)
     def make(rngs: nnx.Rngs) -> Superblock:
-      return Superblock(plan, stack.runs, rngs=rngs)
+      return Superblock(plan, stack.runs, nested=stack.count > 1 and plan.model.scan_layers and not remat.enabled(plan.model.remat),
+                        rngs=rngs)
 
     self.blocks = make(rngs)
 
