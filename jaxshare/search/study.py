@@ -29,7 +29,30 @@ def open_storage(url: str) -> RDBStorage:
   warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
   # SQLite serialises writers: under load a worker may wait for another's write longer than SQLite's default 5 s
   engine = {"connect_args": {"timeout": 120}} if url.startswith("sqlite") else {}
-  return RDBStorage(url, engine_kwargs=engine, heartbeat_interval=HEARTBEAT_S, grace_period=GRACE_S)
+  storage = RDBStorage(url, engine_kwargs=engine, heartbeat_interval=HEARTBEAT_S, grace_period=GRACE_S)
+  if url.startswith("sqlite"):
+    _immediate_transactions(storage.engine)
+  return storage
+
+
+def _immediate_transactions(engine) -> None:
+  """Every transaction on ``engine`` takes SQLite's write lock when it begins (SQLAlchemy's pysqlite recipe).
+
+  Optuna claims a queued trial by reading that it is waiting and then marking it running, relying on ``SELECT ... FOR
+  UPDATE``, which SQLite ignores; pysqlite also reads outside any transaction. Two workers could then both claim one
+  trial, run its point twice and fail to report it ("Cannot tell a COMPLETE trial"): seen in the suite under load.
+  """
+  from sqlalchemy import event
+
+  @event.listens_for(engine, "connect")
+  def _no_implicit_transactions(dbapi_connection, _record):
+    dbapi_connection.isolation_level = None  # pysqlite's own BEGIN (deferred, before writes only) is off
+
+  @event.listens_for(engine, "begin")
+  def _begin_immediate(connection):
+    connection.exec_driver_sql("BEGIN IMMEDIATE")
+
+  engine.dispose()  # connections opened before the listeners (the schema's) are not reused
 
 
 def _study(storage: RDBStorage, name: str) -> optuna.Study:
