@@ -8,7 +8,7 @@ import logging
 import os
 import re
 import sys
-import threading
+import time
 import traceback
 from typing import Any, Callable, TypeVar
 
@@ -20,7 +20,8 @@ from etils import epath
 
 from jaxshare import integrity
 from jaxshare.exit_codes import InputError
-from jaxshare.files import StorageUnavailable, absolute, is_remote, move_tree, quiet_transient_tracebacks
+from jaxshare.files import (StorageUnavailable, absolute, by_deadline, is_remote, move_tree,
+                            quiet_transient_tracebacks)
 
 T = TypeVar("T")
 CHECKSUMS = "checksums"  # meta key: integrity.checksums of the saved arrays
@@ -326,25 +327,15 @@ class Checkpointer:
     Raises:
       StorageUnavailable: see :meth:`save`.
     """
-    if patience_s is None:
-      with self._bucket_failures("the last checkpoint"):
+    with self._bucket_failures("the last checkpoint"):
+      if patience_s is None:
         self.manager.wait_until_finished()
-      return True
-    failed: list[BaseException] = []
-
-    def finish() -> None:
+        return True
       try:
-        self.manager.wait_until_finished()
-      except Exception as e:  # raised below, in the caller's thread
-        failed.append(e)
-
-    waiter = threading.Thread(target=finish, name="jaxshare-checkpoint-wait", daemon=True)
-    waiter.start()
-    waiter.join(patience_s)
-    if failed:
-      with self._bucket_failures("the last checkpoint"):
-        raise failed[0]
-    return not waiter.is_alive()
+        by_deadline(time.monotonic() + patience_s, self.manager.wait_until_finished)
+      except TimeoutError:
+        return False
+    return True
 
   def close(self) -> None:
     self.manager.close()

@@ -138,7 +138,7 @@ def with_retries(path: epath.PathLike, write: Callable[[], T], what: str, patien
   deadline, wait, transient = time.monotonic() + patience_s, 1.0, _transient_errors()
   while True:
     try:
-      return _by(deadline, write)
+      return by_deadline(deadline, write)
     except transient as e:
       if time.monotonic() + wait > deadline:
         raise StorageUnavailable(f"{what} could not be written to {path} for {patience_s:.0f} s "
@@ -147,7 +147,7 @@ def with_retries(path: epath.PathLike, write: Callable[[], T], what: str, patien
       wait = min(2 * wait, 30.0)
 
 
-def _by(deadline: float, write: Callable[[], T]) -> T:
+def by_deadline(deadline: float, write: Callable[[], T]) -> T:
   """``write()``, or TimeoutError once ``time.monotonic()`` passes ``deadline``, the write left running in the
   background: a client's own retries may outlast the patience many times (google-cloud-storage's, under
   TensorBoard's event writer, retry for 120 s), and a run stopping for the outage then exits without it."""
