@@ -81,7 +81,9 @@ def _row(model: str, target: str, cfg, name: str, best: Fit | None, probes: list
   total = gib(int(moved.total)) if moved and fit.chips > 1 else "-"
   bound = f"{fit.step_time_bound * 1e3:,.0f} ms" if fit.step_time_bound else "?"
   cache = accounting.kv_cache_bytes(cfg.model, plan_of(cfg).schedule, 1, cfg.data.seq_len)
-  return (f"| {model} | {target} | {cfg.data.seq_len:,} | {cfg.mesh.context} | {name} | {cfg.model.remat} | {found} | "
+  ring = " (ring)" if cfg.mesh.context_size > 1 and cfg.attention.context_strategy == "ring" else ""
+  return (f"| {model} | {target} | {cfg.data.seq_len:,} | {cfg.mesh.context}{ring} | {name} | {cfg.model.remat} | "
+          f"{found} | "
           f"{gib(fit.hbm)} | {kv} | {total} | {bound} | {gib(cache)} | {len(probes)} |")
 
 

@@ -100,6 +100,13 @@ class ScoreSharing(enum.StrEnum):
   MATERIALIZE = "materialize"
 
 
+class ContextStrategy(enum.StrEnum):
+  """``attention.context_strategy``: how attention reads the keys of a sequence split over the ``context`` axis."""
+
+  ALL_GATHER = "all_gather"
+  RING = "ring"
+
+
 class LisaStart(enum.StrEnum):
   """``train.init_lisa``: how a converted LISA layer's low-rank Q/K start."""
 

@@ -9,8 +9,8 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from jaxshare.config.choices import (INTEGRATORS, AttentionImpl, KVPool, LisaStart, MLPWiden, RematPolicy,
-                                     ScoreSharing)
+from jaxshare.config.choices import (INTEGRATORS, AttentionImpl, ContextStrategy, KVPool, LisaStart, MLPWiden,
+                                     RematPolicy, ScoreSharing)
 from jaxshare.exit_codes import InputError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -254,6 +254,14 @@ class AttentionConfig:
                         "bf16/fp16 only; splash on TPUs takes either). compute: model.dtype, rounded as a bf16 layer's "
                         "own q and k are; on Hopper GPUs cuDNN then runs the chain, its Q/K wider than V (jax's MLA "
                         "path; docs/kernels.md).", ("float32", "compute"))
+  context_strategy: str = _f("all_gather", "How attention reads the keys of a sequence split over mesh.context "
+                             "(MaxText's context_parallel_strategy; docs/scale-out.md, \"Long context\"). all_gather: "
+                             "a producer's K/V (a LISA layer's low-rank keys) are gathered once and every layer that "
+                             "reads them uses the gathered copy, so K/V consumers and probability reusers move nothing "
+                             "of their own; a layer's whole K/V then lives on every device of the axis. ring: the K/V "
+                             "blocks travel round the axis (ppermute) and each device holds one block of T/context "
+                             "tokens at a time, at the price of every reader rotating them itself.",
+                             tuple(ContextStrategy))
 
 
 @dataclasses.dataclass(frozen=True)

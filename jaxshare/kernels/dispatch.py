@@ -13,10 +13,10 @@ import jax
 import jax.numpy as jnp
 
 from jaxshare.config import ConfigError
-from jaxshare.config.choices import AttentionImpl, parse
+from jaxshare.config.choices import AttentionImpl, ContextStrategy, parse
 from jaxshare import context
-from jaxshare.kernels import (cudnn, decode, flash, flash_decode, local_queries, pallas, reference, splash, tuning,
-                              xla)
+from jaxshare.kernels import (cudnn, decode, flash, flash_decode, local_queries, pallas, reference, ring, splash,
+                              tuning, xla)
 
 log = logging.getLogger(__name__)
 
@@ -65,11 +65,14 @@ class AttentionOps:
     decode_attention: a decode step's attention over the cache and the new rows, the contract of
       :func:`jaxshare.kernels.decode.attention` (the Pallas decode kernel for decode steps under ``pallas*``, and
       under ``auto`` on GPU/TPU; a prefill runs in XLA).
+    ring: under context parallelism the keys stay sharded along the sequence and attention runs round the ring
+      (:mod:`jaxshare.kernels.ring`); else they arrive gathered.
   """
 
   attention: Callable
   attention_from_lse: Callable
   decode_attention: Callable = decode.attention
+  ring: bool = False
 
   # Materialised scores: logits [B, H, T, S] float32, probabilities applied to V in float32.
   scores = staticmethod(reference.scores)
@@ -111,36 +114,40 @@ _DECODE_QKV = lambda args, backend: flash_decode.unsupported(args[0], args[1][0]
 _NO_ACCELERATOR = "no GPU or TPU"
 
 
-def get_attention(impl: str) -> AttentionOps:
+def get_attention(impl: str, context_strategy: str = "all_gather") -> AttentionOps:
   """The attention computations for ``impl`` (:func:`_get_attention`), which under context parallelism (a mesh
-  with a ``context`` axis, :mod:`jaxshare.context`) attend each device's query chunks to the gathered keys
-  with a kernel that takes a query offset (:func:`_context_kernels`).
+  with a ``context`` axis, :mod:`jaxshare.context`) attend each device's query chunks to the keys with a kernel that
+  takes a query offset (:func:`_context_kernels`): to the gathered keys (``context_strategy=all_gather``,
+  :mod:`~jaxshare.kernels.local_queries`) or block by block round the ring (``ring``, :mod:`~jaxshare.kernels.ring`).
 
   Raises:
-    ValueError: unknown implementation name.
+    ValueError: unknown implementation or strategy name.
   """
   ops = _get_attention(impl)
   local = functools.partial(_context_kernels, parse(AttentionImpl, impl, "attention.impl"))
+  on_ring = parse(ContextStrategy, context_strategy, "attention.context_strategy") == ContextStrategy.RING
+  strategy = ring if on_ring else local_queries
 
   def attention(q, k, v, q_segment_ids, kv_segment_ids, **kwargs):
     if context.active():
-      return local_queries.attention(local()[0], q, k, v, kv_segment_ids, **kwargs)
+      return strategy.attention(local()[0], q, k, v, kv_segment_ids, **kwargs)
     return ops.attention(q, k, v, q_segment_ids, kv_segment_ids, **kwargs)
 
   def attention_from_lse(q, k, lse, v, q_segment_ids, kv_segment_ids, **kwargs):
     if context.active():
       if lse is None:  # the source ran a library kernel that hands on no LSE: impossible here, it ran ours
         raise ValueError("probability reuse under context parallelism needs its source's log-sum-exp")
-      return local_queries.attention_from_lse(local()[1], q, k, lse, v, kv_segment_ids, **kwargs)
+      return strategy.attention_from_lse(local()[1], q, k, lse, v, kv_segment_ids, **kwargs)
     return ops.attention_from_lse(q, k, lse, v, q_segment_ids, kv_segment_ids, **kwargs)
 
-  return dataclasses.replace(ops, attention=attention, attention_from_lse=attention_from_lse)
+  return dataclasses.replace(ops, attention=attention, attention_from_lse=attention_from_lse, ring=on_ring)
 
 
 # Why a library kernel does not attend a context-parallel device's queries, by implementation.
 _CONTEXT_FALLBACK = {
   "cudnn": "cuDNN's causal mask (jax 0.10) aligns queries and keys at the start and takes no query offset, so it "
-           "cannot attend a sequence shard's queries to the gathered keys",
+           "cannot attend a sequence shard's queries to the gathered keys, nor a query chunk to a key chunk of the ring "
+           "by the chunks' offset",
   "splash": "splash attention's mask is static per query shard and cannot follow the load-balanced layout's "
             "per-device offsets",
 }

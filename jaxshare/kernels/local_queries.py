@@ -92,13 +92,17 @@ _SEG = ("activation_batch", None)
 _LSE = ("activation_batch", "activation_heads", "activation_length")
 
 
-def _kv_axes(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[tuple, tuple]:
-  """K/V logical axes: heads split like the queries' only where query head h finds K/V head ``h // (H/G)`` on its own
-  device (as :mod:`jaxshare.kernels.pallas` splits them), else whole."""
+def kv_axes(q: jax.Array, k: jax.Array, v: jax.Array, base: tuple = _KV) -> tuple[tuple, tuple]:
+  """K/V logical axes from ``base`` (gathered keys by default): heads split like the queries' only where query head h
+  finds K/V head ``h // (H/G)`` on its own device (as :mod:`jaxshare.kernels.pallas` splits them), else whole.
+
+  Raises:
+    NotImplementedError: K/V heads that split neither like the query heads nor not at all.
+  """
   mesh = jax.sharding.get_abstract_mesh()
   heads = parallel.logical_to_spec(("activation_heads",), q.shape[2:3], mesh)[0]
   split = math.prod(mesh.shape[a] for a in ((heads,) if isinstance(heads, str) else heads or ()))
-  axes = lambda g: _KV if split > 1 and g % split == 0 else (_KV[0], None, None, None)  # noqa: E731
+  axes = lambda g: base if split > 1 and g % split == 0 else (*base[:2], None, None)  # noqa: E731
   if split > 1 and any(g % split and g != 1 for g in (k.shape[2], v.shape[2])):
     raise NotImplementedError("context parallelism with K/V heads that do not split like the query heads")
   return axes(k.shape[2]), axes(v.shape[2])
@@ -110,7 +114,7 @@ def attention(kernel: Callable, q, k, v, segment_ids, *, causal: bool = True, sc
   e]`` (in the :func:`~jaxshare.context.layout`) against gathered keys ``k [B, S, G, e]``, ``v [B, S, G, d]`` (in the
   layout too) and document ids ``segment_ids [B, S]`` (in order): ``kernel`` (that contract plus ``q_offset``) per
   device and query chunk."""
-  k_axes, v_axes = _kv_axes(q, k, v)
+  k_axes, v_axes = kv_axes(q, k, v)
 
   def chunk(q, k, v, seg, offset):
     q_seg = jax.lax.dynamic_slice_in_dim(seg, offset, q.shape[1], axis=1)
@@ -128,7 +132,7 @@ def attention_from_lse(kernel: Callable, q, k, lse, v, segment_ids, *, scale: fl
   queries ``q`` and log-sum-exp ``lse [B, H, T]`` (in the :func:`~jaxshare.context.layout`) against its gathered
   keys ``k`` and the reuser's gathered values ``v``: ``kernel`` (that contract plus ``q_offset``) per device and query
   chunk."""
-  k_axes, v_axes = _kv_axes(q, k, v)
+  k_axes, v_axes = kv_axes(q, k, v)
 
   def chunk(q, lse, k, v, seg, offset):
     q_seg = jax.lax.dynamic_slice_in_dim(seg, offset, q.shape[1], axis=1)

@@ -146,7 +146,7 @@ class Attention(nnx.Module):
     self.recompute = settings.score_sharing == ScoreSharing.RECOMPUTE
     self.chain_dtype = dtype if settings.chain_dtype == "compute" else None
     self.window = cfg.sliding_window
-    self.ops = get_attention(settings.impl)
+    self.ops = get_attention(settings.impl, settings.context_strategy)
 
     def proj(heads: int, axes: str, width: int, trainable: bool = True) -> DenseGeneral:
       return DenseGeneral("btd,dhk->bthk", (D, heads, width), ("embed", axes, "head_dim"), std=std,
@@ -180,11 +180,16 @@ class Attention(nnx.Module):
 
   def _kv(self, x: jax.Array, positions: jax.Array, head_kernels: dict | None) -> KV:
     """A producer's own K/V; under context parallelism gathered over the sequence shards
-    (:func:`jaxshare.context.gather_keys`), which every reader of them then uses."""
+    (:func:`jaxshare.context.gather_keys`), which every reader of them then uses, unless the ring moves them."""
     k = None
     if not self.role.score_reuse:
-      k = context.gather_keys(parallel.constrain(self._rope(self._project("k", x, head_kernels), positions), _BTG))
-    return k, context.gather_keys(parallel.constrain(self._project("v", x, head_kernels), _BTG))
+      k = self._gather(parallel.constrain(self._rope(self._project("k", x, head_kernels), positions), _BTG))
+    return k, self._gather(parallel.constrain(self._project("v", x, head_kernels), _BTG))
+
+  def _gather(self, keys: jax.Array) -> jax.Array:
+    """Keys read over the whole sequence: gathered under ``attention.context_strategy=all_gather``, left sharded
+    along the sequence for the ring (:mod:`jaxshare.kernels.ring`)."""
+    return keys if self.ops.ring else context.gather_keys(keys)
 
   def _q(self, x: jax.Array, positions: jax.Array, head_kernels: dict | None) -> jax.Array:
     return parallel.constrain(self._rope(self._project("q", x, head_kernels), positions), _BTH)
@@ -243,7 +248,7 @@ class Attention(nnx.Module):
     delta = None
     if role.has_low_rank:  # its low-rank keys, like K, are read over the whole sequence
       q_lr, k_lr = self._low_rank(x, positions)
-      delta = q_lr, context.gather_keys(k_lr)
+      delta = q_lr, self._gather(k_lr)
     return Prepared(kv, None, score_in.extend(delta, slot, role.integrator, self._aligner_weights()))
 
   def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array, prepared: Prepared,

@@ -29,7 +29,7 @@ from flax import struct
 
 from jaxshare import context
 from jaxshare.config.choices import Integrator
-from jaxshare.kernels import local_queries, reference
+from jaxshare.kernels import local_queries, reference, ring
 
 if TYPE_CHECKING:
   from jaxshare.kernels.dispatch import AttentionOps
@@ -165,10 +165,11 @@ class AlignerChain:
              features_dtype=None) -> jax.Array:
     """Causal attention of slot ``last``'s logits, recomputed per query chunk (:func:`chain_attention`):
     ``[B, T, H, d]`` in ``dtype``."""
-    del ops, features_dtype  # the chain's logits exist in no kernel's contract: XLA, chunk by chunk
+    del features_dtype  # the chain's logits exist in no kernel's contract: XLA, chunk by chunk
     if context.active():
-      return _context_chain_attention(self, v, segment_ids, window).astype(dtype)
-    return chain_attention(self, v, segment_ids, window).astype(dtype)
+      attend = _ring_chain_attention if ops.ring else _context_chain_attention
+      return attend(self, v, segment_ids, window).astype(dtype)
+    return chain_attention(self, v, segment_ids, segment_ids, window).astype(dtype)
 
 
 ScoreState = ScoreFeatures | ScoreTensors | AlignerChain
@@ -201,14 +202,15 @@ def _chain_rows(state: AlignerChain, q: jax.Array, q_lr: jax.Array) -> jax.Array
   return a
 
 
-def chain_attention(state: AlignerChain, v: jax.Array, segment_ids: jax.Array, window: int = 0,
-                    q_offset: jax.Array | int = 0) -> jax.Array:
+def chain_attention(state: AlignerChain, v: jax.Array, q_segment_ids: jax.Array, kv_segment_ids: jax.Array,
+                    window: int = 0, q_offset: jax.Array | int = 0, return_lse: bool = False
+                    ) -> jax.Array | tuple[jax.Array, jax.Array]:
   """Causal softmax attention of the chain's logits (slot ``state.last``) applied to ``v [B, S, G, d]``, computed in
   query chunks of :data:`QUERY_CHUNK` rows, each under ``jax.checkpoint`` (the backward pass recomputes a chunk's
-  logits instead of keeping them). ``segment_ids [B, S]``: the keys' documents; the queries are tokens
-  ``q_offset ..`` of that sequence (context parallelism's query chunks). Returns ``[B, T, H, d]`` float32."""
+  logits instead of keeping them). ``q_segment_ids [B, T]``, ``kv_segment_ids [B, S]``: the documents; the queries
+  are tokens ``q_offset ..`` of the keys' sequence (context parallelism's query chunks). Returns ``[B, T, H, d]``
+  float32 (and with ``return_lse`` the log-sum-exp ``[B, H, T]`` float32 of the masked logits)."""
   b, t, h, _ = state.q.shape
-  q_segment_ids = jax.lax.dynamic_slice_in_dim(segment_ids, q_offset, t, axis=1)
   chunk = min(QUERY_CHUNK, t)
   n = -(-t // chunk)
   pad = n * chunk - t
@@ -221,12 +223,16 @@ def chain_attention(state: AlignerChain, v: jax.Array, segment_ids: jax.Array, w
   @jax.checkpoint
   def rows(args):
     start, q, q_lr, q_seg = args
-    mask = reference.attention_mask(q_seg, segment_ids, True, window, q_start=start + q_offset)
-    probs, _ = reference.masked_softmax(_chain_rows(state, q, q_lr), mask)
-    return reference.apply_probs(probs, v, jnp.float32)
+    mask = reference.attention_mask(q_seg, kv_segment_ids, True, window, q_start=start + q_offset)
+    probs, lse = reference.masked_softmax(_chain_rows(state, q, q_lr), mask)
+    return reference.apply_probs(probs, v, jnp.float32), lse
 
-  out = jax.lax.map(rows, (jnp.arange(n) * chunk, split(state.q, 1), split(state.q_lr, 2), split(q_segment_ids, 1)))
-  return jnp.moveaxis(out, 0, 1).reshape(b, n * chunk, h, -1)[:, :t]
+  out, lse = jax.lax.map(rows, (jnp.arange(n) * chunk, split(state.q, 1), split(state.q_lr, 2),
+                                split(q_segment_ids, 1)))
+  out = jnp.moveaxis(out, 0, 1).reshape(b, n * chunk, h, -1)[:, :t]
+  if not return_lse:
+    return out
+  return out, jnp.moveaxis(lse, 0, 2).reshape(b, h, n * chunk)[..., :t]
 
 
 def _context_chain_attention(state: AlignerChain, v: jax.Array, segment_ids: jax.Array, window: int) -> jax.Array:
@@ -238,13 +244,34 @@ def _context_chain_attention(state: AlignerChain, v: jax.Array, segment_ids: jax
 
   def kernel(q, q_lr, k, k_lr, weights, last, v, segments, offset):
     chunk = AlignerChain(q, k, q_lr, k_lr, weights, last, state.integrator)
-    return chain_attention(chunk, v, segments, window, q_offset=offset)
+    q_segments = jax.lax.dynamic_slice_in_dim(segments, offset, q.shape[1], axis=1)
+    return chain_attention(chunk, v, q_segments, segments, window, q_offset=offset)
 
   return local_queries.local_queries(
     kernel, [(state.q, q_axes), (state.q_lr, (None, "activation_batch", "activation_length", None, None))],
     [(state.k, gathered(state.k), 1), (state.k_lr, stacked(state.k_lr), 2), (state.weights, None, None),
      (state.last, (), None), (v, gathered(v), 1), (segment_ids, ("activation_batch", None), None)], q_axes,
     query_axis=(1, 2), out_query_axis=1)
+
+
+def _ring_chain_attention(state: AlignerChain, v: jax.Array, segment_ids: jax.Array, window: int) -> jax.Array:
+  """:func:`chain_attention` round the context ring (:mod:`jaxshare.kernels.ring`): each device's query chunks
+  (``q``, ``q_lr``) stay, the chain's keys (``k``, ``k_lr``) and the layer's ``v`` travel (all in the layout, sharded
+  along the sequence), heads whole; chunk pairs combine by their log-sum-exp."""
+  length = ("activation_batch", "activation_length", None, None)
+  stacked = (None, *length, None)
+
+  def block(q_side, kv, extras, q_seg, k_seg, offset):
+    (q, q_lr), (k, k_lr, v), (weights, last) = q_side, kv, extras
+    chunk = AlignerChain(q, k, q_lr, k_lr, weights, last, state.integrator)
+    return chain_attention(chunk, v, q_seg, k_seg, window, q_offset=offset, return_lse=True)
+
+  out, _ = ring.ring_attention(
+    block, [(state.q, length, 1), (state.q_lr, stacked, 2)], [(state.k, length, 1), (state.k_lr, stacked, 2),
+                                                              (v, length, 1)],
+    (state.weights, state.last), segment_ids, (length, ("activation_batch", None, "activation_length")), merge=True,
+    window=window)
+  return out
 
 
 def append_aligner(state: AlignerChain, slot: jax.Array | int, q_lr: jax.Array, k_lr: jax.Array,

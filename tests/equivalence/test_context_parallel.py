@@ -1,7 +1,8 @@
 """Context parallelism (mesh.context, jaxshare.context): on 8 host devices, the loss and every gradient of the sequence
 split over 2, 4 and 8 devices (mixed with data and fsdp) equal one device's, for every kind of the schedule catalogue,
-on packed documents; the load-balanced layout gives every device the same causal work; the Pallas kernels attend a
-device's query chunks by offset inside the model."""
+on packed documents, with the keys gathered and round the ring (attention.context_strategy); the load-balanced layout
+gives every device the same causal work; the Pallas kernels attend a device's query chunks by offset inside the
+model; the ring moves K/V by permutes alone and holds no layer's whole K/V."""
 
 import jax
 import jax.numpy as jnp
@@ -59,27 +60,35 @@ def assert_same(reference, other, what):
     assert error <= (5e-4 if "align" in name else 1e-4), f"{what}: gradient {name} differs by {error:.2e} of its norm"
 
 
+@pytest.mark.parametrize("strategy", ["all_gather", "ring"])
 @pytest.mark.parametrize("name", sorted(MATRIX))
-def test_context_parallel_loss_and_gradients_equal_one_device(name):
+def test_context_parallel_loss_and_gradients_equal_one_device(name, strategy):
   cfg = tiny_config(*MATRIX[name], f"data.seq_len={T}")
   _, graphdef, params = randomized(cfg)
+  _, graphdef_split, _ = randomized(tiny_config(*MATRIX[name], f"data.seq_len={T}",
+                                                f"attention.context_strategy={strategy}"))
   batch = packed()
   reference = loss_and_grads(graphdef, params, batch)
   assert np.isfinite(float(reference[0]))
-  for sizes in MESHES:
-    assert_same(reference, loss_and_grads(graphdef, params, batch, sizes), f"{name} context/data/fsdp={sizes}")
+  # the ring on the smallest and the largest context (4 is the Pallas test's), to keep the suite's time
+  for sizes in MESHES if strategy == "all_gather" else MESHES[::2]:
+    assert_same(reference, loss_and_grads(graphdef_split, params, batch, sizes),
+                f"{name} {strategy} context/data/fsdp={sizes}")
 
 
+@pytest.mark.parametrize("strategy", ["all_gather", "ring"])
 @pytest.mark.parametrize("name", ["dense", "uniattn", "lisa_plus"])
-def test_pallas_kernels_attend_query_chunks_by_offset(name):
+def test_pallas_kernels_attend_query_chunks_by_offset(name, strategy):
   """attention.impl=pallas_interpret under context parallelism: the flash kernels (own scores, probability reuse,
-  LISA_plus's features) run each device's two query chunks with their offsets, as XLA does on one device."""
-  cfg = tiny_config(*MATRIX[name], f"data.seq_len={T}", "attention.impl=pallas_interpret")
+  LISA_plus's features) run each device's two query chunks with their offsets (against the gathered keys, or each
+  key chunk of the ring), as XLA does on one device."""
+  cfg = tiny_config(*MATRIX[name], f"data.seq_len={T}", "attention.impl=pallas_interpret",
+                    f"attention.context_strategy={strategy}")
   _, graphdef, params = randomized(cfg)
   _, graphdef_xla, _ = randomized(tiny_config(*MATRIX[name], f"data.seq_len={T}", "attention.impl=xla"))
   batch = packed(batch=2)
   assert_same(loss_and_grads(graphdef_xla, params, batch), loss_and_grads(graphdef, params, batch, (4, 1, 2)),
-              f"{name} pallas_interpret at context 4")
+              f"{name} pallas_interpret {strategy} at context 4")
 
 
 @pytest.mark.parametrize("shards", [1, 2, 4, 8])

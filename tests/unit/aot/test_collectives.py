@@ -65,3 +65,17 @@ def test_sharing_moves_a_share_of_dense_kv_bytes_under_context_parallelism(remat
   assert kv["dense"] > 0
   assert kv["cla"] == pytest.approx(kv["dense"] / 2)
   assert kv["mlkv"] == pytest.approx(kv["dense"] / 4)
+
+
+def test_the_ring_moves_kv_by_permutes_that_every_reader_issues():
+  """attention.context_strategy=ring: the K/V travel by collective permutes alone (no gather), and since every layer
+  that reads K/V rotates them itself, CLA2 moves as many K/V bytes as dense and MLKV (heads 2 against 4) half."""
+  families = schedule_matrix("families")
+  moved = {}
+  for name in ("dense", "cla", "mlkv"):
+    cfg = tiny_config(*families[name], "mesh.context=4", "train.batch_size=4", "attention.context_strategy=ring")
+    moved[name] = compile_traced(trace_train_step(cfg, parallel.make_mesh(cfg.mesh, jax.devices()[:4])), name).traffic
+  for name, t in moved.items():
+    assert t.kv > 0 and t.kv == pytest.approx(t.by_kind["collective-permute"]), name
+  assert moved["cla"].kv == pytest.approx(moved["dense"].kv)
+  assert moved["mlkv"].kv == pytest.approx(moved["dense"].kv / 2)
