@@ -28,6 +28,9 @@ _OP = re.compile(r"^\s*(?:ROOT )?%?[\w.\-]+ = (.*?) (" + "|".join(KINDS) + r")(-
 _ARRAY = re.compile(r"\b(pred|s8|u8|s16|u16|s32|u32|s64|u64|f16|bf16|f32|f64|f8e4m3fn|f8e5m2)\[([\d,]*)\]")
 _WHILE = re.compile(r"while\(.*body=%?([\w.\-]+)")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_CONDITION = re.compile(r"condition=%?([\w.\-]+)")
+_CONSTANT = re.compile(r"^\s*%?([\w.\-]+) = s32\[\]\S* constant\((\d+)\)")
+_LESS_THAN = re.compile(r"^\s*ROOT .* compare\(%?[\w.\-]+, %?([\w.\-]+)\), direction=LT")
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}|true_computation=%?([\w.\-]+), false_computation=%?([\w.\-]+)")
 _CALLS = re.compile(r"(?:to_apply|calls)=%?([\w.\-]+)")
 _IOTA_GROUPS = re.compile(r"replica_groups=\[(\d+),(\d+)\]")
@@ -87,10 +90,19 @@ def _top_level(shapes: str) -> list[str]:
   return parts
 
 
+_SYNC_FLAG = re.compile(r"^u32\[\](\{.*\})?$")  # TPU's async permute ends its tuple with two u32[] flags
+
+
 def _result_bytes(shapes: str, start: bool) -> int:
   """Bytes of an instruction's result per device: all its arrays (a combined collective of several operands), or
-  for an async start, whose shape is ``(operands, result)``, the last element's."""
-  return _bytes(_top_level(shapes)[-1] if start else shapes)
+  for an async start, whose shape is ``(operands, result)`` (on TPU a permute's ``(operand, result, u32[], u32[])``),
+  the result's."""
+  if not start:
+    return _bytes(shapes)
+  parts = _top_level(shapes)
+  while len(parts) > 2 and _SYNC_FLAG.match(parts[-1].strip()):
+    parts.pop()
+  return _bytes(parts[-1])
 
 
 def _signature(shapes: str) -> tuple:
@@ -120,6 +132,17 @@ def _computations(text: str) -> dict[str, list[str]]:
     else:
       body.append(line)
   return comps
+
+
+def _trips(line: str, comps: dict[str, list[str]]) -> int:
+  """A while loop's trip count: XLA's ``known_trip_count`` (GPU), else the bound of a condition ``counter < N`` on a
+  constant (TPU programs carry no trip counts; jax's scans count from 0), else 1 (counted once)."""
+  if t := _TRIP.search(line):
+    return int(t.group(1))
+  condition = comps.get(c.group(1), []) if (c := _CONDITION.search(line)) else []
+  constants = dict(m.groups() for x in condition if (m := _CONSTANT.match(x)))
+  bound = next((m.group(1) for x in condition if (m := _LESS_THAN.match(x))), None)
+  return int(constants.get(bound, 1))
 
 
 def traffic(hlo_text: str) -> Traffic:
@@ -152,9 +175,8 @@ def traffic(hlo_text: str) -> Traffic:
         kind = m.group(2)
         moved = _moved(kind, _result_bytes(m.group(1), bool(m.group(3))), _group_size(line))
         total = add(total, ({kind: moved}, moved if is_kv(line, m) else 0.0, 1))
-      if w := _WHILE.search(line):  # a loop of unknown trip count counted once
-        t = _TRIP.search(line)
-        total = add(total, visit(w.group(1), stack + (name,)), int(t.group(1)) if t else 1)
+      if w := _WHILE.search(line):
+        total = add(total, visit(w.group(1), stack + (name,)), _trips(line, comps))
       elif b := _BRANCHES.search(line):
         names = [x.strip().lstrip("%") for x in (b.group(1) or "").split(",") if x.strip()] or [b.group(2), b.group(3)]
         costs = [visit(n, stack + (name,)) for n in names]

@@ -54,6 +54,50 @@ def test_volumes_loops_branches_and_the_kv_share():
   assert t.count == 3 * 2 + 2 + 1
 
 
+TPU_PERMUTE = """HloModule jit_step, entry_computation_layout={()->()}
+
+ENTRY %main (x: bf16[1,4096,32,64]) -> bf16[1,4096,32,64] {
+  %x = bf16[1,4096,32,64]{1,3,2,0:T(8,128)(2,1)} parameter(0)
+  %cps = (bf16[1,4096,32,64]{1,3,2,0:T(8,128)(2,1)}, bf16[1,4096,32,64]{1,3,2,0:T(8,128)(2,1)}, u32[]{:S(2)}, u32[]{:S(2)}) collective-permute-start(%x), channel_id=1, source_target_pairs={{0,1},{1,2},{2,3},{3,0}}, metadata={op_name="jit(step)/kv_gather/shard_map/ppermute"}
+  ROOT %cpd = bf16[1,4096,32,64]{1,3,2,0:T(8,128)(2,1)} collective-permute-done(%cps)
+}
+"""
+
+
+TPU_LOOP = """HloModule jit_step, entry_computation_layout={()->()}
+
+%cond (p: (s32[], bf16[8,64])) -> pred[] {
+  %p = (s32[]{:T(128)}, bf16[8,64]) parameter(0)
+  %c = s32[]{:T(128)} constant(5)
+  %i = s32[]{:T(128)} get-tuple-element(%p), index=0
+  ROOT %lt = pred[]{:T(512)} compare(%i, %c), direction=LT
+}
+
+%body (p: (s32[], bf16[8,64])) -> (s32[], bf16[8,64]) {
+  %p = (s32[], bf16[8,64]) parameter(0)
+  %cp = bf16[8,64] collective-permute(%x), source_target_pairs={{0,1},{1,0}}
+  ROOT %t = (s32[], bf16[8,64]) tuple(%i, %cp)
+}
+
+ENTRY %main (x: bf16[8,64]) -> bf16[8,64] {
+  %w = (s32[], bf16[8,64]) while(%init), condition=%cond, body=%body
+  ROOT %r = bf16[8,64] get-tuple-element(%w), index=1
+}
+"""
+
+
+def test_a_tpu_permute_start_counts_its_result_not_its_sync_flags():
+  """TPU's async permute is ``(operand, result, u32[], u32[])``: the bytes moved are the result's."""
+  t = traffic(TPU_PERMUTE)
+  assert t.by_kind == {"collective-permute": 4096 * 32 * 64 * 2}
+  assert t.kv == 4096 * 32 * 64 * 2
+
+
+def test_a_loop_without_a_known_trip_count_runs_to_its_conditions_bound():
+  """TPU programs carry no ``known_trip_count``: a scan's loop (counter from 0, ``counter < N``) runs N times."""
+  assert traffic(TPU_LOOP).by_kind == {"collective-permute": 5 * 8 * 64 * 2}
+
+
 @pytest.mark.parametrize("remat", ["none", "full"])
 def test_sharing_moves_a_share_of_dense_kv_bytes_under_context_parallelism(remat):
   families = schedule_matrix("families")
