@@ -183,3 +183,18 @@ def test_long_context_fits_and_sharing_moves_less_kv_in_no_more_memory():
   kv = {s: gib(table["h100:8", s][8]) for s in ("dense", "cla2", "mlkv")}
   assert kv["cla2"] <= 0.55 * kv["dense"] and kv["mlkv"] <= 0.3 * kv["dense"], kv
   assert gib(table["h100:1", "dense"][11]) == 2 * gib(table["h100:1", "cla2"][11]) > 0
+
+
+def test_round_the_ring_cla2_needs_no_more_memory_than_dense_at_512k():
+  """512k over a node of 8 with mesh.context=8 and attention.context_strategy=ring: no K/V gathered copy lives across
+  CLA2's two readers, so CLA2 needs at most dense's HBM (gathered it needs 30.03 GiB against 28.56), while its K/V
+  traffic is dense's order (each reader rotates the chunks)."""
+  proc = subprocess.run([sys.executable, "scripts/fit_table.py", "--scenario", "1b-h100x8-512k", "--remat", "full",
+                         "--schedules", "dense", "cla2", "--no-search", "attention.context_strategy=ring"], cwd=REPO,
+                        capture_output=True, text=True, timeout=1200, env=OPTIMIZED_ENV)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  rows = {r[4]: r for r in (r.strip(" |").split(" | ") for r in proc.stdout.splitlines() if r.startswith("| ~1.2B"))}
+  assert sorted(rows) == ["cla2", "dense"] and all(r[3] == "8 (ring)" and r[6] == "1" for r in rows.values()), rows
+  gib = lambda text: float(text.split()[0]) * (1 if text.endswith("GiB") else 2 ** -10)  # noqa: E731
+  assert gib(rows["cla2"][7]) <= gib(rows["dense"][7]), rows
+  assert gib(rows["cla2"][8]) >= gib(rows["dense"][8]) > 0, rows
