@@ -126,18 +126,23 @@ def get_attention(impl: str, context_strategy: str = "all_gather") -> AttentionO
   ops = _get_attention(impl)
   local = functools.partial(_context_kernels, parse(AttentionImpl, impl, "attention.impl"))
   on_ring = parse(ContextStrategy, context_strategy, "attention.context_strategy") == ContextStrategy.RING
-  strategy = ring if on_ring else local_queries
 
   def attention(q, k, v, q_segment_ids, kv_segment_ids, **kwargs):
     if context.active():
-      return strategy.attention(local()[0], q, k, v, kv_segment_ids, **kwargs)
+      forward, _, backward = local()
+      if on_ring:
+        return ring.attention(forward, q, k, v, kv_segment_ids, backward=backward, **kwargs)
+      return local_queries.attention(forward, q, k, v, kv_segment_ids, **kwargs)
     return ops.attention(q, k, v, q_segment_ids, kv_segment_ids, **kwargs)
 
   def attention_from_lse(q, k, lse, v, q_segment_ids, kv_segment_ids, **kwargs):
     if context.active():
       if lse is None:  # the source ran a library kernel that hands on no LSE: impossible here, it ran ours
         raise ValueError("probability reuse under context parallelism needs its source's log-sum-exp")
-      return strategy.attention_from_lse(local()[1], q, k, lse, v, kv_segment_ids, **kwargs)
+      _, reuse, backward = local()
+      if on_ring:
+        return ring.attention_from_lse(reuse, q, k, lse, v, kv_segment_ids, backward=backward, **kwargs)
+      return local_queries.attention_from_lse(reuse, q, k, lse, v, kv_segment_ids, **kwargs)
     return ops.attention_from_lse(q, k, lse, v, q_segment_ids, kv_segment_ids, **kwargs)
 
   return dataclasses.replace(ops, attention=attention, attention_from_lse=attention_from_lse, ring=on_ring)
@@ -153,16 +158,17 @@ _CONTEXT_FALLBACK = {
 }
 
 
-def _context_kernels(impl: str) -> tuple[Callable, Callable]:
-  """``(attention, attention_from_lse)`` run per device and query chunk under context parallelism: kernels of the
-  reference contract that take ``q_offset``. jaxshare's Pallas kernels on GPU/TPU (the libraries fall back to them,
+def _context_kernels(impl: str) -> tuple[Callable, Callable, Callable]:
+  """``(attention, attention_from_lse, attention_backward)`` run per device and query chunk under context
+  parallelism: kernels of the reference contract that take ``q_offset``, and the backward pass alone of the first
+  (:func:`jaxshare.kernels.xla.attention_backward`), which the ring runs per chunk pair. jaxshare's Pallas kernels on GPU/TPU (the libraries fall back to them,
   with one warning naming why), XLA on CPU and where the kernels refuse the shapes.
 
   Raises:
     ConfigError: ``pallas`` (or a library) on a platform without its kernels.
   """
   if impl in ("xla", "reference"):
-    return (xla.attention if impl == "xla" else reference.attention), _checkpointed_reuse
+    return (xla.attention if impl == "xla" else reference.attention), _checkpointed_reuse, xla.attention_backward
   library = impl.removesuffix("_interpret")
   if library in _CONTEXT_FALLBACK or (impl == "auto" and tuning.platform() in _AUTO_LIBRARIES):
     name = _AUTO_LIBRARIES.get(tuning.platform(), library) if impl == "auto" else library
@@ -173,11 +179,14 @@ def _context_kernels(impl: str) -> tuple[Callable, Callable]:
         log.warning("attention.impl=%s: %s", impl, reason)
   if impl.endswith("_interpret"):
     return (functools.partial(flash.attention, backend="interpret"),
-            functools.partial(flash.attention_from_lse, backend="interpret"))
+            functools.partial(flash.attention_from_lse, backend="interpret"),
+            functools.partial(flash.attention_backward, backend="interpret"))
   if impl == "auto":
     return (_auto(flash.attention, xla.attention, _QKV), _auto(flash.attention_from_lse, _checkpointed_reuse,
-                                                                _REUSE_QKV))
-  return _require_accelerator(flash.attention, _QKV), _require_accelerator(flash.attention_from_lse, _REUSE_QKV)
+                                                                _REUSE_QKV),
+            _auto(flash.attention_backward, xla.attention_backward, _QKV))
+  return (_require_accelerator(flash.attention, _QKV), _require_accelerator(flash.attention_from_lse, _REUSE_QKV),
+          _require_accelerator(flash.attention_backward, _QKV))
 
 
 def _get_attention(impl: str) -> AttentionOps:

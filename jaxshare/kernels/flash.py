@@ -381,6 +381,30 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_segment_ids: jax.Array
   return (out, lse[:, :, :t, 0]) if return_lse else out
 
 
+def attention_backward(q: jax.Array, k: jax.Array, v: jax.Array, q_segment_ids: jax.Array, kv_segment_ids: jax.Array,
+                       lse: jax.Array, delta: jax.Array, d_out: jax.Array, *, causal: bool = True,
+                       scale: float | None = None, window: int = 0, backend: str | None = None,
+                       block_q: int | None = None, block_k: int | None = None,
+                       q_offset: jax.Array | int | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """The backward kernels of :func:`attention` alone: ``(dQ, dK, dV)`` from the log-sum-exp ``lse [B, H, T]``,
+  ``delta = rowsum(dO ∘ O) − dlse`` (``[B, H, T]`` float32) and ``d_out [B, T, H, d]``, without the forward pass: the
+  contract of :func:`jaxshare.kernels.xla.attention_backward` (a block of a longer row's keys, ring attention;
+  probability reuse with ``delta = 0``). Other arguments as :func:`attention`."""
+  _check(q, k, v)
+  b, t, h, e = q.shape
+  scale = e ** -0.5 if scale is None else scale
+  backend = backend or tuning.default_backend()
+  geo = tuning.call_geometry(t, k.shape[1], tuning.operands(q, k, v, q.dtype), causal, window, scale, backend,
+                             block_q, block_k, offset=q_offset is not None)
+  rows = lambda x: jnp.pad(x.astype(jnp.float32), ((0, 0), (0, 0), (0, geo.t_padded - t)))[..., None]  # noqa: E731
+  dq, dk, dv = _backward(_to_kernel_layout(q, geo.t_padded), _to_kernel_layout(k, geo.s_padded),
+                         _to_kernel_layout(v, geo.s_padded), *_segments(q_segment_ids, kv_segment_ids, geo), rows(lse),
+                         rows(delta), _to_kernel_layout(d_out.astype(q.dtype), geo.t_padded),
+                         _offset_operand(q_offset), geo, backend)
+  back = lambda x, n, w: x[:, :, :n, :w].transpose(0, 2, 1, 3)  # noqa: E731
+  return back(dq, t, e), back(dk, k.shape[1], e), back(dv, k.shape[1], v.shape[3])
+
+
 def attention_from_lse(q: jax.Array, k: jax.Array, lse: jax.Array, v: jax.Array, q_segment_ids: jax.Array,
                        kv_segment_ids: jax.Array, *, scale: float, causal: bool = True, window: int = 0,
                        backend: str | None = None, block_q: int | None = None, block_k: int | None = None,

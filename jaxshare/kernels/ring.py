@@ -17,14 +17,17 @@ or, for probability reuse, whose probabilities are final (``exp(s q kᵀ - lse)`
 by a plain sum.
 
 The backward pass is a second ring (a ``custom_vjp``: autodiff would keep every block that passed): the key blocks
-travel again with their gradients, which arrive home after ``c`` steps. Each block's gradient is its kernel's own
-backward, given the block's share of the output's cotangent: ``dO_j = w_j dO`` and ``dlse_j = w_j (rowsum(dO ∘ (O_j -
-O)) + dL)`` with ``w_j = exp(lse_j - L)`` (the chain rule through the rescaling); the kernel's forward on the block is
-recomputed for it (one more forward per block: the price of keeping nothing per block).
+travel again with their gradients, which arrive home after ``c`` steps. A block's gradients are the kernel's backward
+pass alone (:func:`jaxshare.kernels.xla.attention_backward`, :func:`jaxshare.kernels.flash.attention_backward`) run
+with the whole row's ``O`` and ``L``: FlashAttention-2's ``dS = P ∘ (dP − rowsum(dO ∘ O) + dL)`` with ``P = exp(s q kᵀ −
+L)`` is, block by block, the block's share of the row's gradient. Where no such backward exists (full LISA's aligner
+chains) a block's gradient is its vjp given its share of the cotangent, ``dO_j = w_j dO`` and ``dlse_j = w_j
+(rowsum(dO ∘ (O_j − O)) + dL)`` with ``w_j = exp(lse_j − L)``, which runs the block's forward once more.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Callable, Sequence
 
 import jax
@@ -108,7 +111,8 @@ def _around(c: int, step: Callable, keys, carry):
   return state if travelling is None else (state, _shift(travelling))
 
 
-def _ring(block: Block, merge: bool, q_axes: Sequence[int], key_axes: Sequence[int], causal: bool, window: int):
+def _ring(block: Block, merge: bool, q_axes: Sequence[int], key_axes: Sequence[int], causal: bool, window: int,
+          block_grad: Callable | None):
   """The per-device ring attention of ``block`` as a function ``(queries, keys, extras, (segment_ids, fixed)) ->
   out`` (with ``merge``: ``(out, lse)``), its backward a second ring; ``extras`` are differentiable, ``fixed`` not."""
   c = size()
@@ -120,6 +124,10 @@ def _ring(block: Block, merge: bool, q_axes: Sequence[int], key_axes: Sequence[i
     segment_ids, fixed = consts
     return block(q, kv, extras, fixed, segments(segment_ids, a, chunk), segments(segment_ids, b, chunk),
                  (a - b) * chunk)
+
+  def call_grad(q, kv, consts, a, b, chunk, *row):
+    segment_ids, _ = consts
+    return block_grad(q, kv, segments(segment_ids, a, chunk), segments(segment_ids, b, chunk), (a - b) * chunk, *row)
 
   def forward(queries, keys, extras, consts):
     q_half = _halves(queries, q_axes)
@@ -158,12 +166,21 @@ def _ring(block: Block, merge: bool, q_axes: Sequence[int], key_axes: Sequence[i
     out_axes = (1, 2) if merge else (1,)
     o_half = _halves(out if merge else (out,), out_axes)  # o_half[n]: chunk n's (out, lse) or (out,)
     do_half = _halves(d_out if merge else (d_out,), out_axes)
+    if merge:  # each query chunk's lse and delta = rowsum(dO ∘ O) − dL, read by every pair's backward
+      grad_rows = [(l, jnp.einsum("bthd,bthd->bht", do.astype(jnp.float32), o.astype(jnp.float32)) - dl, do)
+                   for (o, l), (do, dl) in zip(o_half, do_half)]
+    else:
+      grad_rows = do_half
     f32 = lambda tree: jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), tree)  # noqa: E731
     d_q, d_kv, d_extras = [f32(h) for h in q_half], f32(keys), f32(extras)
     pairs = _pairs(c)
 
     def visit(n, a, b, kv_m, carry):
       d_q_n, d_kv_m, d_extras = carry
+      plus = lambda acc, g: jax.tree.map(lambda x, y: x + y.astype(jnp.float32), acc, g)  # noqa: E731
+      if block_grad is not None:  # the kernel's backward alone, from the whole rows' statistics: no forward rerun
+        g_q, g_kv = call_grad(q_half[n], kv_m, consts, a, b, chunk, *grad_rows[n])
+        return plus(d_q_n, g_q), plus(d_kv_m, g_kv), d_extras
       primal, vjp = jax.vjp(lambda q, kv, e: call(q, kv, e, consts, a, b, chunk), q_half[n], kv_m, extras)
       o, do = o_half[n][0], do_half[n][0]
       if merge:
@@ -174,7 +191,6 @@ def _ring(block: Block, merge: bool, q_axes: Sequence[int], key_axes: Sequence[i
         grads = vjp(((rows * do.astype(jnp.float32)).astype(o_j.dtype), w * (spread + dl)))
       else:
         grads = vjp(do.astype(primal.dtype))
-      plus = lambda acc, g: jax.tree.map(lambda x, y: x + y.astype(jnp.float32), acc, g)  # noqa: E731
       return plus(d_q_n, grads[0]), plus(d_kv_m, grads[1]), plus(d_extras, grads[2])
 
     def step(s, kv, carry):  # every visible chunk pair of ring step s; its key chunks' gradients travel on
@@ -196,7 +212,7 @@ def _ring(block: Block, merge: bool, q_axes: Sequence[int], key_axes: Sequence[i
 
 def ring_attention(block: Block, queries: Sequence[tuple[jax.Array, tuple, int]],
                    keys: Sequence[tuple[jax.Array, tuple, int]], extras, segment_ids: jax.Array, out_axes, *,
-                   merge: bool, causal: bool = True, window: int = 0):
+                   merge: bool, causal: bool = True, window: int = 0, block_grad: Callable | None = None):
   """Ring attention of ``block`` over the context axis.
 
   Args:
@@ -213,6 +229,10 @@ def ring_attention(block: Block, queries: Sequence[tuple[jax.Array, tuple, int]]
     merge: combine blocks by their log-sum-exp (own softmax) rather than summing them (probability reuse).
     causal, window: the mask, as :func:`jaxshare.kernels.reference.attention_mask`: chunk pairs it hides entirely are
       skipped.
+    block_grad: ``block_grad(query chunks, key chunks, q_segment_ids, kv_segment_ids, q_offset, *rows)`` -> the
+      gradients of both (tuples as given) of one chunk pair, without rerunning ``block``: ``rows`` are the query
+      chunk's whole-row ``lse``, ``delta = rowsum(dO ∘ O) − dL`` and ``d_out`` with ``merge``, else ``d_out``. None: each pair's gradient is its
+      ``block``'s vjp weighted by its share of the row (its forward runs again); ``extras`` need that.
 
   Returns:
     ``out [B, T, H, d]`` (and ``lse [B, H, T]`` float32 with ``merge``) in the layout, sharded like the queries.
@@ -226,7 +246,9 @@ def ring_attention(block: Block, queries: Sequence[tuple[jax.Array, tuple, int]]
     floats, fixed = iter(floats), iter(fixed)
     return block(q, kv, tree.unflatten([next(floats) if f else next(fixed) for f in inexact]), q_seg, k_seg, offset)
 
-  ring = _ring(split_block, merge, [ax for *_, ax in queries], [ax for *_, ax in keys], causal, window)
+  if block_grad is not None and leaves:
+    raise ValueError("a ring block with extras has its gradient by vjp: pass no block_grad")
+  ring = _ring(split_block, merge, [ax for *_, ax in queries], [ax for *_, ax in keys], causal, window, block_grad)
   q_spec = dict(zip(queries[0][1], spec(*queries[0][:2])))
   as_spec = lambda axes: P(*(q_spec.get(a) if a else None for a in axes))  # noqa: E731
   out_specs = tuple(as_spec(a) for a in out_axes) if merge else as_spec(out_axes)
@@ -240,10 +262,12 @@ def ring_attention(block: Block, queries: Sequence[tuple[jax.Array, tuple, int]]
 
 
 def attention(kernel: Callable, q, k, v, segment_ids, *, causal: bool = True, scale: float | None = None,
-              window: int = 0, return_lse: bool = False):
+              window: int = 0, return_lse: bool = False, backward: Callable | None = None):
   """Softmax attention (the contract of :func:`jaxshare.kernels.reference.attention`) of ``q [B, T, H, e]``, ``k [B,
   T, G, e]``, ``v [B, T, G, d]``, all in the layout and sharded along the sequence, ``segment_ids [B, T]`` whole and
-  in order, round the ring: ``kernel`` (that contract plus ``q_offset``) per device and chunk pair."""
+  in order, round the ring: ``kernel`` (that contract plus ``q_offset``) per device and chunk pair, and in the
+  backward pass ``backward`` (:func:`jaxshare.kernels.xla.attention_backward`'s contract; None: the kernel's vjp,
+  its forward run again)."""
   k_axes, v_axes = kv_axes(q, k, v, _KV)
 
   def block(q, kv, extras, q_seg, k_seg, offset):
@@ -251,22 +275,43 @@ def attention(kernel: Callable, q, k, v, segment_ids, *, causal: bool = True, sc
     return kernel(q[0], *kv, q_seg, k_seg, causal=causal, scale=scale, window=window, return_lse=True,
                   q_offset=offset)
 
+  def grad(q, kv, q_seg, k_seg, offset, lse, delta, d_out):
+    dq, dk, dv = backward(q[0], *kv, q_seg, k_seg, lse, delta, d_out, causal=causal, scale=scale, window=window,
+                          q_offset=offset)
+    return (dq,), (dk, dv)
+
   out, lse = ring_attention(block, [(q, _Q, 1)], [(k, k_axes, 1), (v, v_axes, 1)], (), segment_ids, (_Q, _LSE),
-                            merge=True, causal=causal, window=window)
+                            merge=True, causal=causal, window=window, block_grad=backward and grad)
   return (out, lse) if return_lse else out
 
 
 def attention_from_lse(kernel: Callable, q, k, lse, v, segment_ids, *, scale: float, causal: bool = True,
-                       window: int = 0):
+                       window: int = 0, backward: Callable | None = None):
   """Probability reuse (the contract of :func:`jaxshare.kernels.reference.attention_from_lse`) round the ring: the
   source's ``q`` and whole-row ``lse [B, H, T]`` stay, its ``k`` and the reuser's ``v`` travel (all in the layout,
-  sharded along the sequence); each chunk pair's probabilities are final, so the blocks add up."""
+  sharded along the sequence); each chunk pair's probabilities are final, so the blocks add up. In the backward
+  pass ``backward`` (:func:`jaxshare.kernels.xla.attention_backward`'s contract, run with ``delta = 0``; None: the
+  kernel's vjp) gives each pair's gradients; ``lse``'s, ``-rowsum(dO ∘ O)`` (``∂O/∂lse = -O``), is taken once,
+  outside the ring."""
   k_axes, v_axes = kv_axes(q, k, v, _KV)
+  fixed = jax.lax.stop_gradient(lse)
 
   def block(q_side, kv, extras, q_seg, k_seg, offset):
     del extras
     (q, lse), (k, v) = q_side, kv
     return kernel(q, k, lse, v, q_seg, k_seg, scale=scale, causal=causal, window=window, q_offset=offset)
 
-  return ring_attention(block, [(q, _Q, 1), (lse, _LSE, 2)], [(k, k_axes, 1), (v, v_axes, 1)], (), segment_ids, _Q,
-                        merge=False, causal=causal, window=window)
+  def grad(q_side, kv, q_seg, k_seg, offset, d_out):
+    (q, lse), (k, v) = q_side, kv
+    heads = math.lcm(k.shape[2], v.shape[2])  # source K and reuser V heads, both repeated to their lcm
+    wide = lambda x: jnp.repeat(x, heads // x.shape[2], axis=2)  # noqa: E731
+    fold = lambda d, g: d.reshape(*d.shape[:2], g, heads // g, d.shape[3]).sum(3)  # noqa: E731
+    dq, dk, dv = backward(q, wide(k), wide(v), q_seg, k_seg, lse, jnp.zeros_like(lse), d_out, causal=causal,
+                          scale=scale, window=window, q_offset=offset)
+    return (dq, jnp.zeros_like(lse)), (fold(dk, k.shape[2]), fold(dv, v.shape[2]))
+
+  out = ring_attention(block, [(q, _Q, 1), (fixed, _LSE, 2)], [(k, k_axes, 1), (v, v_axes, 1)], (), segment_ids, _Q,
+                       merge=False, causal=causal, window=window, block_grad=backward and grad)
+  # zero in value; its gradient takes lse's share, -rowsum(dO ∘ O), that the ring (fed a constant lse) leaves out
+  moved = jnp.swapaxes(lse - fixed, 1, 2)[..., None] * jax.lax.stop_gradient(out).astype(jnp.float32)
+  return (out.astype(jnp.float32) - moved).astype(out.dtype)

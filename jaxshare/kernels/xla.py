@@ -36,6 +36,13 @@ def _forward(q, k, v, q_segment_ids, kv_segment_ids, q_offset, causal, scale, wi
 def _backward(causal, scale, window, res, cotangents):
   q, k, v, q_segment_ids, kv_segment_ids, q_offset, out, lse = res
   d_out, d_lse = cotangents
+  delta = jnp.einsum("bthd,bthd->bht", d_out.astype(jnp.float32), out.astype(jnp.float32)) - d_lse
+  return (*_grads(q, k, v, q_segment_ids, kv_segment_ids, q_offset, lse, delta, d_out, causal, scale, window), None,
+          None, None)
+
+
+def _grads(q, k, v, q_segment_ids, kv_segment_ids, q_offset, lse, delta, d_out, causal, scale, window):
+  """``(dQ, dK, dV)`` from the log-sum-exp and ``delta = rowsum(dO ∘ O) - dlse`` (``[B, H, T]`` float32)."""
   b, t, h, _ = q.shape
   s, g = k.shape[1], k.shape[2]
   mask = reference.attention_mask(q_segment_ids, kv_segment_ids, causal, window, q_start=q_offset)
@@ -47,14 +54,13 @@ def _backward(causal, scale, window, res, cotangents):
   d_vt = jnp.einsum("bgms,bgmd->bgds", rows(probs).astype(v.dtype), do_h.astype(v.dtype),
                     preferred_element_type=jnp.float32)
   d_p = jnp.einsum("bgmd,bgsd->bgms", do_h, v.transpose(0, 2, 1, 3), preferred_element_type=jnp.float32)
-  delta = jnp.einsum("bthd,bthd->bht", d_out.astype(jnp.float32), out.astype(jnp.float32))
-  d_s = probs * (d_p.reshape(b, h, t, s) - delta[..., None] + d_lse[..., None]) * scale
+  d_s = probs * (d_p.reshape(b, h, t, s) - delta[..., None]) * scale
   d_q = jnp.einsum("bgms,bgse->bgme", rows(d_s).astype(k.dtype), k.transpose(0, 2, 1, 3),
                    preferred_element_type=jnp.float32)
   d_kt = jnp.einsum("bgms,bgme->bges", rows(d_s).astype(q.dtype), reference.heads_major(q, g),
                     preferred_element_type=jnp.float32)
   return (reference.from_heads_major(d_q, t).astype(q.dtype), d_kt.transpose(0, 3, 1, 2).astype(k.dtype),
-          d_vt.transpose(0, 3, 1, 2).astype(v.dtype), None, None, None)
+          d_vt.transpose(0, 3, 1, 2).astype(v.dtype))
 
 
 _attention.defvjp(_forward, _backward)
@@ -69,3 +75,17 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_segment_ids: jax.Array
   out, lse = _attention(q, k, v, q_segment_ids, kv_segment_ids, jnp.asarray(q_offset, jnp.int32), causal, scale,
                         window)
   return (out, lse) if return_lse else out
+
+
+def attention_backward(q: jax.Array, k: jax.Array, v: jax.Array, q_segment_ids: jax.Array, kv_segment_ids: jax.Array,
+                       lse: jax.Array, delta: jax.Array, d_out: jax.Array, *, causal: bool = True,
+                       scale: float | None = None, window: int = 0,
+                       q_offset: jax.Array | int = 0) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """The backward pass of :func:`attention` alone: ``(dQ, dK, dV)`` from the log-sum-exp ``lse [B, H, T]``, ``delta =
+  rowsum(dO ∘ O) − dlse`` (``[B, H, T]`` float32) and ``d_out [B, T, H, d]``, without the forward pass (the equations
+  of the module docstring). Given a whole row's ``lse`` and ``delta`` and a block of its keys, they are that block's
+  share of the row's gradients (ring attention, :mod:`jaxshare.kernels.ring`); given another layer's ``lse`` and
+  ``delta = 0``, the gradients of probability reuse but for its ``lse``'s."""
+  scale = q.shape[-1] ** -0.5 if scale is None else scale
+  return _grads(q, k, v, q_segment_ids, kv_segment_ids, jnp.asarray(q_offset, jnp.int32), lse, delta,
+                d_out.astype(q.dtype), causal, scale, window)

@@ -2,7 +2,7 @@
 split over 2, 4 and 8 devices (mixed with data and fsdp) equal one device's, for every kind of the schedule catalogue,
 on packed documents, with the keys gathered and round the ring (attention.context_strategy); the load-balanced layout
 gives every device the same causal work; the Pallas kernels attend a device's query chunks by offset inside the
-model; the ring moves K/V by permutes alone and holds no layer's whole K/V."""
+model; the ring's backward pass runs no chunk pair's forward again."""
 
 import jax
 import jax.numpy as jnp
@@ -110,3 +110,29 @@ def test_the_load_balanced_layout_gives_every_device_equal_causal_work(shards):
 def test_a_sequence_that_does_not_split_is_refused():
   with pytest.raises(ValueError, match="multiple of 16 tokens, not 40"):
     context.layout(40, 8)
+
+
+def test_the_ring_backward_runs_no_chunk_pair_forward_again():
+  """The ring's backward pass runs the kernel's backward alone per chunk pair (jaxshare.kernels.xla
+  .attention_backward, from the whole rows' output and log-sum-exp): the train step's matmul FLOPs equal the gathered
+  step's (local queries against every key either way), where a vjp per pair would run each pair's forward again."""
+  from jaxshare.aot.report import matmul_flops
+  from jaxshare.kernels import ring
+
+  def flops(strategy):
+    cfg = tiny_config(*MATRIX["uniattn"], f"data.seq_len={T}", f"attention.context_strategy={strategy}")
+    _, graphdef, params = randomized(cfg)
+
+    def loss(p, tokens, positions, segments):
+      return jnp.mean(nnx.merge(graphdef, p)(tokens, positions, segments))
+
+    mesh = parallel.make_mesh(MeshConfig(context=4, fsdp=2), jax.devices()[:8])
+    with jax.set_mesh(mesh):
+      return matmul_flops(jax.make_jaxpr(jax.value_and_grad(loss))(params, *packed()))[0]
+
+  gathered, rotated = flops("all_gather"), flops("ring")
+  assert rotated == pytest.approx(gathered, rel=1e-9)
+  with pytest.MonkeyPatch.context() as patch:  # the vjp per pair, which the test must tell apart
+    whole = ring.ring_attention
+    patch.setattr(ring, "ring_attention", lambda *args, block_grad=None, **kwargs: whole(*args, **kwargs))
+    assert flops("ring") > 1.05 * gathered  # 1.074x: each pair's two forward matmuls again
