@@ -20,10 +20,11 @@ from etils import epath
 
 from jaxshare import integrity
 from jaxshare.exit_codes import InputError
-from jaxshare.files import (StorageUnavailable, absolute, by_deadline, is_remote, move_tree,
+from jaxshare.files import (StorageUnavailable, absolute, by_deadline, is_remote, is_transient, move_tree,
                             quiet_transient_tracebacks)
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 CHECKSUMS = "checksums"  # meta key: integrity.checksums of the saved arrays
 TMP_MARKER = ".orbax-checkpoint-tmp"  # in the name of a step directory whose write did not finish
 
@@ -150,9 +151,13 @@ class Checkpointer:
     if is_remote(self.directory):
       quiet_transient_tracebacks()  # an outage is reported once, as StorageUnavailable
     self.cleaned = unfinished_writes(self.directory)
-    self.manager = ocp.CheckpointManager(
+    self.keep = keep
+    self.manager = self._open()
+
+  def _open(self) -> ocp.CheckpointManager:
+    return ocp.CheckpointManager(
       self.directory, item_names=("state", "data", "meta"),
-      options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True, cleanup_tmp_directories=True))
+      options=ocp.CheckpointManagerOptions(max_to_keep=self.keep, create=True, cleanup_tmp_directories=True))
 
   def latest_step(self) -> int | None:
     return self.manager.latest_step()
@@ -169,7 +174,22 @@ class Checkpointer:
     if data_iter is not None:
       items["data"] = grain.checkpoint.CheckpointSave(data_iter)
     with self._bucket_failures(f"checkpoint {step}"):
+      self._forget_a_cut_write()
       self.manager.save(step, args=ocp.args.Composite(**items), force=True)
+
+  def _forget_a_cut_write(self) -> None:
+    """Wait for the save before; if a bucket outage made it fail (a short one may outlive an upload's session, which
+    no retry then finds), log it and reopen the manager, which forgets the failure (orbax raises it at every wait
+    until then) and deletes what the write left: this save writes a newer step instead. Other failures raise."""
+    if not is_remote(self.directory):
+      return
+    try:
+      self.manager.wait_until_finished()
+    except Exception as e:
+      if not is_transient(e):
+        raise
+      log.warning("the last checkpoint was not written (%s); the next one is", _root_cause(e))
+      self.manager = self._open()
 
   @contextlib.contextmanager
   def _bucket_failures(self, what: str):

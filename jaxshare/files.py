@@ -88,6 +88,16 @@ def _transient_errors() -> tuple[type[BaseException], ...]:
   return tuple(errors)
 
 
+def is_transient(e: BaseException | None) -> bool:
+  """Whether ``e``, or an error it was raised from, is a bucket's transient error (:func:`_transient_errors`)."""
+  transient = _transient_errors()
+  while e is not None:
+    if isinstance(e, transient):
+      return True
+    e = e.__cause__ or e.__context__
+  return False
+
+
 _quieted = False
 
 
@@ -100,14 +110,6 @@ def quiet_transient_tracebacks() -> None:
   if _quieted:
     return
   _quieted = True
-  transient = _transient_errors()
-
-  def is_transient(e: BaseException | None) -> bool:
-    while e is not None:
-      if isinstance(e, transient):
-        return True
-      e = e.__cause__ or e.__context__
-    return False
 
   def keep(record: logging.LogRecord) -> bool:
     # orbax also logs some failed reads with the error as a format argument, not as exc_info (a step's metadata)
