@@ -59,6 +59,10 @@ class UnsharedReadError(CheckpointError):
 _noise_muted = False
 
 
+_TENSORSTORE_STATUS = re.compile(r"^(OUT_OF_RANGE|NOT_FOUND|DATA_LOSS|FAILED_PRECONDITION|INVALID_ARGUMENT|UNKNOWN|"
+                                 r"INTERNAL|UNAVAILABLE|PERMISSION_DENIED|ABORTED|CANCELLED): ")
+
+
 def _mute_library_noise() -> None:
   """Before any read, for the rest of the process, keep a failed read's library noise off the console: orbax's reads
   run as asyncio tasks and gathers whose failures TensorStore reports again, with multi-kilobyte specs, through the
@@ -66,7 +70,8 @@ def _mute_library_noise() -> None:
   "Exception ignored" messages whenever the abandoned coroutines are collected: during the call (sometimes before its
   exception reaches the caller, so muting only once it has is too late) or at exit. The CheckpointError raised to the
   caller already says what failed. Only reports raised from orbax's frames (or, for "Exception ignored", asyncio's)
-  are dropped, and a read that succeeds leaves none; anything else still shows."""
+  (or TensorStore's own futures, with no frame and its status as the message) are dropped, and a read that
+  succeeds leaves none; anything else still shows."""
   global _noise_muted
   if _noise_muted:
     return
@@ -84,7 +89,12 @@ def _mute_library_noise() -> None:
 
   def keep(record: logging.LogRecord) -> bool:
     abandoned = record.exc_info is not None and "exception was never retrieved" in record.getMessage()
-    return not (abandoned and any("/orbax/" in f for f in files(record.exc_info[2])))
+    if not abandoned:
+      return True
+    where = files(record.exc_info[2])
+    # TensorStore's own futures fail with its status and no Python frame
+    tensorstore = not where and _TENSORSTORE_STATUS.match(str(record.exc_info[1]))
+    return not (tensorstore or any("/orbax/" in f for f in where))
 
   sys.unraisablehook = hook
   logging.getLogger("asyncio").addFilter(keep)
