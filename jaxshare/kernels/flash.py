@@ -343,6 +343,15 @@ def _check(q, k, v):
                      f"v {v.shape} ([B, T, heads, width])")
 
 
+def _attention_geometry(q, k, v, causal, scale, window, backend, block_q, block_k, q_offset):
+  """``(backend, geometry)`` of an :func:`attention` call and of its backward alone (checked shapes, default scale)."""
+  _check(q, k, v)
+  scale = q.shape[3] ** -0.5 if scale is None else scale
+  backend = backend or tuning.default_backend()
+  return backend, tuning.call_geometry(q.shape[1], k.shape[1], tuning.operands(q, k, v, q.dtype), causal, window,
+                                       scale, backend, block_q, block_k, offset=q_offset is not None)
+
+
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_segment_ids: jax.Array, kv_segment_ids: jax.Array,
               *, causal: bool = True, scale: float | None = None, window: int = 0, return_lse: bool = False,
               backend: str | None = None, block_q: int | None = None, block_k: int | None = None,
@@ -368,12 +377,8 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_segment_ids: jax.Array
   Raises:
     ValueError: K/V heads that do not divide the query heads, or K and V head counts that differ.
   """
-  _check(q, k, v)
-  b, t, h, e = q.shape
-  scale = e ** -0.5 if scale is None else scale
-  backend = backend or tuning.default_backend()
-  geo = tuning.call_geometry(t, k.shape[1], tuning.operands(q, k, v, q.dtype), causal, window, scale, backend,
-                             block_q, block_k, offset=q_offset is not None)
+  t = q.shape[1]
+  backend, geo = _attention_geometry(q, k, v, causal, scale, window, backend, block_q, block_k, q_offset)
   out, lse = _flash(_to_kernel_layout(q, geo.t_padded), _to_kernel_layout(k, geo.s_padded),
                     _to_kernel_layout(v, geo.s_padded), *_segments(q_segment_ids, kv_segment_ids, geo),
                     _offset_operand(q_offset), geo, backend)
@@ -390,19 +395,15 @@ def attention_backward(q: jax.Array, k: jax.Array, v: jax.Array, q_segment_ids: 
   ``delta = rowsum(dO ∘ O) − dlse`` (``[B, H, T]`` float32) and ``d_out [B, T, H, d]``, without the forward pass: the
   contract of :func:`jaxshare.kernels.xla.attention_backward` (a block of a longer row's keys, ring attention;
   probability reuse with ``delta = 0``). Other arguments as :func:`attention`."""
-  _check(q, k, v)
-  b, t, h, e = q.shape
-  scale = e ** -0.5 if scale is None else scale
-  backend = backend or tuning.default_backend()
-  geo = tuning.call_geometry(t, k.shape[1], tuning.operands(q, k, v, q.dtype), causal, window, scale, backend,
-                             block_q, block_k, offset=q_offset is not None)
+  t = q.shape[1]
+  backend, geo = _attention_geometry(q, k, v, causal, scale, window, backend, block_q, block_k, q_offset)
   rows = lambda x: jnp.pad(x.astype(jnp.float32), ((0, 0), (0, 0), (0, geo.t_padded - t)))[..., None]  # noqa: E731
   dq, dk, dv = _backward(_to_kernel_layout(q, geo.t_padded), _to_kernel_layout(k, geo.s_padded),
                          _to_kernel_layout(v, geo.s_padded), *_segments(q_segment_ids, kv_segment_ids, geo), rows(lse),
                          rows(delta), _to_kernel_layout(d_out.astype(q.dtype), geo.t_padded),
                          _offset_operand(q_offset), geo, backend)
   back = lambda x, n, w: x[:, :, :n, :w].transpose(0, 2, 1, 3)  # noqa: E731
-  return back(dq, t, e), back(dk, k.shape[1], e), back(dv, k.shape[1], v.shape[3])
+  return back(dq, t, q.shape[3]), back(dk, k.shape[1], q.shape[3]), back(dv, k.shape[1], v.shape[3])
 
 
 def attention_from_lse(q: jax.Array, k: jax.Array, lse: jax.Array, v: jax.Array, q_segment_ids: jax.Array,
