@@ -119,10 +119,14 @@ class Fit:
 def matmul_flops(jaxpr) -> tuple[float, int]:
   """``(FLOPs, pallas_calls)`` of a (closed) jaxpr: 2·M·N·K for every ``dot_general`` over the logical (global)
   shapes, scan bodies times their length, ``shard_map`` bodies (per-shard shapes) times their manual devices, the
-  costliest ``cond`` branch, while bodies once; Pallas kernels are counted, not entered."""
+  costliest ``cond`` branch, while bodies once; Pallas kernels are counted, not entered. A closed jaxpr (a whole
+  traced step) is first cleared of dead code, as XLA clears it: a ``custom_vjp`` backward pass that recomputes its
+  forward with ``jax.vjp`` (:func:`jaxshare.kernels.recompute.recomputed`) traces the forward's output too."""
+  from jax._src.interpreters import partial_eval  # no public API clears a jaxpr's dead code (jax 0.10)
   from jax.extend.core import jaxprs_in_params
 
-  jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+  if hasattr(jaxpr, "jaxpr"):
+    jaxpr = partial_eval.dce_jaxpr(jaxpr.jaxpr, [True] * len(jaxpr.jaxpr.outvars))[0]
   flops, kernels = 0.0, 0
   for eqn in jaxpr.eqns:
     name = eqn.primitive.name

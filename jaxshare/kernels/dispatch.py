@@ -17,6 +17,7 @@ from jaxshare.config.choices import AttentionImpl, ContextStrategy, parse
 from jaxshare import context
 from jaxshare.kernels import (cudnn, decode, flash, flash_decode, local_queries, pallas, reference, ring, splash,
                               tuning, xla)
+from jaxshare.kernels.recompute import recomputed
 
 log = logging.getLogger(__name__)
 
@@ -94,10 +95,12 @@ class AttentionOps:
     return reference.apply_probs(probs, v, dtype), probs
 
 
-def _checkpointed_reuse(q, k, lse, v, q_segment_ids, kv_segment_ids, **kwargs):
-  """XLA probability reuse under ``jax.checkpoint``: nothing ``[B, H, T, S]`` is kept for the backward pass."""
-  return jax.checkpoint(lambda q, k, lse, v: reference.attention_from_lse(
-    q, k, lse, v, q_segment_ids, kv_segment_ids, **kwargs))(q, k, lse, v)
+def _checkpointed_reuse(q, k, lse, v, q_segment_ids, kv_segment_ids, *, q_offset=0, **kwargs):
+  """XLA probability reuse recomputed in the backward pass (:func:`~jaxshare.kernels.recompute.recomputed`):
+  nothing ``[B, H, T, S]`` is kept for it."""
+  return recomputed(lambda q, k, lse, v, q_seg, kv_seg, offset: reference.attention_from_lse(
+    q, k, lse, v, q_seg, kv_seg, q_offset=offset, **kwargs))(q, k, lse, v, q_segment_ids, kv_segment_ids,
+                                                             jnp.asarray(q_offset, jnp.int32))
 
 
 _XLA = AttentionOps(xla.attention, _checkpointed_reuse)

@@ -32,6 +32,7 @@ from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from jaxshare import parallel
@@ -40,6 +41,7 @@ from jaxshare.kernels.local_queries import kv_axes
 
 # Logical axes of a layer's K/V under the ring: sharded along the sequence like the activations.
 _KV = ("activation_batch", "activation_length", "activation_kv_heads", None)
+OUTPUT = "ring_attention_output"  # the name of the ring's output among its backward pass's residuals
 _Q = ("activation_batch", "activation_length", "activation_heads", None)
 _SEG = ("activation_batch", None)
 _LSE = ("activation_batch", "activation_heads", "activation_length")
@@ -157,7 +159,9 @@ def _ring(block: Block, merge: bool, q_axes: Sequence[int], key_axes: Sequence[i
 
   def ring_fwd(queries, keys, extras, consts):
     out = forward(queries, keys, extras, consts)
-    return out, (queries, keys, extras, consts, out)
+    # named, so that a checkpoint policy that recomputes casts and concatenations (model.remat=none's) keeps the
+    # output rather than running the forward ring again in the backward pass
+    return out, (queries, keys, extras, consts, jax.tree.map(lambda x: checkpoint_name(x, OUTPUT), out))
 
   def ring_bwd(res, d_out):
     queries, keys, extras, consts, out = res

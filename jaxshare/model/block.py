@@ -126,16 +126,12 @@ class LayerRun(nnx.Module):
     hoist: what the layers share with other layers of their superblock (``shares_kv``: this one-layer run's K/V;
       ``shares_q``: its queries, whose scores others reuse; a LISA chain's low-rank delta) is computed outside the
       layers' checkpoints, where the superblock's checkpoint recomputes it once for all its readers.
-    nested: the run's superblock is itself scanned (over a stack of several) without ``model.remat``, so the run's
-      layers are unrolled.
+    unroll: the run's layers are unrolled whatever ``model.scan_layers`` says (see :func:`unrolled`).
   """
 
   def __init__(self, plan: ModelPlan, run: RunPlan, *, hoist: bool = False, shares_kv: bool = False,
-               shares_q: bool = False, nested: bool = False, rngs: nnx.Rngs):
-    # nested: without remat a scan inside the scanned stack stacks the layers' residuals twice and XLA copies them
-    # (MLKV 4x8 at 8k on an H100: 31.71 GiB scanned, 30.15 unrolled, dense 31.83); under a policy the residuals are
-    # the layers' inputs, and the inner scan keeps compile time independent of the superblock's size
-    self.length, self.role, self.scan = run.length, run.role, plan.model.scan_layers and not nested
+               shares_q: bool = False, unroll: bool = False, rngs: nnx.Rngs):
+    self.length, self.role, self.scan = run.length, run.role, plan.model.scan_layers and not unroll
     self.recompute = plan.attention.score_sharing == ScoreSharing.RECOMPUTE
     self.remat = plan.model.remat
     self.hoist, self.shares_kv, self.shares_q = hoist, shares_kv, shares_q
@@ -261,6 +257,17 @@ class LayerRun(nnx.Module):
     return capture == "mha" or (capture == "logits" and self.role.score_reuse != ScoreReuse.PROBS)
 
 
+def unrolled(plan: ModelPlan, runs: tuple[RunPlan, ...]) -> bool:
+  """Whether a superblock of ``runs``, its runs and its stack are unrolled whatever ``model.scan_layers`` says: under
+  ``model.remat=none`` when it has several layers. A scanned stack's backward pass slices a whole superblock's
+  residuals at once, and a scan inside it stacks its layers' residuals a second time; unrolled, XLA frees each
+  layer's residuals after its backward pass (the ~1.2B Llama on one H100 at 32k: MLKV 4x8 43.70 GiB unrolled, 52.34
+  scanned, dense 51.22; :mod:`jaxshare.model.remat`). Under a policy each layer keeps only its checkpoint's
+  residuals and scanning needs less (MLKV at 128k: 34.81 GiB scanned, 40.64 unrolled), so compile time stays
+  independent of depth there."""
+  return not remat.enabled(plan.model.remat) and sum(run.length for run in runs) > 1
+
+
 def shared_checkpoint(plan: ModelPlan, runs: tuple[RunPlan, ...]) -> bool:
   """Whether a superblock of ``runs`` runs under its own checkpoint (:func:`jaxshare.model.remat.superblock_policy`):
   under ``model.remat`` when it has several layers, whose shared tensors it then recomputes once for all readers."""
@@ -281,16 +288,16 @@ class Superblock(nnx.Module):
 
   Args:
     runs: the superblock's runs (:func:`jaxshare.schedule.layer_runs`).
-    nested: the superblock is one of a scanned stack without ``model.remat`` (its runs unroll: :class:`LayerRun`).
   """
 
-  def __init__(self, plan: ModelPlan, runs: tuple[RunPlan, ...], *, nested: bool = False, rngs: nnx.Rngs):
+  def __init__(self, plan: ModelPlan, runs: tuple[RunPlan, ...], *, rngs: nnx.Rngs):
     self.plan = tuple(runs)
     hoist = shared_checkpoint(plan, runs)
     read_kv = {run.role.kv_from for run in runs}
     recompute = plan.attention.score_sharing == ScoreSharing.RECOMPUTE
     self.runs = nnx.List([LayerRun(plan, run, hoist=hoist, shares_kv=run.start in read_kv and run.role.is_producer,
-                                   shares_q=bool(run.role.feeds) and recompute, nested=nested, rngs=rngs)
+                                   shares_q=bool(run.role.feeds) and recompute, unroll=unrolled(plan, runs),
+                                   rngs=rngs)
                            for run in runs])
 
   def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array, capture: str | None = None,

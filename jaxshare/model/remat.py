@@ -23,6 +23,16 @@ each layer's input needed 39.66 GiB with CLA2 and 40.81 GiB with MLKV 4x8 agains
 gradient lives across its readers' backward passes), keeping the superblock's alone 35.66 and 34.81 GiB, for 2.6%
 and 5.5% more executed FLOPs (the replayed layers).
 
+Without rematerialisation (``none``) every superblock still runs under ``jax.checkpoint``, with
+:func:`keep_all_but_elementwise`: the backward pass recomputes casts, elementwise arithmetic and layout changes from
+what is kept, as XLA does itself when it fuses them into their consumers in an unrolled program. A scanned stack
+cannot fuse across its loop: without the policy it stacked every such result as a residual (the ~1.2B Llama's four
+float32 copies of each layer's residual stream took 16 GiB at 32k tokens, and the step 68.55 GiB on one H100; with
+it 51.22 GiB, for the same executed FLOPs). A stack whose superblocks hold several layers is unrolled under ``none``
+(:func:`jaxshare.model.block.unrolled`). What must be recomputed whatever an enclosing policy keeps (probability
+reuse in XLA, a LISA chain's chunks) uses :func:`jaxshare.kernels.recompute.recomputed`, not a nested
+``jax.checkpoint``, whose choice an enclosing policy overrides.
+
 Host offloading (``*_offloaded``) moves the kept arrays to pinned host memory, which jax has on GPUs and TPUs only:
 :func:`check_platform` refuses them elsewhere before anything is compiled.
 """
@@ -34,6 +44,7 @@ from typing import Callable
 
 import jax
 from flax import nnx
+from jax import lax
 
 from jaxshare.config import ConfigError
 from jaxshare.config.choices import RematPolicy, parse
@@ -49,6 +60,19 @@ _OFFLOAD = dict(offload_src="device", offload_dst="pinned_host")
 OFFLOADED = {RematPolicy.MINIMAL_OFFLOADED: RematPolicy.MINIMAL,
              RematPolicy.QKV_PROJ_OFFLOADED: RematPolicy.SAVE_QKV_PROJ}
 _OFFLOAD_PLATFORMS = ("gpu", "tpu")
+# What model.remat=none recomputes rather than keeps: elementwise arithmetic, casts and layout changes, which read
+# only what is kept and cost no matmul.
+_ELEMENTWISE = frozenset({
+  lax.convert_element_type_p, lax.add_p, lax.sub_p, lax.mul_p, lax.div_p, lax.neg_p, lax.max_p, lax.min_p,
+  lax.exp_p, lax.log_p, lax.rsqrt_p, lax.sqrt_p, lax.square_p, lax.integer_pow_p, lax.logistic_p, lax.tanh_p,
+  lax.erf_p, lax.sin_p, lax.cos_p, lax.select_n_p, lax.broadcast_in_dim_p, lax.reshape_p, lax.squeeze_p,
+  lax.transpose_p, lax.concatenate_p, lax.pad_p, lax.slice_p})
+
+
+def keep_all_but_elementwise(prim, *_, **__) -> bool:
+  """``model.remat=none``'s policy: keep every result but those of elementwise, cast and layout primitives, which the
+  backward pass recomputes from what is kept (module docstring). Named results (``checkpoint_name``) are kept."""
+  return prim not in _ELEMENTWISE
 
 
 @functools.cache
@@ -77,8 +101,11 @@ def layer_policy(name: str) -> Callable | None:
 
 @functools.cache
 def superblock_policy(name: str) -> Callable:
-  """The policy of a superblock's checkpoint under ``model.remat=name``: every score source's log-sum-exp; unless
-  ``full``, every layer's input and what the layer policy keeps (so that the layers' checkpoints find it kept)."""
+  """The policy of a superblock's checkpoint under ``model.remat=name``: under ``none``
+  :func:`keep_all_but_elementwise`; else every score source's log-sum-exp and, unless ``full``, every layer's input
+  and what the layer policy keeps (so that the layers' checkpoints find it kept)."""
+  if not enabled(name):
+    return keep_all_but_elementwise
   inner = layer_policy(name)
   if inner is None:  # full: the superblock's input alone (its checkpoint's argument) and the score statistics
     return jax.checkpoint_policies.save_only_these_names(SCORE_LSE)

@@ -30,6 +30,7 @@ from flax import struct
 from jaxshare import context
 from jaxshare.config.choices import Integrator
 from jaxshare.kernels import local_queries, reference, ring
+from jaxshare.kernels.recompute import recomputed
 
 if TYPE_CHECKING:
   from jaxshare.kernels.dispatch import AttentionOps
@@ -206,8 +207,8 @@ def chain_attention(state: AlignerChain, v: jax.Array, q_segment_ids: jax.Array,
                     window: int = 0, q_offset: jax.Array | int = 0, return_lse: bool = False
                     ) -> jax.Array | tuple[jax.Array, jax.Array]:
   """Causal softmax attention of the chain's logits (slot ``state.last``) applied to ``v [B, S, G, d]``, computed in
-  query chunks of :data:`QUERY_CHUNK` rows, each under ``jax.checkpoint`` (the backward pass recomputes a chunk's
-  logits instead of keeping them). ``q_segment_ids [B, T]``, ``kv_segment_ids [B, S]``: the documents; the queries
+  query chunks of :data:`QUERY_CHUNK` rows, each recomputed in the backward pass (:func:`~jaxshare.kernels.recompute
+  .recomputed`: a chunk's logits are never kept, whatever an enclosing checkpoint's policy keeps). ``q_segment_ids [B, T]``, ``kv_segment_ids [B, S]``: the documents; the queries
   are tokens ``q_offset ..`` of the keys' sequence (context parallelism's query chunks). Returns ``[B, T, H, d]``
   float32 (and with ``return_lse`` the log-sum-exp ``[B, H, T]`` float32 of the masked logits)."""
   b, t, h, _ = state.q.shape
@@ -220,15 +221,15 @@ def chain_attention(state: AlignerChain, v: jax.Array, q_segment_ids: jax.Array,
     x = x.reshape(*x.shape[:axis], n, chunk, *x.shape[axis + 1:])
     return jnp.moveaxis(x, axis, 0)
 
-  @jax.checkpoint
-  def rows(args):
-    start, q, q_lr, q_seg = args
-    mask = reference.attention_mask(q_seg, kv_segment_ids, True, window, q_start=start + q_offset)
+  @recomputed
+  def rows(start, q, q_lr, q_seg, state, v, kv_seg):
+    mask = reference.attention_mask(q_seg, kv_seg, True, window, q_start=start)
     probs, lse = reference.masked_softmax(_chain_rows(state, q, q_lr), mask)
     return reference.apply_probs(probs, v, jnp.float32), lse
 
-  out, lse = jax.lax.map(rows, (jnp.arange(n) * chunk, split(state.q, 1), split(state.q_lr, 2),
-                                split(q_segment_ids, 1)))
+  starts = jnp.arange(n, dtype=jnp.int32) * chunk + jnp.asarray(q_offset, jnp.int32)
+  out, lse = jax.lax.map(lambda xs: rows(*xs, state, v, kv_segment_ids),
+                         (starts, split(state.q, 1), split(state.q_lr, 2), split(q_segment_ids, 1)))
   out = jnp.moveaxis(out, 0, 1).reshape(b, n * chunk, h, -1)[:, :t]
   if not return_lse:
     return out

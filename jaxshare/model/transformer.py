@@ -10,7 +10,7 @@ from jaxshare import context, parallel
 from jaxshare.config import ModelConfig
 from jaxshare.model import cache as kv_cache
 from jaxshare.model import remat
-from jaxshare.model.block import MHAActivations, Superblock, shared_checkpoint
+from jaxshare.model.block import MHAActivations, Superblock, shared_checkpoint, unrolled
 from jaxshare.model.cache import DecodeCache, StepContext
 from jaxshare.model.layers import DenseGeneral, make_norm, param
 from jaxshare.model.scan import scan_or_unroll
@@ -23,15 +23,17 @@ class Stack(nnx.Module):
   """``count`` structurally identical superblocks with parameters stacked on a leading ``layers`` axis."""
 
   def __init__(self, plan: ModelPlan, stack: StackPlan, *, rngs: nnx.Rngs):
-    self.count, self.scan = stack.count, plan.model.scan_layers
-    # the policy's name (a policy is a fresh function each time, and NNX compares graphs by their static fields)
-    self.remat = plan.model.remat if shared_checkpoint(plan, stack.runs) else None
+    self.count, self.scan = stack.count, plan.model.scan_layers and not unrolled(plan, stack.runs)
+    # The policy's name (a policy is a fresh function each time, and NNX compares graphs by their static fields) of
+    # the checkpoint around each superblock: without remat every superblock's (jaxshare.model.remat), under a policy
+    # a superblock of several layers'.
+    self.remat = plan.model.remat if shared_checkpoint(plan, stack.runs) or not remat.enabled(plan.model.remat) \
+      else None
 
     @nnx.split_rngs(splits=stack.count)
     @nnx.vmap(in_axes=(0,), out_axes=0)
     def make(rngs: nnx.Rngs) -> Superblock:
-      return Superblock(plan, stack.runs, nested=stack.count > 1 and plan.model.scan_layers and not remat.enabled(plan.model.remat),
-                        rngs=rngs)
+      return Superblock(plan, stack.runs, rngs=rngs)
 
     self.blocks = make(rngs)
 
@@ -44,7 +46,7 @@ class Stack(nnx.Module):
     def apply(block: Superblock, x: jax.Array, kernels):
       return block(x, positions, segment_ids, capture, kernels)
 
-    if self.remat:  # the superblock's own checkpoint, around its layers' (jaxshare.model.remat)
+    if self.remat:  # the superblock's own checkpoint, around its layers' if they have any (jaxshare.model.remat)
       apply = remat.checkpoint(apply, remat.superblock_policy(self.remat))
     x, ys = scan_or_unroll(apply, self.blocks, x, head_kernels, count=self.count, scan=self.scan)
     return x, [jax.tree.map(lambda a: a[c], y) for c in range(self.count) for y in ys]
