@@ -105,6 +105,16 @@ def _result_bytes(shapes: str, start: bool) -> int:
   return _bytes(parts[-1])
 
 
+def _kv_bytes(shapes: str, start: bool) -> int:
+  """Bytes of a K/V-scoped collective's result that are K/V: its arrays of three dimensions or more (K/V and their
+  gradients are ``[B, T, G, d]``). XLA's all-reduce combiner folds small reductions of the same devices (a norm's
+  scale gradient, a scalar) into a K/V reduction, under its metadata."""
+  if start:
+    return _result_bytes(shapes, start)
+  return sum(_bytes(f"{dtype}[{dims}]") for dtype, dims in _ARRAY.findall(shapes)
+             if len([d for d in dims.split(",") if d]) >= 3)
+
+
 def _signature(shapes: str) -> tuple:
   """``(dtype, dims without the ones)`` of each array in ``shapes``: XLA bitcasts unit dimensions in and out."""
   return tuple((dtype, tuple(int(d) for d in dims.split(",") if d and d != "1"))
@@ -173,8 +183,10 @@ def traffic(hlo_text: str) -> Traffic:
     for line in comps[name]:
       if m := _OP.match(line):
         kind = m.group(2)
-        moved = _moved(kind, _result_bytes(m.group(1), bool(m.group(3))), _group_size(line))
-        total = add(total, ({kind: moved}, moved if is_kv(line, m) else 0.0, 1))
+        n = _group_size(line)
+        moved = _moved(kind, _result_bytes(m.group(1), bool(m.group(3))), n)
+        kv = _moved(kind, _kv_bytes(m.group(1), bool(m.group(3))), n) if is_kv(line, m) else 0.0
+        total = add(total, ({kind: moved}, kv, 1))
       if w := _WHILE.search(line):
         total = add(total, visit(w.group(1), stack + (name,)), _trips(line, comps))
       elif b := _BRANCHES.search(line):

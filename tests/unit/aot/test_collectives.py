@@ -98,6 +98,24 @@ def test_a_loop_without_a_known_trip_count_runs_to_its_conditions_bound():
   assert traffic(TPU_LOOP).by_kind == {"collective-permute": 5 * 8 * 64 * 2}
 
 
+COMBINED = """HloModule jit_step, entry_computation_layout={()->()}
+
+ENTRY %main (x: f32[4,32,4,8]) -> (f32[], f32[32], f32[4,32,4,8]) {
+  %x = f32[4,32,4,8] parameter(0)
+  ROOT %ar = (f32[], f32[32]{0}, f32[4,32,4,8]{3,2,1,0}) all-reduce(%s, %n, %x), replica_groups={{0,1,2,3}}, to_apply=%add, metadata={op_name="jit(step)/transpose(jvp(kv_gather))/psum"}
+}
+"""
+
+
+def test_a_combined_kv_reduction_counts_only_its_kv_arrays():
+  """XLA's all-reduce combiner folds a scalar and a norm's scale gradient into a K/V gradient's reduction, under its
+  metadata (CLA2's unrolled superblocks without remat: 390 bytes more than half of dense's K/V)."""
+  t = traffic(COMBINED)
+  ring = 2 * 3 / 4  # an all-reduce over 4 devices moves twice its result's (n - 1)/n
+  assert t.by_kind == pytest.approx({"all-reduce": ring * (4 + 32 * 4 + 4 * 32 * 4 * 8 * 4)})
+  assert t.kv == pytest.approx(ring * 4 * 32 * 4 * 8 * 4)
+
+
 @pytest.mark.parametrize("remat", ["none", "full"])
 def test_sharing_moves_a_share_of_dense_kv_bytes_under_context_parallelism(remat):
   families = schedule_matrix("families")
