@@ -102,8 +102,8 @@ class ModelConfig:
                          "dense), so its compile time grows with depth. false unrolls the same math.")
   remat: str = _f("none", "Rematerialisation policy (MaxText's names), applied to each layer: none keeps every "
                   "result but elementwise ones (casts, norms' scaling, activations: recomputed from what is kept, as "
-                  "XLA fuses them unrolled); full keeps only each superblock's input (a dense layer's) and recomputes the rest, one "
-                  "layer at a time; minimal keeps the outputs of the weight matmuls (projections and MLP); "
+                  "XLA fuses them unrolled); full keeps only each superblock's input (a dense layer's) and recomputes "
+                  "the rest, one layer at a time; minimal keeps the outputs of the weight matmuls (projections and MLP); "
                   "save_qkv_proj keeps the Q/K/V projections; save_dot_except_mlp those and the output projection; "
                   "save_out_proj the output projection; the named policies also keep each layer's input; "
                   "minimal_offloaded / qkv_proj_offloaded move what minimal / save_qkv_proj keep to host memory (GPU "

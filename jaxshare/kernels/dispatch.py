@@ -95,7 +95,7 @@ class AttentionOps:
     return reference.apply_probs(probs, v, dtype), probs
 
 
-def _checkpointed_reuse(q, k, lse, v, q_segment_ids, kv_segment_ids, *, q_offset=0, **kwargs):
+def _recomputed_reuse(q, k, lse, v, q_segment_ids, kv_segment_ids, *, q_offset=0, **kwargs):
   """XLA probability reuse recomputed in the backward pass (:func:`~jaxshare.kernels.recompute.recomputed`):
   nothing ``[B, H, T, S]`` is kept for it."""
   return recomputed(lambda q, k, lse, v, q_seg, kv_seg, offset: reference.attention_from_lse(
@@ -103,8 +103,8 @@ def _checkpointed_reuse(q, k, lse, v, q_segment_ids, kv_segment_ids, *, q_offset
                                                              jnp.asarray(q_offset, jnp.int32))
 
 
-_XLA = AttentionOps(xla.attention, _checkpointed_reuse)
-_REFERENCE = AttentionOps(reference.attention, _checkpointed_reuse)
+_XLA = AttentionOps(xla.attention, _recomputed_reuse)
+_REFERENCE = AttentionOps(reference.attention, _recomputed_reuse)
 _warned: set[str] = set()
 # The most documents a row of the batch being traced holds, as its caller bounded it (None: unknown, each call
 # decides on device). See documents_known.
@@ -171,7 +171,7 @@ def _context_kernels(impl: str) -> tuple[Callable, Callable, Callable]:
     ConfigError: ``pallas`` (or a library) on a platform without its kernels.
   """
   if impl in ("xla", "reference"):
-    return (xla.attention if impl == "xla" else reference.attention), _checkpointed_reuse, xla.attention_backward
+    return (xla.attention if impl == "xla" else reference.attention), _recomputed_reuse, xla.attention_backward
   library = impl.removesuffix("_interpret")
   if library in _CONTEXT_FALLBACK or (impl == "auto" and tuning.platform() in _AUTO_LIBRARIES):
     name = _AUTO_LIBRARIES.get(tuning.platform(), library) if impl == "auto" else library
@@ -185,7 +185,7 @@ def _context_kernels(impl: str) -> tuple[Callable, Callable, Callable]:
             functools.partial(flash.attention_from_lse, backend="interpret"),
             functools.partial(flash.attention_backward, backend="interpret"))
   if impl == "auto":
-    return (_auto(flash.attention, xla.attention, _QKV), _auto(flash.attention_from_lse, _checkpointed_reuse,
+    return (_auto(flash.attention, xla.attention, _QKV), _auto(flash.attention_from_lse, _recomputed_reuse,
                                                                 _REUSE_QKV),
             _auto(flash.attention_backward, xla.attention_backward, _QKV))
   return (_require_accelerator(flash.attention, _QKV), _require_accelerator(flash.attention_from_lse, _REUSE_QKV),
@@ -230,7 +230,7 @@ def _get_attention(impl: str) -> AttentionOps:
                         _library_reuse_or(library, own.attention, own.attention_from_lse),
                         own.decode_attention)
   own = AttentionOps(_auto(pallas.attention, xla.attention, _QKV),
-                     _auto(pallas.attention_from_lse, _checkpointed_reuse, _REUSE_QKV),
+                     _auto(pallas.attention_from_lse, _recomputed_reuse, _REUSE_QKV),
                      _auto(pallas.decode_attention, decode.attention, _DECODE_QKV))
   libraries = {platform: _LIBRARIES[name] for platform, name in _AUTO_LIBRARIES.items()}
   return AttentionOps(_by_platform({p: _library_or(lib, own.attention) for p, lib in libraries.items()}, own.attention),

@@ -41,7 +41,7 @@ from jaxshare.kernels.local_queries import kv_axes
 
 # Logical axes of a layer's K/V under the ring: sharded along the sequence like the activations.
 _KV = ("activation_batch", "activation_length", "activation_kv_heads", None)
-OUTPUT = "ring_attention_output"  # the name of the ring's output among its backward pass's residuals
+_OUTPUT = "ring_attention_output"  # the ring's output among its backward pass's residuals, named
 _Q = ("activation_batch", "activation_length", "activation_heads", None)
 _SEG = ("activation_batch", None)
 _LSE = ("activation_batch", "activation_heads", "activation_length")
@@ -161,7 +161,7 @@ def _ring(block: Block, merge: bool, q_axes: Sequence[int], key_axes: Sequence[i
     out = forward(queries, keys, extras, consts)
     # named, so that a checkpoint policy that recomputes casts and concatenations (model.remat=none's) keeps the
     # output rather than running the forward ring again in the backward pass
-    return out, (queries, keys, extras, consts, jax.tree.map(lambda x: checkpoint_name(x, OUTPUT), out))
+    return out, (queries, keys, extras, consts, jax.tree.map(lambda x: checkpoint_name(x, _OUTPUT), out))
 
   def ring_bwd(res, d_out):
     queries, keys, extras, consts, out = res
