@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 EXPERIMENT ?= configs/experiments/shakespeare_cla2.yaml
 ARGS ?=
 
-.PHONY: install install-dev install-aot train test clean
+.PHONY: install install-dev install-aot train check test clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -18,8 +18,9 @@ $(VENV)/.installed-dev: $(VENV)/.installed
 	$(PY) -m pip install -q -e '.[hf,dev,eval]'
 	touch $@
 
-# libtpu for compiling TPU programs ahead of time on this host (scripts/aot_compile.py, tests/unit/aot/test_aot.py),
-# kept out of the venv: installed there, every jax process would try to start a TPU runtime and hold its lock file.
+# libtpu for compiling TPU programs ahead of time on this host (scripts/aot_compile.py,
+# tests/integration/aot/test_aot.py), kept out of the venv: installed there, every jax process would try to start a TPU
+# runtime and hold its lock file.
 LIBTPU := .libtpu
 $(LIBTPU)/.installed: $(VENV)/.installed
 	$(PY) -m pip install -q --no-deps --target $(LIBTPU) "$$($(PY) -c "import importlib.metadata as m; \
@@ -27,8 +28,8 @@ $(LIBTPU)/.installed: $(VENV)/.installed
 	touch $@
 
 # jax's CUDA plugin for compiling GPU programs ahead of time on this host (train.py --compile-only --topology h100:8,
-# scripts/aot_compile.py, tests/unit/aot/test_aot.py), of the installed jax's version and kept out of the venv as libtpu
-# is: installed there, every jax start would probe CUDA. No NVIDIA libraries are needed to compile (~480 MB).
+# scripts/aot_compile.py, tests/integration/aot/test_aot.py), of the installed jax's version and kept out of the venv
+# as libtpu is: installed there, every jax start would probe CUDA. No NVIDIA libraries are needed to compile (~480 MB).
 JAXCUDA := .jaxcuda
 $(JAXCUDA)/.installed: $(VENV)/.installed
 	v=$$($(PY) -c "import jax; print(jax.__version__)") && \
@@ -67,6 +68,10 @@ install-aot: $(LIBTPU)/.installed $(JAXCUDA)/.installed $(JAXCUDA)/.cudnn
 ## Train the default experiment on ../shared/data/tinyshakespeare.txt, then print the evaluation summary.
 train: install
 	$(PY) train.py --config $(EXPERIMENT) $(ARGS)
+
+## The developer loop: tests/unit (no training, no CLI or process started, no accelerator compile), with only the venv.
+check: install-dev
+	$(PY) -m pytest -n 2 -q --durations=10 tests/unit $(ARGS)
 
 ## Run the whole test suite (slow real-corpus runs included).
 test: install-dev install-aot $(VLLM_ENV)/.installed

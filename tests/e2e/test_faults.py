@@ -1,6 +1,7 @@
 """Fault injection: ``train.py`` killed with SIGKILL at random steps, during checkpoint writes and during start-up,
 interrupted by SIGTERM and SIGINT (once, twice, three times), ends on exactly the losses of an uninterrupted run.
-Corrupted checkpoints: tests/unit/test_checkpoint_integrity.py; divergence: tests/unit/train/test_divergence.py."""
+Corrupted checkpoints: tests/integration/test_checkpoint_integrity.py; divergence:
+tests/integration/train/test_divergence.py."""
 
 import random
 import re

@@ -1,7 +1,7 @@
 """cuDNN attention (``attention.impl=cudnn``): the packed layout describes exactly the documents the reference mask
 separates; the arguments handed to cuDNN, read with cuDNN's documented meaning by an XLA stand-in, give the
 reference's values and gradients in every role; off a GPU the implementation is refused by name. That the real cuDNN
-lowers and compiles these calls for an H100 is proven in tests/unit/aot/test_aot.py (no GPU runs here)."""
+lowers and compiles these calls for an H100 is proven in tests/integration/aot/test_aot.py (no GPU runs here)."""
 
 import dataclasses
 

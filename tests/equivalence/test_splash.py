@@ -123,7 +123,7 @@ def test_splash_per_device_under_a_mesh_matches_single_device_xla():
 def test_auto_on_a_tpu_runs_splash_for_every_softmax_role(monkeypatch):
   """``auto`` compiling for a TPU: every layer of a CLA + UniAttn model (producers, a K/V consumer, probability
   reusers) attends with splash (here in interpret mode, the platform answered as a TPU), with xla's loss and
-  gradients. tests/unit/aot/test_aot.py compiles the real kernel for TPUs."""
+  gradients. tests/integration/aot/test_aot.py compiles the real kernel for TPUs."""
   calls = []
 
   def counted(*args, **kwargs):
