@@ -20,7 +20,7 @@ from jaxshare.init.shared import copy_shared_weights
 from jaxshare.model.params import layer_params
 from jaxshare.model.ties import MATRICES, HeadTies
 from jaxshare.plan import plan_of
-from jaxshare.schedule import Schedule
+from jaxshare.schedule import Schedule, parse_kind
 
 _MATCH_FEATURES = {"qk": ("q", "k"), "q": ("q",), "k": ("k",), "v": ("v",), "qkv": ("q", "k", "v")}
 
@@ -229,7 +229,7 @@ def ties_from_source(cfg: Config, src: runs.Run) -> HeadTies:
                         f"{schedule.tied_heads} by {cfg.schedule.headwise.match!r}: set schedule.headwise.ratio="
                         f"{src.cfg.schedule.headwise.ratio} and match={src.cfg.schedule.headwise.match!r}")
     return src.ties
-  if src.schedule.kind != "dense":
+  if not parse_kind(src.schedule.kind).dense:
     raise ConfigError(f"train.init_from={cfg.train.init_from!r} has schedule {src.schedule.kind!r}: "
                       "head-wise sharing is selected on a dense MHA model (or continued from a head-wise one)")
   weights = dense_kernels(distributed.to_host(src.params), src.schedule, cfg.model.num_layers)

@@ -10,7 +10,7 @@ import os
 from flax import nnx
 
 from jaxshare import runs, smoke
-from jaxshare.config import Config, ConfigError, apply_overrides, load_config
+from jaxshare.config import Config, ConfigError, KVPreset, apply_overrides, load_config
 from jaxshare.data.errors import DataError
 from jaxshare.data.tokenizers import tokenizer_fingerprint
 from jaxshare.init.headwise import dense_counterpart, tied_params_from_dense
@@ -20,14 +20,14 @@ from jaxshare.init.mlp import widen_mlp
 from jaxshare.init.shared import copy_shared_weights
 from jaxshare.model.ties import HeadTies
 from jaxshare.plan import plan_of
-from jaxshare.schedule import Schedule
+from jaxshare.schedule import Schedule, parse_kind
 
 
 def init_kv_pool(cfg: Config) -> str:
   """``train.init_kv_pool`` resolved (``auto``: the producer's own K/V for CLA, the group mean otherwise)."""
   if cfg.train.init_kv_pool != "auto":
     return cfg.train.init_kv_pool
-  return "producer" if "cla" in cfg.schedule.kind.split("+") else "mean"
+  return "producer" if parse_kind(cfg.schedule.kind).has(KVPreset.CLA) else "mean"
 
 
 def load_train_config(path: str | os.PathLike | None, overrides: list[str] | tuple[str, ...],

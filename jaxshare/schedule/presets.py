@@ -60,6 +60,16 @@ class Kind:
   def presets(self) -> tuple[Preset, ...]:
     return tuple(p for p in (self.kv, self.score, self.head) if p is not None)
 
+  @property
+  def dense(self) -> bool:
+    """Whether the kind shares nothing: ``dense`` alone."""
+    return self.presets == (PRESETS[KVPreset.DENSE],)
+
+  def has(self, preset: str) -> bool:
+    """Whether ``preset`` (a :class:`~jaxshare.config.KVPreset`, :class:`~jaxshare.config.ScorePreset` or
+    :class:`~jaxshare.config.HeadPreset`) is one of the kind's presets."""
+    return any(p.name == preset for p in self.presets)
+
 
 def parse_kind(kind: str) -> Kind:
   """``"mlkv+uniattn"`` -> its presets.

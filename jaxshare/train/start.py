@@ -11,12 +11,13 @@ from jax.sharding import Mesh
 
 from jaxshare import distributed, parallel, runs
 from jaxshare.checkpoint import PARAMS_ONLY, Checkpointer
-from jaxshare.config import Config, ConfigError, get_field
+from jaxshare.config import Config, ConfigError, ScorePreset, get_field
 from jaxshare.data import Datasets
 from jaxshare.files import writable_dir
 from jaxshare.init.headwise import compute_ties
 from jaxshare.init.report import init_report
 from jaxshare.init.source import check_loadable, init_kv_pool, with_match_reference
+from jaxshare.schedule import parse_kind
 from jaxshare.model.ties import HeadTies, PostSharePairs
 from jaxshare.train.recipes import postshare_pairs, stage_of, stage_setup
 from jaxshare.train.state import TrainSetup, abstract_state, init_state, state_from_params
@@ -154,7 +155,7 @@ def _open_data(cfg: Config, mesh: Mesh) -> Datasets:
     ConfigError: a two-stage recipe without UniAttn, or a tokenizer larger than the vocabulary. DataError: unreadable
       data.
   """
-  if cfg.train.recipe == "uniattn_two_stage" and "uniattn" not in cfg.schedule.kind:
+  if cfg.train.recipe == "uniattn_two_stage" and not parse_kind(cfg.schedule.kind).has(ScorePreset.UNIATTN):
     raise ConfigError(f"train.recipe=uniattn_two_stage needs a uniattn schedule, got schedule.kind="
                       f"{cfg.schedule.kind!r}")
   rows = parallel.local_batch_rows(parallel.batch_sharding(mesh), cfg.train.batch_size)

@@ -1,7 +1,8 @@
 import pytest
 
-from jaxshare.config import LisaConfig, LisaGroupConfig, ModelConfig, ScheduleConfig, UniAttnConfig
-from jaxshare.schedule import ScheduleError, compile_schedule, mlkv_owners
+from jaxshare.config import (HeadPreset, KVPreset, LisaConfig, LisaGroupConfig, ModelConfig, ScheduleConfig,
+                             ScorePreset, UniAttnConfig)
+from jaxshare.schedule import ScheduleError, compile_schedule, mlkv_owners, parse_kind
 
 
 def sched(**kw):
@@ -13,6 +14,19 @@ M = ModelConfig(num_layers=6, num_heads=4, d_model=32)
 
 def sources(s):
   return [p.kv_source for p in s.layers]
+
+
+@pytest.mark.parametrize("kind, dense, presets", [
+  ("dense", True, {KVPreset.DENSE}), ("cla", False, {KVPreset.CLA}),
+  ("cla+uniattn", False, {KVPreset.CLA, ScorePreset.UNIATTN}),
+  ("uniattn", False, {KVPreset.DENSE, ScorePreset.UNIATTN}),
+  ("dense+headwise", False, {KVPreset.DENSE, HeadPreset.HEADWISE}),
+  ("mlkv+lisa_plus", False, {KVPreset.MLKV, ScorePreset.LISA_PLUS})])
+def test_a_kind_has_exactly_its_presets(kind, dense, presets):
+  parsed = parse_kind(kind)
+  assert parsed.dense == dense
+  every = [*KVPreset, *ScorePreset, *HeadPreset]
+  assert {p for p in every if parsed.has(p)} == presets, "a composed kind has each part and no other preset"
 
 
 def test_presets_expand_to_per_layer_sources():
