@@ -96,7 +96,6 @@ class JaxTrainer:
 
   def __init__(self, shape: dict, schedule: str, overrides: list[str]):
     import jax
-    from jaxshare import accounting
     from jaxshare.config import load_config
     from jaxshare.train.loop import jit_train_step
     from jaxshare.train.state import init_state, setup_training
@@ -109,7 +108,7 @@ class JaxTrainer:
     self.state = init_state(self.setup)
     self.step_fn = jit_train_step(self.setup, Objective(), None)
     self.batches = [shard_batch(self.setup.batch_sharding, one_document_rows(x, y)) for x, y in synthetic_batches(shape)]
-    self.flops_per_token = accounting.train_flops_per_token(cfg.model, self.setup.schedule, shape["seq_len"])
+    self.flops_per_token = self.setup.plan.train_flops_per_token(shape["seq_len"])  # the matched width's
     self.num_params = self.setup.num_params
     self.i = 0
 

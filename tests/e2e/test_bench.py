@@ -75,3 +75,18 @@ def test_gpt2_layer_contestant_is_nanogpts_model_in_size_and_learns():
   first = trainer.step()
   assert abs(first - 5.545) < 0.1
   assert min(trainer.step() for _ in range(20)) < first - 0.5
+
+
+def test_jaxshare_flops_follow_a_width_matched_plan():
+  """MFU's FLOPs come from the run's plan: under ``schedule.match_params`` the MLPs are widened, and a count from the
+  schedule alone (the model's configured width) would be too low."""
+  from jaxshare.config import load_config
+  from jaxshare.plan import plan_of
+
+  shape = dict(bench_train.SHAPES["default"], layers=4, batch=2, seq_len=16)
+  overrides = ["schedule.match_params=true"]
+  trainer = bench_train.JaxTrainer(shape, "mlkv", overrides)
+  plan = plan_of(load_config(bench_train.ROOT / "configs" / "base.yaml",
+                             bench_train.jax_overrides(shape, "mlkv") + overrides))
+  assert plan.mlp_dim > shape["mlp"], "the matched width is wider than the configured one"
+  assert trainer.flops_per_token == plan.train_flops_per_token(shape["seq_len"])
