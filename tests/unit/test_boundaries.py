@@ -1,7 +1,8 @@
 """What the package's boundaries promise beside its import layers (tests/unit/test_layering.py), read from the
-sources: what a schedule kind means is decided in ``jaxshare.schedule`` alone (``parse_kind``), never by testing the
-``schedule.kind`` string elsewhere, where a substring test takes ``"uniattn"`` for a kind it is not part of and an
-equality test misses composed kinds."""
+sources (issue 62): what a schedule kind means is decided in ``jaxshare.schedule`` alone (``parse_kind``), never by
+testing the ``schedule.kind`` string elsewhere, where a substring test takes ``"uniattn"`` for a kind it is not part
+of and an equality test misses composed kinds; and parameter and FLOP counts come from the run's plan, which carries
+the width ``schedule.match_params`` gave the MLPs (``scripts/bench_train.py`` counted without it: 11% low)."""
 
 import ast
 from pathlib import Path
@@ -39,3 +40,37 @@ def test_the_scan_finds_each_form_of_kind_string_test():
                            'if "uniattn" not in cfg.schedule.kind: pass\n'
                            'ok = src.schedule.kind != "dense"\n'
                            'fine = parse_kind(cfg.schedule.kind).dense\n') == [1, 2, 3]
+
+
+# Counts that depend on the MLP width schedule.match_params gives (jaxshare.plan.ModelPlan passes its match).
+WIDTH_DEPENDENT = {"mlp_dim", "param_count", "forward_flops_per_token", "train_flops_per_token"}
+
+
+def width_counts_without_a_plan(source: str) -> list[int]:
+  """The lines of ``source`` that call a width-dependent ``jaxshare.accounting`` function directly."""
+  tree = ast.parse(source)
+  imported = {alias.asname or alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+              and node.module == "jaxshare.accounting" for alias in node.names if alias.name in WIDTH_DEPENDENT}
+  lines = []
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Call):
+      fn = node.func
+      if (isinstance(fn, ast.Attribute) and fn.attr in WIDTH_DEPENDENT and isinstance(fn.value, ast.Name)
+          and fn.value.id == "accounting") or (isinstance(fn, ast.Name) and fn.id in imported):
+        lines.append(node.lineno)
+  return lines
+
+
+def test_width_dependent_counts_come_from_the_plan():
+  callers = [p for p in SOURCES if p != ROOT / "jaxshare" / "plan.py"]
+  found = [f"{path.relative_to(ROOT)}:{line}" for path in callers for line in width_counts_without_a_plan(
+    path.read_text())]
+  assert not found, f"parameter or FLOP counts without the run's width match (use plan_of(cfg).<count>): {found}"
+
+
+def test_the_scan_finds_a_count_without_its_plan():
+  assert width_counts_without_a_plan("from jaxshare import accounting\n"
+                                     "f = accounting.train_flops_per_token(cfg.model, schedule, 128)\n"
+                                     "b = accounting.kv_cache_bytes_per_token(cfg.model, schedule)\n"
+                                     "from jaxshare.accounting import param_count as pc\n"
+                                     "n = pc(cfg.model, schedule)\n") == [2, 5]
