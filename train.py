@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
 
   interrupt_outside_loop()  # SIGTERM outside the training loop, which handles it itself
   try:
-    from jaxshare.init.source import load_train_config
+    from jaxshare.train.config import load_train_config
 
     cfg = load_train_config(args.config, args.overrides)  # train.init_from: on that run's model and schedule
     from jaxshare.distributed import initialize, is_primary
@@ -125,7 +125,7 @@ def _compile_only(args) -> int:
 
   def fit_check() -> int:
     topology.use_host_compiler()
-    from jaxshare.init.source import load_train_config  # imports JAX: after the compiler is chosen
+    from jaxshare.train.config import load_train_config  # imports JAX: after the compiler is chosen
 
     cfg = load_train_config(args.config, args.overrides, fit_check=True)
     from jaxshare.aot import fit

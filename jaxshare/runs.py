@@ -32,7 +32,7 @@ from jaxshare.checkpoint import CheckpointError, Checkpointer, finished_steps, s
 from jaxshare.config import Config, ConfigError, MeshConfig, config_from_yaml_text, to_yaml
 from jaxshare.data import Tokenizer, make_tokenizer
 from jaxshare.files import absolute, write_atomic
-from jaxshare.model import Transformer
+from jaxshare.model import Transformer, build_model
 from jaxshare.model.ties import HeadTies, PostSharePairs
 from jaxshare.plan import ModelPlan, plan_of
 from jaxshare.schedule import Schedule
@@ -103,14 +103,14 @@ def read_pairs(run_dir: str | os.PathLike) -> PostSharePairs | None:
                           "afresh in a new train.run_dir") from None
 
 
-def read_ties(run_dir: str | os.PathLike, cfg: Config) -> HeadTies | None:
-  """The head-wise ties of the run of ``cfg`` (None when its schedule ties no heads).
+def read_ties(run_dir: str | os.PathLike, plan: ModelPlan) -> HeadTies | None:
+  """The head-wise ties of the run whose compiled model is ``plan`` (None when its schedule ties no heads).
 
   Raises:
     CheckpointError: the schedule ties heads and the file is missing (a run written before ties were stored with
       it: the message gives the command that re-creates them), malformed, or ties another number of heads.
   """
-  schedule = plan_of(cfg).schedule
+  schedule = plan.schedule
   if not schedule.tied_heads:
     return None
   run_dir = epath.Path(run_dir)
@@ -121,15 +121,10 @@ def read_ties(run_dir: str | os.PathLike, cfg: Config) -> HeadTies | None:
                           f"before jaxshare stored head-wise ties with the run): re-create them once with {recreate}")
   try:
     ties = HeadTies.from_json(path.read_text(), repr(str(path)))
-    ties.check(len(schedule.layers), cfg.model.num_heads, schedule.tied_heads, repr(str(path)))
+    ties.check(len(schedule.layers), plan.model.num_heads, schedule.tied_heads, repr(str(path)))
   except ValueError as e:
     raise CheckpointError(f"{e}: delete it and re-create it with {recreate}") from None
   return ties
-
-
-def build_model(plan: ModelPlan, seed: int, ties: HeadTies | None = None) -> Transformer:
-  """The NNX model of ``plan`` with parameters drawn from ``seed`` (``ties``: head-wise sharing's head map)."""
-  return Transformer(plan, ties=ties, rngs=nnx.Rngs(seed))
 
 
 def abstract_params(plan: ModelPlan, ties: HeadTies | None = None, mesh: Mesh | None = None
@@ -150,7 +145,8 @@ class Run:
 
   Attributes:
     directory: the run directory (None for a model read from elsewhere, e.g. an HF directory).
-    cfg: its config (``mesh`` as loaded); :attr:`plan` and :attr:`schedule` are compiled from it.
+    cfg: its config (``mesh`` as loaded).
+    plan: the compiled model of ``cfg`` (:func:`~jaxshare.plan.plan_of`), compiled once where the run is read.
     ties: head-wise sharing's ties (None without).
     graphdef / params: the model (``nnx.merge(graphdef, params)``); params a pure dict of arrays.
     step: the checkpoint's step (0 for a converted model).
@@ -159,16 +155,12 @@ class Run:
 
   directory: epath.Path | None
   cfg: Config
+  plan: ModelPlan
   ties: HeadTies | None
   graphdef: nnx.GraphDef
   params: dict
   step: int
   mesh: Mesh | None
-
-  @property
-  def plan(self) -> ModelPlan:
-    """The compiled model (:func:`~jaxshare.plan.plan_of` its config)."""
-    return plan_of(self.cfg)
 
   @property
   def schedule(self) -> Schedule:
@@ -211,8 +203,9 @@ def load_run(path: str | os.PathLike, mesh: Mesh | None = None) -> Run:
     cfg = dataclasses.replace(cfg, mesh=MeshConfig() if jax.process_count() == 1 else MeshConfig(fsdp=-1))
     mesh = parallel.make_mesh(cfg.mesh, jax.devices()[:1] if jax.process_count() == 1 else None)
   step = _existing_step(run_dir, step, cfg.train.keep_checkpoints)
-  ties = read_ties(run_dir, cfg)
-  graphdef, target = abstract_params(plan_of(cfg), ties, mesh)
+  plan = plan_of(cfg)
+  ties = read_ties(run_dir, plan)
+  graphdef, target = abstract_params(plan, ties, mesh)
   ckpt = Checkpointer(run_dir / "checkpoints", cfg.train.keep_checkpoints)
   try:  # closed either way: an open manager's threads at interpreter exit printed a traceback after the error
     params = ckpt.restore_params(step, target)
@@ -222,7 +215,7 @@ def load_run(path: str | os.PathLike, mesh: Mesh | None = None) -> Run:
     raise CheckpointError(f"checkpoint {run_dir / 'checkpoints' / str(step)} holds non-finite parameters (NaN or inf): "
                           "its run diverged before it was saved; use an earlier checkpoint "
                           f"({run_dir / 'checkpoints'}/<step>)")
-  return Run(run_dir, cfg, ties, graphdef, params, int(step), mesh)
+  return Run(run_dir, cfg, plan, ties, graphdef, params, int(step), mesh)
 
 
 def _existing_step(run_dir: epath.Path, step: int | None, keep: int) -> int:

@@ -46,7 +46,7 @@ def _config(overrides: list[str]):
 
 def _model(cfg, seed: int = 0):
   from jaxshare.plan import plan_of
-  from jaxshare.runs import build_model
+  from jaxshare.model import build_model
   from jaxshare.init.headwise import compute_ties
 
   schedule = plan_of(cfg).schedule

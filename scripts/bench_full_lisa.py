@@ -19,7 +19,7 @@ from flax import nnx
 
 from jaxshare.config import load_config
 from jaxshare.plan import plan_of
-from jaxshare.runs import build_model
+from jaxshare.model import build_model
 
 BASE = ["model.num_layers=4", "model.d_model=64", "model.num_heads=4", "model.mlp_dim=128", "train.batch_size=2",
         "schedule.kind=lisa", "schedule.lisa.layers=[1,2,3]", "schedule.lisa.hidden=16", "attention.impl=xla"]

@@ -64,21 +64,22 @@ def load_hf_model(directory: str | Path | HFCheckpoint, overrides: Sequence[str]
   ckpt = directory if isinstance(directory, HFCheckpoint) else HFCheckpoint(directory)
   if ckpt.architecture == remote.ARCHITECTURE:  # a jaxshare model with a sharing schedule, exported by us
     cfg, ties = remote.read_config(ckpt.config, overrides)
-    graphdef, abstract = abstract_params(plan_of(cfg), ties)
+    plan = plan_of(cfg)
+    graphdef, abstract = abstract_params(plan, ties)
     params = hf_to_params(remote.architecture(cfg, ties), cfg, dims(cfg),
                           _template(abstract, scratch_dir), ckpt.read, ckpt.names(), progress=progress)
-    return Run(None, cfg, ties, graphdef, params, 0, None)
+    return Run(None, cfg, plan, ties, graphdef, params, 0, None)
   arch = architecture_for(ckpt)
   cfg = load_config(None, arch.config_overrides(ckpt.config) + list(overrides))
-  schedule = plan_of(cfg).schedule
-  if schedule.tied_heads:
+  plan = plan_of(cfg)
+  if plan.schedule.tied_heads:
     raise UnsupportedModelError(f"schedule.kind={cfg.schedule.kind!r} ties heads, which an import cannot choose: "
                                 "import the dense model, then `python -m jaxshare.convert uptrain RUN OUT "
                                 "schedule.kind=headwise ...`")
-  graphdef, abstract = abstract_params(plan_of(cfg))
+  graphdef, abstract = abstract_params(plan)
   params = hf_to_params(arch, cfg, dims(cfg), _template(abstract, scratch_dir), ckpt.read, ckpt.names(),
                         progress=progress)
-  return Run(None, cfg, None, graphdef, params, 0, None)
+  return Run(None, cfg, plan, None, graphdef, params, 0, None)
 
 
 def _template(abstract: dict, scratch_dir: str | Path | None = None) -> dict:

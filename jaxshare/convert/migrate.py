@@ -22,13 +22,14 @@ def store_ties(path: str | os.PathLike) -> str:
   """
   run_dir, _ = runs.locate(path)
   cfg = runs.read_config(run_dir)
-  schedule = plan_of(cfg).schedule
+  plan = plan_of(cfg)
+  schedule = plan.schedule
   if not schedule.tied_heads:
     raise ConfigError(f"run {str(run_dir)!r} has schedule.kind={cfg.schedule.kind!r}, which ties no heads: it has no "
                       "ties to store")
   if (run_dir / runs.TIES_FILE).exists():
     try:
-      runs.read_ties(run_dir, cfg)
+      runs.read_ties(run_dir, plan)
     except CheckpointError:  # an unreadable file: chosen again below
       pass
     else:

@@ -17,6 +17,7 @@ from flax import nnx
 from jaxshare import distributed, runs
 from jaxshare.config import Config, ConfigError, HeadwiseConfig
 from jaxshare.init.shared import copy_shared_weights
+from jaxshare.model import build_model
 from jaxshare.model.params import layer_params
 from jaxshare.model.ties import MATRICES, HeadTies
 from jaxshare.plan import plan_of
@@ -188,7 +189,7 @@ def fresh_ties(cfg: Config, seed: int) -> HeadTies | None:
   if not schedule.tied_heads:
     return None
   dense_cfg, dense_schedule = dense_counterpart(cfg)
-  params = nnx.to_pure_dict(nnx.state(runs.build_model(plan_of(dense_cfg), seed), nnx.Param))
+  params = nnx.to_pure_dict(nnx.state(build_model(plan_of(dense_cfg), seed), nnx.Param))
   return direct_share(dense_kernels(params, dense_schedule, cfg.model.num_layers), schedule.tied_heads,
                       cfg.schedule.headwise.match)
 

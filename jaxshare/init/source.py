@@ -5,12 +5,11 @@ uptrain`` share)."""
 from __future__ import annotations
 
 import dataclasses
-import os
 
 from flax import nnx
 
-from jaxshare import runs, smoke
-from jaxshare.config import Config, ConfigError, KVPreset, apply_overrides, load_config
+from jaxshare import runs
+from jaxshare.config import Config, ConfigError, KVPreset
 from jaxshare.data.errors import DataError
 from jaxshare.data.tokenizers import tokenizer_fingerprint
 from jaxshare.init.headwise import dense_counterpart, tied_params_from_dense
@@ -18,6 +17,7 @@ from jaxshare.init.kv import convert_kv
 from jaxshare.init.lisa import init_low_rank
 from jaxshare.init.mlp import widen_mlp
 from jaxshare.init.shared import copy_shared_weights
+from jaxshare.model import build_model
 from jaxshare.model.ties import HeadTies
 from jaxshare.plan import plan_of
 from jaxshare.schedule import Schedule, parse_kind
@@ -28,28 +28,6 @@ def init_kv_pool(cfg: Config) -> str:
   if cfg.train.init_kv_pool != "auto":
     return cfg.train.init_kv_pool
   return "producer" if parse_kind(cfg.schedule.kind).has(KVPreset.CLA) else "mean"
-
-
-def load_train_config(path: str | os.PathLike | None, overrides: list[str] | tuple[str, ...],
-                      fit_check: bool = False) -> Config:
-  """The config ``train.py --config path overrides`` runs. With ``train.init_from`` (set in the file or an override)
-  it is composed on the source run's own model, schedule and tokenizer (:data:`~jaxshare.config.INHERITED`), which
-  the file and the overrides may still set: a run made by ``convert uptrain`` trains as the schedule it was
-  converted into, and an imported model with its own tokenizer, without repeating them.
-
-  Under ``JAXSHARE_SMOKE`` the model is the narrow one :mod:`jaxshare.smoke` trains, on its short sequences and small
-  batches (a ``fit_check``, ``train.py --compile-only``, keeps the configured batch).
-
-  Raises:
-    ConfigError: as :func:`~jaxshare.config.load_config`, or ``train.init_from`` is not a run directory (or
-      checkpoint) with a readable config.
-  """
-  cfg = load_config(path, overrides)
-  if cfg.train.init_from:
-    cfg = load_config(path, overrides, inherit=runs.read_config(runs.locate(cfg.train.init_from)[0]))
-  if smoke.enabled():
-    cfg = apply_overrides(cfg, smoke.overrides(cfg.model.num_heads, cfg.train.grad_accum_steps, fit_check))
-  return cfg
 
 
 # The model fields a parameter's shape or presence depends on: a run started from another run must share them (the
@@ -106,11 +84,11 @@ def with_match_reference(cfg: Config, src: Config | None) -> Config:
 def initial_params(cfg: Config, ties: HeadTies | None, seed: int) -> dict:
   """Fresh parameters (pure dict) of the model of ``cfg``, drawn from ``seed``; a head-wise model starts as
   DirectShare applied to the dense model of the same seed. Traceable (run it under ``jax.jit`` to place it)."""
-  params = nnx.to_pure_dict(nnx.state(runs.build_model(plan_of(cfg), seed, ties), nnx.Param))
+  params = nnx.to_pure_dict(nnx.state(build_model(plan_of(cfg), seed, ties), nnx.Param))
   if ties is None:
     return params
   dense_cfg, dense_schedule = dense_counterpart(cfg)
-  dense = nnx.to_pure_dict(nnx.state(runs.build_model(plan_of(dense_cfg), seed), nnx.Param))
+  dense = nnx.to_pure_dict(nnx.state(build_model(plan_of(dense_cfg), seed), nnx.Param))
   return tied_params_from_dense(dense, params, ties, dense_schedule)
 
 

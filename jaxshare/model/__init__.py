@@ -1,5 +1,5 @@
 """Flax NNX model: layers, attention (producer/consumer), superblocks, the scanned transformer."""
 
-from jaxshare.model.transformer import Transformer
+from jaxshare.model.transformer import Transformer, build_model
 
-__all__ = ["Transformer"]
+__all__ = ["Transformer", "build_model"]

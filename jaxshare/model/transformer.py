@@ -225,3 +225,8 @@ class Transformer(nnx.Module):
       logits = self.lm_head(x)
     return parallel.constrain(logits.astype(jnp.float32), ("activation_batch", "activation_length",
                                                            "activation_vocab"))
+
+
+def build_model(plan: ModelPlan, seed: int, ties: HeadTies | None = None) -> Transformer:
+  """The NNX model of ``plan`` with parameters drawn from ``seed`` (``ties``: head-wise sharing's head map)."""
+  return Transformer(plan, ties=ties, rngs=nnx.Rngs(seed))

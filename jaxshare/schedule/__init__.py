@@ -21,7 +21,7 @@ runs and stacks, not with depth.
 from jaxshare.schedule.compile import compile_schedule, tied_head_count
 from jaxshare.schedule.grouping import RoleSettings, group, layer_roles, layer_runs
 from jaxshare.schedule.kv import mlkv_owners, parse_sources
-from jaxshare.schedule.plan import (LayerPlan, LayerRole, RunPlan, Schedule, ScheduleError, StackPlan,
+from jaxshare.schedule.layout import (LayerPlan, LayerRole, RunPlan, Schedule, ScheduleError, StackPlan,
                                     SuperblockPlan)
 from jaxshare.schedule.presets import PRESETS, parse_kind
 from jaxshare.schedule.scores import default_lisa_layers, lisa_groups

@@ -7,7 +7,7 @@ import dataclasses
 
 from jaxshare.config import LISA_PRESETS, ModelConfig, ScheduleConfig
 from jaxshare.schedule.grouping import RoleSettings, group
-from jaxshare.schedule.plan import LayerPlan, Schedule, ScheduleError
+from jaxshare.schedule.layout import LayerPlan, Schedule, ScheduleError
 from jaxshare.schedule.presets import Kind, parse_kind, readers
 
 # The knobs some preset reads, in ScheduleConfig's order (the first one set in vain is named).

@@ -8,7 +8,7 @@ import dataclasses
 from typing import Sequence
 
 from jaxshare.config import Integrator, ScoreReuse
-from jaxshare.schedule.plan import LayerPlan, LayerRole, RunPlan, StackPlan, SuperblockPlan
+from jaxshare.schedule.layout import LayerPlan, LayerRole, RunPlan, StackPlan, SuperblockPlan
 
 
 @dataclasses.dataclass(frozen=True)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from jaxshare.config import ModelConfig, ScheduleConfig
-from jaxshare.schedule.plan import LayerPlan, ScheduleError, is_int
+from jaxshare.schedule.layout import LayerPlan, ScheduleError, is_int
 
 
 def _kv_heads(model: ModelConfig, sched: ScheduleConfig) -> int:

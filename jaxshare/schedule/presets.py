@@ -9,7 +9,7 @@ from typing import Callable
 
 from jaxshare.config import HeadPreset, KVPreset, ScorePreset
 from jaxshare.schedule import kv, scores
-from jaxshare.schedule.plan import ScheduleError
+from jaxshare.schedule.layout import ScheduleError
 
 KV, SCORE, HEAD = "K/V", "score", "head"
 
@@ -20,7 +20,7 @@ class Preset:
 
   Attributes:
     name: its name in ``schedule.kind``.
-    family: ``K/V`` (``expand(model, sched)`` returns one :class:`~jaxshare.schedule.plan.LayerPlan` per layer),
+    family: ``K/V`` (``expand(model, sched)`` returns one :class:`~jaxshare.schedule.layout.LayerPlan` per layer),
       ``score`` (``expand(model, sched)`` returns ``{layer: LayerPlan field updates}``) or ``head`` (no expansion:
       head-wise ties are chosen from weights, :mod:`jaxshare.init.headwise`).
     reads: the ``schedule`` knobs the preset reads; a knob set under presets that all ignore it is refused.

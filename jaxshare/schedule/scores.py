@@ -4,7 +4,7 @@ plans: post-softmax probabilities (SA, UniAttn) or the previous layer's pre-soft
 from __future__ import annotations
 
 from jaxshare.config import INTEGRATORS, Integrator, ModelConfig, ScheduleConfig, ScorePreset, ScoreReuse
-from jaxshare.schedule.plan import ScheduleError, is_int
+from jaxshare.schedule.layout import ScheduleError, is_int
 
 
 def _span(value: int, default: int, field: str, lo: int, hi: int) -> int:

@@ -17,6 +17,7 @@ from jaxshare.files import writable_dir
 from jaxshare.init.headwise import compute_ties
 from jaxshare.init.report import init_report
 from jaxshare.init.source import check_loadable, init_kv_pool, with_match_reference
+from jaxshare.plan import plan_of
 from jaxshare.schedule import parse_kind
 from jaxshare.model.ties import HeadTies, PostSharePairs
 from jaxshare.train.recipes import postshare_pairs, stage_of, stage_setup
@@ -99,7 +100,7 @@ def start_run(cfg: Config, mesh: Mesh | None = None) -> RunStart:
   data = _open_data(cfg, mesh)
   ckpt = _existing_checkpoints(cfg, run_dir)
   resuming = ckpt is not None and ckpt.latest_step() is not None
-  ties = runs.read_ties(run_dir, cfg) if resuming else compute_ties(cfg, cfg.train.seed, source)
+  ties = runs.read_ties(run_dir, plan_of(cfg)) if resuming else compute_ties(cfg, cfg.train.seed, source)
 
   def restore(step: int) -> tuple[dict, TrainSetup, TrainState, Any]:
     meta = ckpt.read_meta(step)

@@ -11,11 +11,11 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxshare import parallel, runs
+from jaxshare import parallel
 from jaxshare.config import Config
 from jaxshare.init.headwise import fresh_ties
 from jaxshare.init.source import initial_params, params_from_source
-from jaxshare.model import remat
+from jaxshare.model import build_model, remat
 from jaxshare.model.ties import HeadTies
 from jaxshare.plan import ModelPlan, plan_of
 from jaxshare.schedule import Schedule
@@ -83,7 +83,7 @@ def setup_training(cfg: Config, mesh: Mesh | None = None, trainable: tuple[str, 
   mesh = mesh or parallel.make_mesh(cfg.mesh)
   remat.check_platform(cfg.model.remat, mesh.devices.flat[0].platform)
   ties = ties if ties is not None else fresh_ties(cfg, cfg.train.seed)
-  abstract_model = nnx.eval_shape(lambda: runs.build_model(plan, 0, ties))
+  abstract_model = nnx.eval_shape(lambda: build_model(plan, 0, ties))
   graphdef, abstract_params = nnx.split(abstract_model, nnx.Param)
   p_shard = parallel.param_shardings(abstract_params, mesh)
   frozen = frozen_paths(abstract_params)

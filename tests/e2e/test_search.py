@@ -15,7 +15,7 @@ import pytest
 from conftest import tiny_config
 from jaxshare.config import load_config
 from jaxshare.convert.__main__ import main as convert_main
-from jaxshare.init.source import load_train_config
+from jaxshare.train.config import load_train_config
 from jaxshare.runs import load_run
 from jaxshare.search.__main__ import main
 

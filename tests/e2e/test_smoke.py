@@ -6,7 +6,7 @@ import pytest
 
 from conftest import REPO
 from jaxshare import smoke
-from jaxshare.init.source import load_train_config
+from jaxshare.train.config import load_train_config
 from jaxshare.schedule import compile_schedule
 
 EXPERIMENTS = ["shakespeare_cla2", "uptrain_neox", "llama_1b_h100", "llama_1b_pod", "sharing_base"]

@@ -12,7 +12,7 @@ from jaxshare.config import LisaConfig, ModelConfig, SAConfig, ScheduleConfig, U
 from jaxshare.config.catalogue import schedule_matrix
 from jaxshare.plan import plan_of
 from jaxshare.schedule import compile_schedule
-from jaxshare.runs import build_model
+from jaxshare.model import build_model
 
 # L=4, D=64, H=4, d=16, F=128, V=256; context 10 keys; LISA rank 4, aligner width 32.
 from jaxshare.init.headwise import compute_ties

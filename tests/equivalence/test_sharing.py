@@ -17,7 +17,7 @@ from jaxshare import accounting
 from jaxshare.config.catalogue import schedule_matrix
 from jaxshare.init.shared import copy_shared_weights
 from jaxshare.plan import plan_of
-from jaxshare.runs import build_model
+from jaxshare.model import build_model
 from support.models import forward, loss_and_grads, randomized, tokens
 
 SCORE_SCHEDULES = schedule_matrix("score_sharing")

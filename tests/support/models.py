@@ -14,7 +14,7 @@ from conftest import tiny_config
 from jaxshare.config.catalogue import schedule_matrix
 from jaxshare.init.headwise import compute_ties
 from jaxshare.plan import plan_of
-from jaxshare.runs import build_model
+from jaxshare.model import build_model
 
 
 def randomized(cfg, seed=0):

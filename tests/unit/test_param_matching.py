@@ -14,7 +14,7 @@ from jaxshare.config import apply_overrides, load_config, to_yaml
 from jaxshare.init.headwise import direct_share
 from jaxshare.plan import plan_of
 from jaxshare.schedule import compile_schedule
-from jaxshare.runs import build_model
+from jaxshare.model import build_model
 from jaxshare.init.source import with_match_reference
 
 MODEL = ["model.num_layers=4", "model.d_model=64", "model.num_heads=4", "model.mlp_dim=128"]

@@ -6,7 +6,7 @@ weights came from. It used to train the default dense model, re-initialising eve
 import pytest
 
 from conftest import TINY, REPO, tiny_config, write_bpe_tokenizer
-from jaxshare.init.source import load_train_config
+from jaxshare.train.config import load_train_config
 from jaxshare.runs import read_config, write_run
 from jaxshare.train.state import init_state, setup_training
 

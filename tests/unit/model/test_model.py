@@ -13,7 +13,7 @@ from jaxshare.config.catalogue import schedule_matrix
 from jaxshare.init.headwise import compute_ties
 from jaxshare.model.params import layer_params
 from jaxshare.plan import plan_of
-from jaxshare.runs import build_model
+from jaxshare.model import build_model
 from support.models import forward, loss_and_grads, randomized, tokens
 
 
