@@ -63,26 +63,38 @@ class TrainSetup:
     return count_trainable(nnx.to_pure_dict(self.abstract_params), self.trainable, self.frozen)
 
 
+# ``setup_training``'s default ties: chosen afresh (None means "no ties", which a schedule that ties heads refuses).
+FRESH_TIES = "fresh"
+
+
 def setup_training(cfg: Config, mesh: Mesh | None = None, trainable: tuple[str, ...] | None = None,
-                   ties: HeadTies | None = None, start_step: int = 0, end_step: int | None = None) -> TrainSetup:
+                   ties: HeadTies | None | str = FRESH_TIES, start_step: int = 0, end_step: int | None = None
+                   ) -> TrainSetup:
   """Compile the schedule, trace the model abstractly and derive every sharding (nothing is allocated).
 
   Args:
     trainable: module names the optimizer updates (None: all); see :func:`trainable_for`.
     ties: head-wise sharing's ties (a run's stored ones, or those of its ``train.init_from`` source:
-      :func:`~jaxshare.init.headwise.compute_ties`; default: chosen afresh, :func:`~jaxshare.init.headwise.fresh_ties`,
-      which fixes the same shapes).
+      :func:`~jaxshare.init.headwise.compute_ties`); None for a schedule that ties no heads; :data:`FRESH_TIES`
+      (the default): chosen afresh, :func:`~jaxshare.init.headwise.fresh_ties`, which fixes the same shapes.
     start_step, end_step: where this optimizer's learning-rate schedule starts (a recipe stage's first step) and
       ends (None: ``train.steps``).
 
   Raises:
     ScheduleError / ConfigError: the schedule or mesh does not fit the model or the devices; a remat policy the
       devices' platform lacks.
+    ValueError: ``ties`` is None for a schedule that ties heads.
   """
   plan = plan_of(cfg)
   mesh = mesh or parallel.make_mesh(cfg.mesh)
   remat.check_platform(cfg.model.remat, mesh.devices.flat[0].platform)
-  ties = ties if ties is not None else fresh_ties(cfg, cfg.train.seed)
+  if ties is None and plan.tied_heads:
+    raise ValueError(f"setup_training: schedule.kind={cfg.schedule.kind!r} ties {plan.tied_heads} heads, but "
+                     "ties=None; pass the run's ties (jaxshare.runs.read_ties, compute_ties) or FRESH_TIES")
+  if isinstance(ties, str):
+    if ties != FRESH_TIES:
+      raise ValueError(f"setup_training: ties={ties!r}: pass HeadTies, None or FRESH_TIES ({FRESH_TIES!r})")
+    ties = fresh_ties(cfg, cfg.train.seed)
   abstract_model = nnx.eval_shape(lambda: build_model(plan, 0, ties))
   graphdef, abstract_params = nnx.split(abstract_model, nnx.Param)
   p_shard = parallel.param_shardings(abstract_params, mesh)
