@@ -92,7 +92,7 @@ def _generate(args) -> int:
   from jaxshare.evaluation.generate import Generator
   from jaxshare.evaluation.sampling import Sampling
   from jaxshare.evaluation.text_stream import TextStream
-  from jaxshare.runs import load_run
+  from jaxshare.store.runs import load_run
 
   sampling = Sampling(args.temperature, args.top_k, args.top_p)
   run = load_run(args.path)

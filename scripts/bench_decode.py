@@ -170,7 +170,7 @@ def _measure_schedule(name: str, common: dict) -> dict:
 
 def _measure_run(run: str, common: dict) -> dict:
   from jaxshare.evaluation.efficiency import measure
-  from jaxshare.runs import load_run
+  from jaxshare.store.runs import load_run
 
   loaded = load_run(run)
   metrics = [json.loads(line) for line in (Path(run) / "metrics.jsonl").read_text().splitlines() if line]

@@ -64,7 +64,7 @@ def pure_seconds_per_step(cfg, steps: int) -> float:
 
 def host_work_ms(cfg, run_dir: Path) -> dict[str, float]:
   """Milliseconds per step of each piece of the loop's host work, amortised over its cadence."""
-  from jaxshare.checkpoint import Checkpointer
+  from jaxshare.store.checkpoint import Checkpointer
   from jaxshare.train.metrics import MetricsLogger
 
   setup = setup_training(cfg)

@@ -110,7 +110,7 @@ def evaluate(run_dir: Path, sample_tokens: int = 0, step: int | None = None) -> 
 
 def stage1_steps(run_dir: Path) -> int:
   """Where UniAttn's stage 1 ended in a finished two-stage run: the ``stage_start`` its checkpoints record."""
-  from jaxshare.checkpoint import Checkpointer
+  from jaxshare.store.checkpoint import Checkpointer
 
   ckpt = Checkpointer(run_dir / "checkpoints", 1)
   try:

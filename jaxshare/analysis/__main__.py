@@ -33,7 +33,7 @@ from jaxshare.data.documents import read_text_file
 from jaxshare.exit_codes import InputError, report_input_errors
 from jaxshare.model.params import layer_params
 from jaxshare.schedule import Schedule
-from jaxshare.runs import Run, load_run
+from jaxshare.store.runs import Run, load_run
 
 
 class AnalysisError(InputError):

@@ -94,7 +94,7 @@ def _run(args) -> int:
   from jaxshare.convert.staging import local_hf_input, local_hf_output
   from jaxshare.files import is_remote, writable_dir
   from jaxshare.convert.uptrain import uptrain_run
-  from jaxshare.runs import write_run
+  from jaxshare.store.runs import write_run
 
   if args.command == "import":
     out = writable_dir(args.run_dir, "run_dir")

@@ -27,7 +27,7 @@ from jaxshare.convert.mapping import params_to_hf
 from jaxshare.convert.neox import NEOX
 from jaxshare.data.tokenizers import local_tokenizer_dir
 from jaxshare.model.ties import HeadTies
-from jaxshare.runs import load_run
+from jaxshare.store.runs import load_run
 from jaxshare.plan import plan_of
 
 DEFAULT_SHARD_BYTES = 5 * 10 ** 9  # save_pretrained's long-standing max_shard_size="5GB"

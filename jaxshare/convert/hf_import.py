@@ -16,7 +16,7 @@ from jaxshare.convert.llama import LLAMA
 from jaxshare.convert.mapping import Architecture, Dims, UnsupportedModelError, hf_to_params
 from jaxshare.convert.neox import NEOX
 from jaxshare.plan import plan_of
-from jaxshare.runs import Run, abstract_params
+from jaxshare.store.runs import Run, abstract_params
 
 ARCHITECTURES: tuple[Architecture, ...] = (LLAMA, NEOX)
 
@@ -45,8 +45,8 @@ def dims(cfg: Config) -> Dims:
 
 def load_hf_model(directory: str | Path | HFCheckpoint, overrides: Sequence[str] = (), *, progress: bool = False,
                   scratch_dir: str | Path | None = None) -> Run:
-  """Read an HF directory into a :class:`~jaxshare.runs.Run` (no directory, step 0, host arrays): parameters a pure
-  dict of NumPy arrays in the config's ``param_dtype`` (float32 unless overridden), every leaf converted from a
+  """Read an HF directory into a :class:`~jaxshare.store.runs.Run` (no directory, step 0, host arrays): parameters a
+  pure dict of NumPy arrays in the config's ``param_dtype`` (float32 unless overridden), every leaf converted from a
   named HF tensor, one tensor at a time; a remote-code directory's head-wise ties as it carries them.
 
   Args:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import os
 
-from jaxshare import runs
-from jaxshare.checkpoint import CheckpointError
+from jaxshare.store import runs
+from jaxshare.store.checkpoint import CheckpointError
 from jaxshare.config import ConfigError
 from jaxshare.init.headwise import compute_ties
 from jaxshare.plan import plan_of

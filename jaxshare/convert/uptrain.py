@@ -9,7 +9,7 @@ import itertools
 import jax
 from flax import nnx
 
-from jaxshare import runs
+from jaxshare.store import runs
 from jaxshare.config import Config, ConfigError, ScheduleConfig, apply_overrides
 from jaxshare.data import Datasets
 from jaxshare.init.compensation import calibrate_compensation, format_fits

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxshare.evaluation.generate import decode_steps, prefill
-from jaxshare.runs import load_run
+from jaxshare.store.runs import load_run
 from jaxshare.evaluation.sampling import Sampling
 from jaxshare.model.cache import init_cache
 from jaxshare.plan import ModelPlan

@@ -16,7 +16,7 @@ from jaxshare.data import Datasets, TokenStream, WindowSource, load_documents
 from jaxshare.data.batch import Batch
 from jaxshare.evaluation.generate import Generator
 from jaxshare.evaluation.val_loss import evaluate_loss, loss_sums, make_eval_step
-from jaxshare.runs import load_run
+from jaxshare.store.runs import load_run
 
 
 def evaluate_run(path: str | Path, *, max_batches: int = 0, prompt: str = "ROMEO:\n",

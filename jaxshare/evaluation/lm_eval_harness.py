@@ -25,7 +25,7 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 from jaxshare.evaluation.generate import Generator
 from jaxshare.evaluation.sampling import Sampling
-from jaxshare.runs import load_run
+from jaxshare.store.runs import load_run
 
 WIDTH_BUCKET = 32  # scored rows are right-padded to a multiple of this: fewer shapes to compile
 

@@ -14,7 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxshare import distributed, runs
+from jaxshare import distributed
+from jaxshare.store import runs
 from jaxshare.config import Config, ConfigError, HeadwiseConfig
 from jaxshare.init.shared import copy_shared_weights
 from jaxshare.model import build_model
@@ -198,7 +199,7 @@ def compute_ties(cfg: Config, seed: int, source: runs.Run | None = None) -> Head
   """Choose DirectShare's head ties (None without head-wise sharing) on the dense model the run starts from:
   ``source``, the ``train.init_from`` run, when ``cfg`` sets one (uptraining, :func:`ties_from_source`), else the dense
   model initialised from ``seed`` (:func:`fresh_ties`). Called once per run, when it is created: the run then stores
-  its ties (:func:`jaxshare.runs.write_run_files`).
+  its ties (:func:`jaxshare.store.runs.write_run_files`).
 
   Raises:
     ConfigError: as :func:`ties_from_source`.

@@ -8,7 +8,7 @@ import dataclasses
 
 from flax import nnx
 
-from jaxshare import runs
+from jaxshare.store import runs
 from jaxshare.config import Config, ConfigError, KVPreset
 from jaxshare.data.errors import DataError
 from jaxshare.data.tokenizers import tokenizer_fingerprint

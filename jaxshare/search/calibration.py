@@ -13,7 +13,7 @@ from flax import nnx
 
 from jaxshare.data import Datasets
 from jaxshare.data.batch import Batch
-from jaxshare.runs import Run
+from jaxshare.store.runs import Run
 
 
 @dataclasses.dataclass(frozen=True)

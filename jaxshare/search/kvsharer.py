@@ -17,7 +17,7 @@ from flax import nnx
 
 from jaxshare.data.batch import Batch
 from jaxshare.model.params import layer_params
-from jaxshare.runs import Run
+from jaxshare.store.runs import Run
 from jaxshare.search.space import Option, explicit_option
 
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from jaxshare import runs, smoke
+from jaxshare import smoke
+from jaxshare.store import runs
 from jaxshare.search import report
 from jaxshare.search.budget import Budget, parse_limit
 from jaxshare.search.calibration import Calibration, calibration_batches

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from jaxshare import runs
+from jaxshare.store import runs
 from jaxshare.convert.uptrain import convert
 from jaxshare.search.budget import SearchError
 from jaxshare.search.calibration import Calibration

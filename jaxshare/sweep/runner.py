@@ -19,7 +19,7 @@ from typing import Iterator, TextIO
 
 from jaxshare.config import REPO_ROOT
 from jaxshare.sweep.devices import DeviceGroup
-from jaxshare.checkpoint import finished_steps
+from jaxshare.store.checkpoint import finished_steps
 from jaxshare.files import is_remote, write_atomic
 from jaxshare.sweep.results import Results, result_row
 from jaxshare.sweep.spec import Sweep, Trial, rel
@@ -37,7 +37,7 @@ def say(*lines: str, file=None) -> None:
 
 
 def latest_step(run_dir: Path) -> int | None:
-  """The run's newest finished checkpoint (on a bucket too: :func:`~jaxshare.checkpoint.finished_steps`)."""
+  """The run's newest finished checkpoint (on a bucket too: :func:`~jaxshare.store.checkpoint.finished_steps`)."""
   steps = finished_steps(run_dir / "checkpoints")
   return steps[-1] if steps else None
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import os
 
-from jaxshare import runs, smoke
+from jaxshare import smoke
+from jaxshare.store import runs
 from jaxshare.config import Config, apply_overrides, load_config
 
 

@@ -10,7 +10,7 @@ import jax
 import numpy as np
 
 from jaxshare import parallel
-from jaxshare.checkpoint import Checkpointer
+from jaxshare.store.checkpoint import Checkpointer
 from jaxshare.config import Config
 from jaxshare.evaluation.val_loss import evaluate_loss, make_eval_step
 from jaxshare.files import StorageUnavailable

@@ -10,7 +10,7 @@ from jaxshare.config import Config, ConfigError, ScoreReuse
 from jaxshare.init.headwise import dense_kernels, direct_share
 from jaxshare.init.source import initial_params
 from jaxshare.model.ties import HeadTies, PostSharePairs
-from jaxshare.runs import Run
+from jaxshare.store.runs import Run
 from jaxshare.schedule import tied_head_count
 from jaxshare.train.state import TrainSetup, setup_training, trainable_for
 from jaxshare.train.step import Objective
@@ -64,12 +64,12 @@ def stage_setup(cfg: Config, mesh: Mesh, ties: HeadTies | None, stage: int, stag
 
 def postshare_pairs(cfg: Config, setup: TrainSetup, teacher: Run | None, saved: PostSharePairs | None
                     ) -> PostSharePairs | None:
-  """PostShare's head pairs (None without PostShare): ``saved``, the run directory's (:func:`jaxshare.runs.read_pairs`)
-  when it has them, else chosen by DirectShare's matching (Head-wise Shareable Attention, Sec. 4.3) on the
-  pretrained weights (``init_from``) or, from scratch, on the initial ones.
+  """PostShare's head pairs (None without PostShare): ``saved``, the run directory's
+  (:func:`jaxshare.store.runs.read_pairs`) when it has them, else chosen by DirectShare's matching (Head-wise Shareable
+  Attention, Sec. 4.3) on the pretrained weights (``init_from``) or, from scratch, on the initial ones.
 
-  Chosen once and stored with the run (:func:`jaxshare.runs.write_run_files`): a resumed run penalises the same pairs,
-  and a head-wise run initialised from this one ties exactly them (:func:`jaxshare.init.headwise.compute_ties`).
+  Chosen once and stored with the run (:func:`jaxshare.store.runs.write_run_files`): a resumed run penalises the same
+  pairs, and a head-wise run initialised from this one ties exactly them (:func:`jaxshare.init.headwise.compute_ties`).
 
   Raises:
     ConfigError: PostShare on a model that is not an untied dense MHA model.

@@ -9,8 +9,9 @@ from typing import Any
 from etils import epath
 from jax.sharding import Mesh
 
-from jaxshare import distributed, parallel, runs
-from jaxshare.checkpoint import PARAMS_ONLY, Checkpointer
+from jaxshare import distributed, parallel
+from jaxshare.store import runs
+from jaxshare.store.checkpoint import PARAMS_ONLY, Checkpointer
 from jaxshare.config import Config, ConfigError, ScorePreset, get_field
 from jaxshare.data import Datasets
 from jaxshare.files import writable_dir

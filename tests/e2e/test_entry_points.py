@@ -66,7 +66,7 @@ def convert_cli(*argv: str) -> str:
 def params_of(path) -> dict[str, np.ndarray]:
   from flax import traverse_util
 
-  from jaxshare.runs import load_run
+  from jaxshare.store.runs import load_run
 
   return {"/".join(map(str, k)): np.asarray(v) for k, v in traverse_util.flatten_dict(load_run(path).params).items()}
 
@@ -92,7 +92,7 @@ def dense_source(tmp_path_factory) -> Path:
 def check_eval(run: Path) -> None:
   """``eval.py`` reports a finite loss, the accounting's KV bytes and a greedy sample."""
   from jaxshare import accounting
-  from jaxshare.runs import load_run
+  from jaxshare.store.runs import load_run
 
   report = json.loads(eval_cli(str(run), "--json", "--max-batches", "1", "--sample-tokens", "4"))
   assert np.isfinite(report["val_loss"]) and report["sample"], report

@@ -213,7 +213,7 @@ def test_a_run_with_its_own_tokenizer_on_a_bucket_trains_from_it_evaluates_and_e
   on gs://, evaluated and exported to gs://: transformers reads the bucket's tokenizer through a local copy, and the
   export carries the same tokenizer files."""
   from conftest import TINY, tiny_config, write_bpe_tokenizer
-  from jaxshare.runs import write_run
+  from jaxshare.store.runs import write_run
   from jaxshare.train.state import init_state, setup_training
 
   tokenizer = write_bpe_tokenizer(tmp_path / "tk", corpus.read_text()[:20000])

@@ -23,7 +23,7 @@ from jaxshare.convert.hf_import import load_hf_model
 from jaxshare.evaluation.evaluate import evaluate_run
 from jaxshare.evaluation.generate import Generator
 from jaxshare.train.loop import train
-from jaxshare.runs import load_run
+from jaxshare.store.runs import load_run
 from support.schedule_oracle import oracle, overrides, schedule_specs
 
 EXAMPLES = int(os.environ.get("JAXSHARE_SCHEDULE_EXAMPLES", "4"))

@@ -16,7 +16,7 @@ from conftest import tiny_config
 from jaxshare.config import load_config
 from jaxshare.convert.__main__ import main as convert_main
 from jaxshare.train.config import load_train_config
-from jaxshare.runs import load_run
+from jaxshare.store.runs import load_run
 from jaxshare.search.__main__ import main
 
 pytestmark = pytest.mark.usefixtures("keep_signal_handlers")

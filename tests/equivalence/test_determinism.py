@@ -15,7 +15,7 @@ from jaxshare.config.catalogue import schedule_matrix
 from jaxshare.data import Datasets
 from jaxshare.train.loop import jit_train_step, train
 from jaxshare.train.state import init_state, setup_training
-from jaxshare.runs import load_run
+from jaxshare.store.runs import load_run
 from jaxshare.parallel import local_batch_rows, shard_batch
 from jaxshare.train.step import Objective
 

@@ -73,7 +73,7 @@ def test_import_export_reproduces_the_checkpoint_bit_for_bit(tmp_path, case):
   (("model.flavor=neox", "model.sliding_window=8"), "only Mistral has a sliding window"),
 ])
 def test_other_schedules_round_trip_exactly_as_remote_code(tmp_path, corpus, overrides, why):
-  from jaxshare.runs import write_run
+  from jaxshare.store.runs import write_run
 
   cfg = tiny_config(*overrides)
   setup, params = random_params(cfg)
@@ -91,7 +91,7 @@ def test_other_schedules_round_trip_exactly_as_remote_code(tmp_path, corpus, ove
 
 def test_cli_export_and_refusal_to_overwrite(tmp_path, capsys):
   from jaxshare.convert.__main__ import main
-  from jaxshare.runs import write_run
+  from jaxshare.store.runs import write_run
 
   cfg = tiny_config("schedule.kind=cla", "schedule.factor=2")
   setup, params = random_params(cfg)
@@ -142,7 +142,7 @@ def test_every_export_of_a_byte_run_loads_its_tokenizer_and_imports_back_as_byte
   """issue 43: dense exports had no tokenizer files (AutoTokenizer: "Couldn't instantiate the backend tokenizer")."""
   from jaxshare.convert.__main__ import main as convert_main
   from jaxshare.data import ByteTokenizer
-  from jaxshare.runs import read_config, write_run
+  from jaxshare.store.runs import read_config, write_run
 
   cfg = tiny_config(*overrides)
   write_run(tmp_path / "run", cfg, random_params(cfg)[1])
@@ -159,7 +159,7 @@ def test_every_export_of_a_byte_run_loads_its_tokenizer_and_imports_back_as_byte
 def test_every_export_of_a_run_with_a_hf_tokenizer_carries_it(tmp_path, corpus, overrides):
   from conftest import write_bpe_tokenizer
   from jaxshare.data import HFTokenizer
-  from jaxshare.runs import write_run
+  from jaxshare.store.runs import write_run
 
   tokenizer = write_bpe_tokenizer(tmp_path / "tk", corpus.read_text()[:20000])
   cfg = tiny_config("model.vocab_size=300", *overrides)

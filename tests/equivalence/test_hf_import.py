@@ -98,7 +98,7 @@ def test_cli_import_writes_a_run_that_eval_and_uptraining_read(tmp_path, corpus)
   from jaxshare.data import Datasets
   from jaxshare.evaluation.evaluate import evaluate_run
   from jaxshare.train.loop import train
-  from jaxshare.runs import load_run
+  from jaxshare.store.runs import load_run
 
   hf, run = tmp_path / "hf", tmp_path / "run"
   model = save_hf_model(hf, "neox_partial_rotary")
@@ -140,7 +140,7 @@ def test_a_converted_run_trains_in_its_own_directory(tmp_path):
   """write_run stores parameters only; training in that directory starts a fresh optimizer from them at step 0,
   exactly as train.init_from=<that run> does in a new directory."""
   from conftest import tiny_config
-  from jaxshare.runs import write_run
+  from jaxshare.store.runs import write_run
   from jaxshare.train.loop import train
   from jaxshare.train.state import init_state, setup_training
 
@@ -160,7 +160,7 @@ def test_directshare_ties_the_heads_of_an_imported_model(tmp_path, capsys):
   imported weights of its representative (a stored row holds its own head's imported weights)."""
   from jaxshare.convert.__main__ import main
   from jaxshare.model.ties import MATRICES
-  from jaxshare.runs import load_run
+  from jaxshare.store.runs import load_run
 
   hf, run, tied = tmp_path / "hf", tmp_path / "run", tmp_path / "tied"
   save_hf_model(hf, "llama_head_dim")  # MHA (head-wise sharing ties bias-free projections)

@@ -15,10 +15,10 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from conftest import REPO, STRAIGHT, TINY, read_metrics, tiny_config
 from jaxshare import parallel
 from jaxshare.config import MeshConfig
-from jaxshare import integrity
-from jaxshare.checkpoint import CheckpointError, Checkpointer, save_params
+from jaxshare.store import integrity
+from jaxshare.store.checkpoint import CheckpointError, Checkpointer, save_params
 from jaxshare.train.loop import train
-from jaxshare.runs import load_run
+from jaxshare.store.runs import load_run
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "int32", "uint8", "bool"])
@@ -161,7 +161,7 @@ def test_parameters_only_checkpoints_are_verified(tmp_path):
 
 _ABANDONED_READS = """
 import asyncio, gc, logging, sys
-from jaxshare import checkpoint
+from jaxshare.store import checkpoint
 logging.basicConfig()
 checkpoint._mute_library_noise()
 src = "async def read():\\n  raise ValueError('OUT_OF_RANGE: spec dump')\\n"
@@ -228,8 +228,8 @@ def test_a_checkpoint_written_before_the_stacks_were_renamed_resumes_and_loads(t
   """Checkpoints of jaxshare before issue 47 store the stacks under "segments" (in the parameters and in the
   optimizer's moments): a run resumes from one, verified against its own checksums, and load_run reads its weights,
   both under today's names and with the same values."""
-  from jaxshare.checkpoint import rename_keys
-  from jaxshare.runs import write_run_files
+  from jaxshare.store.checkpoint import rename_keys
+  from jaxshare.store.runs import write_run_files
   from jaxshare.train.state import abstract_state, init_state, setup_training
 
   cfg = tiny_config("schedule.kind=cla", f"train.run_dir={tmp_path}")
@@ -256,7 +256,7 @@ def test_a_tensorstore_read_error_left_in_an_abandoned_future_is_kept_off_the_co
   dropped; a frameless error that is not TensorStore's status still shows."""
   import logging
 
-  from jaxshare.checkpoint import _mute_library_noise
+  from jaxshare.store.checkpoint import _mute_library_noise
 
   _mute_library_noise()
   log = logging.getLogger("asyncio")

@@ -117,7 +117,7 @@ def test_waiting_for_a_checkpoint_write_cut_by_an_outage_ends_after_the_patience
   emulator forgets a resumable upload across a restart), and only a committed step is listed."""
   import jax.numpy as jnp
 
-  from jaxshare.checkpoint import Checkpointer
+  from jaxshare.store.checkpoint import Checkpointer
 
   ckpt = Checkpointer("gs://runs/cut-write/checkpoints", keep=2)
   ckpt.save(1, {"w": jnp.ones((4096, 4096))}, None, {})  # 64 MiB: still being written when the server stops
@@ -159,7 +159,7 @@ def test_a_checkpoint_write_cut_by_a_short_outage_is_written_again_by_the_next_s
   orbax raises a failed background save, from wait_until_finished, until a manager forgets it.)"""
   import jax.numpy as jnp
 
-  from jaxshare.checkpoint import Checkpointer
+  from jaxshare.store.checkpoint import Checkpointer
 
   ckpt = Checkpointer("gs://runs/short-cut/checkpoints", keep=3)
   ckpt.save(1, {"w": jnp.ones((64, 64))}, None, {})

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from conftest import REPO, TINY
-from jaxshare.checkpoint import TMP_MARKER
+from jaxshare.store.checkpoint import TMP_MARKER
 
 # A tiny run whose every step is logged: the step lines say how far it got, to the step. Checkpoints are frequent,
 # so that kills land during writes as well as between them.

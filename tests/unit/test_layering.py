@@ -20,7 +20,7 @@ LAYERS = (
                   "jaxshare.distributed", "jaxshare.parallel", "jaxshare.accounting", "jaxshare.exit_codes",
                   "jaxshare.files", "jaxshare.smoke", "jaxshare.plan", "jaxshare.context")),
   ("model", ("jaxshare.kernels", "jaxshare.model", "jaxshare.data")),
-  ("runs", ("jaxshare.checkpoint", "jaxshare.integrity", "jaxshare.runs", "jaxshare.init")),
+  ("runs", ("jaxshare.store", "jaxshare.init")),
   ("workflows", ("jaxshare.train", "jaxshare.evaluation", "jaxshare.convert", "jaxshare.analysis", "jaxshare.sweep",
                  "jaxshare.aot", "jaxshare.search")),
   ("cli", ("train", "eval")),
@@ -89,7 +89,7 @@ def test_imports_point_down(name):
 @pytest.mark.parametrize("name", sorted(n for n in GRAPH if n.startswith(NO_TRAIN)))
 def test_workflows_read_runs_without_the_training_package(name):
   train = sorted(t for t in GRAPH[name] if t == "jaxshare.train" or t.startswith("jaxshare.train."))
-  assert not train, f"{name} imports {train}: read runs through jaxshare.runs"
+  assert not train, f"{name} imports {train}: read runs through jaxshare.store.runs"
 
 
 def test_no_import_cycle():

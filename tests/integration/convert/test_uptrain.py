@@ -109,7 +109,7 @@ def _per_layer_leaves(params, schedule):
 
 def test_cli_uptrain_writes_the_converted_run_and_reports_it(tmp_path, capsys):
   from jaxshare.convert.__main__ import main
-  from jaxshare.runs import load_run, write_run
+  from jaxshare.store.runs import load_run, write_run
 
   src_setup, src = _dense_source()
   write_run(tmp_path / "dense", src_setup.cfg, src)
@@ -189,7 +189,7 @@ def test_converted_lisa_starts_as_ds(corpus, kind):
 
 def test_cli_uptrain_into_uniattn_fits_wc_on_calibration_batches(tmp_path, capsys):
   from jaxshare.convert.__main__ import main
-  from jaxshare.runs import load_run, write_run
+  from jaxshare.store.runs import load_run, write_run
 
   src_setup, src = _dense_source()
   write_run(tmp_path / "dense", src_setup.cfg, src)

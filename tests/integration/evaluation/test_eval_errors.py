@@ -8,8 +8,8 @@ import sys
 import pytest
 
 from conftest import REPO, cpu_env, tiny_config
-from jaxshare.checkpoint import Checkpointer
-from jaxshare.runs import write_run
+from jaxshare.store.checkpoint import Checkpointer
+from jaxshare.store.runs import write_run
 from jaxshare.train.state import init_state, setup_training
 
 

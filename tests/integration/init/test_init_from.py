@@ -7,7 +7,7 @@ import pytest
 
 from conftest import TINY, REPO, tiny_config, write_bpe_tokenizer
 from jaxshare.train.config import load_train_config
-from jaxshare.runs import read_config, write_run
+from jaxshare.store.runs import read_config, write_run
 from jaxshare.train.state import init_state, setup_training
 
 NOT_MODEL = [o for o in TINY if not o.startswith("model.")]  # what a user passes besides the model

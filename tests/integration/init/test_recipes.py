@@ -12,12 +12,12 @@ from jaxshare.config import ConfigError
 from jaxshare.init.headwise import direct_share
 from jaxshare.model.params import layer_params
 from jaxshare.schedule import compile_schedule
-from jaxshare.checkpoint import Checkpointer
+from jaxshare.store.checkpoint import Checkpointer
 from jaxshare.train.loop import train
 from jaxshare.train.optimizer import learning_rate_schedule
 from jaxshare.init.headwise import compute_ties
 from jaxshare.init.source import initial_params
-from jaxshare.runs import load_run
+from jaxshare.store.runs import load_run
 from jaxshare.train.state import setup_training, trainable_for
 from jaxshare.train.step import distillation_loss, postshare_penalty
 

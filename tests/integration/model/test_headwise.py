@@ -111,9 +111,9 @@ def test_ties_round_trip_as_json_and_malformed_ones_are_refused():
 
 
 def test_postshare_pairs_round_trip_through_the_run_directory_and_malformed_ones_are_refused(tmp_path):
-  from jaxshare.checkpoint import CheckpointError
+  from jaxshare.store.checkpoint import CheckpointError
   from jaxshare.model.ties import PostSharePairs
-  from jaxshare.runs import PAIRS_FILE, read_pairs, write_run_files
+  from jaxshare.store.runs import PAIRS_FILE, read_pairs, write_run_files
 
   pairs = PostSharePairs(direct_share(random_weights(), 5, "qk").pairs, "qk", 0.3)
   assert read_pairs(tmp_path) is None  # a run without PostShare
@@ -135,10 +135,10 @@ def test_stored_ties_are_what_a_run_loads_and_an_old_run_migrates_once(tmp_path)
   """The ties are chosen when the run starts and read back ever after: a run whose stored ties differ from what its
   config would choose loads the stored ones; a run without them (written before they were stored) is refused in one
   line until `convert ties` stores them, and then loads exactly as before."""
-  from jaxshare.checkpoint import CheckpointError
+  from jaxshare.store.checkpoint import CheckpointError
   from jaxshare.convert.__main__ import main
   from jaxshare.init.headwise import compute_ties
-  from jaxshare.runs import TIES_FILE, load_run
+  from jaxshare.store.runs import TIES_FILE, load_run
   from jaxshare.train.loop import train
 
   cfg = tiny_config(*HEADWISE, *SHORT, f"train.run_dir={tmp_path / 'hw'}")
@@ -175,7 +175,7 @@ def test_uptrained_headwise_run_evaluates_generates_and_exports_without_its_sour
   from jaxshare.evaluation.evaluate import evaluate_run
   from jaxshare.evaluation.generate import Generator
   from jaxshare.init.headwise import compute_ties
-  from jaxshare.runs import load_run
+  from jaxshare.store.runs import load_run
   from jaxshare.train.loop import train
 
   src = tmp_path / "dense"

@@ -7,7 +7,7 @@ import pytest
 from conftest import tiny_config
 from jaxshare.convert.uptrain import convert
 from jaxshare.evaluation.val_loss import make_eval_step
-from jaxshare.runs import load_run
+from jaxshare.store.runs import load_run
 from jaxshare.search.calibration import Calibration, calibration_batches
 from jaxshare.search.kvsharer import kvsharer_options, kvsharer_sources, layer_kv_means
 

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from conftest import tiny_config
-from jaxshare.checkpoint import CheckpointError, Checkpointer, save_params
+from jaxshare.store.checkpoint import CheckpointError, Checkpointer, save_params
 from jaxshare.train.loop import DivergenceError, train
-from jaxshare.runs import load_run
+from jaxshare.store.runs import load_run
 
 # A learning rate that is finite (so validation accepts it) but blows the weights up within a few steps.
 DIVERGING = ["train.lr=1e30", "train.warmup_steps=1", "train.steps=12", "train.log_every=4", "train.eval_every=0",

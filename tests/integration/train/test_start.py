@@ -4,7 +4,7 @@ import pytest
 
 from conftest import tiny_config
 from jaxshare.config import ConfigError
-from jaxshare.runs import PAIRS_FILE, read_pairs
+from jaxshare.store.runs import PAIRS_FILE, read_pairs
 from jaxshare.train.loop import train
 from jaxshare.train.start import start_run
 

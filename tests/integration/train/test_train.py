@@ -11,10 +11,10 @@ import pytest
 from conftest import read_metrics, tiny_config
 from jaxshare import parallel
 from jaxshare.config import ConfigError, MeshConfig
-from jaxshare.checkpoint import CheckpointError
+from jaxshare.store.checkpoint import CheckpointError
 from jaxshare.data.tokenizers import make_tokenizer
 from jaxshare.evaluation.generate import Generator
-from jaxshare.runs import load_run
+from jaxshare.store.runs import load_run
 from jaxshare.train.loop import train
 from jaxshare.train.state import init_state, setup_training
 from jaxshare.parallel import shard_batch

@@ -150,7 +150,7 @@ def test_configs_are_values(tmp_path):
   """A loaded config is frozen; overrides and write_run make new configs and leave the one given unchanged."""
   import dataclasses
 
-  from jaxshare.runs import read_config, write_run
+  from jaxshare.store.runs import read_config, write_run
 
   cfg = load_config(None, ["model.num_layers=2", "train.steps=5", "train.warmup_steps=1"])
   with pytest.raises(dataclasses.FrozenInstanceError):

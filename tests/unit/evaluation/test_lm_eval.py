@@ -12,7 +12,7 @@ from flax import nnx
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 from conftest import CORPUS, tiny_config, write_multiple_choice_task  # noqa: E402
-from jaxshare.runs import write_run  # noqa: E402
+from jaxshare.store.runs import write_run  # noqa: E402
 from jaxshare.evaluation.lm_eval_harness import JaxshareLM  # noqa: E402
 from support.models import randomized  # noqa: E402
 

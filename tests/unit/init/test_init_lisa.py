@@ -150,7 +150,7 @@ def test_calibrated_start_needs_calibration_batches(tmp_path):
   """train.init_from cannot read data for it: refused with a message naming the field and the way out; convert
   uptrain with --calibration-batches 0 likewise."""
   from jaxshare.config import ConfigError
-  from jaxshare.runs import write_run
+  from jaxshare.store.runs import write_run
   from jaxshare.convert.uptrain import uptrain_run
 
   src_cfg, src, _, _, init = _lisa_conversion("calibrated")

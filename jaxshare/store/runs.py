@@ -5,7 +5,7 @@ Layout::
   <run>/config.yaml          the validated config (written atomically)
   <run>/head_ties.json       head-wise sharing's ties, when the schedule ties heads (chosen once, never re-chosen)
   <run>/postshare_pairs.json PostShare's penalised head pairs, when the run trains with PostShare (chosen once)
-  <run>/checkpoints/<step>/  orbax checkpoints (:mod:`jaxshare.checkpoint`)
+  <run>/checkpoints/<step>/  orbax checkpoints (:mod:`jaxshare.store.checkpoint`)
   <run>/tokenizer/           the tokenizer files of a converted model (``data.tokenizer`` points here)
   <run>/metrics.jsonl ...    training's logs (:mod:`jaxshare.train.metrics`)
 
@@ -28,7 +28,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jaxshare import parallel
-from jaxshare.checkpoint import CheckpointError, Checkpointer, finished_steps, save_params
+from jaxshare.store.checkpoint import CheckpointError, Checkpointer, finished_steps, save_params
 from jaxshare.config import Config, ConfigError, MeshConfig, config_from_yaml_text, to_yaml
 from jaxshare.data import Tokenizer, make_tokenizer
 from jaxshare.files import absolute, write_atomic

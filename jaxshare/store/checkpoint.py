@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from etils import epath
 
-from jaxshare import integrity
+from jaxshare.store import integrity
 from jaxshare.exit_codes import InputError
 from jaxshare.files import (StorageUnavailable, absolute, by_deadline, is_remote, is_transient, move_tree,
                             quiet_transient_tracebacks)
@@ -151,7 +151,7 @@ def save_params(directory: str | os.PathLike, step: int, params: Any, meta: dict
 class Checkpointer:
   """``CheckpointManager`` over ``<run_dir>/checkpoints`` with items ``state``, ``data`` and ``meta``.
 
-  Every save records checksums of the state's arrays in ``meta`` (:mod:`jaxshare.integrity`) and every restore
+  Every save records checksums of the state's arrays in ``meta`` (:mod:`jaxshare.store.integrity`) and every restore
   checks them. Only finished checkpoints are listed (:func:`unfinished_writes`, locally and on a bucket); what an
   interrupted write left behind is deleted on opening (``cleaned`` names it).
   """
