@@ -3,7 +3,7 @@
 A model no transformers class holds exactly (K/V sharing across layers, score reuse, W_c, head-wise ties, per-layer
 K/V head counts) is exported as ``config.json`` (``model_type`` ``jaxshare``, an ``auto_map`` naming the two code
 files, every layer's plan as plain lists, and the whole jaxshare config for a bit-exact import), the code files
-``configuration_jaxshare.py`` / ``modeling_jaxshare.py`` (:mod:`jaxshare.convert.remote_code`, copied as they are),
+``configuration_jaxshare.py`` / ``modeling_jaxshare.py`` (:mod:`jaxshare.serve.remote_code`, copied as they are),
 ``model.safetensors`` with HF-style tensor names (the table below, which import reads too) and the tokenizer files.
 ``AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)`` loads it offline.
 """
@@ -21,11 +21,11 @@ from jaxshare.model import params as P
 from jaxshare.model.ties import MATRICES, HeadTies
 from jaxshare.plan import plan_of
 from jaxshare.schedule import LayerRole, Schedule
+from jaxshare.serve import REMOTE_CODE_DIR
 
 ARCHITECTURE = "JaxshareForCausalLM"
 MODEL_TYPE = "jaxshare"
 FORMAT_VERSION = 2  # 1: the native layout (jaxshare parameter paths), written before remote code
-CODE_DIR = Path(__file__).resolve().parent / "remote_code"
 CODE_FILES = ("configuration_jaxshare.py", "modeling_jaxshare.py")
 AUTO_MAP = {"AutoConfig": "configuration_jaxshare.JaxshareConfig",
             "AutoModelForCausalLM": "modeling_jaxshare.JaxshareForCausalLM"}
@@ -72,7 +72,7 @@ def config_json(cfg: Config, ties: HeadTies | None) -> dict:
 def copy_code(out: Path) -> None:
   """Write the remote-code files into ``out``."""
   for name in CODE_FILES:
-    shutil.copyfile(CODE_DIR / name, out / name)
+    shutil.copyfile(REMOTE_CODE_DIR / name, out / name)
 
 
 def _bias(hf: str, path: str, heads, width) -> Rule:

@@ -180,7 +180,7 @@ def test_a_hand_edited_or_older_directory_is_refused_with_one_line(tmp_path, edi
 def test_vllm_layer_names_for_every_kv_schedule(kind, targets):
   """vLLM's ``kv_sharing_target_layer_name`` per layer, from the config.json an export writes (no vLLM import)."""
   from jaxshare.convert.remote import config_json
-  from jaxshare.convert.vllm_layers import VLLMUnsupportedError, kv_sharing_targets
+  from jaxshare.serve.vllm_layers import VLLMUnsupportedError, kv_sharing_targets
   from jaxshare.train.state import setup_training
 
   cfg = tiny_config(*CASES[kind])
@@ -209,7 +209,7 @@ def test_hf_generate_script_prints_continuations_and_the_cache_bytes(tmp_path, c
 
 def test_the_model_code_reads_the_format_the_exporter_writes():
   from jaxshare.convert import remote
-  from jaxshare.convert.remote_code import configuration_jaxshare
+  from jaxshare.serve.remote_code import configuration_jaxshare
 
   assert configuration_jaxshare.FORMAT_VERSION == remote.FORMAT_VERSION
   with pytest.raises(ValueError, match=r"layer_plans\[1\] has keys \['kv_source', 'num_kv_heads', 'shared'\]"):

@@ -39,7 +39,7 @@ def _models(out):
   """The transformers remote-code model and jaxshare's vLLM model loaded from the export ``out``."""
   from safetensors.torch import load_file
 
-  from jaxshare.convert.vllm_model import JaxshareForCausalLM
+  from jaxshare.serve.vllm_model import JaxshareForCausalLM
 
   reference = transformers.AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True,
                                                                 local_files_only=True).eval()
@@ -79,7 +79,7 @@ def test_vllm_model_equals_the_remote_code_and_caches_only_producers(tmp_path, m
 
 @pytest.mark.parametrize("path", ["vllm.model_executor.layers.attention", "vllm.attention.layer", "vllm.attention"])
 def test_attention_is_found_where_each_vllm_release_keeps_it(monkeypatch, path):
-  from jaxshare.convert.vllm_model import _vllm_attention
+  from jaxshare.serve.vllm_model import _vllm_attention
 
   vllm_stand_in.install(monkeypatch, path)
   assert _vllm_attention() is vllm_stand_in.Attention
@@ -88,7 +88,7 @@ def test_attention_is_found_where_each_vllm_release_keeps_it(monkeypatch, path):
 def test_sharing_targets_follow_the_prefix_vllm_gives_the_model(tmp_path, monkeypatch):
   """A model nested in another (vLLM's ``prefix``, e.g. a multimodal wrapper's ``language_model``) names its
   producers under that prefix, where vLLM registered their attention."""
-  from jaxshare.convert.vllm_model import JaxshareForCausalLM
+  from jaxshare.serve.vllm_model import JaxshareForCausalLM
 
   vllm_stand_in.install(monkeypatch)
   _, _, _, out = export_remote(tmp_path, KV_KINDS["cla"])

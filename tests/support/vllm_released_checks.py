@@ -30,8 +30,8 @@ from vllm.engine.arg_utils import EngineArgs  # noqa: E402
 
 from jaxshare.config.catalogue import schedule_matrix  # noqa: E402
 from jaxshare import accounting  # noqa: E402
-from jaxshare.convert.vllm_layers import VLLMUnsupportedError  # noqa: E402
-from jaxshare.convert.vllm_model import JaxshareForCausalLM  # noqa: E402
+from jaxshare.serve.vllm_layers import VLLMUnsupportedError  # noqa: E402
+from jaxshare.serve.vllm_model import JaxshareForCausalLM  # noqa: E402
 
 from support.hf import export_remote  # noqa: E402
 
@@ -108,7 +108,7 @@ def test_the_entry_point_registers_the_model_with_vllm():
   engine config is refused with "does not support --runner generate" when the class misses vLLM's protocol)."""
   from vllm.plugins import load_plugins_by_group
 
-  from jaxshare.convert import vllm_plugin
+  from jaxshare.serve import vllm_plugin
 
   assert load_plugins_by_group("vllm.general_plugins")["jaxshare"] is vllm_plugin.register
   vllm_plugin.register()  # again: idempotent (vLLM calls it in every process it starts)

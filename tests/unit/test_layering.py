@@ -22,11 +22,11 @@ LAYERS = (
   ("model", ("jaxshare.kernels", "jaxshare.model", "jaxshare.data")),
   ("runs", ("jaxshare.store", "jaxshare.init")),
   ("workflows", ("jaxshare.train", "jaxshare.evaluation", "jaxshare.convert", "jaxshare.analysis", "jaxshare.sweep",
-                 "jaxshare.aot", "jaxshare.search")),
+                 "jaxshare.aot", "jaxshare.search", "jaxshare.serve")),
   ("cli", ("train", "eval")),
 )
 NO_TRAIN = ("jaxshare.evaluation", "jaxshare.convert", "jaxshare.analysis", "jaxshare.sweep", "jaxshare.search",
-            "eval")
+            "jaxshare.serve", "eval")
 
 
 def _modules() -> dict[str, Path]:

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 ARCHITECTURE = "JaxshareForCausalLM"  # the ``architectures`` entry of an export's config.json
-MODEL_CLASS = "jaxshare.convert.vllm_model:JaxshareForCausalLM"
+MODEL_CLASS = "jaxshare.serve.vllm_model:JaxshareForCausalLM"
 
 
 def register() -> None:

@@ -303,7 +303,7 @@ class Attention(nn.Module):
 
 class PreNormResidual(nn.Module):
   """The residual around a layer's attention output and its MLP, sequential or parallel (GPT-NeoX); the vLLM layer
-  (``jaxshare.convert.vllm_model``) uses it too."""
+  (``jaxshare.serve.vllm_model``) uses it too."""
 
   def __init__(self, config: JaxshareConfig):
     super().__init__()

@@ -1,12 +1,12 @@
 """A remote-code export of a K/V-sharing schedule as a vLLM model: consumer layers allocate no KV cache.
 
-vLLM serves the directory ``python -m jaxshare.convert export`` writes once :mod:`jaxshare.convert.vllm_plugin` has
+vLLM serves the directory ``python -m jaxshare.convert export`` writes once :mod:`jaxshare.serve.vllm_plugin` has
 registered this class (the ``jaxshare[vllm]`` extra installs the plugin's entry point). Every layer builds vLLM's
 ``Attention``; a K/V consumer (CLA, MLKV: ``layer_plans[i].kv_source != i``) builds it with
 ``kv_sharing_target_layer_name`` naming its producer's, so vLLM gives it no cache blocks and it reads the producer's
 paged K/V (the mechanism Gemma3n's shared suffix uses). A consumer has no K/V projections: it hands vLLM the K/V
 its producer computed for the same tokens in this forward pass, which vLLM does not write again
-(:func:`~jaxshare.convert.vllm_layers.kv_sharing_targets` gives the names and refuses probability/logit reuse, W_c,
+(:func:`~jaxshare.serve.vllm_layers.kv_sharing_targets` gives the names and refuses probability/logit reuse, W_c,
 head ties and per-layer K/V head counts, which vLLM's attention cannot express).
 
 The layers' math is the remote code's own (``Norm``, ``MLP``, RoPE from ``modeling_jaxshare``), on vLLM's flat token
@@ -24,8 +24,8 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from jaxshare.convert.remote_code.modeling_jaxshare import Norm, PreNormResidual, apply_rope, inv_frequencies
-from jaxshare.convert.vllm_layers import VLLMUnsupportedError, kv_sharing_targets
+from jaxshare.serve.remote_code.modeling_jaxshare import Norm, PreNormResidual, apply_rope, inv_frequencies
+from jaxshare.serve.vllm_layers import VLLMUnsupportedError, kv_sharing_targets
 
 
 def _vllm_attention():
