@@ -21,7 +21,8 @@ def store_ties(path: str | os.PathLike) -> str:
     CheckpointError: the source run's checkpoint is unreadable.
   """
   run_dir, _ = runs.locate(path)
-  cfg = runs.read_config(run_dir)
+  files = runs.read_stored(run_dir)
+  cfg = files.config()
   plan = plan_of(cfg)
   schedule = plan.schedule
   if not schedule.tied_heads:
@@ -29,7 +30,7 @@ def store_ties(path: str | os.PathLike) -> str:
                       "ties to store")
   if (run_dir / runs.TIES_FILE).exists():
     try:
-      runs.read_ties(run_dir, plan)
+      files.ties(plan)
     except CheckpointError:  # an unreadable file: chosen again below
       pass
     else:

@@ -235,7 +235,7 @@ def ties_from_source(cfg: Config, src: runs.Run) -> HeadTies:
     raise ConfigError(f"train.init_from={cfg.train.init_from!r} has schedule {src.schedule.kind!r}: "
                       "head-wise sharing is selected on a dense MHA model (or continued from a head-wise one)")
   weights = dense_kernels(distributed.to_host(src.params), src.schedule, cfg.model.num_layers)
-  post = runs.read_pairs(src.directory)
+  post = src.files.pairs() if src.files is not None else None
   if post is None:
     return direct_share(weights, schedule.tied_heads, cfg.schedule.headwise.match)
   if len(post.pairs["q"]) != schedule.tied_heads:

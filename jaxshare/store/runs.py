@@ -64,12 +64,7 @@ def read_config(run_dir: str | os.PathLike) -> Config:
   Raises:
     ConfigError: missing, unreadable or invalid ``config.yaml``.
   """
-  path = epath.Path(run_dir) / CONFIG_FILE
-  try:
-    text = path.read_text()
-  except OSError as e:
-    raise ConfigError(f"cannot read {str(path)!r}: {e}") from e
-  return config_from_yaml_text(text, str(path))
+  return read_stored(run_dir).config()
 
 
 def write_run_files(run_dir: str | os.PathLike, cfg: Config, ties: HeadTies | None = None,
@@ -87,44 +82,88 @@ def write_ties(run_dir: str | os.PathLike, ties: HeadTies) -> None:
   write_atomic(epath.Path(run_dir) / TIES_FILE, ties.to_json())
 
 
-def read_pairs(run_dir: str | os.PathLike) -> PostSharePairs | None:
-  """The PostShare pairs stored in ``run_dir`` (None when it has none: not a PostShare run, or not started yet).
+@dataclasses.dataclass(frozen=True)
+class StoredFiles:
+  """A run directory's own files (not its checkpoints), read in one call (:func:`read_stored`): what a start, a load
+  or a migration needs of the directory.
+
+  Attributes:
+    directory: the run directory (absolute, local or a URL).
+    config_text: ``config.yaml`` as written (None: not written yet); parsed by :meth:`config`.
+    ties_text: head-wise sharing's ties as written (None: none stored); checked against a plan by :meth:`ties`.
+    pairs_text: PostShare's penalised head pairs as written (None: none stored); parsed by :meth:`pairs`.
+  Each file is parsed only where it is asked for, so that a damaged file fails only what needs it.
+  """
+
+  directory: epath.Path
+  config_text: str | None
+  ties_text: str | None
+  pairs_text: str | None
+
+  def config(self) -> Config:
+    """The validated saved config.
+
+    Raises:
+      ConfigError: none was written, or it is invalid.
+    """
+    path = self.directory / CONFIG_FILE
+    if self.config_text is None:
+      raise ConfigError(f"cannot read {str(path)!r}: the run directory has no {CONFIG_FILE}")
+    return config_from_yaml_text(self.config_text, str(path))
+
+  def ties(self, plan: ModelPlan) -> HeadTies | None:
+    """The stored head-wise ties of the run whose compiled model is ``plan`` (None when its schedule ties no heads).
+
+    Raises:
+      CheckpointError: the schedule ties heads and the file is missing (a run written before ties were stored with
+        it: the message gives the command that re-creates them), malformed, or ties another number of heads.
+    """
+    schedule = plan.schedule
+    if not schedule.tied_heads:
+      return None
+    path = self.directory / TIES_FILE
+    recreate = f"`python -m jaxshare.convert ties {self.directory}`"
+    if self.ties_text is None:
+      raise CheckpointError(f"run {str(self.directory)!r} ties {schedule.tied_heads} heads but has no {TIES_FILE} "
+                            "(written before jaxshare stored head-wise ties with the run): re-create them once with "
+                            f"{recreate}")
+    try:
+      ties = HeadTies.from_json(self.ties_text, repr(str(path)))
+      ties.check(len(schedule.layers), plan.model.num_heads, schedule.tied_heads, repr(str(path)))
+    except ValueError as e:
+      raise CheckpointError(f"{e}: delete it and re-create it with {recreate}") from None
+    return ties
+
+  def pairs(self) -> PostSharePairs | None:
+    """PostShare's penalised head pairs (None: none stored: not a PostShare run, or not started yet).
+
+    Raises:
+      CheckpointError: the file is malformed.
+    """
+    if self.pairs_text is None:
+      return None
+    try:
+      return PostSharePairs.from_json(self.pairs_text, repr(str(self.directory / PAIRS_FILE)))
+    except ValueError as e:
+      raise CheckpointError(f"{e}: restore the file (a resumed run penalises the pairs it started with), or start "
+                            "afresh in a new train.run_dir") from None
+
+
+def read_stored(run_dir: str | os.PathLike) -> StoredFiles:
+  """Every file of run directory ``run_dir`` but its checkpoints, read once (parsed when asked for).
 
   Raises:
-    CheckpointError: the file is unreadable or malformed.
+    ConfigError: a file exists but cannot be read.
   """
-  path = epath.Path(run_dir) / PAIRS_FILE
-  if not path.exists():
-    return None
-  try:
-    return PostSharePairs.from_json(path.read_text(), repr(str(path)))
-  except (OSError, ValueError) as e:
-    raise CheckpointError(f"{e}: restore the file (a resumed run penalises the pairs it started with), or start "
-                          "afresh in a new train.run_dir") from None
-
-
-def read_ties(run_dir: str | os.PathLike, plan: ModelPlan) -> HeadTies | None:
-  """The head-wise ties of the run whose compiled model is ``plan`` (None when its schedule ties no heads).
-
-  Raises:
-    CheckpointError: the schedule ties heads and the file is missing (a run written before ties were stored with
-      it: the message gives the command that re-creates them), malformed, or ties another number of heads.
-  """
-  schedule = plan.schedule
-  if not schedule.tied_heads:
-    return None
   run_dir = epath.Path(run_dir)
-  path = run_dir / TIES_FILE
-  recreate = f"`python -m jaxshare.convert ties {run_dir}`"
-  if not path.exists():
-    raise CheckpointError(f"run {str(run_dir)!r} ties {schedule.tied_heads} heads but has no {TIES_FILE} (written "
-                          f"before jaxshare stored head-wise ties with the run): re-create them once with {recreate}")
-  try:
-    ties = HeadTies.from_json(path.read_text(), repr(str(path)))
-    ties.check(len(schedule.layers), plan.model.num_heads, schedule.tied_heads, repr(str(path)))
-  except ValueError as e:
-    raise CheckpointError(f"{e}: delete it and re-create it with {recreate}") from None
-  return ties
+  texts = []
+  for name in (CONFIG_FILE, TIES_FILE, PAIRS_FILE):
+    path = run_dir / name
+    try:
+      texts.append(path.read_text() if path.exists() else None)
+    except OSError as e:
+      raise ConfigError(f"cannot read {str(path)!r}: {e}") from e
+  return StoredFiles(run_dir, *texts)
 
 
 def abstract_params(plan: ModelPlan, ties: HeadTies | None = None, mesh: Mesh | None = None
@@ -151,6 +190,7 @@ class Run:
     graphdef / params: the model (``nnx.merge(graphdef, params)``); params a pure dict of arrays.
     step: the checkpoint's step (0 for a converted model).
     mesh: where the parameters are placed (None: host arrays).
+    files: the run directory's own files as read (None for a model read from elsewhere).
   """
 
   directory: epath.Path | None
@@ -161,6 +201,7 @@ class Run:
   params: dict
   step: int
   mesh: Mesh | None
+  files: StoredFiles | None = None
 
   @property
   def schedule(self) -> Schedule:
@@ -195,16 +236,17 @@ def load_run(path: str | os.PathLike, mesh: Mesh | None = None) -> Run:
 
   Raises:
     ConfigError: bad path or saved config. CheckpointError: no, corrupt or mismatched checkpoint, non-finite
-      parameters, or missing head-wise ties (:func:`read_ties`).
+      parameters, or missing head-wise ties (:meth:`StoredFiles.ties`).
   """
   run_dir, step = locate(path)
-  cfg = read_config(run_dir)
+  files = read_stored(run_dir)
+  cfg = files.config()
   if mesh is None:
     cfg = dataclasses.replace(cfg, mesh=MeshConfig() if jax.process_count() == 1 else MeshConfig(fsdp=-1))
     mesh = parallel.make_mesh(cfg.mesh, jax.devices()[:1] if jax.process_count() == 1 else None)
   step = _existing_step(run_dir, step, cfg.train.keep_checkpoints)
   plan = plan_of(cfg)
-  ties = read_ties(run_dir, plan)
+  ties = files.ties(plan)
   graphdef, target = abstract_params(plan, ties, mesh)
   ckpt = Checkpointer(run_dir / "checkpoints", cfg.train.keep_checkpoints)
   try:  # closed either way: an open manager's threads at interpreter exit printed a traceback after the error
@@ -215,7 +257,7 @@ def load_run(path: str | os.PathLike, mesh: Mesh | None = None) -> Run:
     raise CheckpointError(f"checkpoint {run_dir / 'checkpoints' / str(step)} holds non-finite parameters (NaN or inf): "
                           "its run diverged before it was saved; use an earlier checkpoint "
                           f"({run_dir / 'checkpoints'}/<step>)")
-  return Run(run_dir, cfg, plan, ties, graphdef, params, int(step), mesh)
+  return Run(run_dir, cfg, plan, ties, graphdef, params, int(step), mesh, files)
 
 
 def _existing_step(run_dir: epath.Path, step: int | None, keep: int) -> int:

@@ -65,7 +65,7 @@ def stage_setup(cfg: Config, mesh: Mesh, ties: HeadTies | None, stage: int, stag
 def postshare_pairs(cfg: Config, setup: TrainSetup, teacher: Run | None, saved: PostSharePairs | None
                     ) -> PostSharePairs | None:
   """PostShare's head pairs (None without PostShare): ``saved``, the run directory's
-  (:func:`jaxshare.store.runs.read_pairs`) when it has them, else chosen by DirectShare's matching (Head-wise Shareable
+  (:meth:`jaxshare.store.runs.StoredFiles.pairs`) when it has them, else chosen by DirectShare's matching (Head-wise Shareable
   Attention, Sec. 4.3) on the pretrained weights (``init_from``) or, from scratch, on the initial ones.
 
   Chosen once and stored with the run (:func:`jaxshare.store.runs.write_run_files`): a resumed run penalises the same

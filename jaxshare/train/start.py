@@ -101,7 +101,10 @@ def start_run(cfg: Config, mesh: Mesh | None = None) -> RunStart:
   data = _open_data(cfg, mesh)
   ckpt = _existing_checkpoints(cfg, run_dir)
   resuming = ckpt is not None and ckpt.latest_step() is not None
-  ties = runs.read_ties(run_dir, plan_of(cfg)) if resuming else compute_ties(cfg, cfg.train.seed, source)
+  files = runs.read_stored(run_dir)  # the run directory's own files, read once
+  if resuming and files.config_text is not None:
+    check_resume_compatible(files.config(), cfg)
+  ties = files.ties(plan_of(cfg)) if resuming else compute_ties(cfg, cfg.train.seed, source)
 
   def restore(step: int) -> tuple[dict, TrainSetup, TrainState, Any]:
     meta = ckpt.read_meta(step)
@@ -119,7 +122,7 @@ def start_run(cfg: Config, mesh: Mesh | None = None) -> RunStart:
     latest, meta, fallbacks = None, {}, []
     setup, data_iter = stage_setup(cfg, mesh, ties, *stage_of(cfg, meta)), data.train_iter()
     state = init_state(setup, from_params=None if source is None else (source.params, source.schedule))
-  saved_pairs = runs.read_pairs(run_dir)
+  saved_pairs = files.pairs()
   pairs = postshare_pairs(cfg, setup, source, saved_pairs)
   ckpt = _write_run_files(cfg, run_dir, ckpt, None if resuming else ties, None if saved_pairs else pairs)
   notes = [f"warning: {report} Resuming from checkpoint {latest}, the newest one that restored and verified."
@@ -169,17 +172,10 @@ def _open_data(cfg: Config, mesh: Mesh) -> Datasets:
 
 
 def _existing_checkpoints(cfg: Config, run_dir: epath.Path) -> Checkpointer | None:
-  """The checkpoints of ``run_dir`` (absolute), when it has some, once it is known to hold this experiment.
-
-  Raises:
-    ConfigError: the saved config differs in a field a resumed run may not change (:func:`check_resume_compatible`).
-  """
+  """The checkpoints of ``run_dir`` (absolute), when it has a checkpoint directory; nothing is created."""
   if not (run_dir / "checkpoints").exists():
     return None
-  ckpt = Checkpointer(run_dir / "checkpoints", cfg.train.keep_checkpoints)
-  if ckpt.latest_step() is not None and (run_dir / runs.CONFIG_FILE).exists():
-    check_resume_compatible(runs.read_config(run_dir), cfg)
-  return ckpt
+  return Checkpointer(run_dir / "checkpoints", cfg.train.keep_checkpoints)
 
 
 def _write_run_files(cfg: Config, run_dir: epath.Path, ckpt: Checkpointer | None, new_ties: HeadTies | None,

@@ -113,18 +113,18 @@ def test_ties_round_trip_as_json_and_malformed_ones_are_refused():
 def test_postshare_pairs_round_trip_through_the_run_directory_and_malformed_ones_are_refused(tmp_path):
   from jaxshare.store.checkpoint import CheckpointError
   from jaxshare.model.ties import PostSharePairs
-  from jaxshare.store.runs import PAIRS_FILE, read_pairs, write_run_files
+  from jaxshare.store.runs import PAIRS_FILE, read_stored, write_run_files
 
   pairs = PostSharePairs(direct_share(random_weights(), 5, "qk").pairs, "qk", 0.3)
-  assert read_pairs(tmp_path) is None  # a run without PostShare
+  assert read_stored(tmp_path).pairs() is None  # a run without PostShare
   write_run_files(tmp_path, tiny_config(), pairs=pairs)
-  assert read_pairs(tmp_path) == pairs
+  assert read_stored(tmp_path).pairs() == pairs
   assert json.loads((tmp_path / PAIRS_FILE).read_text())["pairs"]["q"] == [list(p) for p in pairs.pairs["q"]]
   for bad in ("{", json.dumps({"match": "qk", "ratio": 0.3, "pairs": {"q": []}}),
               json.dumps({"match": "qk", "ratio": 0.3, "pairs": {"q": [[1]], "k": [], "v": []}})):
     (tmp_path / PAIRS_FILE).write_text(bad)
     with pytest.raises(CheckpointError, match="PostShare pairs .* unreadable or malformed"):
-      read_pairs(tmp_path)
+      read_stored(tmp_path).pairs()
 
 
 HEADWISE = ["schedule.kind=headwise", "schedule.headwise.ratio=0.3"]
