@@ -65,8 +65,8 @@ def stage_setup(cfg: Config, mesh: Mesh, ties: HeadTies | None, stage: int, stag
 def postshare_pairs(cfg: Config, setup: TrainSetup, teacher: Run | None, saved: PostSharePairs | None
                     ) -> PostSharePairs | None:
   """PostShare's head pairs (None without PostShare): ``saved``, the run directory's
-  (:meth:`jaxshare.store.runs.StoredFiles.pairs`) when it has them, else chosen by DirectShare's matching (Head-wise Shareable
-  Attention, Sec. 4.3) on the pretrained weights (``init_from``) or, from scratch, on the initial ones.
+  (:meth:`jaxshare.store.runs.StoredFiles.pairs`) when it has them, else chosen by DirectShare's matching (Head-wise
+  Shareable Attention, Sec. 4.3) on the pretrained weights (``init_from``) or, from scratch, on the initial ones.
 
   Chosen once and stored with the run (:func:`jaxshare.store.runs.write_run_files`): a resumed run penalises the same
   pairs, and a head-wise run initialised from this one ties exactly them (:func:`jaxshare.init.headwise.compute_ties`).

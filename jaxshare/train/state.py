@@ -90,7 +90,8 @@ def setup_training(cfg: Config, mesh: Mesh | None = None, trainable: tuple[str, 
   remat.check_platform(cfg.model.remat, mesh.devices.flat[0].platform)
   if ties is None and plan.tied_heads:
     raise ValueError(f"setup_training: schedule.kind={cfg.schedule.kind!r} ties {plan.tied_heads} heads, but "
-                     "ties=None; pass the run's ties (jaxshare.store.runs.StoredFiles.ties, compute_ties) or FRESH_TIES")
+                     "ties=None; pass the run's ties (jaxshare.store.runs.StoredFiles.ties, compute_ties) or "
+                     "FRESH_TIES")
   if isinstance(ties, str):
     if ties != FRESH_TIES:
       raise ValueError(f"setup_training: ties={ties!r}: pass HeadTies, None or FRESH_TIES ({FRESH_TIES!r})")

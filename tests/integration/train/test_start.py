@@ -17,7 +17,8 @@ def test_a_resumed_start_keeps_the_pairs_chosen_when_the_run_began(tmp_path, mon
   cfg = tiny_config(*POSTSHARE, "train.steps=2", f"train.run_dir={tmp_path}")
   fresh = start_run(cfg)
   assert fresh.latest is None and fresh.meta == {} and int(fresh.state.step) == 0
-  assert fresh.pairs is not None and read_stored(tmp_path).pairs() == fresh.pairs  # chosen on the initial weights, written
+  # chosen on the initial weights, written
+  assert fresh.pairs is not None and read_stored(tmp_path).pairs() == fresh.pairs
   fresh.ckpt.close()
   written = (tmp_path / PAIRS_FILE).stat().st_mtime_ns
   train(cfg)
