@@ -26,6 +26,7 @@ class ModelPlan:
     mlp_dim: every MLP's hidden width F (``schedule.match_params`` applied; units: neurons).
     match: the parameter matching the width came from, or None.
     attention: ``attention.impl``, ``score_sharing`` and ``chain_dtype``.
+    schedule_config: the ``schedule`` group the schedule was compiled from.
   """
 
   model: ModelConfig
@@ -33,6 +34,7 @@ class ModelPlan:
   mlp_dim: int
   match: accounting.ParamMatch | None
   attention: AttentionConfig
+  schedule_config: ScheduleConfig
 
   @property
   def tied_heads(self) -> int:
@@ -71,7 +73,7 @@ def compile_plan(model: ModelConfig, schedule: ScheduleConfig,
   if key not in _PLANS:
     compiled = compile_schedule(model, schedule)
     match = accounting.param_match(schedule)
-    _PLANS[key] = ModelPlan(model, compiled, accounting.mlp_dim(model, compiled, match), match, attention)
+    _PLANS[key] = ModelPlan(model, compiled, accounting.mlp_dim(model, compiled, match), match, attention, schedule)
   return _PLANS[key]
 
 

@@ -16,8 +16,8 @@ from jaxshare.init.compensation import calibrate_compensation, format_fits
 from jaxshare.init.headwise import compute_ties
 from jaxshare.init.lisa import calibrate_low_rank, fittable_lisa_layers
 from jaxshare.init.report import init_report
-from jaxshare.init.source import (check_loadable, init_kv_pool, initial_params, params_from_source,
-                                  with_match_reference)
+from jaxshare.init.rules import InitRules
+from jaxshare.init.source import check_loadable, initial_params, params_from_source, with_match_reference
 from jaxshare.model.ties import HeadTies
 from jaxshare.plan import plan_of
 
@@ -78,8 +78,8 @@ def convert(src: runs.Run, src_run, overrides, *, calibration_batches: int = 8, 
                                                     f"train.init_from={src_run}"]), src.cfg)
   check_loadable(src.cfg, cfg, str(src_run))
   start = "fit" if cfg.train.init_lisa == "calibrated" else cfg.train.init_lisa  # calibrated starts from fit
-  start_cfg = apply_overrides(cfg, [f"train.init_lisa={start}"])
-  schedule = plan_of(cfg).schedule
+  plan = plan_of(cfg)
+  schedule = plan.schedule
   lisa_calibrated = cfg.train.init_lisa == "calibrated" and any(p.has_low_rank for p in schedule.layers)
   fitted = fittable_lisa_layers(src.params, src.schedule, schedule) if lisa_calibrated else []
   if lisa_calibrated and not fitted:
@@ -88,11 +88,12 @@ def convert(src: runs.Run, src_run, overrides, *, calibration_batches: int = 8, 
   if lisa_calibrated and not calibration_batches:
     raise ConfigError("train.init_lisa=calibrated needs calibration batches: --calibration-batches must be >= 1")
   ties = compute_ties(cfg, cfg.train.seed, src)
-  graphdef, _ = runs.abstract_params(plan_of(cfg), ties)
-  params = jax.jit(lambda s: params_from_source(start_cfg, ties, initial_params(start_cfg, ties, cfg.train.seed), s,
+  graphdef, _ = runs.abstract_params(plan, ties)
+  rules = dataclasses.replace(InitRules.of(cfg.train, cfg.schedule.kind), lisa=start)
+  params = jax.jit(lambda s: params_from_source(plan, rules, ties, initial_params(plan, ties, cfg.train.seed), s,
                                                 src.schedule))(src.params)
   calibrate = bool(calibration_batches) and any(p.compensation for p in schedule.layers)
-  lines = init_report(src.params, src.schedule, params, schedule, init_kv_pool(cfg), cfg.train.init_mlp_widen,
+  lines = init_report(src.params, src.schedule, params, schedule, rules.kv_pool, rules.mlp_widen,
                       wc_fitted=calibrate, lisa_start=start) \
     if ties is None else ["head-wise sharing: DirectShare's tying of the source's heads (jaxshare/init/headwise.py)"]
   if calibrate or lisa_calibrated:

@@ -21,8 +21,8 @@ from jaxshare.init.shared import copy_shared_weights
 from jaxshare.model import build_model
 from jaxshare.model.params import layer_params
 from jaxshare.model.ties import MATRICES, HeadTies
-from jaxshare.plan import plan_of
-from jaxshare.schedule import Schedule, parse_kind
+from jaxshare.plan import ModelPlan, compile_plan, plan_of
+from jaxshare.schedule import parse_kind
 
 _MATCH_FEATURES = {"qk": ("q", "k"), "q": ("q",), "k": ("k",), "v": ("v",), "qkv": ("q", "k", "v")}
 
@@ -177,21 +177,22 @@ def tied_params_from_dense(dense_params: dict, template: dict, ties: HeadTies, s
   return {**copy_shared_weights(dense_params, schedule, template, schedule), "head_table": table}
 
 
-def dense_counterpart(cfg: Config) -> tuple[Config, Schedule]:
+def dense_counterpart(plan: ModelPlan) -> ModelPlan:
   """The same model with a plain dense schedule (what head-wise sharing is selected on and converted from)."""
-  dense = dataclasses.replace(cfg, schedule=dataclasses.replace(cfg.schedule, kind="dense", headwise=HeadwiseConfig()))
-  return dense, plan_of(dense).schedule
+  return compile_plan(plan.model, dataclasses.replace(plan.schedule_config, kind="dense", headwise=HeadwiseConfig()),
+                      plan.attention)
 
 
 def fresh_ties(cfg: Config, seed: int) -> HeadTies | None:
   """DirectShare's head ties (None without head-wise sharing) chosen on the dense counterpart of ``cfg``'s model
   initialised from ``seed``: a run's ties when it starts from scratch (Head-wise Shareable Attention Alg. 1)."""
-  schedule = plan_of(cfg).schedule
+  plan = plan_of(cfg)
+  schedule = plan.schedule
   if not schedule.tied_heads:
     return None
-  dense_cfg, dense_schedule = dense_counterpart(cfg)
-  params = nnx.to_pure_dict(nnx.state(build_model(plan_of(dense_cfg), seed), nnx.Param))
-  return direct_share(dense_kernels(params, dense_schedule, cfg.model.num_layers), schedule.tied_heads,
+  dense = dense_counterpart(plan)
+  params = nnx.to_pure_dict(nnx.state(build_model(dense, seed), nnx.Param))
+  return direct_share(dense_kernels(params, dense.schedule, cfg.model.num_layers), schedule.tied_heads,
                       cfg.schedule.headwise.match)
 
 

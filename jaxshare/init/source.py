@@ -8,26 +8,19 @@ import dataclasses
 
 from flax import nnx
 
-from jaxshare.store import runs
-from jaxshare.config import Config, ConfigError, KVPreset
+from jaxshare.config import Config, ConfigError
 from jaxshare.data.errors import DataError
 from jaxshare.data.tokenizers import tokenizer_fingerprint
 from jaxshare.init.headwise import dense_counterpart, tied_params_from_dense
 from jaxshare.init.kv import convert_kv
 from jaxshare.init.lisa import init_low_rank
 from jaxshare.init.mlp import widen_mlp
+from jaxshare.init.rules import InitRules
 from jaxshare.init.shared import copy_shared_weights
 from jaxshare.model import build_model
 from jaxshare.model.ties import HeadTies
-from jaxshare.plan import plan_of
-from jaxshare.schedule import Schedule, parse_kind
-
-
-def init_kv_pool(cfg: Config) -> str:
-  """``train.init_kv_pool`` resolved (``auto``: the producer's own K/V for CLA, the group mean otherwise)."""
-  if cfg.train.init_kv_pool != "auto":
-    return cfg.train.init_kv_pool
-  return "producer" if parse_kind(cfg.schedule.kind).has(KVPreset.CLA) else "mean"
+from jaxshare.plan import ModelPlan, plan_of
+from jaxshare.schedule import Schedule
 
 
 # The model fields a parameter's shape or presence depends on: a run started from another run must share them (the
@@ -81,34 +74,34 @@ def with_match_reference(cfg: Config, src: Config | None) -> Config:
   return dataclasses.replace(cfg, schedule=dataclasses.replace(s, match_reference_params=total))
 
 
-def initial_params(cfg: Config, ties: HeadTies | None, seed: int) -> dict:
-  """Fresh parameters (pure dict) of the model of ``cfg``, drawn from ``seed``; a head-wise model starts as
+def initial_params(plan: ModelPlan, ties: HeadTies | None, seed: int) -> dict:
+  """Fresh parameters (pure dict) of the model of ``plan``, drawn from ``seed``; a head-wise model starts as
   DirectShare applied to the dense model of the same seed. Traceable (run it under ``jax.jit`` to place it)."""
-  params = nnx.to_pure_dict(nnx.state(build_model(plan_of(cfg), seed, ties), nnx.Param))
+  params = nnx.to_pure_dict(nnx.state(build_model(plan, seed, ties), nnx.Param))
   if ties is None:
     return params
-  dense_cfg, dense_schedule = dense_counterpart(cfg)
-  dense = nnx.to_pure_dict(nnx.state(build_model(plan_of(dense_cfg), seed), nnx.Param))
-  return tied_params_from_dense(dense, params, ties, dense_schedule)
+  dense = dense_counterpart(plan)
+  dense_params = nnx.to_pure_dict(nnx.state(build_model(dense, seed), nnx.Param))
+  return tied_params_from_dense(dense_params, params, ties, dense.schedule)
 
 
-def params_from_source(cfg: Config, ties: HeadTies | None, params: dict, src: dict, src_schedule: Schedule
-                       ) -> dict:
-  """``params`` (fresh, of the model of ``cfg``) started from a source model's ``src``: every shared tensor copied
-  (:mod:`~jaxshare.init.shared`), K/V pooled (:mod:`~jaxshare.init.kv`, ``train.init_kv_pool``), MLPs resized
-  (:mod:`~jaxshare.init.mlp`, ``train.init_mlp_widen``), LISA's factors started (:mod:`~jaxshare.init.lisa`,
-  ``train.init_lisa``); a head-wise target takes a head-wise source's weights and head table as they are, or
+def params_from_source(plan: ModelPlan, rules: InitRules, ties: HeadTies | None, params: dict, src: dict,
+                       src_schedule: Schedule) -> dict:
+  """``params`` (fresh, of the model of ``plan``) started from a source model's ``src`` by ``rules``: every shared
+  tensor copied (:mod:`~jaxshare.init.shared`), K/V pooled (:mod:`~jaxshare.init.kv`, ``rules.kv_pool``), MLPs
+  resized (:mod:`~jaxshare.init.mlp`, ``rules.mlp_widen``), LISA's factors started (:mod:`~jaxshare.init.lisa`,
+  ``rules.lisa``); a head-wise target takes a head-wise source's weights and head table as they are, or
   DirectShare's conversion of a dense source (:mod:`~jaxshare.init.headwise`). Traceable.
 
   Raises:
     ValueError / ConfigError: the models differ in depth, or a rule's setting is invalid for them.
   """
-  schedule = plan_of(cfg).schedule
+  schedule = plan.schedule
   if ties is None:
     params = copy_shared_weights(src, src_schedule, params, schedule)
-    params = convert_kv(src, src_schedule, params, schedule, kv_pool=init_kv_pool(cfg))
-    params = widen_mlp(src, src_schedule, params, schedule, rule=cfg.train.init_mlp_widen)
-    return init_low_rank(src, src_schedule, params, schedule, cfg.train.init_lisa)
+    params = convert_kv(src, src_schedule, params, schedule, kv_pool=rules.kv_pool)
+    params = widen_mlp(src, src_schedule, params, schedule, rule=rules.mlp_widen)
+    return init_low_rank(src, src_schedule, params, schedule, rules.lisa)
   if "head_table" in src:  # a head-wise source with these ties: its weights as they are
     return {**copy_shared_weights(src, src_schedule, params, schedule), "head_table": src["head_table"]}
   return tied_params_from_dense(src, params, ties, src_schedule)

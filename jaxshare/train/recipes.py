@@ -84,7 +84,7 @@ def postshare_pairs(cfg: Config, setup: TrainSetup, teacher: Run | None, saved: 
   if saved is not None:
     return saved
   source = (teacher.params, teacher.schedule) if teacher is not None else (
-    initial_params(cfg, setup.ties, t.seed), setup.schedule)
+    initial_params(setup.plan, setup.ties, t.seed), setup.schedule)
   weights = dense_kernels(distributed.to_host(source[0]), source[1], cfg.model.num_layers)
   match = cfg.schedule.headwise.match
   return PostSharePairs(direct_share(weights, tied_head_count(cfg.model, t.postshare_ratio), match).pairs, match,

@@ -14,6 +14,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxshare import parallel
 from jaxshare.config import Config
 from jaxshare.init.headwise import fresh_ties
+from jaxshare.init.rules import InitRules
 from jaxshare.init.source import initial_params, params_from_source
 from jaxshare.model import build_model, remat
 from jaxshare.model.ties import HeadTies
@@ -114,9 +115,10 @@ def setup_training(cfg: Config, mesh: Mesh | None = None, trainable: tuple[str, 
 
 
 def _fresh_state(setup: TrainSetup, seed: int, from_params: tuple[dict, Schedule] | None = None) -> TrainState:
-  params = initial_params(setup.cfg, setup.ties, seed)
+  params = initial_params(setup.plan, setup.ties, seed)
   if from_params is not None:
-    params = params_from_source(setup.cfg, setup.ties, params, *from_params)
+    rules = InitRules.of(setup.cfg.train, setup.cfg.schedule.kind)
+    params = params_from_source(setup.plan, rules, setup.ties, params, *from_params)
   return _train_state(setup, params, 0)
 
 

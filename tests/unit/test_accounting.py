@@ -74,7 +74,7 @@ def test_accounting_equals_live_model(flavor, sc, match):
   cfg = ModelConfig(flavor=flavor, num_layers=3, d_model=32, num_heads=4, mlp_dim=48, vocab_size=64,
                     rotary_pct=0.5, tie_embeddings=flavor == "llama")
   s = compile_schedule(cfg, sc)
-  plan = ModelPlan(cfg, s, accounting.mlp_dim(cfg, s, match), None, AttentionConfig())
+  plan = ModelPlan(cfg, s, accounting.mlp_dim(cfg, s, match), None, AttentionConfig(), sc)
   model = nnx.eval_shape(lambda: Transformer(plan, rngs=nnx.Rngs(0)))
   live = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
   assert live == accounting.param_count(cfg, s, match).total

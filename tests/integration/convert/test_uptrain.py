@@ -10,7 +10,7 @@ from jaxshare.init.kv import combine_layers, pool_heads
 
 from jaxshare.init.report import init_report
 from jaxshare.model import params as P
-from jaxshare.init.source import init_kv_pool
+from jaxshare.init.rules import InitRules
 from jaxshare.train.state import init_state, setup_training
 
 from conftest import tiny_config
@@ -51,7 +51,7 @@ def test_producers_kv_are_pooled_from_their_readers(overrides, groups):
   cfg = tiny_config(*overrides)
   setup = setup_training(cfg)
   dst = init_state(setup, from_params=(src, src_setup.schedule)).params
-  pool = init_kv_pool(cfg)
+  pool = InitRules.of(cfg.train, cfg.schedule.kind).kv_pool
   for producer, readers in groups.items():
     for m in ("k_proj", "v_proj"):
       got = np.asarray(P.layer_params(dst, setup.schedule, producer)["attn"][m]["kernel"])

@@ -94,7 +94,7 @@ def test_lisa_uptraining_with_distillation_trains_only_new_modules(teacher, tmp_
 def test_postshare_penalty_pulls_matched_heads_together(tmp_path):
   cfg = tiny_config()
   setup = setup_training(cfg)
-  params = jax.device_get(jax.jit(lambda: initial_params(setup.cfg, setup.ties, 0))())
+  params = jax.device_get(jax.jit(lambda: initial_params(setup.plan, setup.ties, 0))())
   weights = {m: np.stack([layer_params(params, setup.schedule, l)["attn"][f"{m}_proj"]["kernel"] for l in range(4)])
              for m in "qkv"}
   pairs = direct_share(weights, 6, "qk").pairs  # 6 = the heads alpha = 0.3 ties in this model
@@ -157,7 +157,7 @@ def test_lisa_keep_qk_keeps_the_teachers_projections_frozen(teacher, tmp_path):
 def test_uniattn_compensation_has_no_weight_decay():
   cfg = tiny_config("schedule.kind=uniattn", "schedule.uniattn.start=0", "schedule.uniattn.block_size=2")
   setup = setup_training(cfg)
-  params = jax.jit(lambda: initial_params(setup.cfg, setup.ties, 0))()
+  params = jax.jit(lambda: initial_params(setup.plan, setup.ties, 0))()
   params = jax.tree.map(lambda p: p + 1.0, params)  # W_c starts at zero: give it something to decay
   zero_grads = jax.tree.map(jnp.zeros_like, params)
   _, opt_state = setup.tx.update(zero_grads, setup.tx.init(params), params)  # step 0's lr is 0 (warm-up)

@@ -1,5 +1,6 @@
 """Head-wise sharing: DirectShare selection, the tied model == the dense model with tied weights, training."""
 
+import dataclasses
 import json
 
 import jax
@@ -59,11 +60,12 @@ def test_tied_model_equals_dense_model_with_tied_weights():
   cfg = tiny_config("schedule.kind=headwise", "schedule.headwise.ratio=0.3")
   setup = setup_training(cfg, parallel.make_mesh(MeshConfig(), jax.devices()[:1]))
   assert setup.schedule.tied_heads == round(0.3 * 16 * 4 / 3) == 6
-  params = jax.jit(lambda: initial_params(cfg, setup.ties, 0))()
+  params = jax.jit(lambda: initial_params(setup.plan, setup.ties, 0))()
   assert sum(x.size for x in jax.tree.leaves(params)) == accounting.param_count(cfg.model, setup.schedule).total
-  dense_cfg, dense_schedule = dense_counterpart(cfg)
-  dense_setup = setup_training(dense_cfg, setup.mesh)
-  dense = jax.device_get(jax.jit(lambda: initial_params(dense_cfg, None, 0))())
+  dense_plan = dense_counterpart(setup.plan)
+  dense_schedule = dense_plan.schedule
+  dense_setup = setup_training(dataclasses.replace(cfg, schedule=dense_plan.schedule_config), setup.mesh)
+  dense = jax.device_get(jax.jit(lambda: initial_params(dense_plan, None, 0))())
   # overwrite every tied head of the dense model with its representative's weights
   table = tie_weights(dense_kernels(dense, dense_schedule, 4), setup.ties)
   dense = jax.tree.map(jax.numpy.asarray, dense)
@@ -81,7 +83,7 @@ def test_tied_model_equals_dense_model_with_tied_weights():
   np.testing.assert_allclose(np.asarray(tied_out), np.asarray(dense_out), atol=1e-5, rtol=1e-5)
   # and the tied model is a real change from the untied dense init
   untied = nnx.merge(dense_setup.graphdef,
-                     jax.device_get(jax.jit(lambda: initial_params(dense_cfg, None, 0))()))(x)
+                     jax.device_get(jax.jit(lambda: initial_params(dense_plan, None, 0))()))(x)
   assert not np.allclose(np.asarray(untied), np.asarray(dense_out))
 
 

@@ -69,7 +69,7 @@ def test_uptraining_starts_lisa_layers_as_asked(start):
   from jaxshare.init.report import init_report
   from jaxshare.model.params import layer_params
   from jaxshare.train.state import init_state, setup_training
-  from test_model import randomized
+  from support.models import randomized
 
   src_cfg = tiny_config("schedule.kind=gqa", "schedule.kv_heads=2")
   src_schedule, _, src_params = randomized(src_cfg)
@@ -98,7 +98,7 @@ def test_uptraining_starts_lisa_layers_as_asked(start):
 def _lisa_conversion(start):
   from conftest import tiny_config
   from jaxshare.train.state import init_state, setup_training
-  from test_model import randomized
+  from support.models import randomized
 
   src_cfg = tiny_config("schedule.kind=gqa", "schedule.kv_heads=2")
   src = randomized(src_cfg)

@@ -1,19 +1,21 @@
-"""What a start takes from its kind: the K/V conversion rule ``train.init_kv_pool=auto`` resolves to, and the two-stage
-UniAttn recipe refused on a kind without UniAttn (a composed kind included)."""
+"""What a start takes from its kind: the K/V conversion rule ``train.init_kv_pool=auto`` resolves to
+(:class:`~jaxshare.init.rules.InitRules`), and the two-stage UniAttn recipe refused on a kind without UniAttn (a
+composed kind included)."""
 
 import pytest
 
 from conftest import tiny_config
 from jaxshare.config import ConfigError
-from jaxshare.init.source import init_kv_pool
+from jaxshare.init.rules import InitRules
 from jaxshare.train.start import _open_data
 
 
 @pytest.mark.parametrize("kind, pool", [("cla", "producer"), ("cla+uniattn", "producer"), ("mlkv", "mean"),
                                         ("gqa", "mean"), ("uniattn", "mean")])
 def test_auto_kv_pool_keeps_a_cla_producers_own_kv_and_averages_otherwise(kind, pool):
-  assert init_kv_pool(tiny_config(f"schedule.kind={kind}")) == pool
-  assert init_kv_pool(tiny_config(f"schedule.kind={kind}", "train.init_kv_pool=mean")) == "mean"
+  for overrides, expected in (((), pool), (("train.init_kv_pool=mean",), "mean")):
+    cfg = tiny_config(f"schedule.kind={kind}", *overrides)
+    assert InitRules.of(cfg.train, cfg.schedule.kind).kv_pool == expected
 
 
 class _ReachedData(Exception):
