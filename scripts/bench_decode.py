@@ -50,7 +50,7 @@ def _model(cfg, seed: int = 0):
   from jaxshare.init.headwise import compute_ties
 
   schedule = plan_of(cfg).schedule
-  return build_model(plan_of(cfg), seed, compute_ties(cfg, seed)), schedule
+  return build_model(plan_of(cfg), seed, compute_ties(plan_of(cfg), seed)), schedule
 
 
 def hf_comparison(cfg, model, schedule, *, batch: int, prompt_len: int, new_tokens: int) -> dict:

@@ -35,7 +35,7 @@ def store_ties(path: str | os.PathLike) -> str:
       pass
     else:
       raise ConfigError(f"run {str(run_dir)!r} already stores its ties ({runs.TIES_FILE}); nothing to do")
-  ties = compute_ties(cfg, cfg.train.seed, runs.load_run(cfg.train.init_from) if cfg.train.init_from else None)
+  ties = compute_ties(plan, cfg.train.seed, runs.load_run(cfg.train.init_from) if cfg.train.init_from else None)
   runs.write_ties(run_dir, ties)
   origin = (f"its source {cfg.train.init_from} (latest checkpoint)" if cfg.train.init_from else
             f"the dense model of seed {cfg.train.seed}")

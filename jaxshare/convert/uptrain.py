@@ -87,7 +87,7 @@ def convert(src: runs.Run, src_run, overrides, *, calibration_batches: int = 8, 
                       "score source's, in the source model to start from; use train.init_lisa=ds")
   if lisa_calibrated and not calibration_batches:
     raise ConfigError("train.init_lisa=calibrated needs calibration batches: --calibration-batches must be >= 1")
-  ties = compute_ties(cfg, cfg.train.seed, src)
+  ties = compute_ties(plan, cfg.train.seed, src)
   graphdef, _ = runs.abstract_params(plan, ties)
   rules = dataclasses.replace(InitRules.of(cfg.train, cfg.schedule.kind), lisa=start)
   params = jax.jit(lambda s: params_from_source(plan, rules, ties, initial_params(plan, ties, cfg.train.seed), s,

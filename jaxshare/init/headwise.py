@@ -16,12 +16,12 @@ from flax import nnx
 
 from jaxshare import distributed
 from jaxshare.store import runs
-from jaxshare.config import Config, ConfigError, HeadwiseConfig
+from jaxshare.config import ConfigError, HeadwiseConfig
 from jaxshare.init.shared import copy_shared_weights
 from jaxshare.model import build_model
 from jaxshare.model.params import layer_params
 from jaxshare.model.ties import MATRICES, HeadTies
-from jaxshare.plan import ModelPlan, compile_plan, plan_of
+from jaxshare.plan import ModelPlan, compile_plan
 from jaxshare.schedule import parse_kind
 
 _MATCH_FEATURES = {"qk": ("q", "k"), "q": ("q",), "k": ("k",), "v": ("v",), "qkv": ("q", "k", "v")}
@@ -183,68 +183,63 @@ def dense_counterpart(plan: ModelPlan) -> ModelPlan:
                       plan.attention)
 
 
-def fresh_ties(cfg: Config, seed: int) -> HeadTies | None:
-  """DirectShare's head ties (None without head-wise sharing) chosen on the dense counterpart of ``cfg``'s model
+def fresh_ties(plan: ModelPlan, seed: int) -> HeadTies | None:
+  """DirectShare's head ties (None without head-wise sharing) chosen on the dense counterpart of ``plan``'s model
   initialised from ``seed``: a run's ties when it starts from scratch (Head-wise Shareable Attention Alg. 1)."""
-  plan = plan_of(cfg)
-  schedule = plan.schedule
-  if not schedule.tied_heads:
+  if not plan.tied_heads:
     return None
   dense = dense_counterpart(plan)
   params = nnx.to_pure_dict(nnx.state(build_model(dense, seed), nnx.Param))
-  return direct_share(dense_kernels(params, dense.schedule, cfg.model.num_layers), schedule.tied_heads,
-                      cfg.schedule.headwise.match)
+  return direct_share(dense_kernels(params, dense.schedule, plan.model.num_layers), plan.tied_heads,
+                      plan.schedule_config.headwise.match)
 
 
-def compute_ties(cfg: Config, seed: int, source: runs.Run | None = None) -> HeadTies | None:
+def compute_ties(plan: ModelPlan, seed: int, source: runs.Run | None = None) -> HeadTies | None:
   """Choose DirectShare's head ties (None without head-wise sharing) on the dense model the run starts from:
-  ``source``, the ``train.init_from`` run, when ``cfg`` sets one (uptraining, :func:`ties_from_source`), else the dense
-  model initialised from ``seed`` (:func:`fresh_ties`). Called once per run, when it is created: the run then stores
-  its ties (:func:`jaxshare.store.runs.write_run_files`).
+  ``source``, the ``train.init_from`` run (uptraining, :func:`ties_from_source`), else the dense model initialised
+  from ``seed`` (:func:`fresh_ties`). Called once per run, when it is created: the run then stores its ties
+  (:func:`jaxshare.store.runs.write_run_files`).
 
   Raises:
     ConfigError: as :func:`ties_from_source`.
-    ValueError: ``cfg`` ties heads and sets ``train.init_from``, but no ``source`` is given.
   """
-  if not plan_of(cfg).tied_heads or not cfg.train.init_from:
-    return fresh_ties(cfg, seed)
-  if source is None:
-    raise ValueError(f"compute_ties: train.init_from={cfg.train.init_from!r} is set; pass its loaded run as source")
-  return ties_from_source(cfg, source)
+  if not plan.tied_heads or source is None:
+    return fresh_ties(plan, seed)
+  return ties_from_source(plan, source)
 
 
-def ties_from_source(cfg: Config, src: runs.Run) -> HeadTies:
-  """The ties of a head-wise run started from ``src`` (``train.init_from``): a head-wise ``src`` passes on its own
-  ties; a PostShare ``src`` gives exactly the pairs its penalty pulled together (each component's representative
-  chosen on its trained weights); a dense one gets DirectShare's choice on its weights.
+def ties_from_source(plan: ModelPlan, src: runs.Run) -> HeadTies:
+  """The ties of a head-wise model ``plan`` started from ``src`` (``train.init_from``): a head-wise ``src`` passes on
+  its own ties; a PostShare ``src`` gives exactly the pairs its penalty pulled together (each component's
+  representative chosen on its trained weights); a dense one gets DirectShare's choice on its weights.
 
   Raises:
     ConfigError: ``src`` is not a dense MHA run, or is a head-wise or PostShare run whose ties disagree with
       ``schedule.headwise`` (another count or match function).
   """
-  schedule = plan_of(cfg).schedule
+  schedule, headwise = plan.schedule, plan.schedule_config.headwise
+  source = f"train.init_from={str(src.directory) if src.directory is not None else 'the source model'!r}"
   if src.ties is not None:  # already head-wise (e.g. `convert uptrain`'s output): training goes on with its ties
-    if (src.schedule.tied_heads, src.cfg.schedule.headwise.match) != (schedule.tied_heads,
-                                                                     cfg.schedule.headwise.match):
-      raise ConfigError(f"train.init_from={cfg.train.init_from!r} ties {src.schedule.tied_heads} heads matched "
-                        f"by {src.cfg.schedule.headwise.match!r}; schedule.headwise (ratio "
-                        f"{cfg.schedule.headwise.ratio}, match {cfg.schedule.headwise.match!r}) would tie "
-                        f"{schedule.tied_heads} by {cfg.schedule.headwise.match!r}: set schedule.headwise.ratio="
-                        f"{src.cfg.schedule.headwise.ratio} and match={src.cfg.schedule.headwise.match!r}")
+    theirs = src.plan.schedule_config.headwise
+    if (src.schedule.tied_heads, theirs.match) != (schedule.tied_heads, headwise.match):
+      raise ConfigError(f"{source} ties {src.schedule.tied_heads} heads matched by {theirs.match!r}; "
+                        f"schedule.headwise (ratio {headwise.ratio}, match {headwise.match!r}) would tie "
+                        f"{schedule.tied_heads} by {headwise.match!r}: set schedule.headwise.ratio={theirs.ratio} and "
+                        f"match={theirs.match!r}")
     return src.ties
   if not parse_kind(src.schedule.kind).dense:
-    raise ConfigError(f"train.init_from={cfg.train.init_from!r} has schedule {src.schedule.kind!r}: "
-                      "head-wise sharing is selected on a dense MHA model (or continued from a head-wise one)")
-  weights = dense_kernels(distributed.to_host(src.params), src.schedule, cfg.model.num_layers)
+    raise ConfigError(f"{source} has schedule {src.schedule.kind!r}: head-wise sharing is selected on a dense MHA "
+                      "model (or continued from a head-wise one)")
+  weights = dense_kernels(distributed.to_host(src.params), src.schedule, plan.model.num_layers)
   post = src.files.pairs() if src.files is not None else None
   if post is None:
-    return direct_share(weights, schedule.tied_heads, cfg.schedule.headwise.match)
+    return direct_share(weights, schedule.tied_heads, headwise.match)
   if len(post.pairs["q"]) != schedule.tied_heads:
-    raise ConfigError(f"train.init_from={cfg.train.init_from!r} is a PostShare run that penalised "
-                      f"{len(post.pairs['q'])} head pairs (train.postshare_ratio={post.ratio}); "
-                      f"schedule.headwise.ratio={cfg.schedule.headwise.ratio} would tie {schedule.tied_heads}: set "
-                      f"schedule.headwise.ratio={post.ratio} to tie exactly the penalised pairs")
-  if post.match != cfg.schedule.headwise.match:
-    raise ConfigError(f"schedule.headwise.match={cfg.schedule.headwise.match!r} is invalid with train.init_from="
-                      f"{cfg.train.init_from!r}: its PostShare pairs were matched with {post.match!r}")
+    raise ConfigError(f"{source} is a PostShare run that penalised {len(post.pairs['q'])} head pairs "
+                      f"(train.postshare_ratio={post.ratio}); schedule.headwise.ratio={headwise.ratio} would tie "
+                      f"{schedule.tied_heads}: set schedule.headwise.ratio={post.ratio} to tie exactly the penalised "
+                      "pairs")
+  if post.match != headwise.match:
+    raise ConfigError(f"schedule.headwise.match={headwise.match!r} is invalid with {source}: its PostShare pairs were "
+                      f"matched with {post.match!r}")
   return ties_from_pairs(weights, post.pairs, post.match)

@@ -105,7 +105,8 @@ def start_run(cfg: Config, mesh: Mesh | None = None) -> RunStart:
   files = runs.read_stored(run_dir)  # the run directory's own files, read once
   if resuming and files.config_text is not None:
     check_resume_compatible(files.config(), cfg)
-  ties = files.ties(plan_of(cfg)) if resuming else compute_ties(cfg, cfg.train.seed, source)
+  plan = plan_of(cfg)
+  ties = files.ties(plan) if resuming else compute_ties(plan, cfg.train.seed, source)
 
   def restore(step: int) -> tuple[dict, TrainSetup, TrainState, Any]:
     meta = ckpt.read_meta(step)

@@ -96,7 +96,7 @@ def setup_training(cfg: Config, mesh: Mesh | None = None, trainable: tuple[str, 
   if isinstance(ties, str):
     if ties != FRESH_TIES:
       raise ValueError(f"setup_training: ties={ties!r}: pass HeadTies, None or FRESH_TIES ({FRESH_TIES!r})")
-    ties = fresh_ties(cfg, cfg.train.seed)
+    ties = fresh_ties(plan, cfg.train.seed)
   abstract_model = nnx.eval_shape(lambda: build_model(plan, 0, ties))
   graphdef, abstract_params = nnx.split(abstract_model, nnx.Param)
   p_shard = parallel.param_shardings(abstract_params, mesh)

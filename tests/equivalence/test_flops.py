@@ -82,7 +82,7 @@ def test_forward_flops_match_xla_cost_analysis(name):
   cfg = tiny_config("model.d_model=128", "model.mlp_dim=512", "data.seq_len=128", "attention.score_sharing=materialize",
                     "model.scan_layers=false", *XLA_SCHEDULES[name])
   schedule = compile_schedule(cfg.model, cfg.schedule)
-  model = build_model(plan_of(cfg), 0, compute_ties(cfg, 0))
+  model = build_model(plan_of(cfg), 0, compute_ties(plan_of(cfg), 0))
   graphdef, params = nnx.split(model, nnx.Param)
   b, t = 2, cfg.data.seq_len
   tokens = jnp.zeros((b, t), jnp.int32)

@@ -34,7 +34,7 @@ _RANDOMIZED: dict = {}
 def _build_randomized(cfg, seed):
   plan = plan_of(cfg)
   schedule = plan.schedule
-  model = build_model(plan, seed, compute_ties(cfg, seed))
+  model = build_model(plan, seed, compute_ties(plan, seed))
   graphdef, state = nnx.split(model, nnx.Param)
   leaves, treedef = jax.tree.flatten(nnx.to_pure_dict(state))
   keys = jax.random.split(jax.random.key(seed + 1), len(leaves))
@@ -62,7 +62,7 @@ def tokens(b=2, t=12, vocab=256, seed=0):
 
 def abstract_graphdef(cfg):
   """The model's graph definition, traced abstractly (no parameters allocated)."""
-  ties = compute_ties(cfg, 0)  # concrete: head-wise sharing's ties are computed from weights
+  ties = compute_ties(plan_of(cfg), 0)  # concrete: head-wise sharing's ties are computed from weights
   model = nnx.eval_shape(lambda: build_model(plan_of(cfg), 0, ties))
   return nnx.split(model, nnx.Param)[0]
 

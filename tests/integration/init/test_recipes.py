@@ -15,7 +15,8 @@ from jaxshare.schedule import compile_schedule
 from jaxshare.store.checkpoint import Checkpointer
 from jaxshare.train.loop import train
 from jaxshare.train.optimizer import learning_rate_schedule
-from jaxshare.init.headwise import compute_ties
+from jaxshare.init.headwise import compute_ties, fresh_ties
+from jaxshare.plan import plan_of
 from jaxshare.init.source import initial_params
 from jaxshare.store.runs import load_run
 from jaxshare.train.state import setup_training, trainable_for
@@ -123,16 +124,15 @@ def test_postshare_penalty_pulls_matched_heads_together(tmp_path):
   # ... and DirectShare from the post-trained run ties exactly those
   headwise = tiny_config("schedule.kind=headwise", "schedule.headwise.ratio=0.3",
                          f"train.init_from={tmp_path / 'post'}")
-  ties = compute_ties(headwise, 0, load_run(tmp_path / "post"))
+  ties = compute_ties(plan_of(headwise), 0, load_run(tmp_path / "post"))
   assert ties.pairs == pairs
   for bad, needle in ((["schedule.headwise.ratio=0.2"], "penalised 6 head pairs"),
                       (["schedule.headwise.match=v"], "were matched with 'qk'")):
     cfg = tiny_config("schedule.kind=headwise", "schedule.headwise.ratio=0.3", *bad,
                       f"train.init_from={tmp_path / 'post'}")
     with pytest.raises(ConfigError, match=needle):
-      compute_ties(cfg, 0, load_run(tmp_path / "post"))
-  with pytest.raises(ValueError, match="pass its loaded run as source"):
-    compute_ties(headwise, 0)
+      compute_ties(plan_of(cfg), 0, load_run(tmp_path / "post"))
+  assert compute_ties(plan_of(headwise), 0) == fresh_ties(plan_of(headwise), 0)  # no source: a fresh model's
 
 
 def test_lisa_keep_qk_keeps_the_teachers_projections_frozen(teacher, tmp_path):

@@ -15,6 +15,7 @@ from jaxshare.convert.mapping import UnsupportedModelError
 from jaxshare.init.headwise import dense_counterpart, dense_kernels, direct_share, tie_weights
 from jaxshare.init.source import initial_params
 from jaxshare.model.params import layer_params, replace_layer
+from jaxshare.plan import plan_of
 from jaxshare.train.state import setup_training
 from support.models import tokens
 
@@ -146,7 +147,7 @@ def test_stored_ties_are_what_a_run_loads_and_an_old_run_migrates_once(tmp_path)
   cfg = tiny_config(*HEADWISE, *SHORT, f"train.run_dir={tmp_path / 'hw'}")
   train(cfg)
   run = load_run(tmp_path / "hw")
-  assert run.ties == compute_ties(cfg, cfg.train.seed)
+  assert run.ties == compute_ties(plan_of(cfg), cfg.train.seed)
   stored = (tmp_path / "hw" / TIES_FILE).read_text()
 
   other = direct_share(random_weights(L=4, D=32, H=4, d=8, seed=5), run.schedule.tied_heads)
@@ -184,7 +185,7 @@ def test_uptrained_headwise_run_evaluates_generates_and_exports_without_its_sour
   train(tiny_config(*SHORT, f"train.run_dir={src}"))
   uptrain_run(src, tmp_path / "hw", HEADWISE)
   run = load_run(tmp_path / "hw")
-  assert run.ties == compute_ties(run.cfg, run.cfg.train.seed, load_run(src))  # chosen on the source, once
+  assert run.ties == compute_ties(run.plan, run.cfg.train.seed, load_run(src))  # chosen on the source, once
   shutil.rmtree(src)
 
   again = load_run(tmp_path / "hw")

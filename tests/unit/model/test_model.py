@@ -135,7 +135,7 @@ def test_traced_layer_bodies_do_not_grow_with_depth(name, remat, monkeypatch):
   sizes = {}
   for depth in (12, 48):
     cfg = tiny_config(f"model.num_layers={depth}", f"model.remat={remat}", *DEPTH_PRESETS[name])
-    ties = compute_ties(cfg, 0)
+    ties = compute_ties(plan_of(cfg), 0)
     graphdef, params = nnx.split(nnx.eval_shape(lambda: build_model(plan_of(cfg), 0, ties)), nnx.Param)
     x = jax.ShapeDtypeStruct((2, 16), jnp.int32)
     traced.clear()

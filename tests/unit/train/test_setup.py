@@ -5,6 +5,7 @@ import pytest
 
 from conftest import tiny_config
 from jaxshare.init.headwise import fresh_ties
+from jaxshare.plan import plan_of
 from jaxshare.train.state import FRESH_TIES, setup_training
 
 HEADWISE = ("schedule.kind=headwise", "schedule.headwise.ratio=0.5")
@@ -12,9 +13,9 @@ HEADWISE = ("schedule.kind=headwise", "schedule.headwise.ratio=0.5")
 
 def test_default_ties_are_chosen_afresh_and_given_ones_are_kept():
   cfg = tiny_config(*HEADWISE)
-  fresh = fresh_ties(cfg, cfg.train.seed)
+  fresh = fresh_ties(plan_of(cfg), cfg.train.seed)
   assert fresh is not None and setup_training(cfg).ties == fresh
-  other = fresh_ties(cfg, cfg.train.seed + 1)
+  other = fresh_ties(plan_of(cfg), cfg.train.seed + 1)
   assert setup_training(cfg, ties=other).ties == other
 
 
