@@ -28,7 +28,7 @@ def store_ties(path: str | os.PathLike) -> str:
   if not schedule.tied_heads:
     raise ConfigError(f"run {str(run_dir)!r} has schedule.kind={cfg.schedule.kind!r}, which ties no heads: it has no "
                       "ties to store")
-  if (run_dir / runs.TIES_FILE).exists():
+  if files.ties_text is not None:
     try:
       files.ties(plan)
     except CheckpointError:  # an unreadable file: chosen again below

@@ -114,8 +114,8 @@ def triton_shared_memory(name: str, block_q: int, block_k: int, ops: Operands, s
   """Bytes of shared memory Triton kernel ``name`` asks for (an estimate, checked against the compiler for sm_80,
   sm_90 and sm_100 by tests/integration/aot/test_aot.py): the tiles loaded once, plus ``stages`` pipelined copies of
   the tiles loaded in the loop. Forward: Q once, K and V per key block; dQ: Q and dO once, K and V per key block;
-  dK/dV: K and V once, Q and dO per query block. (The forward at f32 width 256 with bf16 values, 128 x 64 tiles and 3 stages:
-  376,832 estimated, 377,344 asked of an H100.)"""
+  dK/dV: K and V once, Q and dO per query block. (The forward at f32 width 256 with bf16 values, 128 x 64 tiles and 3
+  stages: 376,832 estimated, 377,344 asked of an H100.)"""
   queries, keys = ops.e * ops.q, ops.e * ops.k + ops.d * ops.v
   if name == "jaxshare_flash_forward":
     return block_q * queries + stages * block_k * keys

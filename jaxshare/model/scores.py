@@ -207,10 +207,11 @@ def chain_attention(state: AlignerChain, v: jax.Array, q_segment_ids: jax.Array,
                     window: int = 0, q_offset: jax.Array | int = 0, return_lse: bool = False
                     ) -> jax.Array | tuple[jax.Array, jax.Array]:
   """Causal softmax attention of the chain's logits (slot ``state.last``) applied to ``v [B, S, G, d]``, computed in
-  query chunks of :data:`QUERY_CHUNK` rows, each recomputed in the backward pass (:func:`~jaxshare.kernels.recompute
-  .recomputed`: a chunk's logits are never kept, whatever an enclosing checkpoint's policy keeps). ``q_segment_ids [B, T]``, ``kv_segment_ids [B, S]``: the documents; the queries
-  are tokens ``q_offset ..`` of the keys' sequence (context parallelism's query chunks). Returns ``[B, T, H, d]``
-  float32 (and with ``return_lse`` the log-sum-exp ``[B, H, T]`` float32 of the masked logits)."""
+  query chunks of :data:`QUERY_CHUNK` rows, each recomputed in the backward pass
+  (:func:`~jaxshare.kernels.recompute.recomputed`: a chunk's logits are never kept, whatever an enclosing
+  checkpoint's policy keeps). ``q_segment_ids [B, T]``, ``kv_segment_ids [B, S]``: the documents; the queries are
+  tokens ``q_offset ..`` of the keys' sequence (context parallelism's query chunks). Returns ``[B, T, H, d]`` float32
+  (and with ``return_lse`` the log-sum-exp ``[B, H, T]`` float32 of the masked logits)."""
   b, t, h, _ = state.q.shape
   chunk = min(QUERY_CHUNK, t)
   n = -(-t // chunk)

@@ -64,7 +64,8 @@ def read_config(run_dir: str | os.PathLike) -> Config:
   Raises:
     ConfigError: missing, unreadable or invalid ``config.yaml``.
   """
-  return read_stored(run_dir).config()
+  run_dir = epath.Path(run_dir)
+  return StoredFiles(run_dir, _read_text(run_dir / CONFIG_FILE), None, None).config()
 
 
 def write_run_files(run_dir: str | os.PathLike, cfg: Config, ties: HeadTies | None = None,
@@ -156,14 +157,19 @@ def read_stored(run_dir: str | os.PathLike) -> StoredFiles:
     ConfigError: a file exists but cannot be read.
   """
   run_dir = epath.Path(run_dir)
-  texts = []
-  for name in (CONFIG_FILE, TIES_FILE, PAIRS_FILE):
-    path = run_dir / name
-    try:
-      texts.append(path.read_text() if path.exists() else None)
-    except OSError as e:
-      raise ConfigError(f"cannot read {str(path)!r}: {e}") from e
-  return StoredFiles(run_dir, *texts)
+  return StoredFiles(run_dir, *(_read_text(run_dir / name) for name in (CONFIG_FILE, TIES_FILE, PAIRS_FILE)))
+
+
+def _read_text(path: epath.Path) -> str | None:
+  """The text of ``path`` (None: there is no such file).
+
+  Raises:
+    ConfigError: the file exists but cannot be read.
+  """
+  try:
+    return path.read_text() if path.exists() else None
+  except OSError as e:
+    raise ConfigError(f"cannot read {str(path)!r}: {e}") from e
 
 
 def abstract_params(plan: ModelPlan, ties: HeadTies | None = None, mesh: Mesh | None = None

@@ -17,7 +17,6 @@ from jaxshare.data import Datasets
 from jaxshare.files import writable_dir
 from jaxshare.init.headwise import compute_ties
 from jaxshare.init.report import init_report
-from jaxshare.init.rules import InitRules
 from jaxshare.init.source import check_loadable, with_match_reference
 from jaxshare.plan import plan_of
 from jaxshare.schedule import parse_kind
@@ -132,7 +131,7 @@ def start_run(cfg: Config, mesh: Mesh | None = None) -> RunStart:
   if ckpt.cleaned:
     notes.insert(0, f"removed {len(ckpt.cleaned)} unfinished checkpoint write(s) an interrupted run left: "
                  + ", ".join(ckpt.cleaned))
-  rules = InitRules.of(cfg.train, cfg.schedule.kind)
+  rules = setup.init_rules
   report = (init_report(source.params, source.schedule, state.params, setup.schedule, rules.kv_pool,
                         rules.mlp_widen) if source is not None and latest is None and ties is None else [])
   return RunStart(cfg, run_dir, data, source, ckpt, setup, state, data_iter, pairs, meta, latest, tuple(notes),

@@ -50,6 +50,7 @@ class TrainSetup:
   ties: HeadTies | None = None
   trainable: tuple[str, ...] | None = None
   frozen: frozenset[tuple] = frozenset()  # optimizer.frozen_paths: parameters the model marks as never trained
+  init_rules: InitRules | None = None  # how parameters start from an uptraining source (train.init_*)
 
   @property
   def schedule(self) -> Schedule:
@@ -111,14 +112,13 @@ def setup_training(cfg: Config, mesh: Mesh | None = None, trainable: tuple[str, 
   lr = learning_rate_schedule(cfg.train, start_step, end_step)
   return TrainSetup(cfg, plan, mesh, graphdef, abstract_params, p_shard, tx, lambda step: lr(step - start_step),
                     TrainState(p_shard, opt_shard, replicated), parallel.batch_sharding(mesh),
-                    ties, trainable, frozen)
+                    ties, trainable, frozen, InitRules.of(cfg.train, cfg.schedule.kind))
 
 
 def _fresh_state(setup: TrainSetup, seed: int, from_params: tuple[dict, Schedule] | None = None) -> TrainState:
   params = initial_params(setup.plan, setup.ties, seed)
   if from_params is not None:
-    rules = InitRules.of(setup.cfg.train, setup.cfg.schedule.kind)
-    params = params_from_source(setup.plan, rules, setup.ties, params, *from_params)
+    params = params_from_source(setup.plan, setup.init_rules, setup.ties, params, *from_params)
   return _train_state(setup, params, 0)
 
 

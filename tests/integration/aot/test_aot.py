@@ -154,8 +154,8 @@ def test_without_remat_shared_schedules_need_no_more_memory_than_dense():
   backward pass sliced a several-layer superblock's residuals at once: dense needed 52.30 GiB per GPU, CLA2 53.05,
   MLKV 4x8 54.40, UniAttn 58.26. Now the backward pass recomputes elementwise results and several-layer superblocks
   unroll (jaxshare.model.remat): dense 36.21, and no shared schedule above it."""
-  proc = subprocess.run([sys.executable, "scripts/fit_table.py", "--topology", "h100:8", "--lengths", "32768", "--remat",
-                         "none", "--schedules", "dense", "cla2", "mlkv", "uniattn", "--no-search",
+  proc = subprocess.run([sys.executable, "scripts/fit_table.py", "--topology", "h100:8", "--lengths", "32768",
+                         "--remat", "none", "--schedules", "dense", "cla2", "mlkv", "uniattn", "--no-search",
                          "train.num_vocab_tiling=8"], cwd=REPO, capture_output=True, text=True, timeout=1200,
                         env=OPTIMIZED_ENV)
   assert proc.returncode == 0, proc.stderr[-3000:]
