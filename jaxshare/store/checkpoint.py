@@ -10,6 +10,7 @@ import re
 import sys
 import time
 import traceback
+import warnings
 from typing import Any, Callable, TypeVar
 
 import grain
@@ -68,8 +69,9 @@ def _mute_library_noise() -> None:
   run as asyncio tasks and gathers whose failures TensorStore reports again, with multi-kilobyte specs, through the
   ``asyncio`` logger ("Task exception was never retrieved", "_GatheringFuture exception was never retrieved") and as
   "Exception ignored" messages whenever the abandoned coroutines are collected: during the call (sometimes before its
-  exception reaches the caller, so muting only once it has is too late) or at exit. The CheckpointError raised to the
-  caller already says what failed. Only reports raised from orbax's frames (or, for "Exception ignored", asyncio's)
+  exception reaches the caller, so muting only once it has is too late) or at exit, and, for a read orbax created but
+  never started, as a "coroutine ... was never awaited" RuntimeWarning. The CheckpointError raised to the caller
+  already says what failed. Only reports raised from orbax's frames (or, for "Exception ignored", asyncio's)
   (or TensorStore's own futures, with no frame and its status as the message) are dropped, and a read that
   succeeds leaves none; anything else still shows."""
   global _noise_muted
@@ -96,8 +98,18 @@ def _mute_library_noise() -> None:
     tensorstore = not where and _TENSORSTORE_STATUS.match(str(record.exc_info[1]))
     return not (tensorstore or any("/orbax/" in f for f in where))
 
+  # Python hands an unawaited coroutine to its warning as ``source``, which only the warnings module's message hook
+  # sees (``warnings.showwarning`` does not; Python 3.11)
+  show = warnings._showwarnmsg
+
+  def show_unless_orbax(message: warnings.WarningMessage) -> None:
+    code = getattr(message.source, "cr_code", None)
+    if code is None or "/orbax/" not in code.co_filename:
+      show(message)
+
   sys.unraisablehook = hook
   logging.getLogger("asyncio").addFilter(keep)
+  warnings._showwarnmsg = show_unless_orbax
 
 
 def _root_cause(e: BaseException) -> str:
