@@ -61,6 +61,7 @@ def hf_comparison(cfg, model, schedule, *, batch: int, prompt_len: int, new_toke
   import transformers
   from flax import nnx
 
+  from jaxshare.config import to_yaml
   from jaxshare.convert.hf_export import export_params
   from jaxshare.evaluation.generate import Generator
   from jaxshare.plan import plan_of
@@ -68,7 +69,8 @@ def hf_comparison(cfg, model, schedule, *, batch: int, prompt_len: int, new_toke
   torch.set_num_threads(2)
   prompts = np.random.default_rng(0).integers(1, cfg.model.vocab_size, (batch, prompt_len))
   with tempfile.TemporaryDirectory() as out:
-    export_params(cfg, nnx.to_pure_dict(nnx.state(model, nnx.Param)), out)
+    export_params(plan_of(cfg), nnx.to_pure_dict(nnx.state(model, nnx.Param)), out, config_yaml=to_yaml(cfg),
+                  seq_len=cfg.data.seq_len)
     hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
   ids = torch.from_numpy(prompts).long()
   kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
@@ -97,12 +99,14 @@ def export_schedule(name: str, out: str) -> tuple[str, int]:
   bytes per token."""
   from flax import nnx
 
+  from jaxshare.config import to_yaml
   from jaxshare.convert.hf_export import export_params
   from jaxshare.plan import plan_of
 
   cfg = _config(SCHEDULES[name])
   model, _ = _model(cfg)  # SCHEDULES tie no heads
-  arch = export_params(cfg, nnx.to_pure_dict(nnx.state(model, nnx.Param)), out)
+  arch = export_params(plan_of(cfg), nnx.to_pure_dict(nnx.state(model, nnx.Param)), out, config_yaml=to_yaml(cfg),
+                       seq_len=cfg.data.seq_len)
   return arch, plan_of(cfg).kv_cache_bytes_per_token(4)
 
 

@@ -108,8 +108,7 @@ def _run(args) -> int:
       model = load_hf_model(ckpt, args.overrides, progress=True, scratch_dir=scratch)
       # a jaxshare export of a byte-tokenizer run carries that tokenizer for transformers; the run keeps "byte"
       byte_run = is_byte_tokenizer(ckpt.directory)
-      run = write_run(out, model.cfg, model.params, ties=model.ties,
-                      tokenizer_files=[] if byte_run else ckpt.tokenizer_files(),
+      run = write_run(out, model, tokenizer_files=[] if byte_run else ckpt.tokenizer_files(),
                       meta={"imported_from": str(args.hf_dir), "architecture": ckpt.architecture})
       what = f"{model.num_params:,} parameters, {model.schedule.describe()}"
       del model

@@ -61,6 +61,12 @@ def rope_overrides(config: dict, rope_type: str, params: dict) -> list[str]:
   return out
 
 
+def max_positions(seq_len: int) -> int:
+  """``max_position_embeddings`` of an exported model trained on ``seq_len`` tokens: at least 2048, what HF
+  generation defaults assume."""
+  return max(seq_len, 2048)
+
+
 def rope_parameters(model) -> dict:
   """HF ``rope_parameters`` (v5) of a jaxshare model config: type, theta and the scaling's parameters."""
   out = {"rope_type": "default" if model.rope_scaling == "none" else model.rope_scaling, "rope_theta": model.rope_theta}
@@ -72,12 +78,11 @@ def rope_parameters(model) -> dict:
   return out
 
 
-def kv_heads(cfg) -> int:
+def kv_heads(plan) -> int:
   """The K/V heads of every layer of a model an HF architecture can hold (one count for all layers): the compiled
-  schedule's, since ``schedule.kv_heads`` is 0 for both MHA and MQA."""
-  from jaxshare.plan import plan_of
-
-  return plan_of(cfg).schedule.layers[0].num_kv_heads
+  schedule's (``plan``: a :class:`~jaxshare.plan.ModelPlan`), since ``schedule.kv_heads`` is 0 for both MHA and
+  MQA."""
+  return plan.schedule.layers[0].num_kv_heads
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import save_file
 
-from jaxshare.config import Config
+from jaxshare.config import to_yaml
 from jaxshare.convert import remote
 from jaxshare.convert.byte_tokenizer import write_byte_tokenizer
 from jaxshare.convert.hf_checkpoint import INDEX_FILE, SINGLE_FILE, TOKENIZER_FILES
@@ -28,16 +28,16 @@ from jaxshare.convert.neox import NEOX
 from jaxshare.data.tokenizers import local_tokenizer_dir
 from jaxshare.model.ties import HeadTies
 from jaxshare.store.runs import load_run
-from jaxshare.plan import plan_of
+from jaxshare.plan import ModelPlan
 
 DEFAULT_SHARD_BYTES = 5 * 10 ** 9  # save_pretrained's long-standing max_shard_size="5GB"
 
 
-def hf_incompatibility(cfg: Config) -> str | None:
-  """Why no HF class can hold this model (None when one can): any layer reusing K/V or scores, UniAttn's W_c,
-  tied heads, per-layer K/V head counts, a llama model with the parallel residual, or a neox model with GQA or a
-  head width other than D/H."""
-  schedule = plan_of(cfg).schedule
+def hf_incompatibility(plan: ModelPlan) -> str | None:
+  """Why no HF class can hold the model of ``plan`` (None when one can): any layer reusing K/V or scores, UniAttn's
+  W_c, tied heads, per-layer K/V head counts, a llama model with the parallel residual, or a neox model with GQA or
+  a head width other than D/H."""
+  schedule = plan.schedule
   plans = schedule.layers
   if schedule.tied_heads:
     return "head-wise sharing ties heads across layers"
@@ -48,7 +48,7 @@ def hf_incompatibility(cfg: Config) -> str | None:
   heads = {p.num_kv_heads for p in plans}
   if len(heads) > 1:
     return f"layers have different K/V head counts {sorted(heads)}"
-  m = cfg.model
+  m = plan.model
   if m.flavor == "llama" and m.features.parallel_residual:
     return "Llama has no parallel residual"
   if m.sliding_window and m.features.qkv_biases:
@@ -58,12 +58,16 @@ def hf_incompatibility(cfg: Config) -> str | None:
   return None
 
 
-def export_params(cfg: Config, params: dict, out_dir: str | Path, *,
+def export_params(plan: ModelPlan, params: dict, out_dir: str | Path, *, config_yaml: str, seq_len: int,
                   ties: HeadTies | None = None, tokenizer_dir: str | Path | None = None, progress: bool = False,
                   max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> str:
-  """Write ``params`` as an HF directory; returns the ``architectures[0]`` written.
+  """Write ``params``, the parameters of the model of ``plan``, as an HF directory; returns the
+  ``architectures[0]`` written.
 
   Args:
+    config_yaml: the run's config (:func:`~jaxshare.config.to_yaml`), which a remote-code directory carries for a
+      bit-exact import.
+    seq_len: the training sequence length (tokens), from which ``max_position_embeddings`` follows.
     ties: head-wise sharing's ties (written into a remote-code directory's ``config.json``).
     progress: a bar over the layers.
     max_shard_bytes: weights above this size are split into ``model-0000i-of-0000n.safetensors`` shards plus
@@ -74,7 +78,7 @@ def export_params(cfg: Config, params: dict, out_dir: str | Path, *,
     FileExistsError: ``out_dir`` exists and is not empty. ValueError: ``ties`` given when the schedule ties no heads
       or missing when it ties some (the directory could not be imported again).
   """
-  schedule = plan_of(cfg).schedule
+  schedule = plan.schedule
   if bool(schedule.tied_heads) != (ties is not None):
     raise ValueError(f"the schedule ties {schedule.tied_heads} heads: export_params needs head-wise ties exactly when "
                      "it ties any")
@@ -82,18 +86,18 @@ def export_params(cfg: Config, params: dict, out_dir: str | Path, *,
   if out.exists() and any(out.iterdir()):
     raise FileExistsError(f"output directory {str(out)!r} exists and is not empty; choose a new one")
   out.mkdir(parents=True, exist_ok=True)
-  if hf_incompatibility(cfg) is None:
-    arch = LLAMA if cfg.model.flavor == "llama" else NEOX
-    groups = params_to_hf(arch, cfg, dims(cfg), params, progress=progress)
-    config = arch.hf_config(cfg)
+  if hf_incompatibility(plan) is None:
+    arch = LLAMA if plan.model.flavor == "llama" else NEOX
+    groups = params_to_hf(arch, plan, dims(plan), params, progress=progress)
+    config = arch.hf_config(plan, seq_len)
     if tokenizer_dir is None:  # the byte tokenizer: EOS (and padding) is byte 0
       config.update(bos_token_id=None, eos_token_id=0, pad_token_id=0)
   else:
-    groups = params_to_hf(remote.architecture(cfg, ties), cfg, dims(cfg), params, progress=progress)
-    config = remote.config_json(cfg, ties)
+    groups = params_to_hf(remote.architecture(plan, ties), plan, dims(plan), params, progress=progress)
+    config = remote.config_json(plan, config_yaml, seq_len, ties)
     remote.copy_code(out)
   if tokenizer_dir is None:  # every export loads its tokenizer: AutoTokenizer.from_pretrained(out)
-    write_byte_tokenizer(out, cfg.data.seq_len)
+    write_byte_tokenizer(out, seq_len)
   write_shards(groups, out, max_shard_bytes)
   (out / "config.json").write_text(json.dumps(config, indent=2))
   if tokenizer_dir is not None:
@@ -143,6 +147,6 @@ def export_run(run: str | Path, out_dir: str | Path, *, progress: bool = False,
   loaded = load_run(run)
   cfg = loaded.cfg
   tokenizer = None if cfg.data.tokenizer == "byte" else cfg.data.tokenizer
-  arch = export_params(cfg, loaded.params, out_dir, ties=loaded.ties, tokenizer_dir=tokenizer,
-                       progress=progress, max_shard_bytes=max_shard_bytes)
-  return arch, hf_incompatibility(cfg)
+  arch = export_params(loaded.plan, loaded.params, out_dir, config_yaml=to_yaml(cfg), seq_len=cfg.data.seq_len,
+                       ties=loaded.ties, tokenizer_dir=tokenizer, progress=progress, max_shard_bytes=max_shard_bytes)
+  return arch, hf_incompatibility(loaded.plan)

@@ -9,13 +9,13 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from jaxshare.config import Config, load_config
+from jaxshare.config import load_config
 from jaxshare.convert import hf_config, remote
 from jaxshare.convert.hf_checkpoint import HFCheckpoint
 from jaxshare.convert.llama import LLAMA
 from jaxshare.convert.mapping import Architecture, Dims, UnsupportedModelError, hf_to_params
 from jaxshare.convert.neox import NEOX
-from jaxshare.plan import plan_of
+from jaxshare.plan import ModelPlan, plan_of
 from jaxshare.store.runs import Run, abstract_params
 
 ARCHITECTURES: tuple[Architecture, ...] = (LLAMA, NEOX)
@@ -36,10 +36,11 @@ def architecture_for(ckpt: HFCheckpoint) -> Architecture:
                               f"{', '.join(supported)}")
 
 
-def dims(cfg: Config) -> Dims:
-  """The :class:`Dims` of a uniform (every layer alike) model config."""
-  m = cfg.model
-  return Dims(D=m.d_model, H=m.num_heads, G=hf_config.kv_heads(cfg), d=m.resolved_head_dim,
+def dims(plan: ModelPlan) -> Dims:
+  """The :class:`Dims` of the model of ``plan`` when uniform (every layer alike; else per layer:
+  :attr:`~jaxshare.convert.mapping.Architecture.layer_dims`)."""
+  m = plan.model
+  return Dims(D=m.d_model, H=m.num_heads, G=hf_config.kv_heads(plan), d=m.resolved_head_dim,
               F=m.mlp_dim, V=m.vocab_size)
 
 
@@ -62,24 +63,26 @@ def load_hf_model(directory: str | Path | HFCheckpoint, overrides: Sequence[str]
     UnsupportedModelError: an architecture, config value or tensor jaxshare cannot represent exactly.
   """
   ckpt = directory if isinstance(directory, HFCheckpoint) else HFCheckpoint(directory)
-  if ckpt.architecture == remote.ARCHITECTURE:  # a jaxshare model with a sharing schedule, exported by us
-    cfg, ties = remote.read_config(ckpt.config, overrides)
-    plan = plan_of(cfg)
-    graphdef, abstract = abstract_params(plan, ties)
-    params = hf_to_params(remote.architecture(cfg, ties), cfg, dims(cfg),
-                          _template(abstract, scratch_dir), ckpt.read, ckpt.names(), progress=progress)
-    return Run(None, cfg, plan, ties, graphdef, params, 0, None)
-  arch = architecture_for(ckpt)
-  cfg = load_config(None, arch.config_overrides(ckpt.config) + list(overrides))
-  plan = plan_of(cfg)
-  if plan.schedule.tied_heads:
+  native = ckpt.architecture == remote.ARCHITECTURE  # a jaxshare model with a sharing schedule, exported by us
+  if native:
+    cfg = remote.read_config(ckpt.config, overrides)
+  else:
+    arch = architecture_for(ckpt)
+    cfg = load_config(None, arch.config_overrides(ckpt.config) + list(overrides))
+  plan = plan_of(cfg)  # the imported model's, compiled once
+  if native:
+    ties = remote.read_ties(ckpt.config, plan)
+    arch = remote.architecture(plan, ties)
+  elif plan.schedule.tied_heads:
     raise UnsupportedModelError(f"schedule.kind={cfg.schedule.kind!r} ties heads, which an import cannot choose: "
                                 "import the dense model, then `python -m jaxshare.convert uptrain RUN OUT "
                                 "schedule.kind=headwise ...`")
-  graphdef, abstract = abstract_params(plan)
-  params = hf_to_params(arch, cfg, dims(cfg), _template(abstract, scratch_dir), ckpt.read, ckpt.names(),
+  else:
+    ties = None
+  graphdef, abstract = abstract_params(plan, ties)
+  params = hf_to_params(arch, plan, dims(plan), _template(abstract, scratch_dir), ckpt.read, ckpt.names(),
                         progress=progress)
-  return Run(None, cfg, plan, None, graphdef, params, 0, None)
+  return Run(None, cfg, plan, ties, graphdef, params, 0, None)
 
 
 def _template(abstract: dict, scratch_dir: str | Path | None = None) -> dict:

@@ -38,31 +38,32 @@ def config_overrides(config: dict) -> list[str]:
           f"model.sliding_window={window}", *kv, *C.rope_overrides(config, rope_type, rope_params)]
 
 
-def hf_config(cfg) -> dict:
-  """The ``LlamaForCausalLM`` config.json of a llama-flavour dense/GQA jaxshare config (both the transformers v5
-  ``rope_parameters`` and the older ``rope_theta`` key, so that either reads it)."""
-  m = cfg.model
+def hf_config(plan, seq_len: int) -> dict:
+  """The ``LlamaForCausalLM`` config.json of a llama-flavour dense/GQA model (``plan``: its
+  :class:`~jaxshare.plan.ModelPlan`) trained on ``seq_len`` tokens (both the transformers v5 ``rope_parameters`` and
+  the older ``rope_theta`` key, so that either reads it)."""
+  m = plan.model
   if m.qkv_bias:  # Qwen2 is the HF class with Q/K/V biases only
-    return {**_llama_config(cfg), "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2",
+    return {**_llama_config(plan, seq_len), "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2",
             "use_sliding_window": False, "sliding_window": None}
   if m.sliding_window:
-    return {**_llama_config(cfg), "architectures": ["MistralForCausalLM"], "model_type": "mistral",
+    return {**_llama_config(plan, seq_len), "architectures": ["MistralForCausalLM"], "model_type": "mistral",
             "sliding_window": m.sliding_window}
-  return _llama_config(cfg)
+  return _llama_config(plan, seq_len)
 
 
-def _llama_config(cfg) -> dict:
-  m = cfg.model
+def _llama_config(plan, seq_len: int) -> dict:
+  m = plan.model
   return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **C.row_fields(m, ROWS),
-          "num_key_value_heads": C.kv_heads(cfg), "head_dim": m.resolved_head_dim, "hidden_act": "silu",
+          "num_key_value_heads": C.kv_heads(plan), "head_dim": m.resolved_head_dim, "hidden_act": "silu",
           "rope_theta": m.rope_theta, "rope_parameters": C.rope_parameters(m), "attention_bias": False,
-          "mlp_bias": False, "max_position_embeddings": max(cfg.data.seq_len, 2048), "torch_dtype": m.param_dtype}
+          "mlp_bias": False, "max_position_embeddings": C.max_positions(seq_len), "torch_dtype": m.param_dtype}
 
 
-def global_rules(cfg) -> list[Rule]:
+def global_rules(model) -> list[Rule]:
   rules = [same("model.embed_tokens.weight", "embedding", lambda n: (n.V, n.D)),
            same("model.norm.weight", "final_norm/scale", lambda n: (n.D,))]
-  if not cfg.model.tie_embeddings:
+  if not model.tie_embeddings:
     rules.append(linear("lm_head.weight", "lm_head/kernel", lambda n: (n.D,), lambda n: (n.V,)))
   return rules
 
@@ -73,9 +74,9 @@ def _bias(m: str, heads) -> Rule:
               lambda a, n: [a[0].reshape(heads(n), n.d)], lambda a, n: [a[0].reshape(-1)])
 
 
-def layer_rules(cfg) -> list[Rule]:
+def layer_rules(model) -> list[Rule]:
   biases = [_bias("q", lambda n: n.H), _bias("k", lambda n: n.G), _bias("v", lambda n: n.G)] \
-    if cfg.model.qkv_bias else []
+    if model.qkv_bias else []
   return biases + [
     same(_L + "input_layernorm.weight", "norm1/scale", lambda n: (n.D,)),
     same(_L + "post_attention_layernorm.weight", "norm2/scale", lambda n: (n.D,)),

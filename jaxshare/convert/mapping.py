@@ -17,9 +17,10 @@ from collections.abc import Callable, Iterator, Sequence
 import numpy as np
 from tqdm.auto import tqdm
 
+from jaxshare.config import ModelConfig
 from jaxshare.exit_codes import InputError
 from jaxshare.model import params as P
-from jaxshare.plan import plan_of
+from jaxshare.plan import ModelPlan
 
 
 class UnsupportedModelError(InputError, ValueError):
@@ -82,8 +83,10 @@ class Architecture:
   Attributes:
     hf_names: ``architectures[0]`` values (and ``model_type``) this table reads.
     config_overrides: HF ``config.json`` -> jaxshare dotted overrides; raises :class:`UnsupportedModelError`.
-    hf_config: jaxshare config -> HF ``config.json`` (export; the inverse of ``config_overrides``).
-    global_rules / layer_rules: the tables; ``layer_rules(cfg)`` may depend on the config (tied embeddings, biases).
+    hf_config: ``(plan, seq_len)`` -> HF ``config.json`` of the model of a :class:`~jaxshare.plan.ModelPlan`
+      trained on ``seq_len`` tokens (export; the inverse of ``config_overrides``).
+    global_rules / layer_rules: the tables of a model (a :class:`~jaxshare.config.ModelConfig`: tied embeddings and
+      biases change them).
     ignored: HF tensor-name suffixes that carry no parameters (rotary caches, causal-mask buffers).
     layer_dims: ``(dims, schedule, layer) -> Dims`` of one layer, for tables whose layers differ (per-layer K/V heads,
       LISA ranks); None: every layer has ``dims``.
@@ -93,9 +96,9 @@ class Architecture:
 
   hf_names: tuple[str, ...]
   config_overrides: Callable[[dict], list[str]]
-  hf_config: Callable[[object], dict]
-  global_rules: Callable[[object], list[Rule]]
-  layer_rules: Callable[[object], list[Rule]]
+  hf_config: Callable[[ModelPlan, int], dict]
+  global_rules: Callable[[ModelConfig], list[Rule]]
+  layer_rules: Callable[[ModelConfig], list[Rule]]
   ignored: tuple[str, ...] = ()
   layer_dims: Callable[[Dims, object, int], Dims] | None = None
   rules_by_presence: bool = False
@@ -127,10 +130,10 @@ def _get(tree: dict, path: str):
   return tree
 
 
-def hf_to_params(arch: Architecture, cfg, dims: Dims, template: dict, read, names: Sequence[str], *,
+def hf_to_params(arch: Architecture, plan: ModelPlan, dims: Dims, template: dict, read, names: Sequence[str], *,
                  progress: bool = False) -> dict:
-  """Fill ``template`` (a pure-dict tree of writable NumPy arrays, the target model's parameters) in place from HF
-  tensors, one tensor at a time (no second copy of the model is made).
+  """Fill ``template`` (a pure-dict tree of writable NumPy arrays, the parameters of the model of ``plan``) in place
+  from HF tensors, one tensor at a time (no second copy of the model is made).
 
   Args:
     read: ``read(name, shape) -> np.ndarray`` (e.g. :meth:`HFCheckpoint.read`, which checks the shape).
@@ -159,15 +162,15 @@ def hf_to_params(arch: Architecture, cfg, dims: Dims, template: dict, read, name
       leaf[where] = value  # cast to the leaf's dtype by the assignment
 
   global_tree = {k: v for k, v in out.items() if k != P.STACKS}
-  global_rules = arch.rules_for(arch.global_rules(cfg), global_tree)
+  global_rules = arch.rules_for(arch.global_rules(plan.model), global_tree)
   for rule in global_rules:
     apply(rule, {}, out)
   unfilled = sorted(set(P.flat_leaves(global_tree)) - {p for r in global_rules for p in r.paths})
-  layer_paths = {p for r in arch.layer_rules(cfg) for p in r.paths}
-  schedule = plan_of(cfg).schedule
-  for layer in tqdm(range(cfg.model.num_layers), desc="layers", disable=not progress, dynamic_ncols=True):
+  layer_paths = {p for r in arch.layer_rules(plan.model) for p in r.paths}
+  schedule = plan.schedule
+  for layer in tqdm(range(plan.model.num_layers), desc="layers", disable=not progress, dynamic_ncols=True):
     run_tree, index = P.layer_slot(out, schedule, layer)
-    for rule in arch.rules_for(arch.layer_rules(cfg), run_tree):
+    for rule in arch.rules_for(arch.layer_rules(plan.model), run_tree):
       apply(rule, {"i": layer}, run_tree, index, arch.dims_of(dims, schedule, layer))
     unfilled += [f"layer {layer}: {p}" for p in sorted(set(P.flat_leaves(run_tree)) - layer_paths)]
   if unfilled:
@@ -180,9 +183,10 @@ def hf_to_params(arch: Architecture, cfg, dims: Dims, template: dict, read, name
   return out
 
 
-def params_to_hf(arch: Architecture, cfg, dims: Dims, params: dict, *, progress: bool = False
+def params_to_hf(arch: Architecture, plan: ModelPlan, dims: Dims, params: dict, *, progress: bool = False
                  ) -> Iterator[dict[str, np.ndarray]]:
-  """The HF state dict of a parameter tree (NumPy arrays in the tree's dtypes), one group at a time: the global
+  """The HF state dict of the parameter tree of the model of ``plan`` (NumPy arrays in the tree's dtypes), one
+  group at a time: the global
   tensors, then each layer's, so that a writer holds one layer's converted tensors, not the model's.
   ``progress``: a bar over layers."""
   def emit(rule: Rule, fmt: dict, leaves: list[np.ndarray], dims: Dims = dims) -> dict[str, np.ndarray]:
@@ -193,12 +197,12 @@ def params_to_hf(arch: Architecture, cfg, dims: Dims, params: dict, *, progress:
     return out
 
   global_tree = {k: v for k, v in params.items() if k != P.STACKS}
-  schedule = plan_of(cfg).schedule
-  yield {k: v for rule in arch.rules_for(arch.global_rules(cfg), global_tree)
+  schedule = plan.schedule
+  yield {k: v for rule in arch.rules_for(arch.global_rules(plan.model), global_tree)
          for k, v in emit(rule, {}, [np.asarray(_get(params, p)) for p in rule.paths]).items()}
-  for layer in tqdm(range(cfg.model.num_layers), desc="layers", disable=not progress, dynamic_ncols=True):
+  for layer in tqdm(range(plan.model.num_layers), desc="layers", disable=not progress, dynamic_ncols=True):
     layer_tree = P.layer_params(params, schedule, layer)
     layer_dims = arch.dims_of(dims, schedule, layer)
-    yield {k: v for rule in arch.rules_for(arch.layer_rules(cfg), layer_tree)
+    yield {k: v for rule in arch.rules_for(arch.layer_rules(plan.model), layer_tree)
            for k, v in emit(rule, {"i": layer}, [np.asarray(_get(layer_tree, p)) for p in rule.paths],
                             layer_dims).items()}

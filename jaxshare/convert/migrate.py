@@ -8,7 +8,6 @@ from jaxshare.store import runs
 from jaxshare.store.checkpoint import CheckpointError
 from jaxshare.config import ConfigError
 from jaxshare.init.headwise import compute_ties
-from jaxshare.plan import plan_of
 
 
 def store_ties(path: str | os.PathLike) -> str:
@@ -22,8 +21,7 @@ def store_ties(path: str | os.PathLike) -> str:
   """
   run_dir, _ = runs.locate(path)
   files = runs.read_stored(run_dir)
-  cfg = files.config()
-  plan = plan_of(cfg)
+  cfg, plan = files.planned()
   schedule = plan.schedule
   if not schedule.tied_heads:
     raise ConfigError(f"run {str(run_dir)!r} has schedule.kind={cfg.schedule.kind!r}, which ties no heads: it has no "

@@ -37,15 +37,16 @@ def config_overrides(config: dict) -> list[str]:
           *C.rope_overrides(config, rope_type, rope_params)]
 
 
-def hf_config(cfg) -> dict:
-  """The ``GPTNeoXForCausalLM`` config.json of a neox-flavour dense jaxshare config (v5 ``rope_parameters`` and the
-  older ``rotary_pct`` / ``rotary_emb_base`` keys)."""
-  m = cfg.model
+def hf_config(plan, seq_len: int) -> dict:
+  """The ``GPTNeoXForCausalLM`` config.json of a neox-flavour dense model (``plan``: its
+  :class:`~jaxshare.plan.ModelPlan`) trained on ``seq_len`` tokens (v5 ``rope_parameters`` and the older
+  ``rotary_pct`` / ``rotary_emb_base`` keys)."""
+  m = plan.model
   return {"architectures": ["GPTNeoXForCausalLM"], "model_type": "gpt_neox", **C.row_fields(m, ROWS),
           "hidden_act": "gelu", "rotary_pct": m.rotary_pct, "rotary_emb_base": m.rope_theta,
           "rope_parameters": {**C.rope_parameters(m), "partial_rotary_factor": m.rotary_pct},
           "use_parallel_residual": m.features.parallel_residual, "attention_bias": True,
-          "max_position_embeddings": max(cfg.data.seq_len, 2048), "torch_dtype": m.param_dtype}
+          "max_position_embeddings": C.max_positions(seq_len), "torch_dtype": m.param_dtype}
 
 
 def _qkv_weight() -> Rule:
@@ -73,17 +74,17 @@ def _qkv_bias() -> Rule:
               lambda n: [(3 * n.H * n.d,)], to_jax, to_hf)
 
 
-def global_rules(cfg) -> list[Rule]:
+def global_rules(model) -> list[Rule]:
   rules = [same("gpt_neox.embed_in.weight", "embedding", lambda n: (n.V, n.D)),
            same("gpt_neox.final_layer_norm.weight", "final_norm/scale", lambda n: (n.D,)),
            same("gpt_neox.final_layer_norm.bias", "final_norm/bias", lambda n: (n.D,))]
-  if not cfg.model.tie_embeddings:
+  if not model.tie_embeddings:
     rules.append(linear("embed_out.weight", "lm_head/kernel", lambda n: (n.D,), lambda n: (n.V,)))
   return rules
 
 
-def layer_rules(cfg) -> list[Rule]:
-  del cfg
+def layer_rules(model) -> list[Rule]:
+  del model
   return [
     same(_L + "input_layernorm.weight", "norm1/scale", lambda n: (n.D,)),
     same(_L + "input_layernorm.bias", "norm1/bias", lambda n: (n.D,)),

@@ -14,12 +14,12 @@ import dataclasses
 import shutil
 from pathlib import Path
 
-from jaxshare.config import Config, apply_overrides, config_from_yaml_text, to_yaml
+from jaxshare.config import Config, apply_overrides, config_from_yaml_text
 from jaxshare.convert import hf_config as C
 from jaxshare.convert.mapping import Architecture, Dims, Rule, UnsupportedModelError, linear, same
 from jaxshare.model import params as P
 from jaxshare.model.ties import MATRICES, HeadTies
-from jaxshare.plan import plan_of
+from jaxshare.plan import ModelPlan
 from jaxshare.schedule import LayerRole, Schedule
 from jaxshare.serve import REMOTE_CODE_DIR
 
@@ -48,24 +48,26 @@ def layer_plans(schedule: Schedule) -> list[dict]:
   return plans
 
 
-def config_json(cfg: Config, ties: HeadTies | None) -> dict:
-  """``config.json`` of a remote-code directory (what ``JaxshareConfig`` reads, plus the jaxshare config)."""
-  m, f = cfg.model, cfg.model.features
+def config_json(plan: ModelPlan, config_yaml: str, seq_len: int, ties: HeadTies | None) -> dict:
+  """``config.json`` of a remote-code directory of the model of ``plan`` trained on ``seq_len`` tokens: what
+  ``JaxshareConfig`` reads, plus the run's jaxshare config ``config_yaml`` (as :func:`~jaxshare.config.to_yaml`
+  writes it) and head-wise ``ties``."""
+  m, f = plan.model, plan.model.features
   rope = C.rope_parameters(m)
   return {
     "architectures": [ARCHITECTURE], "model_type": MODEL_TYPE, "auto_map": AUTO_MAP,
     "jaxshare_format_version": FORMAT_VERSION, "vocab_size": m.vocab_size, "hidden_size": m.d_model,
-    "intermediate_size": plan_of(cfg).mlp_dim, "num_hidden_layers": m.num_layers,
+    "intermediate_size": plan.mlp_dim, "num_hidden_layers": m.num_layers,
     "num_attention_heads": m.num_heads, "head_dim": m.resolved_head_dim,
     "hidden_act": "silu" if f.activation == "swiglu" else "gelu", "norm_type": f.norm, "norm_eps": m.norm_eps,
     "parallel_residual": f.parallel_residual, "attention_bias": f.qkv_biases, "dense_bias": f.dense_biases,
     "rope_theta": m.rope_theta, "rotary_dim": int(m.resolved_head_dim * m.rotary_pct),
     "rotary_scaling": None if rope["rope_type"] == "default" else rope, "sliding_window": m.sliding_window,
-    "max_position_embeddings": max(cfg.data.seq_len, 2048), "tie_word_embeddings": m.tie_embeddings,
-    "layer_plans": layer_plans(plan_of(cfg).schedule),
+    "max_position_embeddings": C.max_positions(seq_len), "tie_word_embeddings": m.tie_embeddings,
+    "layer_plans": layer_plans(plan.schedule),
     "head_index": {k: [list(r) for r in ties.index[k]] for k in MATRICES} if ties else None,
     "head_rows": {k: len(ties.rows[k]) for k in MATRICES} if ties else None,
-    "dtype": m.dtype, "jaxshare_config": to_yaml(cfg),
+    "dtype": m.dtype, "jaxshare_config": config_yaml,
     **({"jaxshare_head_ties": ties.to_json()} if ties else {})}
 
 
@@ -86,25 +88,25 @@ def _norm(hf: str, path: str) -> list[Rule]:
   return [same(hf + ".weight", path + "/scale", lambda n: (n.D,)), same(hf + ".bias", path + "/bias", lambda n: (n.D,))]
 
 
-def architecture(cfg: Config, ties: HeadTies | None) -> Architecture:
-  """The remote-code table of a model: every layer's dimensions from its role and the MLP width the model is built
-  with (widened when the schedule matches parameters); ``ties``: head-wise sharing's (its stored rows are global
-  tensors), None without."""
+def architecture(plan: ModelPlan, ties: HeadTies | None) -> Architecture:
+  """The remote-code table of the model of ``plan``: every layer's dimensions from its role and the MLP width the
+  model is built with (widened when the schedule matches parameters); ``ties``: head-wise sharing's (its stored rows
+  are global tensors), None without."""
   rows = {m: len(r) for m, r in ties.rows.items()} if ties is not None else None
-  mlp = plan_of(cfg).mlp_dim
+  mlp = plan.mlp_dim
 
   def layer_dims(dims: Dims, schedule: Schedule, layer: int) -> Dims:
     role, _ = _role(schedule, layer)
     return dataclasses.replace(dims, G=role.num_kv_heads, r=role.lisa_rank, A=role.lisa_hidden, F=mlp)
 
-  def global_rules(cfg) -> list[Rule]:
+  def global_rules(model) -> list[Rule]:
     rules = [same("model.embed_tokens.weight", "embedding", lambda n: (n.V, n.D)), *_norm("model.norm", "final_norm"),
              linear("lm_head.weight", "lm_head/kernel", lambda n: (n.D,), lambda n: (n.V,))]
     for m in MATRICES if rows else ():
       rules.append(same(f"model.head_table.{m}", f"head_table/{m}", lambda n, m=m: (rows[m], n.D, n.d)))
     return rules
 
-  def layer_rules(cfg) -> list[Rule]:
+  def layer_rules(model) -> list[Rule]:
     a = _L + "self_attn."
     H, G, d, r = (lambda n: n.H), (lambda n: n.G), (lambda n: n.d), (lambda n: n.r)
     return [
@@ -128,8 +130,8 @@ def architecture(cfg: Config, ties: HeadTies | None) -> Architecture:
       same(_L + "mlp.down_proj.bias", "mlp/down/bias", lambda n: (n.D,)),
     ]
 
-  return Architecture((ARCHITECTURE, MODEL_TYPE), lambda config: [], lambda cfg: {}, global_rules, layer_rules,
-                      layer_dims=layer_dims, rules_by_presence=True)
+  return Architecture((ARCHITECTURE, MODEL_TYPE), lambda config: [], lambda plan, seq_len: {}, global_rules,
+                      layer_rules, layer_dims=layer_dims, rules_by_presence=True)
 
 
 def _role(schedule: Schedule, layer: int) -> tuple[LayerRole, int]:
@@ -139,12 +141,14 @@ def _role(schedule: Schedule, layer: int) -> tuple[LayerRole, int]:
   return stack.runs[r_idx].role, stack.start + c * stack.superblock_size
 
 
-def read_config(config: dict, overrides) -> tuple[Config, HeadTies | None]:
-  """The jaxshare config, compiled schedule and head-wise ties of a remote-code ``config.json``.
+def read_config(config: dict, overrides) -> Config:
+  """The jaxshare config of a remote-code ``config.json`` with ``overrides`` applied (``train.*``, ``data.*``,
+  ``attention.*``: the model and its schedule are the directory's). Its compiled plan is checked against the
+  directory's other fields by :func:`read_ties`.
 
   Raises:
     UnsupportedModelError: another format version (a native directory of an older jaxshare), no jaxshare config,
-      or a ``config.json`` whose model fields or layer plans disagree with its jaxshare config (edited by hand).
+      or overrides that change the model or the schedule.
   """
   version = config.get("jaxshare_format_version")
   if version != FORMAT_VERSION:
@@ -155,18 +159,36 @@ def read_config(config: dict, overrides) -> tuple[Config, HeadTies | None]:
   if not isinstance(text, str):
     raise UnsupportedModelError(f"config.json says {ARCHITECTURE} but has no 'jaxshare_config' text")
   exported = config_from_yaml_text(text)
-  expected = config_json(exported, _read_ties(config, exported))
+  cfg = apply_overrides(exported, overrides)
+  moved = [group for group in ("model", "schedule") if getattr(cfg, group) != getattr(exported, group)]
+  if moved:
+    raise UnsupportedModelError(f"overrides {list(overrides)} change the {' and '.join(moved)} of a remote-code "
+                                "directory, whose parameters are those of its own: import it as it is, then "
+                                "`python -m jaxshare.convert uptrain RUN OUT schedule.*=...`")
+  return cfg
+
+
+def read_ties(config: dict, plan: ModelPlan) -> HeadTies | None:
+  """The head-wise ties a remote-code ``config.json`` carries for the model of ``plan`` (None: it ties no heads),
+  once its fields are checked against those its jaxshare config gives.
+
+  Raises:
+    UnsupportedModelError: ties missing, malformed or not of the model's shape, or a ``config.json`` whose model
+      fields or layer plans disagree with its jaxshare config (edited by hand).
+  """
+  ties = _stored_ties(config, plan)
+  text = config["jaxshare_config"]
+  expected = config_json(plan, text, config_from_yaml_text(text).data.seq_len, ties)
   changed = [k for k, v in expected.items() if k not in ("jaxshare_config", "dtype") and config.get(k) != v]
   if changed:
     k = changed[0]
     raise UnsupportedModelError(f"config.json {k}={config.get(k)!r} disagrees with its jaxshare_config, which gives "
                                 f"{expected[k]!r} (edited by hand?): export the run again")
-  cfg = apply_overrides(exported, overrides)  # train.* / data.* for the imported run
-  return cfg, _read_ties(config, cfg)
+  return ties
 
 
-def _read_ties(config: dict, cfg: Config) -> HeadTies | None:
-  schedule = plan_of(cfg).schedule
+def _stored_ties(config: dict, plan: ModelPlan) -> HeadTies | None:
+  schedule = plan.schedule
   if not schedule.tied_heads:
     return None
   text = config.get("jaxshare_head_ties")
@@ -175,7 +197,8 @@ def _read_ties(config: dict, cfg: Config) -> HeadTies | None:
                                 "export the run again")
   try:
     ties = HeadTies.from_json(text, "'jaxshare_head_ties' of config.json")
-    ties.check(len(schedule.layers), cfg.model.num_heads, schedule.tied_heads, "'jaxshare_head_ties' of config.json")
+    ties.check(len(schedule.layers), plan.model.num_heads, schedule.tied_heads,
+               "'jaxshare_head_ties' of config.json")
   except ValueError as e:
     raise UnsupportedModelError(f"{e}: import without overriding schedule.headwise") from None
   return ties

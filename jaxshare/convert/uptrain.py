@@ -11,15 +11,16 @@ from flax import nnx
 
 from jaxshare.store import runs
 from jaxshare.config import Config, ConfigError, ScheduleConfig, apply_overrides
+from jaxshare.config.source import with_match_reference
 from jaxshare.data import Datasets
 from jaxshare.init.compensation import calibrate_compensation, format_fits
 from jaxshare.init.headwise import compute_ties
 from jaxshare.init.lisa import calibrate_low_rank, fittable_lisa_layers
 from jaxshare.init.report import init_report
 from jaxshare.init.rules import InitRules
-from jaxshare.init.source import check_loadable, initial_params, params_from_source, with_match_reference
+from jaxshare.init.source import check_loadable, initial_params, params_from_source
 from jaxshare.model.ties import HeadTies
-from jaxshare.plan import plan_of
+from jaxshare.plan import ModelPlan, plan_of
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,16 +29,23 @@ class Conversion:
 
   Attributes:
     cfg: the target's config (the source's with the overrides, ``train.init_from`` the source).
+    plan: its compiled plan.
     ties: its head-wise ties (None without head-wise sharing).
     graphdef / params: the target model (params a pure dict of host or device arrays).
     lines: the conversion's report (one line per rule applied or fitted).
   """
 
   cfg: Config
+  plan: ModelPlan
   ties: HeadTies | None
   graphdef: nnx.GraphDef
   params: dict
   lines: list[str]
+
+  def as_run(self) -> runs.Run:
+    """The converted model as a :class:`~jaxshare.store.runs.Run` read from nowhere (step 0), for
+    :func:`~jaxshare.store.runs.write_run`."""
+    return runs.Run(None, self.cfg, self.plan, self.ties, self.graphdef, self.params, 0, None)
 
 
 def uptrain_run(src_run, out_run, overrides, *, calibration_batches: int = 8, wc_fit: str = "tokens",
@@ -51,9 +59,8 @@ def uptrain_run(src_run, out_run, overrides, *, calibration_batches: int = 8, wc
   src = runs.load_run(src_run)
   out = convert(src, src_run, overrides, calibration_batches=calibration_batches, wc_fit=wc_fit,
                 lisa_steps=lisa_steps, schedule=schedule)
-  runs.write_run(out_run, out.cfg, out.params, ties=out.ties,
-                 meta={"uptrained_from": str(src_run), "source_step": src.step})
-  return [f"{src.schedule.describe()} -> {plan_of(out.cfg).schedule.describe()}", *out.lines, f"written to {out_run}"]
+  runs.write_run(out_run, out.as_run(), meta={"uptrained_from": str(src_run), "source_step": src.step})
+  return [f"{src.schedule.describe()} -> {out.plan.schedule.describe()}", *out.lines, f"written to {out_run}"]
 
 
 def convert(src: runs.Run, src_run, overrides, *, calibration_batches: int = 8, wc_fit: str = "tokens",
@@ -75,8 +82,9 @@ def convert(src: runs.Run, src_run, overrides, *, calibration_batches: int = 8, 
   # the source's own reference (if it was matched) is not the target's: the target is matched to the source
   base = src.cfg if schedule is None else dataclasses.replace(src.cfg, schedule=schedule)
   cfg = with_match_reference(apply_overrides(base, ["schedule.match_reference_params=0", *overrides,
-                                                    f"train.init_from={src_run}"]), src.cfg)
-  check_loadable(src.cfg, cfg, str(src_run))
+                                                    f"train.init_from={src_run}"]), src.plan.param_count().total)
+  check_loadable(src.cfg.model, cfg.model, str(src_run), src_tokenizer=src.cfg.data.tokenizer,
+                 tokenizer=cfg.data.tokenizer)
   start = "fit" if cfg.train.init_lisa == "calibrated" else cfg.train.init_lisa  # calibrated starts from fit
   plan = plan_of(cfg)
   schedule = plan.schedule
@@ -110,4 +118,4 @@ def convert(src: runs.Run, src_run, overrides, *, calibration_batches: int = 8, 
     lines.append(f"layers {list(fit.layers)} attn/q_lr, k_lr: {lisa_steps} Adam steps from the fit on "
                  f"{len(batches)} calibration batches: squared logit error vs the source's own, relative to plain "
                  f"reuse (DS = 1): fit {fit.start:.4f} -> {outcome} {fit.calibrated:.4f}")
-  return Conversion(cfg, ties, graphdef, params, lines)
+  return Conversion(cfg, plan, ties, graphdef, params, lines)

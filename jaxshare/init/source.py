@@ -4,11 +4,9 @@ uptrain`` share)."""
 
 from __future__ import annotations
 
-import dataclasses
-
 from flax import nnx
 
-from jaxshare.config import Config, ConfigError
+from jaxshare.config import ConfigError, ModelConfig
 from jaxshare.data.errors import DataError
 from jaxshare.data.tokenizers import tokenizer_fingerprint
 from jaxshare.init.headwise import dense_counterpart, tied_params_from_dense
@@ -19,7 +17,7 @@ from jaxshare.init.rules import InitRules
 from jaxshare.init.shared import copy_shared_weights
 from jaxshare.model import build_model
 from jaxshare.model.ties import HeadTies
-from jaxshare.plan import ModelPlan, plan_of
+from jaxshare.plan import ModelPlan
 from jaxshare.schedule import Schedule
 
 
@@ -29,20 +27,21 @@ _WEIGHT_FIELDS = ("flavor", "vocab_size", "num_layers", "d_model", "num_heads", 
                   "tie_embeddings", "qkv_bias")
 
 
-def check_loadable(src: Config, cfg: Config, source: str) -> None:
-  """Refuse a config that cannot start from the weights of the run ``source`` whose config is ``src``: a model field
-  of :data:`_WEIGHT_FIELDS` that differs, or another tokenizer (its ids index the source's embedding).
+def check_loadable(src: ModelConfig, model: ModelConfig, source: str, *, src_tokenizer: str, tokenizer: str) -> None:
+  """Refuse a model that cannot start from the weights of the run ``source``, whose model is ``src``: a field of
+  :data:`_WEIGHT_FIELDS` that differs, or another tokenizer (``data.tokenizer``: its ids index the source's
+  embedding).
 
   Raises:
     ConfigError: one line naming every such field, its value here and in the source.
   """
-  differ = [f for f in _WEIGHT_FIELDS if getattr(cfg.model, f) != getattr(src.model, f)]
+  differ = [f for f in _WEIGHT_FIELDS if getattr(model, f) != getattr(src, f)]
   if "d_model" in differ or "num_heads" in differ:  # the head width follows from them unless set: name what was set
-    differ = [f for f in differ if f != "resolved_head_dim" or cfg.model.head_dim]
-  diffs = [f"model.{f.replace('resolved_', '')}={getattr(cfg.model, f)!r} (the source has {getattr(src.model, f)!r})"
+    differ = [f for f in differ if f != "resolved_head_dim" or model.head_dim]
+  diffs = [f"model.{f.replace('resolved_', '')}={getattr(model, f)!r} (the source has {getattr(src, f)!r})"
            for f in differ]
-  if not _same_tokenizer(cfg.data.tokenizer, src.data.tokenizer):
-    diffs.append(f"data.tokenizer={cfg.data.tokenizer!r} (the source has {src.data.tokenizer!r})")
+  if not _same_tokenizer(tokenizer, src_tokenizer):
+    diffs.append(f"data.tokenizer={tokenizer!r} (the source has {src_tokenizer!r})")
   if diffs:
     raise ConfigError(f"train.init_from={source!r} cannot load that run's weights into this model: "
                       + "; ".join(diffs) + ". Leave these fields out (a run started from another takes its model, "
@@ -57,21 +56,6 @@ def _same_tokenizer(a: str, b: str) -> bool:
     return tokenizer_fingerprint(a) == tokenizer_fingerprint(b)
   except DataError:  # one of them is gone
     return False
-
-
-def with_match_reference(cfg: Config, src: Config | None) -> Config:
-  """``cfg`` with ``schedule.match_reference_params`` set to its uptraining source's total parameter count, when it
-  matches parameters exactly (``schedule.match_params``) from ``train.init_from`` (whose config is ``src``) and the
-  reference is not yet set:
-  an uptrained model is matched to the model it came from (a GQA source has fewer K/V parameters than the dense MHA
-  model of its config). The count is the source's exact one (:func:`~jaxshare.accounting.param_count`, read from its
-  config alone) and stays in the run's config, so the run rebuilds without its source. ``cfg`` is not changed.
-  """
-  s = cfg.schedule
-  if not (s.match_params and s.match_formula == "exact" and not s.match_reference_params and src is not None):
-    return cfg
-  total = plan_of(src).param_count().total
-  return dataclasses.replace(cfg, schedule=dataclasses.replace(s, match_reference_params=total))
 
 
 def initial_params(plan: ModelPlan, ties: HeadTies | None, seed: int) -> dict:

@@ -11,6 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxshare.config import ModelConfig
+
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
@@ -29,10 +31,10 @@ class RopeScaling:
   original_max_positions: int = 8192
 
   @classmethod
-  def of(cls, cfg) -> RopeScaling:
-    """The scaling ``cfg``'s ``rope_scaling*`` fields describe (``cfg``: a :class:`~jaxshare.config.ModelConfig`)."""
-    return cls(cfg.rope_scaling, cfg.rope_scaling_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor,
-               cfg.rope_original_max_positions)
+  def of(cls, model: ModelConfig) -> RopeScaling:
+    """The scaling the ``rope_scaling*`` fields of ``model`` describe."""
+    return cls(model.rope_scaling, model.rope_scaling_factor, model.rope_low_freq_factor, model.rope_high_freq_factor,
+               model.rope_original_max_positions)
 
 
 def inv_frequencies(rotary_dim: int, theta: float, scaling: RopeScaling = RopeScaling()) -> np.ndarray:

@@ -82,7 +82,8 @@ def search(args: argparse.Namespace) -> int:
   (out / "frontier").mkdir(exist_ok=True)
   for name in sorted(front):
     run_dir = out / "uptrained" / name
-    cfg = candidate_config(src.cfg, source, [*by_name[name].overrides, f"train.run_dir={run_dir}"])
+    cfg = candidate_config(src.cfg, source, [*by_name[name].overrides, f"train.run_dir={run_dir}"],
+                           src.plan.param_count().total)
     report.write_config(out / "frontier" / f"{name}.yaml", cfg)
   say(f"results: {out / 'results.csv'}, frontier.md, " + ", ".join(p.name for p in plots)
       + f", frontier/ ({len(front)} configs)"

@@ -13,7 +13,7 @@ import itertools
 from collections.abc import Iterable, Sequence
 
 from jaxshare.config import Config, ConfigError, apply_overrides
-from jaxshare.init.source import with_match_reference
+from jaxshare.config.source import with_match_reference
 from jaxshare.search.budget import Budget, Footprint, SearchError, footprint
 
 FAMILIES = ("kv", "scores", "lisa", "headwise")
@@ -130,16 +130,17 @@ def compositions(families: Sequence[str], options: dict[str, list[Option]]) -> l
   return out
 
 
-def candidate_config(src_cfg: Config, src_run: str, overrides: Sequence[str]) -> Config:
-  """The config of a candidate uptrained from ``src_run`` (whose config is ``src_cfg``): the source's with the
-  candidate's ``overrides`` (``schedule.*``, then any other), matched to the source when it matches parameters.
+def candidate_config(src_cfg: Config, src_run: str, overrides: Sequence[str], src_params: int) -> Config:
+  """The config of a candidate uptrained from ``src_run`` (whose config is ``src_cfg``, whose model has
+  ``src_params`` parameters): the source's with the candidate's ``overrides`` (``schedule.*``, then any other),
+  matched to the source when it matches parameters.
 
   Raises:
     ConfigError / ScheduleError: the overrides make an invalid config or schedule.
   """
   cfg = apply_overrides(src_cfg, ["schedule.kind=dense", "schedule.match_reference_params=0",
                                   f"train.init_from={src_run}", *overrides])
-  return with_match_reference(cfg, src_cfg)
+  return with_match_reference(cfg, src_params)
 
 
 def candidates(src_cfg: Config, src_run: str, budget: Budget, families: Sequence[str] = FAMILIES,
@@ -173,7 +174,7 @@ def candidates(src_cfg: Config, src_run: str, budget: Budget, families: Sequence
     seen.add(name)
     try:
       overrides += matched
-      cost = footprint(candidate_config(src_cfg, src_run, overrides))
+      cost = footprint(candidate_config(src_cfg, src_run, overrides, source.params))
     except (ConfigError, ValueError):  # a composition the schedule language refuses, or a width below one neuron
       continue
     valid.append(Candidate(name, overrides, tuple(p.family for p in parts), all(p.preset for p in parts), cost))

@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from jaxshare.config import to_yaml
 from jaxshare.store import runs
 from jaxshare.convert.uptrain import convert
 from jaxshare.search.budget import SearchError
@@ -76,11 +77,11 @@ def _write_converted(path: Path, conversion, src_run: str) -> None:
     return
   tmp = path.with_name(path.name + ".partial")
   shutil.rmtree(tmp, ignore_errors=True)
-  runs.write_run(tmp, conversion.cfg, conversion.params, ties=conversion.ties, meta={"uptrained_from": src_run})
+  runs.write_run(tmp, conversion.as_run(), meta={"uptrained_from": src_run})
   # write_run's config names the directory written (train.run_dir): name the one it lands in
   cfg = conversion.cfg
-  runs.write_run_files(tmp, dataclasses.replace(cfg, train=dataclasses.replace(cfg.train,
-                                                                                run_dir=str(path.absolute()))))
+  runs.write_run_files(tmp, to_yaml(dataclasses.replace(cfg, train=dataclasses.replace(
+    cfg.train, run_dir=str(path.absolute())))))
   tmp.rename(path)
 
 

@@ -68,11 +68,12 @@ def read_config(run_dir: str | os.PathLike) -> Config:
   return StoredFiles(run_dir, _read_text(run_dir / CONFIG_FILE), None, None).config()
 
 
-def write_run_files(run_dir: str | os.PathLike, cfg: Config, ties: HeadTies | None = None,
+def write_run_files(run_dir: str | os.PathLike, config_yaml: str, ties: HeadTies | None = None,
                     pairs: PostSharePairs | None = None) -> None:
-  """Write ``config.yaml`` and, when given, head-wise sharing's ties and PostShare's pairs, each through a temporary
-  file renamed over it: a kill mid-write never leaves a torn one."""
-  texts = {CONFIG_FILE: to_yaml(cfg), TIES_FILE: ties and ties.to_json(), PAIRS_FILE: pairs and pairs.to_json()}
+  """Write ``config.yaml`` (``config_yaml``: the run's config as :func:`~jaxshare.config.to_yaml` writes it) and,
+  when given, head-wise sharing's ties and PostShare's pairs, each through a temporary file renamed over it: a kill
+  mid-write never leaves a torn one."""
+  texts = {CONFIG_FILE: config_yaml, TIES_FILE: ties and ties.to_json(), PAIRS_FILE: pairs and pairs.to_json()}
   for name, text in texts.items():
     if text is not None:
       write_atomic(epath.Path(run_dir) / name, text)
@@ -111,6 +112,15 @@ class StoredFiles:
     if self.config_text is None:
       raise ConfigError(f"cannot read {str(path)!r}: the run directory has no {CONFIG_FILE}")
     return config_from_yaml_text(self.config_text, str(path))
+
+  def planned(self) -> tuple[Config, ModelPlan]:
+    """The validated saved config and its compiled plan (compiled here, once per read of the run).
+
+    Raises:
+      ConfigError: as :meth:`config`. ScheduleError: the saved schedule does not fit its model.
+    """
+    cfg = self.config()
+    return cfg, plan_of(cfg)
 
   def ties(self, plan: ModelPlan) -> HeadTies | None:
     """The stored head-wise ties of the run whose compiled model is ``plan`` (None when its schedule ties no heads).
@@ -246,12 +256,11 @@ def load_run(path: str | os.PathLike, mesh: Mesh | None = None) -> Run:
   """
   run_dir, step = locate(path)
   files = read_stored(run_dir)
-  cfg = files.config()
-  if mesh is None:
+  cfg, plan = files.planned()
+  if mesh is None:  # the mesh is no part of the plan
     cfg = dataclasses.replace(cfg, mesh=MeshConfig() if jax.process_count() == 1 else MeshConfig(fsdp=-1))
     mesh = parallel.make_mesh(cfg.mesh, jax.devices()[:1] if jax.process_count() == 1 else None)
   step = _existing_step(run_dir, step, cfg.train.keep_checkpoints)
-  plan = plan_of(cfg)
   ties = files.ties(plan)
   graphdef, target = abstract_params(plan, ties, mesh)
   ckpt = Checkpointer(run_dir / "checkpoints", cfg.train.keep_checkpoints)
@@ -290,14 +299,15 @@ def _all_finite(params) -> jax.Array:
   return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(params)]))
 
 
-def write_run(run_dir: str | os.PathLike, cfg: Config, params: dict, *, ties: HeadTies | None = None,
-              tokenizer_files: Sequence[Path] = (), meta: dict | None = None) -> epath.Path:
-  """Save ``params`` (pure dict, NumPy or JAX arrays) as run directory ``run_dir`` at step 0 (a parameters-only
+def write_run(run_dir: str | os.PathLike, run: Run, *, tokenizer_files: Sequence[Path] = (),
+              meta: dict | None = None) -> epath.Path:
+  """Save the model ``run`` holds (its config, ties, and parameters: a pure dict of NumPy or JAX arrays; a model
+  read from elsewhere or converted in memory) as run directory ``run_dir`` at step 0 (a parameters-only
   checkpoint: ``train.init_from`` and :func:`load_run` read just the parameters, and a run resumed in this
-  directory starts a fresh optimizer), with the head-wise ``ties`` when the schedule ties heads.
+  directory starts a fresh optimizer), with its head-wise ties when the schedule ties heads.
 
   The tokenizer files are copied to ``<run_dir>/tokenizer`` and the written config's ``data.tokenizer`` points
-  there; without any the run keeps the byte tokenizer, which needs ``model.vocab_size >= 256``. ``cfg`` itself is
+  there; without any the run keeps the byte tokenizer, which needs ``model.vocab_size >= 256``. ``run`` itself is
   not changed.
 
   Raises:
@@ -308,10 +318,11 @@ def write_run(run_dir: str | os.PathLike, cfg: Config, params: dict, *, ties: He
   run_dir = absolute(run_dir)
   if run_dir.exists() and any(run_dir.iterdir()):
     raise FileExistsError(f"run directory {str(run_dir)!r} exists and is not empty; choose a new one")
+  cfg, ties = run.cfg, run.ties
   if not tokenizer_files and cfg.data.tokenizer == "byte" and cfg.model.vocab_size < 256:
     raise ConfigError(f"the model has no tokenizer files and model.vocab_size={cfg.model.vocab_size} is smaller than "
                       "the byte tokenizer's 256")
-  tied = plan_of(cfg).tied_heads
+  tied = run.plan.tied_heads
   if bool(tied) != (ties is not None):
     raise ConfigError(f"the schedule ties {tied} heads: write_run needs head-wise ties exactly when it ties any")
   run_dir.mkdir(parents=True, exist_ok=True)
@@ -321,7 +332,7 @@ def write_run(run_dir: str | os.PathLike, cfg: Config, params: dict, *, ties: He
     for f in tokenizer_files:  # a few small files, local or on a bucket
       (run_dir / TOKENIZER_DIR / f.name).write_bytes(Path(f).read_bytes())
     data = dataclasses.replace(data, tokenizer=str(run_dir / TOKENIZER_DIR))
-  write_run_files(run_dir, dataclasses.replace(cfg, data=data, train=dataclasses.replace(cfg.train,
-                                                                                         run_dir=str(run_dir))), ties)
-  save_params(run_dir / "checkpoints", 0, params, {"step": 0, "stage": 0, **(meta or {})})
+  write_run_files(run_dir, to_yaml(dataclasses.replace(cfg, data=data, train=dataclasses.replace(
+    cfg.train, run_dir=str(run_dir)))), ties)
+  save_params(run_dir / "checkpoints", 0, run.params, {"step": 0, "stage": 0, **(meta or {})})
   return run_dir

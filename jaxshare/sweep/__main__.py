@@ -37,7 +37,6 @@ import time
 from jaxshare import exit_codes
 from jaxshare.config import REPO_ROOT, ConfigError
 from jaxshare.exit_codes import report_input_errors
-from jaxshare.plan import plan_of
 from jaxshare.schedule import ScheduleError
 from jaxshare.sweep.devices import DeviceGroup, device_groups
 from jaxshare.sweep.launch import LAUNCHERS, check_launcher_args, launch, launcher_command
@@ -76,14 +75,13 @@ def _check(sweep: Sweep, runs: list[Trial]) -> int:
   bad = 0
   for run in {r.variant: r for r in runs}.values():  # a seed changes no shape
     try:
-      cfg, schedule = check_config(sweep, run)
+      _, plan = check_config(sweep, run)
     except ValueError as e:  # ConfigError and ScheduleError
       print(f"INVALID {run.variant}: {e}")
       bad += 1
       continue
-    plan = plan_of(cfg)
     kv, params = plan.kv_cache_bytes_per_token(2), plan.param_count().total
-    print(f"ok {run.variant}: {kv:,} KV bytes/token (bf16), {params:,} params | {schedule.describe()}")
+    print(f"ok {run.variant}: {kv:,} KV bytes/token (bf16), {params:,} params | {plan.schedule.describe()}")
   print(f"{len(runs)} runs of {len({r.variant for r in runs})} variants; {bad} invalid")
   return 2 if bad else 0
 

@@ -13,10 +13,10 @@ import yaml
 from etils import epath
 
 from jaxshare import smoke
-from jaxshare.config import REPO_ROOT, load_config
+from jaxshare.config import REPO_ROOT, Config, load_config
 from jaxshare.exit_codes import InputError
 from jaxshare.files import is_remote
-from jaxshare.plan import plan_of
+from jaxshare.plan import ModelPlan, plan_of
 
 SPEC_KEYS = ("experiment", "run_root", "base", "seeds", "variants", "grid", "series")
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._=,+-]*$")
@@ -204,11 +204,11 @@ def load_sweep(path: str | Path) -> Sweep:
                seeds, variants, series)
 
 
-def check_config(sweep: Sweep, run: Trial) -> tuple[Any, Any]:
-  """The run's validated config and compiled schedule, without JAX (what train.py checks before compiling).
+def check_config(sweep: Sweep, run: Trial) -> tuple[Config, ModelPlan]:
+  """The run's validated config and its compiled plan, without JAX (what train.py checks before compiling).
 
   Raises:
     ConfigError / ScheduleError: naming the field, value and what is allowed.
   """
   cfg = load_config(REPO_ROOT / sweep.experiment, run.train_overrides())
-  return cfg, plan_of(cfg).schedule
+  return cfg, plan_of(cfg)

@@ -184,7 +184,7 @@ class _Trainer:
     cosine) over the remaining steps (or ``train.stage2_steps``)."""
     self.stage, self.stage_start = 2, self.step
     self.end = end_step(self.cfg, 2, self.step)
-    self.setup = stage_setup(self.cfg, self.setup.mesh, self.setup.ties, 2, self.step)
+    self.setup = stage_setup(self.cfg, self.setup.plan, self.setup.mesh, self.setup.ties, 2, self.step)
     opt_state = jax.jit(self.setup.tx.init, out_shardings=self.setup.state_shardings.opt_state)(self.state.params)
     self.state = self.state.replace(opt_state=opt_state)
     self.step_fn = jit_train_step(self.setup, self.objective, self.teacher_shardings)

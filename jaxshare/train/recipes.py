@@ -10,6 +10,7 @@ from jaxshare.config import Config, ConfigError, ScoreReuse
 from jaxshare.init.headwise import dense_kernels, direct_share
 from jaxshare.init.source import initial_params
 from jaxshare.model.ties import HeadTies, PostSharePairs
+from jaxshare.plan import ModelPlan
 from jaxshare.store.runs import Run
 from jaxshare.schedule import tied_head_count
 from jaxshare.train.state import TrainSetup, setup_training, trainable_for
@@ -55,11 +56,12 @@ def stage_of(cfg: Config, meta: dict) -> tuple[int, int]:
   return meta.get("stage", 0) or (1 if cfg.train.recipe == "uniattn_two_stage" else 0), meta.get("stage_start", 0)
 
 
-def stage_setup(cfg: Config, mesh: Mesh, ties: HeadTies | None, stage: int, stage_start: int) -> TrainSetup:
-  """The run's setup in recipe stage ``stage`` begun at ``stage_start``: what trains (:func:`trainable_for`) and the
-  learning-rate schedule from ``stage_start`` to :func:`end_step`."""
+def stage_setup(cfg: Config, plan: ModelPlan, mesh: Mesh, ties: HeadTies | None, stage: int, stage_start: int
+                ) -> TrainSetup:
+  """The setup of the run of ``cfg`` (compiled: ``plan``) in recipe stage ``stage`` begun at ``stage_start``: what
+  trains (:func:`trainable_for`) and the learning-rate schedule from ``stage_start`` to :func:`end_step`."""
   return setup_training(cfg, mesh, trainable_for(cfg, stage), ties, start_step=stage_start,
-                        end_step=end_step(cfg, stage, stage_start))
+                        end_step=end_step(cfg, stage, stage_start), plan=plan)
 
 
 def postshare_pairs(cfg: Config, setup: TrainSetup, teacher: Run | None, saved: PostSharePairs | None

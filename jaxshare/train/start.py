@@ -12,12 +12,13 @@ from jax.sharding import Mesh
 from jaxshare import distributed, parallel
 from jaxshare.store import runs
 from jaxshare.store.checkpoint import PARAMS_ONLY, Checkpointer
-from jaxshare.config import Config, ConfigError, ScorePreset, get_field
+from jaxshare.config import Config, ConfigError, ScorePreset, get_field, to_yaml
 from jaxshare.data import Datasets
 from jaxshare.files import writable_dir
 from jaxshare.init.headwise import compute_ties
 from jaxshare.init.report import init_report
-from jaxshare.init.source import check_loadable, with_match_reference
+from jaxshare.config.source import with_match_reference
+from jaxshare.init.source import check_loadable
 from jaxshare.plan import plan_of
 from jaxshare.schedule import parse_kind
 from jaxshare.model.ties import HeadTies, PostSharePairs
@@ -45,7 +46,7 @@ class RunStart:
 
   Attributes:
     cfg: the run's config (``schedule.match_reference_params`` set from its source:
-      :func:`~jaxshare.init.source.with_match_reference`).
+      :func:`~jaxshare.config.source.with_match_reference`).
     run_dir: the run directory, absolute; it exists and holds the config, ties and pairs.
     data: the datasets, this process's rows of each global batch.
     source: the ``train.init_from`` run (uptraining source and distillation teacher), or None.
@@ -96,8 +97,9 @@ def start_run(cfg: Config, mesh: Mesh | None = None) -> RunStart:
   mesh = mesh or parallel.make_mesh(cfg.mesh)
   source = runs.load_run(cfg.train.init_from, mesh) if cfg.train.init_from else None
   if source is not None:
-    cfg = with_match_reference(cfg, source.cfg)
-    check_loadable(source.cfg, cfg, cfg.train.init_from)
+    cfg = with_match_reference(cfg, source.plan.param_count().total)
+    check_loadable(source.cfg.model, cfg.model, cfg.train.init_from, src_tokenizer=source.cfg.data.tokenizer,
+                   tokenizer=cfg.data.tokenizer)
   data = _open_data(cfg, mesh)
   ckpt = _existing_checkpoints(cfg, run_dir)
   resuming = ckpt is not None and ckpt.latest_step() is not None
@@ -109,7 +111,7 @@ def start_run(cfg: Config, mesh: Mesh | None = None) -> RunStart:
 
   def restore(step: int) -> tuple[dict, TrainSetup, TrainState, Any]:
     meta = ckpt.read_meta(step)
-    setup, data_iter = stage_setup(cfg, mesh, ties, *stage_of(cfg, meta)), data.train_iter()
+    setup, data_iter = stage_setup(cfg, plan, mesh, ties, *stage_of(cfg, meta)), data.train_iter()
     if meta.get(PARAMS_ONLY):  # a converted model (runs.write_run): a fresh optimizer
       state = state_from_params(setup, ckpt.restore_params(step, abstract_state(setup).params, meta), step)
     else:
@@ -121,7 +123,7 @@ def start_run(cfg: Config, mesh: Mesh | None = None) -> RunStart:
     latest, (meta, setup, state, data_iter), fallbacks = resumed
   else:
     latest, meta, fallbacks = None, {}, []
-    setup, data_iter = stage_setup(cfg, mesh, ties, *stage_of(cfg, meta)), data.train_iter()
+    setup, data_iter = stage_setup(cfg, plan, mesh, ties, *stage_of(cfg, meta)), data.train_iter()
     state = init_state(setup, from_params=None if source is None else (source.params, source.schedule))
   saved_pairs = files.pairs()
   pairs = postshare_pairs(cfg, setup, source, saved_pairs)
@@ -185,5 +187,5 @@ def _write_run_files(cfg: Config, run_dir: epath.Path, ckpt: Checkpointer | None
   """Create the run directory with its config (and the ties and pairs chosen as it began) next to the checkpoints."""
   run_dir.mkdir(parents=True, exist_ok=True)
   if distributed.is_primary():
-    runs.write_run_files(run_dir, cfg, new_ties, new_pairs)
+    runs.write_run_files(run_dir, to_yaml(cfg), new_ties, new_pairs)
   return ckpt or Checkpointer(run_dir / "checkpoints", cfg.train.keep_checkpoints)

@@ -70,8 +70,8 @@ FRESH_TIES = "fresh"
 
 
 def setup_training(cfg: Config, mesh: Mesh | None = None, trainable: tuple[str, ...] | None = None,
-                   ties: HeadTies | None | str = FRESH_TIES, start_step: int = 0, end_step: int | None = None
-                   ) -> TrainSetup:
+                   ties: HeadTies | None | str = FRESH_TIES, start_step: int = 0, end_step: int | None = None,
+                   plan: ModelPlan | None = None) -> TrainSetup:
   """Compile the schedule, trace the model abstractly and derive every sharding (nothing is allocated).
 
   Args:
@@ -81,13 +81,15 @@ def setup_training(cfg: Config, mesh: Mesh | None = None, trainable: tuple[str, 
       (the default): chosen afresh, :func:`~jaxshare.init.headwise.fresh_ties`, which fixes the same shapes.
     start_step, end_step: where this optimizer's learning-rate schedule starts (a recipe stage's first step) and
       ends (None: ``train.steps``).
+    plan: ``cfg``'s compiled plan where the caller holds it (a run's start); None: compiled here, where a setup
+      starts from a config alone (the fit check, a benchmark).
 
   Raises:
     ScheduleError / ConfigError: the schedule or mesh does not fit the model or the devices; a remat policy the
       devices' platform lacks.
     ValueError: ``ties`` is None for a schedule that ties heads.
   """
-  plan = plan_of(cfg)
+  plan = plan_of(cfg) if plan is None else plan
   mesh = mesh or parallel.make_mesh(cfg.mesh)
   remat.check_platform(cfg.model.remat, mesh.devices.flat[0].platform)
   if ties is None and plan.tied_heads:

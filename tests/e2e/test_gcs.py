@@ -12,6 +12,7 @@ import pytest
 from conftest import REPO, cpu_env
 from jaxshare import exit_codes
 from support.faults import SIGNALS, Run, losses_by_step, uninterrupted_losses
+from support.runs import as_run
 
 BUCKET = "runs"  # the gcs fixture's bucket (conftest.py)
 
@@ -218,7 +219,7 @@ def test_a_run_with_its_own_tokenizer_on_a_bucket_trains_from_it_evaluates_and_e
 
   tokenizer = write_bpe_tokenizer(tmp_path / "tk", corpus.read_text()[:20000])
   cfg = tiny_config("model.vocab_size=300")
-  write_run(f"gs://{BUCKET}/bpe", cfg, init_state(setup_training(cfg), seed=0).params,
+  write_run(f"gs://{BUCKET}/bpe", as_run(cfg, init_state(setup_training(cfg), seed=0).params),
             tokenizer_files=sorted(tokenizer.iterdir()))
   env = {**cpu_env(1), **gcs.env(), "JAXSHARE_CACHE_DIR": str(tmp_path / "cache")}
   not_model = [o for o in TINY if not o.startswith("model.")]

@@ -9,11 +9,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxshare.convert.hf_export import export_params, export_run, hf_incompatibility
+from jaxshare.convert.hf_export import export_run, hf_incompatibility
+from jaxshare.plan import plan_of
 from jaxshare.convert.hf_import import load_hf_model
 
 from conftest import tiny_config
 from support.hf import corpus_tokens, random_params, save_hf_model
+from support.runs import as_run, export
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -35,8 +37,8 @@ transformers = pytest.importorskip("transformers")
 def test_transformers_loads_the_export_with_the_same_logits(tmp_path, corpus, overrides):
   cfg = tiny_config(*overrides)
   setup, params = random_params(cfg)
-  assert hf_incompatibility(cfg) is None
-  export_params(cfg, params, tmp_path)
+  assert hf_incompatibility(plan_of(cfg)) is None
+  export(cfg, params, tmp_path)
   model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, local_files_only=True).eval()
   tokens = corpus_tokens(corpus, 32)
   with torch.no_grad():
@@ -53,7 +55,7 @@ def test_import_export_reproduces_the_checkpoint_bit_for_bit(tmp_path, case):
   save_hf_model(tmp_path / "hf", case)
   setup = load_hf_model(tmp_path / "hf")
   cfg, params = setup.cfg, setup.params
-  export_params(cfg, params, tmp_path / "out")
+  export(cfg, params, tmp_path / "out")
   original = load_file(tmp_path / "hf" / "model.safetensors")
   exported = load_file(tmp_path / "out" / "model.safetensors")
   assert sorted(exported) == sorted(original)
@@ -77,7 +79,7 @@ def test_other_schedules_round_trip_exactly_as_remote_code(tmp_path, corpus, ove
 
   cfg = tiny_config(*overrides)
   setup, params = random_params(cfg)
-  write_run(tmp_path / "run", cfg, params)
+  write_run(tmp_path / "run", as_run(cfg, params))
   arch, reason = export_run(tmp_path / "run", tmp_path / "out")
   assert arch == "JaxshareForCausalLM" and why in reason
   setup2 = load_hf_model(tmp_path / "out")
@@ -95,7 +97,7 @@ def test_cli_export_and_refusal_to_overwrite(tmp_path, capsys):
 
   cfg = tiny_config("schedule.kind=cla", "schedule.factor=2")
   setup, params = random_params(cfg)
-  write_run(tmp_path / "run", cfg, params)
+  write_run(tmp_path / "run", as_run(cfg, params))
   assert main(["export", str(tmp_path / "run"), str(tmp_path / "out")]) == 0
   out = capsys.readouterr().out
   assert "JaxshareForCausalLM" in out and "another layer's K/V" in out
@@ -113,7 +115,7 @@ def test_sharded_export_loads_and_reimports_exactly(tmp_path, corpus, overrides)
   of tensors is split and every tensor is in the index exactly once."""
   cfg = tiny_config(*overrides)
   setup, params = random_params(cfg)
-  export_params(cfg, params, tmp_path, max_shard_bytes=40_000)
+  export(cfg, params, tmp_path, max_shard_bytes=40_000)
   index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
   files = sorted(set(index["weight_map"].values()))
   assert len(files) > 2 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
@@ -145,7 +147,7 @@ def test_every_export_of_a_byte_run_loads_its_tokenizer_and_imports_back_as_byte
   from jaxshare.store.runs import read_config, write_run
 
   cfg = tiny_config(*overrides)
-  write_run(tmp_path / "run", cfg, random_params(cfg)[1])
+  write_run(tmp_path / "run", as_run(cfg, random_params(cfg)[1]))
   assert export_run(tmp_path / "run", tmp_path / "hf")[0] == arch
   tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
   ids = tok(TOKENIZER_TEXT)["input_ids"]
@@ -163,7 +165,7 @@ def test_every_export_of_a_run_with_a_hf_tokenizer_carries_it(tmp_path, corpus, 
 
   tokenizer = write_bpe_tokenizer(tmp_path / "tk", corpus.read_text()[:20000])
   cfg = tiny_config("model.vocab_size=300", *overrides)
-  write_run(tmp_path / "run", cfg, random_params(cfg)[1], tokenizer_files=sorted(tokenizer.iterdir()))
+  write_run(tmp_path / "run", as_run(cfg, random_params(cfg)[1]), tokenizer_files=sorted(tokenizer.iterdir()))
   export_run(tmp_path / "run", tmp_path / "hf")
   ids = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")(TOKENIZER_TEXT)["input_ids"]
   assert ids == HFTokenizer(str(tokenizer)).encode(TOKENIZER_TEXT)

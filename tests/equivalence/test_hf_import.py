@@ -14,6 +14,7 @@ from jaxshare.convert.mapping import UnsupportedModelError
 from jaxshare.model import params as P
 from jaxshare.plan import plan_of
 from support.hf import HF_CASES, corpus_tokens, save_hf_model
+from support.runs import as_run
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -146,7 +147,7 @@ def test_a_converted_run_trains_in_its_own_directory(tmp_path):
 
   cfg = tiny_config("train.steps=3", "train.eval_every=3", "train.checkpoint_every=3")
   setup = setup_training(cfg)
-  write_run(tmp_path / "in_place", cfg, jax.tree.map(np.asarray, init_state(setup, seed=5).params))
+  write_run(tmp_path / "in_place", as_run(cfg, jax.tree.map(np.asarray, init_state(setup, seed=5).params)))
   in_place = train(tiny_config("train.steps=3", "train.eval_every=3", "train.checkpoint_every=3",
                                f"train.run_dir={tmp_path / 'in_place'}"))
   fresh_dir = train(tiny_config("train.steps=3", "train.eval_every=3", "train.checkpoint_every=3",

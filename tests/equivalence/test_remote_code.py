@@ -179,13 +179,14 @@ def test_a_hand_edited_or_older_directory_is_refused_with_one_line(tmp_path, edi
 ])
 def test_vllm_layer_names_for_every_kv_schedule(kind, targets):
   """vLLM's ``kv_sharing_target_layer_name`` per layer, from the config.json an export writes (no vLLM import)."""
+  from jaxshare.config import to_yaml
   from jaxshare.convert.remote import config_json
   from jaxshare.serve.vllm_layers import VLLMUnsupportedError, kv_sharing_targets
   from jaxshare.train.state import setup_training
 
   cfg = tiny_config(*CASES[kind])
   setup = setup_training(cfg)
-  config = json.loads(json.dumps(config_json(cfg, setup.ties)))
+  config = json.loads(json.dumps(config_json(setup.plan, to_yaml(cfg), cfg.data.seq_len, setup.ties)))
   if isinstance(targets, str):
     with pytest.raises(VLLMUnsupportedError, match=f"vLLM cannot serve {targets}.*layer_plans\\[\\d\\]"):
       kv_sharing_targets(config)

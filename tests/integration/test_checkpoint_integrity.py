@@ -14,7 +14,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from conftest import REPO, STRAIGHT, TINY, read_metrics, tiny_config
 from jaxshare import parallel
-from jaxshare.config import MeshConfig
+from jaxshare.config import MeshConfig, to_yaml
 from jaxshare.store import integrity
 from jaxshare.store.checkpoint import CheckpointError, Checkpointer, save_params
 from jaxshare.train.loop import train
@@ -265,7 +265,7 @@ def test_a_checkpoint_written_before_the_stacks_were_renamed_resumes_and_loads(t
   state = init_state(setup)
   old = rename_keys(state.as_dict(), {"stacks": "segments"})
   assert "segments" in old["params"] and "segments" in old["opt_state"][1][0].mu  # what an older jaxshare saved
-  write_run_files(tmp_path, cfg)
+  write_run_files(tmp_path, to_yaml(cfg))
   ckpt = Checkpointer(tmp_path / "checkpoints", 2)
   ckpt.save(3, old, None, {"step": 3})
   ckpt.wait()

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from conftest import tiny_config
-from jaxshare.convert.hf_export import export_params
+from support.runs import export
 from jaxshare.train.state import init_state, setup_training
 
 torch = pytest.importorskip("torch")
@@ -73,6 +73,6 @@ def random_params(cfg, seed=0):
 def export_remote(tmp_path, overrides):
   cfg = tiny_config(*overrides)
   setup, params = random_params(cfg)
-  arch = export_params(cfg, params, tmp_path / "hf", ties=setup.ties)
+  arch = export(cfg, params, tmp_path / "hf", ties=setup.ties)
   assert arch == "JaxshareForCausalLM"
   return cfg, setup, params, tmp_path / "hf"

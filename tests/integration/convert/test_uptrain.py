@@ -14,6 +14,7 @@ from jaxshare.init.rules import InitRules
 from jaxshare.train.state import init_state, setup_training
 
 from conftest import tiny_config
+from support.runs import as_run
 
 
 def test_pool_heads_is_the_mean_of_consecutive_groups():
@@ -112,7 +113,7 @@ def test_cli_uptrain_writes_the_converted_run_and_reports_it(tmp_path, capsys):
   from jaxshare.store.runs import load_run, write_run
 
   src_setup, src = _dense_source()
-  write_run(tmp_path / "dense", src_setup.cfg, src)
+  write_run(tmp_path / "dense", as_run(src_setup.cfg, src))
   overrides = ["schedule.kind=mlkv", "schedule.kv_layers=1", "schedule.kv_heads=1", "train.init_kv_pool=running"]
   assert main(["uptrain", str(tmp_path / "dense"), str(tmp_path / "mlkv"), *overrides]) == 0
   out = capsys.readouterr().out
@@ -192,7 +193,7 @@ def test_cli_uptrain_into_uniattn_fits_wc_on_calibration_batches(tmp_path, capsy
   from jaxshare.store.runs import load_run, write_run
 
   src_setup, src = _dense_source()
-  write_run(tmp_path / "dense", src_setup.cfg, src)
+  write_run(tmp_path / "dense", as_run(src_setup.cfg, src))
   overrides = ["schedule.kind=uniattn", "schedule.uniattn.start=2", "schedule.uniattn.block_size=2"]
   assert main(["uptrain", str(tmp_path / "dense"), str(tmp_path / "uni"), *overrides,
                "--calibration-batches", "2"]) == 0

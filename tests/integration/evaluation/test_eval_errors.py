@@ -11,6 +11,7 @@ from conftest import REPO, cpu_env, tiny_config
 from jaxshare.store.checkpoint import Checkpointer
 from jaxshare.store.runs import write_run
 from jaxshare.train.state import init_state, setup_training
+from support.runs import as_run
 
 
 @pytest.fixture(scope="module")
@@ -20,7 +21,7 @@ def run(tmp_path_factory):
   root = tmp_path_factory.mktemp("eval_errors") / "run"
   setup = setup_training(cfg)
   state = init_state(setup)
-  write_run(root, cfg, state.params)
+  write_run(root, as_run(cfg, state.params))
   ckpt = Checkpointer(root / "checkpoints", keep=3)
   for step in (5, 10):
     ckpt.save(step, state.as_dict(), None, {"step": step})

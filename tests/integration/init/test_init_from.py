@@ -9,6 +9,7 @@ from conftest import TINY, REPO, tiny_config, write_bpe_tokenizer
 from jaxshare.train.config import load_train_config
 from jaxshare.store.runs import read_config, write_run
 from jaxshare.train.state import init_state, setup_training
+from support.runs import as_run
 
 NOT_MODEL = [o for o in TINY if not o.startswith("model.")]  # what a user passes besides the model
 pytestmark = pytest.mark.usefixtures("keep_signal_handlers")
@@ -21,7 +22,7 @@ def runs_dir(tmp_path_factory):
 
   root = tmp_path_factory.mktemp("init_from")
   cfg = tiny_config()
-  write_run(root / "dense", cfg, init_state(setup_training(cfg), seed=3).params)
+  write_run(root / "dense", as_run(cfg, init_state(setup_training(cfg), seed=3).params))
   assert convert_main(["uptrain", str(root / "dense"), str(root / "cla2"), "schedule.kind=cla"]) == 0
   return root
 
@@ -71,7 +72,7 @@ def test_a_runs_own_tokenizer_comes_with_it_and_another_is_refused(tmp_path, run
 
   tokenizer = write_bpe_tokenizer(tmp_path / "tk", corpus.read_text()[:20000])
   cfg = tiny_config("model.vocab_size=300")
-  write_run(tmp_path / "bpe", cfg, init_state(setup_training(cfg), seed=0).params,
+  write_run(tmp_path / "bpe", as_run(cfg, init_state(setup_training(cfg), seed=0).params),
             tokenizer_files=sorted(tokenizer.iterdir()))
   inherited = load_train_config(None, [f"train.init_from={tmp_path / 'bpe'}"])
   assert inherited.data.tokenizer == str(tmp_path / "bpe" / "tokenizer") and inherited.model.vocab_size == 300

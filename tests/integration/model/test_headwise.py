@@ -10,7 +10,7 @@ from flax import nnx
 
 from conftest import tiny_config
 from jaxshare import accounting, parallel
-from jaxshare.config import MeshConfig
+from jaxshare.config import MeshConfig, to_yaml
 from jaxshare.convert.mapping import UnsupportedModelError
 from jaxshare.init.headwise import dense_counterpart, dense_kernels, direct_share, tie_weights
 from jaxshare.init.source import initial_params
@@ -120,7 +120,7 @@ def test_postshare_pairs_round_trip_through_the_run_directory_and_malformed_ones
 
   pairs = PostSharePairs(direct_share(random_weights(), 5, "qk").pairs, "qk", 0.3)
   assert read_stored(tmp_path).pairs() is None  # a run without PostShare
-  write_run_files(tmp_path, tiny_config(), pairs=pairs)
+  write_run_files(tmp_path, to_yaml(tiny_config()), pairs=pairs)
   assert read_stored(tmp_path).pairs() == pairs
   assert json.loads((tmp_path / PAIRS_FILE).read_text())["pairs"]["q"] == [list(p) for p in pairs.pairs["q"]]
   for bad in ("{", json.dumps({"match": "qk", "ratio": 0.3, "pairs": {"q": []}}),
@@ -172,7 +172,8 @@ def test_stored_ties_are_what_a_run_loads_and_an_old_run_migrates_once(tmp_path)
 def test_uptrained_headwise_run_evaluates_generates_and_exports_without_its_source(tmp_path):
   import shutil
 
-  from jaxshare.convert.hf_export import export_params, export_run
+  from jaxshare.convert.hf_export import export_run
+  from support.runs import export
   from jaxshare.convert.hf_import import load_hf_model
   from jaxshare.convert.uptrain import uptrain_run
   from jaxshare.evaluation.evaluate import evaluate_run
@@ -200,7 +201,7 @@ def test_uptrained_headwise_run_evaluates_generates_and_exports_without_its_sour
   with pytest.raises(UnsupportedModelError, match="the model ties 3 .*import without overriding schedule.headwise"):
     load_hf_model(tmp_path / "exported", ["schedule.headwise.ratio=0.15"])
   with pytest.raises(ValueError, match="needs head-wise ties exactly when it ties any"):
-    export_params(run.cfg, run.params, tmp_path / "no_ties")
+    export(run.cfg, run.params, tmp_path / "no_ties")
   config = json.loads((tmp_path / "exported" / "config.json").read_text())
   del config["jaxshare_head_ties"]  # an export written before ties were stored with it
   (tmp_path / "exported" / "config.json").write_text(json.dumps(config))

@@ -6,6 +6,7 @@ import pytest
 
 from jaxshare.config import (ConfigError, apply_overrides, config_from_yaml_text, describe_fields, load_config,
                              to_yaml)
+from support.runs import as_run
 
 
 def test_defaults_and_overrides_compose(tmp_path):
@@ -159,7 +160,7 @@ def test_configs_are_values(tmp_path):
   changed = apply_overrides(cfg, ["train.steps=7"])
   assert changed.train.steps == 7 and cfg == before
   (tmp_path / "tok.json").write_text("{}")
-  write_run(tmp_path / "run", cfg, {"w": np.zeros(2, np.float32)}, tokenizer_files=[tmp_path / "tok.json"])
+  write_run(tmp_path / "run", as_run(cfg, {"w": np.zeros(2, np.float32)}), tokenizer_files=[tmp_path / "tok.json"])
   written = read_config(tmp_path / "run")
   assert written.data.tokenizer == str(tmp_path / "run" / "tokenizer") and written.train.run_dir == str(tmp_path / "run")
   assert cfg == before

@@ -15,6 +15,7 @@ from conftest import CORPUS, tiny_config, write_multiple_choice_task  # noqa: E4
 from jaxshare.store.runs import write_run  # noqa: E402
 from jaxshare.evaluation.lm_eval_harness import JaxshareLM  # noqa: E402
 from support.models import randomized  # noqa: E402
+from support.runs import as_run
 
 
 class Request:
@@ -27,7 +28,7 @@ def run(tmp_path_factory):
   cfg = tiny_config("schedule.kind=uniattn", "schedule.uniattn.block_size=2")
   _, graphdef, params = randomized(cfg)
   run_dir = tmp_path_factory.mktemp("lm_eval") / "run"
-  write_run(run_dir, cfg, params)
+  write_run(run_dir, as_run(cfg, params))
   return run_dir, graphdef, params
 
 

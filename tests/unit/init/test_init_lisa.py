@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from jaxshare.init.lisa import fit_low_rank
+from support.runs import as_run
 
 
 def _weights(D, H, G, d, seed):
@@ -156,7 +157,7 @@ def test_calibrated_start_needs_calibration_batches(tmp_path):
   src_cfg, src, _, _, init = _lisa_conversion("calibrated")
   with pytest.raises(ConfigError, match="train.init_lisa=calibrated needs calibration batches"):
     init()
-  write_run(tmp_path / "src", src_cfg, src[2])
+  write_run(tmp_path / "src", as_run(src_cfg, src[2]))
   with pytest.raises(ConfigError, match="--calibration-batches must be >= 1"):
     uptrain_run(tmp_path / "src", tmp_path / "out", ["schedule.kind=gqa+lisa_plus", "schedule.lisa.layers=[2,3]",
                                                       "train.init_lisa=calibrated"], calibration_batches=0)

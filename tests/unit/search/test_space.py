@@ -7,7 +7,7 @@ from hypothesis import given, settings, strategies as st
 from conftest import tiny_config
 from jaxshare import accounting
 from jaxshare.config import apply_overrides
-from jaxshare.init.source import with_match_reference
+from jaxshare.config.source import with_match_reference
 from jaxshare.plan import plan_of
 from jaxshare.search.budget import Budget, Limit, SearchError, parse_limit
 from jaxshare.search.space import FAMILIES, candidates
@@ -35,7 +35,7 @@ def test_every_candidate_is_a_valid_schedule_within_budget(layers, heads, kv, fl
   assert source.kv_bytes == accounting.kv_cache_bytes_per_token(src.model, src_plan.schedule)
   for c in cands:
     cfg = with_match_reference(apply_overrides(src, ["schedule.kind=dense", "schedule.match_reference_params=0",
-                                                     *c.overrides, "train.init_from=runs/src"]), src)
+                                                     *c.overrides, "train.init_from=runs/src"]), source.params)
     plan = plan_of(cfg)  # compiles: a schedule the CLIs train, convert and serve
     kv_bytes = accounting.kv_cache_bytes_per_token(cfg.model, plan.schedule)
     assert kv_bytes == c.cost.kv_bytes
