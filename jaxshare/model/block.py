@@ -274,6 +274,14 @@ def shared_checkpoint(plan: ModelPlan, runs: tuple[RunPlan, ...]) -> bool:
   return remat.enabled(plan.model.remat) and sum(run.length for run in runs) > 1
 
 
+def superblock_checkpoint(plan: ModelPlan, runs: tuple[RunPlan, ...]) -> str | None:
+  """The ``model.remat`` name of the checkpoint around a superblock of ``runs`` (None: it has none): without remat
+  every superblock's (:func:`jaxshare.model.remat.keep_all_but_elementwise`), under a policy a several-layer
+  superblock's (:func:`shared_checkpoint`). A name, not the policy: a policy is a fresh function each time, and NNX
+  compares graphs by their static fields."""
+  return plan.model.remat if shared_checkpoint(plan, runs) or not remat.enabled(plan.model.remat) else None
+
+
 def _keep_lse(state: ScoreState | None) -> ScoreState | None:
   """A score source's state with its log-sum-exp named for the superblock's checkpoint to keep
   (:data:`~jaxshare.model.remat.SCORE_LSE`): ``[B, H, T]`` float32, which recomputing would cost an attention."""

@@ -10,7 +10,7 @@ from jaxshare import context, parallel
 from jaxshare.config import ModelConfig
 from jaxshare.model import cache as kv_cache
 from jaxshare.model import remat
-from jaxshare.model.block import MHAActivations, Superblock, shared_checkpoint, unrolled
+from jaxshare.model.block import MHAActivations, Superblock, superblock_checkpoint, unrolled
 from jaxshare.model.cache import DecodeCache, StepContext
 from jaxshare.model.layers import DenseGeneral, make_norm, param
 from jaxshare.model.scan import scan_or_unroll
@@ -24,11 +24,7 @@ class Stack(nnx.Module):
 
   def __init__(self, plan: ModelPlan, stack: StackPlan, *, rngs: nnx.Rngs):
     self.count, self.scan = stack.count, plan.model.scan_layers and not unrolled(plan, stack.runs)
-    # The policy's name (a policy is a fresh function each time, and NNX compares graphs by their static fields) of
-    # the checkpoint around each superblock: without remat every superblock's (jaxshare.model.remat), under a policy
-    # a superblock of several layers'.
-    self.remat = plan.model.remat if shared_checkpoint(plan, stack.runs) or not remat.enabled(plan.model.remat) \
-      else None
+    self.remat = superblock_checkpoint(plan, stack.runs)
 
     @nnx.split_rngs(splits=stack.count)
     @nnx.vmap(in_axes=(0,), out_axes=0)
