@@ -15,44 +15,12 @@ import jax.numpy as jnp
 from jaxshare.config import ConfigError
 from jaxshare.config.choices import AttentionImpl, ContextStrategy, parse
 from jaxshare import context
-from jaxshare.kernels import (cudnn, decode, flash, flash_decode, local_queries, pallas, reference, ring, splash,
-                              tuning, xla)
+from jaxshare.kernels import (cudnn, decode, flash, flash_decode, local_queries, pallas, reference, ring, routes,
+                              splash, tuning, xla)
 from jaxshare.kernels.recompute import recomputed
+from jaxshare.kernels.routes import Impl, Role
 
 log = logging.getLogger(__name__)
-
-# attention.impl=auto, by platform and role: (platform, role, what runs, why: the measurement behind the choice).
-# docs/kernels.md shows this table (tests/equivalence/test_splash.py checks that it does).
-AUTO_TABLE = (
-  ("TPU", "own scores (dense, GQA/MQA, producers), K/V consumers", "splash",
-   "the library kernel MaxText runs on TPUs; compiles here for v5e, v5p and v6e; not yet timed on a TPU"),
-  ("TPU", "probability reuse (SA, UniAttn)", "splash over the source's Q and K",
-   "the same kernel as dense attention, so reuse costs what dense attention does"),
-  ("TPU", "LISA_plus / DS chains", "splash over the concatenated features", "as own scores"),
-  ("TPU", "queries and keys of different lengths", "pallas (Mosaic)", "splash attends a sequence to itself only"),
-  ("TPU", "decode", "pallas decode", "the split-K kernel over the shared cache; no library kernel reads it"),
-  ("GPU", "own scores (dense, GQA/MQA, producers), K/V consumers", "cudnn (bf16/fp16)",
-   "one H200, ~1.2B step: dense 63,045 tok/s against 58,399 with Pallas at T = 2048 (1.08x), 51,671 against 41,415 at "
-   "T = 8192 (1.25x); fwd+bwd at T = 4096, d = 128: 2.285 ms against 4.091 ms"),
-  ("GPU", "probability reuse (SA, UniAttn)", "cudnn over the source's Q and K",
-   "2.292 ms fwd+bwd at T = 4096, d = 128: as dense, and 1.29x faster than the Pallas reuse kernel (2.949 ms); "
-   "the UniAttn step needs ~5% more HBM per sequence than with Pallas (docs/scale-out.md)"),
-  ("GPU", "rows of more than 16 documents (one before Hopper: no packed layout)", "pallas (Triton)",
-   "cuDNN's packed layout sizes its work by the documents per row (M = T asked 4.1 TiB at T = 16k); chosen once "
-   "per micro-batch"),
-  ("GPU", "LISA_plus / DS chains (float32 features), float32 models", "pallas (Triton)",
-   "cuDNN takes bf16/fp16 only; the ~1.2B LISA_plus step ran at 0.61x dense's tokens/s on an H200"),
-  ("GPU", "LISA_plus chains read in bf16 (attention.chain_dtype=compute)", "cudnn, Q/K wider than V (Hopper)",
-   "jax's MLA path (cuDNN >= 9.10); compiles for an H100 here, not yet timed on a GPU"),
-  ("TPU", "every softmax role under context parallelism (mesh.context > 1)",
-   "pallas (Mosaic) by query offset where a head's whole K/V fit VMEM, else xla",
-   "splash's mask is static per query shard and cannot follow the load-balanced layout's per-device offsets"),
-  ("GPU", "every softmax role under context parallelism (mesh.context > 1)", "pallas (Triton) by query offset",
-   "cuDNN's causal mask (jax 0.10) aligns queries and keys at the start and takes no query offset; the Triton "
-   "kernels skip a chunk's invisible key blocks, so every device does the same work"),
-  ("CPU", "every role", "xla", "the FlashAttention-style XLA backward: the fastest here"),
-)
-
 
 @dataclasses.dataclass(frozen=True)
 class AttentionOps:
@@ -132,7 +100,7 @@ def get_attention(impl: str, context_strategy: str = "all_gather") -> AttentionO
 
   def attention(q, k, v, q_segment_ids, kv_segment_ids, **kwargs):
     if context.active():
-      forward, _, backward = local()
+      forward, _, backward = local(q.dtype)
       if on_ring:
         return ring.attention(forward, q, k, v, kv_segment_ids, backward=backward, **kwargs)
       return local_queries.attention(forward, q, k, v, kv_segment_ids, **kwargs)
@@ -142,7 +110,7 @@ def get_attention(impl: str, context_strategy: str = "all_gather") -> AttentionO
     if context.active():
       if lse is None:  # the source ran a library kernel that hands on no LSE: impossible here, it ran ours
         raise ValueError("probability reuse under context parallelism needs its source's log-sum-exp")
-      _, reuse, backward = local()
+      _, reuse, backward = local(q.dtype)
       if on_ring:
         return ring.attention_from_lse(reuse, q, k, lse, v, kv_segment_ids, backward=backward, **kwargs)
       return local_queries.attention_from_lse(reuse, q, k, lse, v, kv_segment_ids, **kwargs)
@@ -154,32 +122,35 @@ def get_attention(impl: str, context_strategy: str = "all_gather") -> AttentionO
 # Why a library kernel does not attend a context-parallel device's queries, by implementation.
 _CONTEXT_FALLBACK = {
   "cudnn": "cuDNN's causal mask (jax 0.10) aligns queries and keys at the start and takes no query offset, so it "
-           "cannot attend a sequence shard's queries to the gathered keys, nor a query chunk to a key chunk of the ring "
-           "by the chunks' offset",
+           "cannot attend a sequence shard's queries to the gathered keys, nor a query chunk to a key chunk of the "
+           "ring by the chunks' offset",
   "splash": "splash attention's mask is static per query shard and cannot follow the load-balanced layout's "
             "per-device offsets",
 }
 
 
-def _context_kernels(impl: str) -> tuple[Callable, Callable, Callable]:
+def _context_kernels(impl: str, dtype) -> tuple[Callable, Callable, Callable]:
   """``(attention, attention_from_lse, attention_backward)`` run per device and query chunk under context
-  parallelism: kernels of the reference contract that take ``q_offset``, and the backward pass alone of the first
-  (:func:`jaxshare.kernels.xla.attention_backward`), which the ring runs per chunk pair. jaxshare's Pallas kernels on GPU/TPU (the libraries fall back to them,
-  with one warning naming why), XLA on CPU and where the kernels refuse the shapes.
+  parallelism, computing in ``dtype``: kernels of the reference contract that take ``q_offset``, and the backward
+  pass alone of the first (:func:`jaxshare.kernels.xla.attention_backward`), which the ring runs per chunk pair.
+  jaxshare's Pallas kernels on GPU/TPU (the libraries fall back to them, with one warning naming why; ``auto``: the
+  context-parallel row of :data:`~jaxshare.kernels.routes.ROUTES`), XLA on CPU and where the kernels refuse the
+  shapes.
 
   Raises:
     ConfigError: ``pallas`` (or a library) on a platform without its kernels.
   """
+  if impl == "auto":
+    row = routes.route(tuning.platform(), Role.CONTEXT, dtype)
+    impl = {Impl.PALLAS: "auto", Impl.XLA: "xla"}[row.impl]
+    if impl == "auto":
+      _warn_once(f"attention.impl=auto under context parallelism runs {row.runs}: {row.why}")
   if impl in ("xla", "reference"):
     return (xla.attention if impl == "xla" else reference.attention), _recomputed_reuse, xla.attention_backward
   library = impl.removesuffix("_interpret")
-  if library in _CONTEXT_FALLBACK or (impl == "auto" and tuning.platform() in _AUTO_LIBRARIES):
-    name = _AUTO_LIBRARIES.get(tuning.platform(), library) if impl == "auto" else library
-    if name in _CONTEXT_FALLBACK:
-      reason = f"{name} not used under context parallelism ({_CONTEXT_FALLBACK[name]}); jaxshare's kernels run"
-      if reason not in _warned:
-        _warned.add(reason)
-        log.warning("attention.impl=%s: %s", impl, reason)
+  if library in _CONTEXT_FALLBACK:
+    _warn_once(f"attention.impl={impl}: {library} not used under context parallelism ({_CONTEXT_FALLBACK[library]}); "
+               "jaxshare's kernels run")
   if impl.endswith("_interpret"):
     return (functools.partial(flash.attention, backend="interpret"),
             functools.partial(flash.attention_from_lse, backend="interpret"),
@@ -201,9 +172,10 @@ def _get_attention(impl: str) -> AttentionOps:
   tests on CPU); ``splash``: jax's splash attention kernel on TPU for every softmax role, probability reuse
   included (attention over the source's Q and K, see :mod:`jaxshare.kernels.splash`), the Pallas decode kernel for
   decode steps; ``splash_interpret``: the same in interpret mode; ``cudnn``: cuDNN's fused attention on GPU likewise
-  (:mod:`jaxshare.kernels.cudnn`); ``auto``: :data:`AUTO_TABLE` (splash on TPU and cuDNN on GPU where they take
-  the arguments, else ``pallas`` for the shapes it supports, else ``xla``, with one warning naming the reason). A library implementation runs jaxshare's kernels, with one
-  warning, for arguments the library refuses. The platform is resolved when the model is traced, so a TPU topology
+  (:mod:`jaxshare.kernels.cudnn`); ``auto``: each call as its row of :data:`~jaxshare.kernels.routes.ROUTES` says
+  (splash on TPU and cuDNN on GPU where they take the arguments, else ``pallas`` for the shapes it supports, else
+  ``xla``, with one warning naming the reason). A library implementation runs jaxshare's kernels, with one warning,
+  for arguments the library refuses. The platform is resolved when the model is traced, so a TPU topology
   mesh on a CPU host compiles the Mosaic kernels.
 
   Raises:
@@ -229,15 +201,47 @@ def _get_attention(impl: str) -> AttentionOps:
     return AttentionOps(_library_or(library, own.attention),
                         _library_reuse_or(library, own.attention, own.attention_from_lse),
                         own.decode_attention)
+  return _routed()
+
+
+def _routed() -> AttentionOps:
+  """``attention.impl=auto``: every call runs the implementation of its row of
+  :data:`~jaxshare.kernels.routes.ROUTES` (platform, role, compute dtype), chosen when it is traced."""
   own = AttentionOps(_auto(pallas.attention, xla.attention, _QKV),
                      _auto(pallas.attention_from_lse, _recomputed_reuse, _REUSE_QKV),
                      _auto(pallas.decode_attention, decode.attention, _DECODE_QKV))
-  libraries = {platform: _LIBRARIES[name] for platform, name in _AUTO_LIBRARIES.items()}
-  return AttentionOps(_by_platform({p: _library_or(lib, own.attention) for p, lib in libraries.items()}, own.attention),
-                      _by_platform({p: _library_reuse_or(lib, own.attention, own.attention_from_lse)
-                                    for p, lib in libraries.items()},
-                                   own.attention_from_lse),
-                      own.decode_attention)
+  ops = {Impl.PALLAS: own, Impl.XLA: _XLA}
+  for impl in {row.impl for row in routes.ROUTES} - set(ops):  # the library kernels
+    library = _LIBRARIES[impl]
+    ops[impl] = AttentionOps(_library_or(library, own.attention),
+                             _library_reuse_or(library, own.attention, own.attention_from_lse), own.decode_attention)
+
+  def attention(q, k, v, q_segment_ids, kv_segment_ids, **kwargs):
+    return ops[_route_of(q, k, v).impl].attention(q, k, v, q_segment_ids, kv_segment_ids, **kwargs)
+
+  def attention_from_lse(q, k, lse, v, q_segment_ids, kv_segment_ids, **kwargs):
+    chosen = ops[_route_of(q, k, v, reuse=True).impl]
+    if lse is None:  # the source ran a library kernel, which hands on no LSE: attention over its Q and K
+      return chosen.attention(q, k, v, q_segment_ids, kv_segment_ids, **kwargs).astype(v.dtype)
+    return chosen.attention_from_lse(q, k, lse, v, q_segment_ids, kv_segment_ids, **kwargs)
+
+  def decode_attention(q, k, v, mask, **kwargs):
+    return ops[routes.route(tuning.platform(), Role.DECODE, q.dtype).impl].decode_attention(q, k, v, mask, **kwargs)
+
+  return AttentionOps(attention, attention_from_lse, decode_attention)
+
+
+def _route_of(q, k, v, *, reuse: bool = False) -> routes.Route:
+  """The row of a softmax call on the platform being compiled for: its role from the shapes
+  (:func:`~jaxshare.kernels.routes.role_of`), or rows of more documents than the platform's library takes, where
+  the caller bounded them (:func:`documents_known`)."""
+  platform = tuning.platform()
+  role = routes.role_of(q, k, v, reuse=reuse)
+  library = library_for("auto", platform)
+  bound = _DOCUMENTS.get()
+  if library is not None and library.max_documents and bound is not None and bound > library.max_documents(platform):
+    role = Role.DOCUMENTS
+  return routes.route(platform, role, q.dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -272,14 +276,16 @@ _LIBRARIES = {
                     device_unsupported=cudnn.device_unsupported,
                     dtypes=cudnn.DTYPES),
 }
-# the library attention.impl=auto runs, by platform
-_AUTO_LIBRARIES = {"tpu": "splash", "gpu": "cudnn"}
 
 
 def library_for(impl: str, platform: str) -> _Library | None:
   """The library kernel ``attention.impl=impl`` runs when compiling for ``platform`` (``gpu``, ``tpu``, ``cpu``), or
-  None where it runs jaxshare's kernels or XLA."""
-  return _LIBRARIES.get(_AUTO_LIBRARIES.get(platform, "") if impl == "auto" else impl)
+  None where it runs jaxshare's kernels or XLA (``auto``: what its rows run for own scores in bf16)."""
+  if impl != "auto":
+    return _LIBRARIES.get(impl)
+  if platform not in routes.PLATFORMS:
+    return None
+  return _LIBRARIES.get(routes.route(platform, Role.OWN, jnp.bfloat16).impl)
 
 
 def document_bounds(impl: str, dtype: str, platform: str | None = None) -> tuple[int, ...] | None:
@@ -321,11 +327,6 @@ def knowing(bound: int | None, fn: Callable) -> Callable:
   return call
 
 
-def _by_platform(fns: dict[str, Callable], other: Callable) -> Callable:
-  """``fns[platform]`` for the platform being compiled for, else ``other`` (resolved when the model is traced)."""
-  return lambda *args, **kwargs: fns.get(tuning.platform(), other)(*args, **kwargs)
-
-
 def _library_or(library: _Library, fallback: Callable) -> Callable:
   """The library kernel per device; for arguments it refuses ``fallback`` (one warning naming why), and for
   batches whose documents it cannot take (more per row than ``library.max_documents``) ``fallback``: decided on
@@ -340,9 +341,7 @@ def _library_or(library: _Library, fallback: Callable) -> Callable:
                         f"{tuning.platform()}. Use auto{library.elsewhere}")
     if reason := (library.platform and library.device_unsupported and library.device_unsupported()) or \
         library.unsupported(q, k, v):
-      if reason not in _warned:
-        _warned.add(reason)
-        log.warning("attention.impl: %s not used (%s); falling back", library.impl, reason)
+      _warn_once(f"attention.impl: {library.impl} not used ({reason}); falling back")
       return fallback(
         q, k, v, q_segment_ids, kv_segment_ids, causal=causal, scale=scale, window=window, return_lse=return_lse)
     kernel = functools.partial(library.attention, causal=causal, scale=scale, window=window)
@@ -378,6 +377,13 @@ def _library_reuse_or(library: _Library, attention: Callable, with_lse: Callable
   return call
 
 
+def _warn_once(message: str) -> None:
+  """Log ``message`` as a warning the first time it is given in this process."""
+  if message not in _warned:
+    _warned.add(message)
+    log.warning("%s", message)
+
+
 def _reason_not_to_run(args: tuple, check: Callable) -> str | None:
   """Why the kernels cannot run these arguments here: no accelerator, or what ``check`` (one of ``_QKV``,
   ``_REUSE_QKV``, ``_DECODE_QKV``) refuses."""
@@ -405,8 +411,7 @@ def _auto(kernel: Callable, fallback: Callable, check: Callable) -> Callable:
     reason = _reason_not_to_run(args, check)
     if reason is None:
       return kernel(*args, **kwargs)
-    if reason != _NO_ACCELERATOR and reason not in _warned:
-      _warned.add(reason)
-      log.warning("attention.impl=auto: Pallas kernel not used (%s); falling back to xla", reason)
+    if reason != _NO_ACCELERATOR:
+      _warn_once(f"attention.impl=auto: Pallas kernel not used ({reason}); falling back to xla")
     return fallback(*args, **kwargs)
   return call

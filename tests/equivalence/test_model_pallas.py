@@ -65,19 +65,21 @@ def test_heads_stay_whole_when_kv_heads_do_not_split_alike():
 
 
 def test_auto_falls_back_to_xla_once_naming_the_reason(monkeypatch, caplog):
-  """On an accelerator, a shape the kernels do not support runs in XLA with one warning; ``pallas`` refuses it."""
-  monkeypatch.setattr(tuning, "default_backend", lambda: "mosaic_tpu")
+  """On an accelerator, a shape the kernels do not support runs in XLA with one warning; ``pallas`` refuses it.
+  Queries shorter than the keys: a role that ``auto`` runs with jaxshare's kernels on a TPU (splash attends a
+  sequence to itself only)."""
+  monkeypatch.setattr(tuning, "platform", lambda: "tpu")
   monkeypatch.setattr(tuning, "VMEM_LIMIT", 1024)  # every shape is then too large for VMEM
   monkeypatch.setattr(dispatch, "_warned", set())
   q = jax.random.normal(jax.random.PRNGKey(0), (1, 8, 2, 4))
-  seg = jnp.ones((1, 8), jnp.int32)
+  short, seg, lse = q[:, :4], jnp.ones((1, 8), jnp.int32), jnp.zeros((1, 2, 4))
   ops = dispatch.get_attention("auto")
   with caplog.at_level("WARNING"):
-    outs = [ops.attention(q, q, q, seg, seg) for _ in range(2)]
-    reuse = ops.attention_from_lse(q, q, jnp.zeros((1, 2, 8)), q, seg, seg, scale=0.5)
+    outs = [ops.attention(short, q, q, seg[:, :4], seg) for _ in range(2)]
+    reuse = ops.attention_from_lse(short, q, lse, q, seg[:, :4], seg, scale=0.5)
   for out in outs:
-    np.testing.assert_array_equal(out, xla.attention(q, q, q, seg, seg))
-  np.testing.assert_allclose(reuse, reference.attention_from_lse(q, q, jnp.zeros((1, 2, 8)), q, seg, seg, scale=0.5))
+    np.testing.assert_array_equal(out, xla.attention(short, q, q, seg[:, :4], seg))
+  np.testing.assert_allclose(reuse, reference.attention_from_lse(short, q, lse, q, seg[:, :4], seg, scale=0.5))
   warnings = [r.getMessage() for r in caplog.records if "falling back to xla" in r.getMessage()]
   assert len(warnings) == 1 and "MiB of VMEM > 0 MiB" in warnings[0], warnings
   with pytest.raises(ValueError, match="attention.impl=pallas cannot run here: T=8, S=8"):
