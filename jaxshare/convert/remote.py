@@ -200,5 +200,5 @@ def _stored_ties(config: dict, plan: ModelPlan) -> HeadTies | None:
     ties.check(len(schedule.layers), plan.model.num_heads, schedule.tied_heads,
                "'jaxshare_head_ties' of config.json")
   except ValueError as e:
-    raise UnsupportedModelError(f"{e}: import without overriding schedule.headwise") from None
+    raise UnsupportedModelError(f"{e} (edited by hand?): export the run again") from None
   return ties

@@ -198,8 +198,17 @@ def test_uptrained_headwise_run_evaluates_generates_and_exports_without_its_sour
   imported = load_hf_model(tmp_path / "exported")
   assert imported.ties == run.ties
   jax.tree.map(np.testing.assert_array_equal, imported.params, jax.device_get(run.params))
-  with pytest.raises(UnsupportedModelError, match="the model ties 3 .*import without overriding schedule.headwise"):
+  with pytest.raises(UnsupportedModelError, match=r"overrides \['schedule.headwise.ratio=0.15'\] change the "
+                     "schedule of a remote-code directory.*convert uptrain"):
     load_hf_model(tmp_path / "exported", ["schedule.headwise.ratio=0.15"])
+  config = json.loads((tmp_path / "exported" / "config.json").read_text())
+  damaged = tmp_path / "damaged"
+  shutil.copytree(tmp_path / "exported", damaged)
+  ties = json.loads(config["jaxshare_head_ties"])
+  (damaged / "config.json").write_text(json.dumps({**config, "jaxshare_head_ties": json.dumps(
+    {**ties, "index": {m: rows[:-1] for m, rows in ties["index"].items()}})}))
+  with pytest.raises(UnsupportedModelError, match=r"jaxshare_head_ties.*\(edited by hand\?\): export the run again"):
+    load_hf_model(damaged)
   with pytest.raises(ValueError, match="needs head-wise ties exactly when it ties any"):
     export(run.cfg, run.params, tmp_path / "no_ties")
   config = json.loads((tmp_path / "exported" / "config.json").read_text())
