@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxshare import accounting
-from jaxshare.config import AttentionConfig, Config, ModelConfig, ScheduleConfig
+from jaxshare.config import AttentionConfig, Config, HeadwiseConfig, ModelConfig, ScheduleConfig
 from jaxshare.schedule import Schedule, compile_schedule
 
 
@@ -39,6 +39,11 @@ class ModelPlan:
   @property
   def tied_heads(self) -> int:
     return self.schedule.tied_heads
+
+  def dense_counterpart(self) -> ModelPlan:
+    """The same model with a plain dense schedule (what head-wise sharing is selected on and converted from)."""
+    return compile_plan(self.model, dataclasses.replace(self.schedule_config, kind="dense", headwise=HeadwiseConfig()),
+                        self.attention)
 
   def param_count(self) -> accounting.ParamCount:
     """The model's parameters by part (:func:`jaxshare.accounting.param_count`)."""

@@ -8,20 +8,18 @@ Each head has at most one edge to an earlier layer, so the pairs form a forest a
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from jaxshare import distributed
 from jaxshare.store import runs
-from jaxshare.config import ConfigError, HeadwiseConfig
+from jaxshare.config import ConfigError
 from jaxshare.init.shared import copy_shared_weights
 from jaxshare.model import build_model
 from jaxshare.model.params import layer_params
 from jaxshare.model.ties import MATRICES, HeadTies
-from jaxshare.plan import ModelPlan, compile_plan
+from jaxshare.plan import ModelPlan
 from jaxshare.schedule import parse_kind
 
 _MATCH_FEATURES = {"qk": ("q", "k"), "q": ("q",), "k": ("k",), "v": ("v",), "qkv": ("q", "k", "v")}
@@ -177,18 +175,12 @@ def tied_params_from_dense(dense_params: dict, template: dict, ties: HeadTies, s
   return {**copy_shared_weights(dense_params, schedule, template, schedule), "head_table": table}
 
 
-def dense_counterpart(plan: ModelPlan) -> ModelPlan:
-  """The same model with a plain dense schedule (what head-wise sharing is selected on and converted from)."""
-  return compile_plan(plan.model, dataclasses.replace(plan.schedule_config, kind="dense", headwise=HeadwiseConfig()),
-                      plan.attention)
-
-
 def fresh_ties(plan: ModelPlan, seed: int) -> HeadTies | None:
   """DirectShare's head ties (None without head-wise sharing) chosen on the dense counterpart of ``plan``'s model
   initialised from ``seed``: a run's ties when it starts from scratch (Head-wise Shareable Attention Alg. 1)."""
   if not plan.tied_heads:
     return None
-  dense = dense_counterpart(plan)
+  dense = plan.dense_counterpart()
   params = nnx.to_pure_dict(nnx.state(build_model(dense, seed), nnx.Param))
   return direct_share(dense_kernels(params, dense.schedule, plan.model.num_layers), plan.tied_heads,
                       plan.schedule_config.headwise.match)

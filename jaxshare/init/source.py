@@ -9,7 +9,7 @@ from flax import nnx
 from jaxshare.config import ConfigError, ModelConfig
 from jaxshare.data.errors import DataError
 from jaxshare.data.tokenizers import tokenizer_fingerprint
-from jaxshare.init.headwise import dense_counterpart, tied_params_from_dense
+from jaxshare.init.headwise import tied_params_from_dense
 from jaxshare.init.kv import convert_kv
 from jaxshare.init.lisa import init_low_rank
 from jaxshare.init.mlp import widen_mlp
@@ -64,7 +64,7 @@ def initial_params(plan: ModelPlan, ties: HeadTies | None, seed: int) -> dict:
   params = nnx.to_pure_dict(nnx.state(build_model(plan, seed, ties), nnx.Param))
   if ties is None:
     return params
-  dense = dense_counterpart(plan)
+  dense = plan.dense_counterpart()
   dense_params = nnx.to_pure_dict(nnx.state(build_model(dense, seed), nnx.Param))
   return tied_params_from_dense(dense_params, params, ties, dense.schedule)
 

@@ -18,7 +18,7 @@ from jaxshare import context
 from jaxshare.kernels import (cudnn, decode, flash, flash_decode, local_queries, pallas, reference, ring, routes,
                               splash, tuning, xla)
 from jaxshare.kernels.recompute import recomputed
-from jaxshare.kernels.routes import Impl, Role
+from jaxshare.kernels.routes import Role
 
 log = logging.getLogger(__name__)
 
@@ -142,7 +142,7 @@ def _context_kernels(impl: str, dtype) -> tuple[Callable, Callable, Callable]:
   """
   if impl == "auto":
     row = routes.route(tuning.platform(), Role.CONTEXT, dtype)
-    impl = {Impl.PALLAS: "auto", Impl.XLA: "xla"}[row.impl]
+    impl = {AttentionImpl.PALLAS: "auto", AttentionImpl.XLA: "xla"}[row.impl]
     if impl == "auto":
       _warn_once(f"attention.impl=auto under context parallelism runs {row.runs}: {row.why}")
   if impl in ("xla", "reference"):
@@ -210,7 +210,7 @@ def _routed() -> AttentionOps:
   own = AttentionOps(_auto(pallas.attention, xla.attention, _QKV),
                      _auto(pallas.attention_from_lse, _recomputed_reuse, _REUSE_QKV),
                      _auto(pallas.decode_attention, decode.attention, _DECODE_QKV))
-  ops = {Impl.PALLAS: own, Impl.XLA: _XLA}
+  ops = {AttentionImpl.PALLAS: own, AttentionImpl.XLA: _XLA}
   for impl in {row.impl for row in routes.ROUTES} - set(ops):  # the library kernels
     library = _LIBRARIES[impl]
     ops[impl] = AttentionOps(_library_or(library, own.attention),

@@ -15,6 +15,8 @@ import enum
 
 import jax.numpy as jnp
 
+from jaxshare.config.choices import AttentionImpl
+
 
 class Role(enum.StrEnum):
   """An attention call as the routing tells them apart (values: as docs/kernels.md names them)."""
@@ -26,15 +28,6 @@ class Role(enum.StrEnum):
   DECODE = "decode"
   DOCUMENTS = "rows of more than 16 documents"  # more than the library's packed layout takes
   CONTEXT = "every softmax role under context parallelism (mesh.context > 1)"
-
-
-class Impl(enum.StrEnum):
-  """What runs: a library kernel, jaxshare's Pallas kernels, or XLA."""
-
-  SPLASH = "splash"
-  CUDNN = "cudnn"
-  PALLAS = "pallas"
-  XLA = "xla"
 
 
 class Dtypes(enum.StrEnum):
@@ -61,7 +54,7 @@ class Route:
     platform: ``tpu``, ``gpu`` or ``cpu`` (the platform compiled for: :func:`jaxshare.kernels.tuning.platform`).
     roles: the roles the row routes; ``label`` names them in the docs (default: the one role's name).
     dtypes: the compute dtypes it routes (the queries' dtype).
-    impl: what runs.
+    impl: what runs: splash, cudnn, pallas (jaxshare's kernels) or xla.
     runs: what runs, as the docs say it (how the implementation is applied to these roles).
     why: the measurement or the limit behind the choice.
   """
@@ -69,7 +62,7 @@ class Route:
   platform: str
   roles: tuple[Role, ...]
   dtypes: Dtypes
-  impl: Impl
+  impl: AttentionImpl
   runs: str
   why: str
   label: str = ""
@@ -85,41 +78,43 @@ class Route:
 
 # First matching row wins. On TPU and GPU the library kernel runs what it takes; jaxshare's kernels the rest.
 ROUTES = (
-  Route("tpu", (Role.CONTEXT,), Dtypes.ANY, Impl.PALLAS,
+  Route("tpu", (Role.CONTEXT,), Dtypes.ANY, AttentionImpl.PALLAS,
         "pallas (Mosaic) by query offset where a head's whole K/V fit VMEM, else xla",
         "splash's mask is static per query shard and cannot follow the load-balanced layout's per-device offsets"),
-  Route("tpu", (Role.DECODE,), Dtypes.ANY, Impl.PALLAS, "pallas decode",
+  Route("tpu", (Role.DECODE,), Dtypes.ANY, AttentionImpl.PALLAS, "pallas decode",
         "the split-K kernel over the shared cache; no library kernel reads it"),
-  Route("tpu", (Role.CROSS,), Dtypes.ANY, Impl.PALLAS, "pallas (Mosaic)", "splash attends a sequence to itself only"),
-  Route("tpu", (Role.OWN, Role.DOCUMENTS), Dtypes.ANY, Impl.SPLASH, "splash",
+  Route("tpu", (Role.CROSS,), Dtypes.ANY, AttentionImpl.PALLAS, "pallas (Mosaic)",
+        "splash attends a sequence to itself only"),
+  Route("tpu", (Role.OWN, Role.DOCUMENTS), Dtypes.ANY, AttentionImpl.SPLASH, "splash",
         "the library kernel MaxText runs on TPUs; compiles here for v5e, v5p and v6e; not yet timed on a TPU"),
-  Route("tpu", (Role.REUSE,), Dtypes.ANY, Impl.SPLASH, "splash over the source's Q and K",
+  Route("tpu", (Role.REUSE,), Dtypes.ANY, AttentionImpl.SPLASH, "splash over the source's Q and K",
         "the same kernel as dense attention, so reuse costs what dense attention does"),
-  Route("tpu", (Role.CHAIN,), Dtypes.ANY, Impl.SPLASH, "splash over the concatenated features", "as own scores"),
-  Route("gpu", (Role.CONTEXT,), Dtypes.ANY, Impl.PALLAS, "pallas (Triton) by query offset",
+  Route("tpu", (Role.CHAIN,), Dtypes.ANY, AttentionImpl.SPLASH, "splash over the concatenated features",
+        "as own scores"),
+  Route("gpu", (Role.CONTEXT,), Dtypes.ANY, AttentionImpl.PALLAS, "pallas (Triton) by query offset",
         "cuDNN's causal mask (jax 0.10) aligns queries and keys at the start and takes no query offset; the Triton "
         "kernels skip a chunk's invisible key blocks, so every device does the same work"),
-  Route("gpu", (Role.DECODE,), Dtypes.ANY, Impl.PALLAS, "pallas decode",
+  Route("gpu", (Role.DECODE,), Dtypes.ANY, AttentionImpl.PALLAS, "pallas decode",
         "the split-K kernel over the shared cache; no library kernel reads it"),
-  Route("gpu", (Role.CROSS,), Dtypes.ANY, Impl.PALLAS, "pallas (Triton)",
+  Route("gpu", (Role.CROSS,), Dtypes.ANY, AttentionImpl.PALLAS, "pallas (Triton)",
         "cuDNN's flash attention (jax 0.10) attends a sequence to itself only"),
-  Route("gpu", SOFTMAX_ROLES + (Role.DOCUMENTS,), Dtypes.FLOAT32, Impl.PALLAS, "pallas (Triton)",
+  Route("gpu", SOFTMAX_ROLES + (Role.DOCUMENTS,), Dtypes.FLOAT32, AttentionImpl.PALLAS, "pallas (Triton)",
         "cuDNN takes bf16/fp16 only; the ~1.2B LISA_plus step ran at 0.61x dense's tokens/s on an H200",
         label="LISA_plus / DS chains (float32 features), float32 models"),
-  Route("gpu", (Role.DOCUMENTS,), Dtypes.HALF, Impl.PALLAS, "pallas (Triton)",
+  Route("gpu", (Role.DOCUMENTS,), Dtypes.HALF, AttentionImpl.PALLAS, "pallas (Triton)",
         "cuDNN's packed layout sizes its work by the documents per row (M = T asked 4.1 TiB at T = 16k); chosen once "
         "per micro-batch", label="rows of more than 16 documents (one before Hopper: no packed layout)"),
-  Route("gpu", (Role.OWN,), Dtypes.HALF, Impl.CUDNN, "cudnn (bf16/fp16)",
+  Route("gpu", (Role.OWN,), Dtypes.HALF, AttentionImpl.CUDNN, "cudnn (bf16/fp16)",
         "one H200, ~1.2B step: dense 63,045 tok/s against 58,399 with Pallas at T = 2048 (1.08x), 51,671 against "
         "41,415 at T = 8192 (1.25x); fwd+bwd at T = 4096, d = 128: 2.285 ms against 4.091 ms"),
-  Route("gpu", (Role.REUSE,), Dtypes.HALF, Impl.CUDNN, "cudnn over the source's Q and K",
+  Route("gpu", (Role.REUSE,), Dtypes.HALF, AttentionImpl.CUDNN, "cudnn over the source's Q and K",
         "2.292 ms fwd+bwd at T = 4096, d = 128: as dense, and 1.29x faster than the Pallas reuse kernel (2.949 ms); "
         "the UniAttn step needs ~5% more HBM per sequence than with Pallas (docs/scale-out.md)"),
-  Route("gpu", (Role.CHAIN,), Dtypes.HALF, Impl.CUDNN, "cudnn, Q/K wider than V (Hopper)",
+  Route("gpu", (Role.CHAIN,), Dtypes.HALF, AttentionImpl.CUDNN, "cudnn, Q/K wider than V (Hopper)",
         "jax's MLA path (cuDNN >= 9.10); compiles for an H100 here, not yet timed on a GPU",
         label="LISA_plus chains read in bf16 (attention.chain_dtype=compute)"),
-  Route("cpu", ALL_ROLES, Dtypes.ANY, Impl.XLA, "xla", "the FlashAttention-style XLA backward: the fastest here",
-        label="every role"),
+  Route("cpu", ALL_ROLES, Dtypes.ANY, AttentionImpl.XLA, "xla",
+        "the FlashAttention-style XLA backward: the fastest here", label="every role"),
 )
 PLATFORMS = ("tpu", "gpu", "cpu")
 

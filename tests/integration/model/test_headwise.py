@@ -12,7 +12,7 @@ from conftest import tiny_config
 from jaxshare import accounting, parallel
 from jaxshare.config import MeshConfig, to_yaml
 from jaxshare.convert.mapping import UnsupportedModelError
-from jaxshare.init.headwise import dense_counterpart, dense_kernels, direct_share, tie_weights
+from jaxshare.init.headwise import dense_kernels, direct_share, tie_weights
 from jaxshare.init.source import initial_params
 from jaxshare.model.params import layer_params, replace_layer
 from jaxshare.plan import plan_of
@@ -63,7 +63,7 @@ def test_tied_model_equals_dense_model_with_tied_weights():
   assert setup.schedule.tied_heads == round(0.3 * 16 * 4 / 3) == 6
   params = jax.jit(lambda: initial_params(setup.plan, setup.ties, 0))()
   assert sum(x.size for x in jax.tree.leaves(params)) == accounting.param_count(cfg.model, setup.schedule).total
-  dense_plan = dense_counterpart(setup.plan)
+  dense_plan = setup.plan.dense_counterpart()
   dense_schedule = dense_plan.schedule
   dense_setup = setup_training(dataclasses.replace(cfg, schedule=dense_plan.schedule_config), setup.mesh)
   dense = jax.device_get(jax.jit(lambda: initial_params(dense_plan, None, 0))())

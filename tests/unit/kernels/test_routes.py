@@ -16,8 +16,9 @@ import jax.numpy as jnp
 import pytest
 
 from conftest import REPO
+from jaxshare.config.choices import AttentionImpl
 from jaxshare.kernels import dispatch, flash, pallas, routes, tuning, xla
-from jaxshare.kernels.routes import Impl, Role
+from jaxshare.kernels.routes import Role
 
 DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 B, T, H, G, E, D = 1, 128, 4, 2, 64, 64
@@ -53,9 +54,9 @@ def test_roles_from_shapes():
 def recorded(monkeypatch):
   """``attention.impl=auto`` built with every kernel replaced by a recorder of its implementation's name, and the
   list it records into."""
-  calls: list[Impl] = []
+  calls: list[AttentionImpl] = []
 
-  def recorder(impl: Impl, lse: bool = False):
+  def recorder(impl: AttentionImpl, lse: bool = False):
     def kernel(q, k, *rest, return_lse=False, **_):
       v = rest[1] if lse else rest[0]
       width = v[0].shape[-1] if isinstance(v, tuple) else v.shape[-1]
@@ -65,16 +66,18 @@ def recorded(monkeypatch):
     return kernel
 
   for name in ("attention", "decode_attention"):
-    monkeypatch.setattr(pallas, name, recorder(Impl.PALLAS))
-  monkeypatch.setattr(pallas, "attention_from_lse", recorder(Impl.PALLAS, lse=True))
+    monkeypatch.setattr(pallas, name, recorder(AttentionImpl.PALLAS))
+  monkeypatch.setattr(pallas, "attention_from_lse", recorder(AttentionImpl.PALLAS, lse=True))
   for name in ("attention", "attention_backward"):
-    monkeypatch.setattr(flash, name, recorder(Impl.PALLAS))
-  monkeypatch.setattr(flash, "attention_from_lse", recorder(Impl.PALLAS, lse=True))
-  monkeypatch.setattr(xla, "attention", recorder(Impl.XLA))
-  monkeypatch.setattr(dispatch, "_XLA", dispatch.AttentionOps(recorder(Impl.XLA), recorder(Impl.XLA, lse=True),
-                                                              recorder(Impl.XLA)))
-  monkeypatch.setattr(dispatch, "_recomputed_reuse", recorder(Impl.XLA, lse=True))
-  for impl in (Impl.SPLASH, Impl.CUDNN):  # the libraries' own device checks answer for this host: none here
+    monkeypatch.setattr(flash, name, recorder(AttentionImpl.PALLAS))
+  monkeypatch.setattr(flash, "attention_from_lse", recorder(AttentionImpl.PALLAS, lse=True))
+  monkeypatch.setattr(xla, "attention", recorder(AttentionImpl.XLA))
+  xla_ops = dispatch.AttentionOps(recorder(AttentionImpl.XLA), recorder(AttentionImpl.XLA, lse=True),
+                                  recorder(AttentionImpl.XLA))
+  monkeypatch.setattr(dispatch, "_XLA", xla_ops)
+  monkeypatch.setattr(dispatch, "_recomputed_reuse", recorder(AttentionImpl.XLA, lse=True))
+  # the libraries' own device checks answer for this host: none here
+  for impl in (AttentionImpl.SPLASH, AttentionImpl.CUDNN):
     library = dispatch._LIBRARIES[impl]
     monkeypatch.setitem(dispatch._LIBRARIES, impl, dataclasses.replace(
       library, attention=recorder(impl), device_unsupported=None,
@@ -100,7 +103,7 @@ def _call(role: Role, dtype, platform: str) -> None:
     forward, _, _ = dispatch._context_kernels("auto", dtype)
     jax.eval_shape(lambda q, k, v, s: forward(q, k, v, s, s, causal=True, scale=scale), q, k, v, seg)
   elif role == Role.REUSE:  # the source ran the row's kernel: a library hands on no LSE, jaxshare's kernels one
-    lse = None if routes.route(platform, role, dtype).impl in (Impl.SPLASH, Impl.CUDNN) else \
+    lse = None if routes.route(platform, role, dtype).impl in (AttentionImpl.SPLASH, AttentionImpl.CUDNN) else \
       jax.ShapeDtypeStruct((B, H, T), jnp.float32)
     jax.eval_shape(lambda q, k, lse, v, s: ops.attention_from_lse(q, k, lse, v, s, s, scale=scale), q, k, lse, v, seg)
   else:
