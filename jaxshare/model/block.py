@@ -18,7 +18,7 @@ from jaxshare.model import cache as kv_cache
 from jaxshare.model import remat, scores
 from jaxshare.model.attention import KV, Attended, Attention, Decoded, DecodeKV, Prepared
 from jaxshare.model.cache import StepContext
-from jaxshare.model.layers import MLP, DenseGeneral, make_norm
+from jaxshare.model.layers import MLP, DenseGeneral, cast_to_compute, make_norm
 from jaxshare.model.scan import scan_or_unroll
 from jaxshare.model.scores import AlignerChain, ScoreFeatures, ScoreState
 from jaxshare.plan import ModelPlan
@@ -196,7 +196,9 @@ class LayerRun(nnx.Module):
       carry, (_, _, logits) = body(layer, carry, *per_layer)
       return carry, logits
 
-    (x, state), logits = scan_or_unroll(step, self.layers, carry, (jnp.arange(self.length), head_kernels),
+    # scanned here, the layers' parameters are a slice of a scanned stack's: held in the compute dtype
+    layers = cast_to_compute(self.layers) if self.scan else self.layers
+    (x, state), logits = scan_or_unroll(step, layers, carry, (jnp.arange(self.length), head_kernels),
                                         count=self.length, scan=self.scan)
     captured = [jax.tree.map(lambda a: a[i], logits) for i in range(self.length)] if self._captures(capture) else []
     return RunOut(x, None, state, captured)

@@ -1,6 +1,7 @@
 """Rematerialisation (model.remat): every policy computes the same loss and gradients as none; a superblock keeps its
 layers' inputs and nothing its layers share; a producer's K/V projections run once in the forward pass and once in
-the backward, whatever the number of its readers; host offloading is refused where jax has no pinned host memory."""
+the backward, whatever the number of its readers; a run scanned inside a scanned stack holds its kernels in the compute
+dtype; host offloading is refused where jax has no pinned host memory."""
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +16,7 @@ from jaxshare.config import ConfigError, MeshConfig
 from jaxshare.config.catalogue import schedule_matrix
 from jaxshare.config.choices import RematPolicy
 from jaxshare.model import remat
+from jaxshare.model.layers import cast_to_compute
 from jaxshare.train.state import setup_training
 from support.models import randomized, tokens
 
@@ -106,3 +108,61 @@ def test_host_offloading_is_refused_on_a_cpu_before_compiling():
   with pytest.raises(ConfigError, match="model.remat=minimal_offloaded offloads to pinned host memory.*compiles for "
                                         "cpu. Use model.remat=minimal"):
     setup_training(cfg, parallel.make_mesh(MeshConfig(), jax.devices()[:1]))
+
+
+def _nested_scan_kernels(jaxpr, depth=0) -> list:
+  """The dtypes of the matrices (rank >= 3: ``[length, in, ...out]``) a scan inside a scan slices per layer."""
+  found = []
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "scan" and depth:
+      xs = eqn.invars[eqn.params["num_consts"] + eqn.params["num_carry"]:]
+      found += [v.aval.dtype for v in xs if v.aval.ndim >= 3 and jnp.issubdtype(v.aval.dtype, jnp.floating)]
+    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+      found += _nested_scan_kernels(sub, depth + (eqn.primitive.name == "scan"))
+  return found
+
+
+# superblocks with a run of several layers: a producer and 3 consumers, a score source and 2 reusers
+LONG_RUNS = {"mlkv": [*FAMILIES["mlkv"], "model.num_layers=8"],
+             "uniattn": [*FAMILIES["uniattn"], "model.num_layers=8", "schedule.uniattn.block_size=3"]}
+
+
+@pytest.mark.parametrize("name", sorted(LONG_RUNS))
+def test_a_run_scanned_in_a_scanned_stack_slices_kernels_in_the_compute_dtype(name):
+  """Under a policy a superblock's run of several layers is a scan inside the stack's: its layers' kernels reach it
+  as one slice of the stack's parameters, which it holds (and whose gradients it stacks) in the compute dtype, not in
+  float32 (cast_to_compute)."""
+  cfg = tiny_config(*LONG_RUNS[name], "model.remat=full", "model.dtype=bfloat16")
+  _, graphdef, params = randomized(cfg)
+  jaxpr = jax.make_jaxpr(jax.grad(lambda p: jnp.mean(nnx.merge(graphdef, p)(tokens(b=B, t=T)))))(params)
+  kernels = _nested_scan_kernels(jaxpr.jaxpr)
+  assert kernels and all(d == jnp.bfloat16 for d in kernels), kernels
+
+
+def test_cast_to_compute_changes_no_number():
+  """The cast view of a bfloat16 layer stack gives its outputs and float32 gradients bit for bit; its kernels are
+  bfloat16, its norms' scales stay float32."""
+  cfg = tiny_config(*LONG_RUNS["uniattn"], "model.dtype=bfloat16")
+  model = nnx.merge(*randomized(cfg)[1:])
+  layers = next(run.layers for stack in model.stacks for run in stack.blocks.runs if run.length > 1)  # reusers
+  graphdef, state = nnx.split(layers)
+  x = jax.random.normal(jax.random.key(0), (B, T, 32), jnp.bfloat16)
+
+  def first(run):  # the first layer of the first superblock: the stack's and the run's axes sliced
+    g, s = nnx.split(run)
+    return nnx.merge(g, jax.tree.map(lambda a: a[0, 0], s))
+
+  def loss(state, view: bool):
+    run = nnx.merge(graphdef, state)
+    layer = first(cast_to_compute(run) if view else run)
+    return jnp.sum(layer.mlp(layer.norm2(x)).astype(jnp.float32) ** 2) + jnp.sum(
+      layer.attn.o_proj(x.reshape(B, T, 4, 8)).astype(jnp.float32))
+
+  plain, cast = (jax.jit(jax.value_and_grad(loss), static_argnums=1)(state, v) for v in (False, True))
+  np.testing.assert_array_equal(np.asarray(plain[0]), np.asarray(cast[0]))
+  for a, b in zip(jax.tree.leaves(plain[1]), jax.tree.leaves(cast[1])):
+    assert a.dtype == b.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  view = nnx.state(cast_to_compute(layers))
+  assert view["mlp"]["up"]["kernel"].dtype == view["attn"]["o_proj"]["kernel"].dtype == jnp.bfloat16
+  assert view["norm1"]["scale"].dtype == jnp.float32
