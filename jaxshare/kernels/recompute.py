@@ -23,6 +23,9 @@ def recomputed(f: Callable) -> Callable:
     return f(*args), args
 
   def backward(args, cotangent):
+    # not before the cotangent is there: else XLA may schedule the recomputation as early as its arguments allow
+    # and keep its result across the backward pass in between (jax.checkpoint's prevent_cse does the same)
+    args, cotangent = jax.lax.optimization_barrier((args, cotangent))
     return jax.vjp(f, *args)[1](cotangent)
 
   wrapped.defvjp(forward, backward)

@@ -181,10 +181,17 @@ class Attention(nnx.Module):
   def _kv(self, x: jax.Array, positions: jax.Array, head_kernels: dict | None) -> KV:
     """A producer's own K/V; under context parallelism gathered over the sequence shards
     (:func:`jaxshare.context.gather_keys`), which every reader of them then uses, unless the ring moves them."""
-    k = None
-    if not self.role.score_reuse:
-      k = self._gather(parallel.constrain(self._rope(self._project("k", x, head_kernels), positions), _BTG))
+    k = None if self.role.score_reuse else self._k(x, positions, head_kernels)
     return k, self._gather(parallel.constrain(self._project("v", x, head_kernels), _BTG))
+
+  def _k(self, x: jax.Array, positions: jax.Array, head_kernels: dict | None) -> jax.Array:
+    return self._gather(parallel.constrain(self._rope(self._project("k", x, head_kernels), positions), _BTG))
+
+  def source_qk(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """A layer's own rotated queries ``[B, T, H, d]`` and keys ``[B, S, G, d]`` from its normalised input ``x [B, T,
+    D]``, as :meth:`prepare` and :meth:`__call__` compute them (what
+    :class:`~jaxshare.model.source_projection.SourceProjection` differentiates)."""
+    return self._q(x, positions, None), self._k(x, positions, None)
 
   def _gather(self, keys: jax.Array) -> jax.Array:
     """Keys read over the whole sequence: gathered under ``attention.context_strategy=all_gather``, left sharded

@@ -12,14 +12,16 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxshare import parallel
+from jaxshare import context, parallel
 from jaxshare.config.choices import ScoreReuse, ScoreSharing
+from jaxshare.kernels.recompute import recomputed
 from jaxshare.model import cache as kv_cache
 from jaxshare.model import remat, scores
 from jaxshare.model.attention import KV, Attended, Attention, Decoded, DecodeKV, Prepared
 from jaxshare.model.cache import StepContext
 from jaxshare.model.layers import MLP, DenseGeneral, cast_to_compute, make_norm
 from jaxshare.model.scan import scan_or_unroll
+from jaxshare.model.source_projection import SourceProjection, split_projections
 from jaxshare.model.scores import AlignerChain, ScoreFeatures, ScoreState
 from jaxshare.plan import ModelPlan
 from jaxshare.schedule import LayerRole, RunPlan
@@ -81,9 +83,25 @@ class DecoderLayer(nnx.Module):
               slot: jax.Array | int = 0, head_kernels: dict | None = None, *, own_kv: bool = False,
               source_q: bool = False) -> Prepared:
     """``x [B,T,D]``: what the layer reads from other layers and, with ``own_kv`` / ``source_q``, what they read
-    from it (see :meth:`Attention.prepare`)."""
-    return self.attn.prepare(self.norm1(x), positions, kv_in, score_in, slot, head_kernels, own_kv=own_kv,
-                             source_q=source_q)
+    from it (see :meth:`Attention.prepare`).
+
+    A score source's queries alone (``source_q``, the layer reads no other layer's K/V and hands on none) are
+    projected from ``x`` under :func:`~jaxshare.kernels.recompute.recomputed`, so that the backward pass recomputes
+    the normalised ``x`` for the projection's gradient: kept, that ``[B, T, D]`` array would live across the
+    superblock's whole backward pass, whose reusers run first (the ~1.2B UniAttn at 128k tokens on a node of 8
+    H100s: 28.09 -> 27.58 GiB under ``model.remat=full``). XLA drops the recomputed projection itself, whose output
+    its gradient does not read.
+    """
+    if not source_q or own_kv or kv_in is not None or self.attn.role.score_reuse:
+      return self.attn.prepare(self.norm1(x), positions, kv_in, score_in, slot, head_kernels, own_kv=own_kv,
+                               source_q=source_q)
+    graphdef, used, rest = split_projections(self.norm1, self.attn, ("q_proj",))
+
+    def project(x, positions, kv_in, head_kernels, used, rest):
+      norm, attn = nnx.merge(graphdef, used, rest)
+      return attn.prepare(norm(x), positions, kv_in, None, 0, head_kernels, source_q=True)
+
+    return recomputed(project)(x, positions, kv_in, head_kernels, used, jax.lax.stop_gradient(rest))
 
   def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array, prepared: Prepared,
                head_kernels: dict | None = None) -> tuple[Attended, MHAActivations]:
@@ -303,6 +321,7 @@ class Superblock(nnx.Module):
   def __init__(self, plan: ModelPlan, runs: tuple[RunPlan, ...], *, rngs: nnx.Rngs):
     self.plan = tuple(runs)
     hoist = shared_checkpoint(plan, runs)
+    self.route = hoist  # probability reusers send their gradient through their source's projections
     read_kv = {run.role.kv_from for run in runs}
     recompute = plan.attention.score_sharing == ScoreSharing.RECOMPUTE
     self.runs = nnx.List([LayerRun(plan, run, hoist=hoist, shares_kv=run.start in read_kv and run.role.is_producer,
@@ -321,10 +340,14 @@ class Superblock(nnx.Module):
     states: dict[int, ScoreState | None] = {}
     captured: list[jax.Array] = []
     previous = None
+    inputs: dict[int, jax.Array] = {}
     for run, module in zip(self.plan, self.runs):
       role = run.role
+      inputs[run.start] = x
       kv_in = None if role.kv_from is None else kvs[role.kv_from]
       score_in = {"probs": states.get(role.score_from), "logits": previous}.get(role.score_reuse)
+      if role.score_reuse == ScoreReuse.PROBS and head_kernels is None:
+        score_in = self._routed(score_in, role.score_from, inputs, positions)
       kernels = None if head_kernels is None else {
         m: w[run.start:run.start + run.length] for m, w in head_kernels.items()}
       out = module(x, positions, segment_ids, kv_in, score_in, kernels, capture)
@@ -333,6 +356,21 @@ class Superblock(nnx.Module):
       if capture:
         captured.extend(out.captured if module._captures(capture) else [captured[role.score_from]] * run.length)
     return x, tuple(captured)
+
+  def _routed(self, state: ScoreState | None, source: int, inputs: dict[int, jax.Array],
+              positions: jax.Array) -> ScoreState | None:
+    """A probability source's ``state`` as its reusers read it under a superblock checkpoint: with the
+    :class:`~jaxshare.model.source_projection.SourceProjection` of the layer at ``source`` (its input
+    ``inputs[source]``), through which they send their gradient at once, when the source projects its own Q and K;
+    else unchanged. Under context parallelism the reusers keep reading the gathered keys with their gradient (the
+    projection's backward pass would gather them once more per reuser)."""
+    if not (self.route and isinstance(state, ScoreFeatures)) or context.active():
+      return state
+    layer = LayerRun._first(next(m for p, m in zip(self.plan, self.runs) if p.start == source).layers)
+    if layer.attn.q_proj is None or layer.attn.k_proj is None:  # its K is a producer's
+      return state
+    return state.replace(q=jax.lax.stop_gradient(state.q), k=jax.lax.stop_gradient(state.k),
+                         source=SourceProjection.of(layer.norm1, layer.attn, inputs[source], positions))
 
   def decode(self, x: jax.Array, ctx: StepContext, buffers: list[kv_cache.Buffers], head_kernels: dict | None = None,
              nf: bool = False) -> tuple[jax.Array, list[kv_cache.Buffers]]:

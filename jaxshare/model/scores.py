@@ -31,6 +31,7 @@ from jaxshare import context
 from jaxshare.config.choices import Integrator
 from jaxshare.kernels import local_queries, reference, ring
 from jaxshare.kernels.recompute import recomputed
+from jaxshare.model.source_projection import SourceProjection
 
 if TYPE_CHECKING:
   from jaxshare.kernels.dispatch import AttentionOps
@@ -47,18 +48,23 @@ class ScoreFeatures:
     k: ``[B, S, G, e]`` keys (rotated).
     lse: ``[B, H, T]`` float32 log-sum-exp of the masked logits (own-score producers; None in LISA chains).
     scale: the logit scale (static).
+    source: what computes ``q`` and ``k`` from the source's input, through which probability reusers send their
+      gradient (:mod:`~jaxshare.model.source_projection`; then ``q`` and ``k`` carry none); None: they send it to
+      ``q`` and ``k``.
   """
 
   q: jax.Array
   k: jax.Array
   lse: jax.Array | None
   scale: float = struct.field(pytree_node=False)
+  source: SourceProjection | None = None
 
   def reuse(self, ops: AttentionOps, v: jax.Array, segment_ids: jax.Array, *, window: int, dtype) -> jax.Array:
     """Probability reuse (SA Alg. 1, UniAttn Eq. 3): ``exp(scale · q kᵀ − lse)`` applied to the reuser's
     ``v [B, S, G, d]`` by ``ops.attention_from_lse``, nothing ``[B, H, T, S]`` kept. Returns ``[B, T, H, d]`` in
     ``dtype``."""
-    return ops.attention_from_lse(self.q, self.k, self.lse, v, segment_ids, segment_ids, scale=self.scale,
+    q, k = (self.q, self.k) if self.source is None else self.source.route(self.q, self.k)
+    return ops.attention_from_lse(q, k, self.lse, v, segment_ids, segment_ids, scale=self.scale,
                                   window=window).astype(dtype)
 
   def extend(self, delta: LowRank | None, slot: jax.Array | int, integrator: Integrator,

@@ -43,6 +43,20 @@ def test_recomputed_takes_integer_arguments_without_a_cotangent():
   np.testing.assert_allclose(g, jax.grad(lambda q: jnp.sum(_scores(q + 3.0, k, v)))(q), rtol=1e-6, atol=1e-6)
 
 
+def test_recomputed_waits_for_the_cotangent_before_recomputing():
+  """The backward pass recomputes from its arguments as released with the cotangent by one optimisation barrier, as
+  jax.checkpoint's prevent_cse does: else XLA may recompute as early as the arguments allow and keep the result
+  across the backward pass in between (a UniAttn source's normalised input across its reusers' backward pass)."""
+  args = _args()
+  jaxpr = jax.make_jaxpr(jax.grad(lambda q, k, v: jnp.sum(jnp.sin(recomputed(_scores)(q, k, v)))))(*args).jaxpr
+  barriers = [eqn for eqn in jaxpr.eqns if eqn.primitive.name == "optimization_barrier"]
+  assert len(barriers) == 1 and len(barriers[0].invars) == 4  # q, k, v and the cotangent
+  after = jaxpr.eqns[jaxpr.eqns.index(barriers[0]) + 1:]
+  recomputed_logits = next(eqn for eqn in after if eqn.primitive.name == "dot_general")
+  assert recomputed_logits.outvars[0].aval.shape == (16, 16)
+  assert set(recomputed_logits.invars) & set(barriers[0].outvars)  # q as released
+
+
 def test_the_none_policy_recomputes_casts_and_keeps_matmuls():
   x, _, _ = _args()
   w = jax.random.normal(jax.random.key(1), (4, 4))

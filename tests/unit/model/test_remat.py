@@ -166,3 +166,29 @@ def test_cast_to_compute_changes_no_number():
   view = nnx.state(cast_to_compute(layers))
   assert view["mlp"]["up"]["kernel"].dtype == view["attn"]["o_proj"]["kernel"].dtype == jnp.bfloat16
   assert view["norm1"]["scale"].dtype == jnp.float32
+
+
+def _nested_scan_carries(jaxpr, depth=0) -> list:
+  """The shapes a scan inside a scan carries from one iteration to the next."""
+  found = []
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "scan" and depth:
+      start = eqn.params["num_consts"]
+      found += [tuple(v.aval.shape) for v in eqn.invars[start:start + eqn.params["num_carry"]]]
+    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+      found += _nested_scan_carries(sub, depth + (eqn.primitive.name == "scan"))
+  return found
+
+
+@pytest.mark.parametrize("policy", ["full", "save_qkv_proj"])
+def test_a_reuser_sends_its_gradient_through_its_source_projections_at_once(policy):
+  """A probability reuser's gradient into its source's Q and K goes through the source's projections inside the
+  reuser's backward pass (scores.SourceProjection): the backward pass of a run of reusers carries the gradient of the
+  source's input [B, T, D], not the gradients of its queries and keys [B, T, H, d] and [B, T, G, d] from layer to
+  layer (twice the bytes with multi-head attention)."""
+  cfg = tiny_config(*LONG_RUNS["uniattn"], f"model.remat={policy}")
+  _, graphdef, params = randomized(cfg)
+  jaxpr = jax.make_jaxpr(jax.grad(lambda p: jnp.mean(nnx.merge(graphdef, p)(tokens(b=B, t=T)))))(params)
+  carries = _nested_scan_carries(jaxpr.jaxpr)
+  assert (B, T, 32) in carries, carries  # the reusers' scans: the residual stream and its gradient
+  assert not [s for s in carries if len(s) == 4 and s[:2] == (B, T)], carries
