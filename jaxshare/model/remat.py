@@ -16,7 +16,10 @@ Two levels, so that a shared schedule never keeps more than dense does:
   outside the layers' checkpoints (:meth:`~jaxshare.model.block.DecoderLayer.prepare`), so the backward pass
   recomputes it once for all its readers, and neither keeps it per layer nor recomputes a producer's K/V
   projections inside every reader. Without this level the readers' checkpoints would keep the shared tensors as
-  residuals (a CLA2 producer's K/V: two ``[B, T, D]`` arrays per superblock more than dense keeps).
+  residuals (a CLA2 producer's K/V: two ``[B, T, D]`` arrays per superblock more than dense keeps). A probability
+  reuser sends its gradient into its source's Q and K through the source's projections at once
+  (:mod:`jaxshare.model.source_projection`), so that no gradient the size of Q and K lives across the superblock's
+  backward pass either.
 
 Measured on the ~1.2B Llama compiled for one H100 at 128k tokens (``train.num_vocab_tiling=8``): ``full`` keeping
 each layer's input needed 39.66 GiB with CLA2 and 40.81 GiB with MLKV 4x8 against dense's 39.16 GiB (a shared K/V's
