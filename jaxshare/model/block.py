@@ -14,14 +14,13 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxshare import context, parallel
 from jaxshare.config.choices import ScoreReuse, ScoreSharing
-from jaxshare.kernels.recompute import recomputed
 from jaxshare.model import cache as kv_cache
 from jaxshare.model import remat, scores
 from jaxshare.model.attention import KV, Attended, Attention, Decoded, DecodeKV, Prepared
 from jaxshare.model.cache import StepContext
 from jaxshare.model.layers import MLP, DenseGeneral, cast_to_compute, make_norm
 from jaxshare.model.scan import scan_or_unroll
-from jaxshare.model.source_projection import SourceProjection, split_projections
+from jaxshare.model.source_projection import SourceProjection, recomputed_queries
 from jaxshare.model.scores import AlignerChain, ScoreFeatures, ScoreState
 from jaxshare.plan import ModelPlan
 from jaxshare.schedule import LayerRole, RunPlan
@@ -89,19 +88,13 @@ class DecoderLayer(nnx.Module):
     projected from ``x`` under :func:`~jaxshare.kernels.recompute.recomputed`, so that the backward pass recomputes
     the normalised ``x`` for the projection's gradient: kept, that ``[B, T, D]`` array would live across the
     superblock's whole backward pass, whose reusers run first (the ~1.2B UniAttn at 128k tokens on a node of 8
-    H100s: 28.09 -> 27.58 GiB under ``model.remat=full``). XLA drops the recomputed projection itself, whose output
-    its gradient does not read.
+    H100s, with ``recomputed``'s barrier: 28.09 -> 27.53 GiB under ``model.remat=full``). XLA drops the recomputed
+    projection itself, whose output its gradient does not read.
     """
     if not source_q or own_kv or kv_in is not None or self.attn.role.score_reuse:
       return self.attn.prepare(self.norm1(x), positions, kv_in, score_in, slot, head_kernels, own_kv=own_kv,
                                source_q=source_q)
-    graphdef, used, rest = split_projections(self.norm1, self.attn, ("q_proj",))
-
-    def project(x, positions, kv_in, head_kernels, used, rest):
-      norm, attn = nnx.merge(graphdef, used, rest)
-      return attn.prepare(norm(x), positions, kv_in, None, 0, head_kernels, source_q=True)
-
-    return recomputed(project)(x, positions, kv_in, head_kernels, used, jax.lax.stop_gradient(rest))
+    return recomputed_queries(self.norm1, self.attn, x, positions, head_kernels)
 
   def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array, prepared: Prepared,
                head_kernels: dict | None = None) -> tuple[Attended, MHAActivations]:

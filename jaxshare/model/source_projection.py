@@ -21,10 +21,15 @@ reusers' gradient matmuls, 4.4e12 FLOPs each, and no forward projection).
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 from flax import nnx, struct
+
+from jaxshare.kernels.recompute import recomputed
+
+if TYPE_CHECKING:
+  from jaxshare.model.attention import Prepared
 
 
 @struct.dataclass
@@ -56,6 +61,20 @@ def split_projections(norm: nnx.Module, attention: nnx.Module, names: tuple[str,
   gives ``(norm, attention)`` back."""
   graphdef, used, rest = nnx.split((norm, attention), lambda path, _: path[0] == 0 or path[1] in names, ...)
   return graphdef, nnx.to_pure_dict(used), nnx.to_pure_dict(rest)
+
+
+def recomputed_queries(norm: nnx.Module, attention: nnx.Module, x: jax.Array, positions: jax.Array,
+                       head_kernels: dict | None) -> Prepared:
+  """A score source's :class:`~jaxshare.model.attention.Prepared` queries ``[B, T, H, d]`` from its input ``x [B, T,
+  D]`` (``attention.prepare`` with ``source_q``) under :func:`~jaxshare.kernels.recompute.recomputed`, whose backward
+  pass recomputes the normalised ``x`` for the projection's gradient instead of keeping it from the forward pass."""
+  graphdef, used, rest = split_projections(norm, attention, ("q_proj",))
+
+  def project(x, positions, head_kernels, used, rest):
+    norm, attention = nnx.merge(graphdef, used, rest)
+    return attention.prepare(norm(x), positions, None, None, 0, head_kernels, source_q=True)
+
+  return recomputed(project)(x, positions, head_kernels, used, jax.lax.stop_gradient(rest))
 
 
 def _project(graphdef, x, trained, rest, positions) -> tuple[jax.Array, jax.Array]:
