@@ -21,15 +21,12 @@ reusers' gradient matmuls, 4.4e12 FLOPs each, and no forward projection).
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 from flax import nnx, struct
 
 from jaxshare.kernels.recompute import recomputed
-
-if TYPE_CHECKING:
-  from jaxshare.model.attention import Prepared
 
 
 @struct.dataclass
@@ -64,7 +61,7 @@ def split_projections(norm: nnx.Module, attention: nnx.Module, names: tuple[str,
 
 
 def recomputed_queries(norm: nnx.Module, attention: nnx.Module, x: jax.Array, positions: jax.Array,
-                       head_kernels: dict | None) -> Prepared:
+                       head_kernels: dict | None):
   """A score source's :class:`~jaxshare.model.attention.Prepared` queries ``[B, T, H, d]`` from its input ``x [B, T,
   D]`` (``attention.prepare`` with ``source_q``) under :func:`~jaxshare.kernels.recompute.recomputed`, whose backward
   pass recomputes the normalised ``x`` for the projection's gradient instead of keeping it from the forward pass."""
