@@ -33,7 +33,7 @@ from jaxshare import accounting, smoke  # noqa: E402
 from jaxshare.aot.fit import max_batch  # noqa: E402
 from jaxshare.aot import topology  # noqa: E402
 from jaxshare.aot.report import Fit, batch_unit, check, gib  # noqa: E402
-from jaxshare.config import load_config  # noqa: E402
+from jaxshare.config import ConfigError, load_config  # noqa: E402
 from jaxshare.config.catalogue import schedule_matrix  # noqa: E402
 from jaxshare.config.choices import RematPolicy  # noqa: E402
 from jaxshare.exit_codes import report_input_errors  # noqa: E402
@@ -88,7 +88,17 @@ def _row(model: str, target: str, cfg, name: str, best: Fit | None, probes: list
 
 
 def fit_rows(cases, remats: list[str], schedules: list[str] | None, overrides: list[str], search: bool) -> None:
-  """One row per (case, schedule, policy): ``cases`` are ``(model, target, config, overrides, matrix)``."""
+  """One row per (case, schedule, policy): ``cases`` are ``(model, target, config, overrides, matrix)``.
+
+  Raises:
+    ConfigError: a name in ``schedules`` is no schedule of any case's matrix (a config override written after
+      ``--schedules`` is read as one).
+  """
+  known = list(dict.fromkeys(name for case in cases for name in schedule_matrix(case[4])))
+  unknown = [name for name in schedules or () if name not in known]
+  if unknown:
+    raise ConfigError(f"--schedules: {', '.join(map(repr, unknown))} is not a schedule of this table (it has "
+                      f"{', '.join(known)}); config overrides go before --schedules or after another option")
   _columns()
   for model, target, config, own, matrix in cases:
     variants = schedule_matrix(matrix)

@@ -165,6 +165,18 @@ def test_without_remat_shared_schedules_need_no_more_memory_than_dense():
   assert max(hbm["cla2"], hbm["mlkv"], hbm["uniattn"]) <= hbm["dense"] < 40, hbm
 
 
+def test_the_fit_table_refuses_a_schedule_it_does_not_have():
+  """A config override written after --schedules is read as a schedule name: refused before anything compiles, where
+  it was dropped, and the table compiled without the override."""
+  proc = subprocess.run([sys.executable, "scripts/fit_table.py", "--topology", "h100:8", "--schedules", "dense",
+                         "train.num_vocab_tiling=8"], cwd=REPO, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 2, proc.stdout[-2000:]
+  assert proc.stderr.strip().splitlines()[-1] == (
+    "error: --schedules: 'train.num_vocab_tiling=8' is not a schedule of this table (it has dense, gqa8, cla2, mlkv, "
+    "uniattn); config overrides go before --schedules or after another option")
+  assert "| config" not in proc.stdout
+
+
 def test_long_context_fits_and_sharing_moves_less_kv_in_no_more_memory():
   """scripts/fit_table.py's long-context scenarios for dense, CLA2, MLKV 4x8 and UniAttn (issue 61): one 128k-token
   sequence on one H100 under model.remat=full, and 512k over a node of 8 with mesh.context=8. Every step fits; on one
