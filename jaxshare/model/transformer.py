@@ -20,11 +20,17 @@ from jaxshare.schedule import StackPlan
 
 
 class Stack(nnx.Module):
-  """``count`` structurally identical superblocks with parameters stacked on a leading ``layers`` axis."""
+  """``count`` structurally identical superblocks with parameters stacked on a leading ``layers`` axis.
 
-  def __init__(self, plan: ModelPlan, stack: StackPlan, *, rngs: nnx.Rngs):
+  Args:
+    followed: another stack comes after this one, so its backward pass runs first: this stack's scan makes its
+      parameters' gradient stacks when its own backward pass starts (:func:`~jaxshare.model.scan.scan_deferring_gradients`).
+  """
+
+  def __init__(self, plan: ModelPlan, stack: StackPlan, *, followed: bool = False, rngs: nnx.Rngs):
     self.count, self.scan = stack.count, plan.model.scan_layers and not unrolled(plan, stack.runs)
     self.remat = superblock_checkpoint(plan, stack.runs)
+    self.followed = followed
 
     @nnx.split_rngs(splits=stack.count)
     @nnx.vmap(in_axes=(0,), out_axes=0)
@@ -39,12 +45,13 @@ class Stack(nnx.Module):
 
     ``head_kernels``: head-wise sharing's gathered kernels, ``[count, superblock size, D, H, d]`` each.
     """
-    def apply(block: Superblock, x: jax.Array, kernels):
+    def apply(block: Superblock, x: jax.Array, kernels, positions, segment_ids):
       return block(x, positions, segment_ids, capture, kernels)
 
     if self.remat:  # the superblock's own checkpoint, around its layers' if they have any (jaxshare.model.remat)
       apply = remat.checkpoint(apply, remat.superblock_policy(self.remat))
-    x, ys = scan_or_unroll(apply, self.blocks, x, head_kernels, count=self.count, scan=self.scan)
+    x, ys = scan_or_unroll(apply, self.blocks, x, head_kernels, count=self.count, scan=self.scan,
+                           consts=(positions, segment_ids), defer_gradients=self.followed)
     return x, [jax.tree.map(lambda a: a[c], y) for c in range(self.count) for y in ys]
 
   def decode(self, x: jax.Array, ctx: StepContext, buffers: list[kv_cache.Buffers], head_kernels: dict | None = None,
@@ -100,7 +107,8 @@ class Transformer(nnx.Module):
     if (ties is None) != (schedule.tied_heads == 0):
       raise ValueError(f"schedule ties {schedule.tied_heads} heads; pass ties exactly when it ties any")
     self.head_table = HeadTable(cfg, ties, rngs) if ties is not None else None
-    self.stacks = nnx.List([Stack(plan, stack, rngs=rngs) for stack in schedule.stacks])
+    self.stacks = nnx.List([Stack(plan, stack, followed=i < len(schedule.stacks) - 1, rngs=rngs)
+                            for i, stack in enumerate(schedule.stacks)])
     self.stack_plans = schedule.stacks
     self.final_norm = make_norm(cfg.features.norm, cfg.d_model, cfg.norm_eps, pdtype)
     self.lm_head = None if cfg.tie_embeddings else DenseGeneral(
