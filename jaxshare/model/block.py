@@ -281,6 +281,14 @@ def unrolled(plan: ModelPlan, runs: tuple[RunPlan, ...]) -> bool:
   return not remat.enabled(plan.model.remat) and sum(run.length for run in runs) > 1
 
 
+def run_unrolled(plan: ModelPlan, runs: tuple[RunPlan, ...]) -> bool:
+  """Whether the runs of a superblock of ``runs`` are unrolled inside it: as its stack (:func:`unrolled`), and under a
+  host-offloading policy, whose offloaded residuals XLA's GPU compiler (jax 0.10) cannot keep for a scan inside the
+  stack's scan (``INTERNAL: ... Expected instruction to have shape equal to ...S(5)``, the pinned-host memory space:
+  MLKV 4x8 and UniAttn on the ~1.2B Llama under ``minimal_offloaded`` and ``qkv_proj_offloaded``)."""
+  return unrolled(plan, runs) or remat.offloads(plan.model.remat)
+
+
 def shared_checkpoint(plan: ModelPlan, runs: tuple[RunPlan, ...]) -> bool:
   """Whether a superblock of ``runs`` runs under its own checkpoint (:func:`jaxshare.model.remat.superblock_policy`):
   under ``model.remat`` when it has several layers, whose shared tensors it then recomputes once for all readers."""
@@ -318,7 +326,7 @@ class Superblock(nnx.Module):
     read_kv = {run.role.kv_from for run in runs}
     recompute = plan.attention.score_sharing == ScoreSharing.RECOMPUTE
     self.runs = nnx.List([LayerRun(plan, run, hoist=hoist, shares_kv=run.start in read_kv and run.role.is_producer,
-                                   shares_q=bool(run.role.feeds) and recompute, unroll=unrolled(plan, runs),
+                                   shares_q=bool(run.role.feeds) and recompute, unroll=run_unrolled(plan, runs),
                                    rngs=rngs)
                            for run in runs])
 

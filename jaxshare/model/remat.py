@@ -124,6 +124,11 @@ def enabled(name: str) -> bool:
   return parse(RematPolicy, name, "model.remat") != RematPolicy.NONE
 
 
+def offloads(name: str) -> bool:
+  """Whether ``model.remat=name`` moves what it keeps to pinned host memory."""
+  return parse(RematPolicy, name, "model.remat") in OFFLOADED
+
+
 def checkpoint(fn: Callable, policy: Callable | None, static_argnums: tuple[int, ...] = ()) -> Callable:
   """``fn`` (whose first argument is an NNX module) under ``nnx.remat`` with ``policy``. With ``prevent_cse`` (jax's
   default) the backward pass's recomputation waits behind an optimisation barrier on its inputs and the incoming

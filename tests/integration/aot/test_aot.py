@@ -184,6 +184,20 @@ def test_under_a_policy_uniattn_needs_no_more_memory_than_dense_at_2k_on_a_node(
     assert hbm[policy, "uniattn"] <= hbm[policy, "dense"], hbm
 
 
+@needs_cuda_plugin
+def test_host_offloading_compiles_for_superblocks_with_runs():
+  """Host-offloading policies on a GPU for MLKV 4x8 (a producer and a run of 3 consumers) and UniAttn (a score source
+  and a run of 3 reusers): XLA's GPU compiler failed on the offloaded residuals of the run's scan inside the stack's
+  (INTERNAL: ... Expected instruction to have shape equal to ...S(5)); under these policies the runs are unrolled
+  inside their superblock (jaxshare.model.block.run_unrolled)."""
+  proc = subprocess.run([sys.executable, "scripts/fit_table.py", "train.num_vocab_tiling=8", "--topology", "h100:1",
+                         "--lengths", "2048", "--remat", "qkv_proj_offloaded", "--schedules", "mlkv", "uniattn",
+                         "--no-search"], cwd=REPO, capture_output=True, text=True, timeout=1200, env=OPTIMIZED_ENV)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  rows = [r.strip(" |").split(" | ") for r in proc.stdout.splitlines() if r.startswith("| config")]
+  assert sorted(r[4] for r in rows if r[5] == "qkv_proj_offloaded" and r[7].endswith("GiB")) == ["mlkv", "uniattn"]
+
+
 def test_the_fit_table_refuses_a_schedule_it_does_not_have():
   """A config override written after --schedules is read as a schedule name: refused before anything compiles, where
   it was dropped, and the table compiled without the override."""
