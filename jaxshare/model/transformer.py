@@ -24,7 +24,8 @@ class Stack(nnx.Module):
 
   Args:
     followed: another stack comes after this one, so its backward pass runs first: this stack's scan makes its
-      parameters' gradient stacks when its own backward pass starts (:func:`~jaxshare.model.scan.scan_deferring_gradients`).
+      parameters' gradient stacks when its own backward pass starts
+      (:func:`~jaxshare.model.scan.scan_deferring_gradients`).
   """
 
   def __init__(self, plan: ModelPlan, stack: StackPlan, *, followed: bool = False, rngs: nnx.Rngs):

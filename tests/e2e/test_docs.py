@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from conftest import REPO
 
 README = REPO / "README.md"
@@ -251,12 +253,13 @@ def test_configuration_reference_is_generated():
     "docs/configuration.md's field tables are stale: python scripts/config_reference.py --write"
 
 
-def test_the_memory_against_dense_table_is_rendered_from_its_fit_table():
+@pytest.mark.parametrize("table, rows", [("parity.md", 24), ("parity_policies.md", 20)])
+def test_the_memory_against_dense_tables_are_rendered_from_their_fit_tables(table, rows):
   """docs/scale-out.md's "Memory against dense" rows are `scripts/fit_table.py --against-dense` of the committed
-  docs/fits/parity.md (the table the fit check printed), not typed in."""
-  proc = subprocess.run([sys.executable, "scripts/fit_table.py", "--against-dense", "docs/fits/parity.md"], cwd=REPO,
+  docs/fits/parity.md and parity_policies.md (the tables the fit check printed), not typed in."""
+  proc = subprocess.run([sys.executable, "scripts/fit_table.py", "--against-dense", f"docs/fits/{table}"], cwd=REPO,
                         capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stderr[-2000:]
   rendered = proc.stdout.splitlines()[2:]
-  assert len(rendered) == 24 and all(line in (REPO / "docs" / "scale-out.md").read_text() for line in rendered), \
-    "docs/scale-out.md is stale: python scripts/fit_table.py --against-dense docs/fits/parity.md"
+  assert len(rendered) == rows and all(line in (REPO / "docs" / "scale-out.md").read_text() for line in rendered), \
+    f"docs/scale-out.md is stale: python scripts/fit_table.py --against-dense docs/fits/{table}"

@@ -214,7 +214,8 @@ def test_long_context_fits_and_sharing_moves_less_kv_in_no_more_memory():
   """scripts/fit_table.py's long-context scenarios for dense, CLA2, MLKV 4x8 and UniAttn (issue 61): one 128k-token
   sequence on one H100 under model.remat=full, and 512k over a node of 8 with mesh.context=8. Every step fits; on one
   H100 no shared schedule needs more HBM than dense (UniAttn: its reusers send their gradient into the source's Q and
-  K through the source's projections at once, 38.69 GiB against dense's 39.16, 39.65 before); under context
+  K through the source's projections at once, and its first stack makes its gradient stacks when its backward pass
+  starts: 37.37 GiB against dense's 39.16, 39.65 before both); under context
   parallelism CLA2 moves at most 0.55x dense's K/V bytes and MLKV at most 0.3x (and MLKV no more HBM: CLA2's gathered
   K/V gradient, 4 GiB per 512k sequence, lives across both its layers); the decode cache halves with CLA2."""
   schedules = ("dense", "cla2", "mlkv", "uniattn")
