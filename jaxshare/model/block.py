@@ -272,13 +272,24 @@ class LayerRun(nnx.Module):
 
 def unrolled(plan: ModelPlan, runs: tuple[RunPlan, ...]) -> bool:
   """Whether a superblock of ``runs``, its runs and its stack are unrolled whatever ``model.scan_layers`` says: under
-  ``model.remat=none`` when it has several layers. A scanned stack's backward pass slices a whole superblock's
-  residuals at once, and a scan inside it stacks its layers' residuals a second time; unrolled, XLA frees each
-  layer's residuals after its backward pass (the ~1.2B Llama on one H100 at 32k: MLKV 4x8 43.70 GiB unrolled, 52.34
-  scanned, dense 51.22; :mod:`jaxshare.model.remat`). Under a policy each layer keeps only its checkpoint's
-  residuals and scanning needs less (MLKV at 128k: 34.81 GiB scanned, 40.64 unrolled), so compile time stays
-  independent of depth there."""
-  return not remat.enabled(plan.model.remat) and sum(run.length for run in runs) > 1
+  ``model.remat=none`` when it has several layers, under ``minimal`` when it has more than two.
+
+  A scanned stack's backward pass slices a whole superblock's residuals at once (and a scan inside it stacks its
+  layers' residuals a second time), where dense's slices one layer's; unrolled, XLA frees each layer's residuals
+  after its backward pass. That costs most where a layer keeps most: under ``none`` (the ~1.2B Llama on one H100 at
+  32k: MLKV 4x8 43.70 GiB unrolled, 52.34 scanned, dense 51.22; :mod:`jaxshare.model.remat`) and under ``minimal``,
+  which keeps every weight matmul's output, the MLP's included (MLKV 4x8 41.08 unrolled, 48.75 scanned, UniAttn 43.59
+  and 52.05, dense 48.03; on a node of 8 at 32k MLKV 27.23 and 34.52, UniAttn 30.26 and 38.24, dense 33.27; scanned,
+  MLKV's live bytes at the peak were 7 GiB below dense's and XLA's packing of the loop's temporaries put the compiled
+  peak above). CLA2's superblocks of two stay scanned: scanned it is below dense in every cell measured (2k, 8k and
+  32k, one H100 and a node of 8), unrolled it is not on the node at 2k (4.79 GiB against dense's 4.68). Under the
+  other policies each layer keeps little, and a scanned stack is at or below dense on a node of 8 where an unrolled
+  one is not (``full`` at 32k: MLKV 15.84 GiB unrolled, 7.93 scanned, dense 9.07: XLA schedules an unrolled stack's
+  FSDP gathers apart from their layers), and compile time stays independent of depth (``docs/scale-out.md``)."""
+  layers = sum(run.length for run in runs)
+  if not remat.enabled(plan.model.remat):
+    return layers > 1
+  return remat.keeps_every_matmul(plan.model.remat) and layers > 2
 
 
 def run_unrolled(plan: ModelPlan, runs: tuple[RunPlan, ...]) -> bool:

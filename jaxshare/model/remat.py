@@ -31,8 +31,8 @@ Without rematerialisation (``none``) every superblock still runs under ``jax.che
 what is kept, as XLA does itself when it fuses them into their consumers in an unrolled program. A scanned stack
 cannot fuse across its loop: without the policy it stacked every such result as a residual (the ~1.2B Llama's four
 float32 copies of each layer's residual stream took 16 GiB at 32k tokens, and the step 68.55 GiB on one H100; with
-it 51.22 GiB, for the same executed FLOPs). A stack whose superblocks hold several layers is unrolled under ``none``
-(:func:`jaxshare.model.block.unrolled`). What must be recomputed whatever an enclosing policy keeps (probability
+it 51.22 GiB, for the same executed FLOPs). A stack whose superblocks hold several layers is unrolled under ``none``,
+and under ``minimal`` where they hold more than two (:func:`jaxshare.model.block.unrolled`). What must be recomputed whatever an enclosing policy keeps (probability
 reuse in XLA, a LISA chain's chunks) uses :func:`jaxshare.kernels.recompute.recomputed`, not a nested
 ``jax.checkpoint``, whose choice an enclosing policy overrides.
 
@@ -122,6 +122,12 @@ def superblock_policy(name: str) -> Callable:
 def enabled(name: str) -> bool:
   """Whether ``model.remat=name`` rematerialises anything."""
   return parse(RematPolicy, name, "model.remat") != RematPolicy.NONE
+
+
+def keeps_every_matmul(name: str) -> bool:
+  """Whether ``model.remat=name`` keeps every weight matmul's output on the device (``minimal``), the MLP's included:
+  the most a layer keeps under a policy."""
+  return parse(RematPolicy, name, "model.remat") == RematPolicy.MINIMAL
 
 
 def offloads(name: str) -> bool:

@@ -185,6 +185,22 @@ def test_under_a_policy_uniattn_needs_no_more_memory_than_dense_at_2k_on_a_node(
 
 
 @needs_cuda_plugin
+def test_under_minimal_superblocks_of_four_need_no_more_memory_than_dense_at_32k():
+  """32k tokens of the ~1.2B Llama on one H100 under model.remat=minimal, which keeps every weight matmul's output
+  (issue 61, part 5). Scanned, the backward pass of MLKV 4x8's and UniAttn's stacks sliced a superblock of four
+  layers' kept outputs at once where dense's slices one layer's: 48.75 and 52.05 GiB against dense's 48.03. Unrolled
+  under minimal (jaxshare.model.block.unrolled): 41.08 and 43.59."""
+  proc = subprocess.run([sys.executable, "scripts/fit_table.py", "train.num_vocab_tiling=8", "--topology", "h100:1",
+                         "--lengths", "32768", "--remat", "minimal", "--schedules", "dense", "mlkv", "uniattn",
+                         "--no-search"], cwd=REPO, capture_output=True, text=True, timeout=1200, env=OPTIMIZED_ENV)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  rows = [r.strip(" |").split(" | ") for r in proc.stdout.splitlines() if r.startswith("| config")]
+  hbm = {r[4]: float(r[7].split()[0]) for r in rows if r[7].endswith("GiB")}
+  assert sorted(hbm) == ["dense", "mlkv", "uniattn"], proc.stdout
+  assert max(hbm["mlkv"], hbm["uniattn"]) <= hbm["dense"], hbm
+
+
+@needs_cuda_plugin
 def test_host_offloading_compiles_for_superblocks_with_runs():
   """Host-offloading policies on a GPU for MLKV 4x8 (a producer and a run of 3 consumers) and UniAttn (a score source
   and a run of 3 reusers): XLA's GPU compiler failed on the offloaded residuals of the run's scan inside the stack's
