@@ -8,7 +8,7 @@ import re
 
 from jaxshare.config import Config
 from jaxshare.exit_codes import InputError
-from jaxshare.plan import plan_of
+from jaxshare.plan import ModelPlan, plan_of
 
 
 class SearchError(InputError, ValueError):
@@ -31,15 +31,16 @@ class Footprint:
   params: int
 
 
-def footprint(cfg: Config) -> Footprint:
-  """The :class:`Footprint` of ``cfg``'s model and schedule (read from the config alone; nothing is built).
+def footprint(cfg: Config) -> tuple[ModelPlan, Footprint]:
+  """``cfg``'s compiled plan and the :class:`Footprint` of its model and schedule (read from the config alone;
+  nothing is built).
 
   Raises:
     ScheduleError: the schedule does not fit the model.
   """
   plan = plan_of(cfg)
-  return Footprint(plan.kv_cache_bytes_per_token(), plan.forward_flops_per_token((cfg.data.seq_len + 1) / 2),
-                   plan.param_count().total)
+  return plan, Footprint(plan.kv_cache_bytes_per_token(), plan.forward_flops_per_token((cfg.data.seq_len + 1) / 2),
+                         plan.param_count().total)
 
 
 # Units of an absolute budget, by name as written (matched without case), per budget kind.

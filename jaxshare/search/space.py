@@ -4,6 +4,14 @@ probability-reuse superblocks and spans, LISA layer sets, head-wise ratios) and 
 
 The papers' own settings (CLA's factor 2, MLKV's owners, UniAttn's "top half, blocks of 4", SA's span, LISA's
 layers, DirectShare's 30%) are marked ``preset``: a search compares its result with them at the same budget.
+
+A candidate is an architecture (its compiled plan: every layer's K/V source, heads and score reuse, tied heads, LISA's
+rank, the MLP width) under a conversion rule. Options that compile to one plan are one architecture, named after
+a preset where one compiles to it (``cla4`` on 8 layers is MLKV's 2 owners, ``mlkv2``); where layers read another
+layer's K/V, how the producer's K/V start from the source (``train.init_kv_pool``: the producer's own, the readers'
+mean, their running pairwise mean) is a labelled dimension, so one architecture appears once per rule that builds
+different K/V, named by both (``mlkv2-own``, ``mlkv2-mean``). A candidate is a preset when its architecture is a
+preset's and its rule the one that preset converts with (CLA's own K/V, MLKV's mean).
 """
 
 from __future__ import annotations
@@ -13,10 +21,15 @@ import itertools
 from collections.abc import Iterable, Sequence
 
 from jaxshare.config import Config, ConfigError, apply_overrides
+from jaxshare.config.choices import KVPool
 from jaxshare.config.source import with_match_reference
+from jaxshare.init.rules import InitRules
+from jaxshare.plan import ModelPlan
 from jaxshare.search.budget import Budget, Footprint, SearchError, footprint
 
 FAMILIES = ("kv", "scores", "lisa", "headwise")
+# The K/V conversion rules by label (``train.init_kv_pool``), in the order a candidate's rules are listed.
+KV_RULES = {"own": KVPool.PRODUCER, "mean": KVPool.MEAN, "running": KVPool.RUNNING}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,11 +49,13 @@ class Candidate:
   """A schedule of the search.
 
   Attributes:
-    name: directory-safe, e.g. ``cla2+uniattn_b4``.
-    overrides: ``schedule.*`` overrides of the source's config (``schedule.kind`` first).
+    name: directory-safe, the architecture's and the K/V rule's, e.g. ``cla2-own+uniattn_b4``'s ``cla2+uniattn_b4-own``.
+    overrides: ``schedule.*`` overrides of the source's config (``schedule.kind`` first), then the K/V rule's
+      ``train.init_kv_pool`` where it has one.
     families: the families it composes, e.g. ``("kv", "scores")``.
-    preset: every part is a paper's own setting.
+    preset: every part is a paper's own setting, converted by the paper's rule.
     cost: its KV bytes, FLOPs and parameters (:func:`~jaxshare.search.budget.footprint`).
+    rule: the K/V conversion rule's label (:data:`KV_RULES`), ``""`` where no layer reads another's K/V.
   """
 
   name: str
@@ -48,6 +63,7 @@ class Candidate:
   families: tuple[str, ...]
   preset: bool
   cost: Footprint
+  rule: str = ""
 
   @property
   def schedule(self) -> str:
@@ -130,6 +146,25 @@ def compositions(families: Sequence[str], options: dict[str, list[Option]]) -> l
   return out
 
 
+def architecture(plan: ModelPlan) -> tuple:
+  """What makes two candidates one architecture: the compiled plan's layers (K/V sources and heads, score reuse,
+  compensation, LISA integrators), tied heads, LISA's rank and aligner width and the MLP width; not the preset
+  names it was written with."""
+  s = plan.schedule
+  return s.layers, s.tied_heads, s.lisa_rank, s.lisa_hidden, plan.mlp_dim
+
+
+def kv_rules(plan: ModelPlan) -> tuple[str, ...]:
+  """The labels of the K/V conversion rules (:data:`KV_RULES`) that start ``plan``'s producers differently: none
+  where no layer reads another layer's K/V; ``own`` and ``mean`` where each producer serves at most two layers (their
+  running pairwise mean is their mean); all three otherwise."""
+  served: dict[int, int] = {}
+  for layer in plan.schedule.layers:
+    served[layer.kv_source] = served.get(layer.kv_source, 0) + 1
+  most = max(served.values())
+  return () if most == 1 else ("own", "mean") if most == 2 else tuple(KV_RULES)
+
+
 def candidate_config(src_cfg: Config, src_run: str, overrides: Sequence[str], src_params: int) -> Config:
   """The config of a candidate uptrained from ``src_run`` (whose config is ``src_cfg``, whose model has
   ``src_params`` parameters): the source's with the candidate's ``overrides`` (``schedule.*``, then any other),
@@ -164,20 +199,29 @@ def candidates(src_cfg: Config, src_run: str, budget: Budget, families: Sequence
   m = src_cfg.model
   options = {"kv": kv_options(m.num_layers, m.num_heads) + list(extra_kv), "scores": score_options(m.num_layers),
              "lisa": lisa_options(m.num_layers), "headwise": headwise_options()}
-  source = footprint(src_cfg)
+  source = footprint(src_cfg)[1]
   matched = ("schedule.match_params=true",) if budget.equal_params else ()
-  valid, seen = [], set()
+  archs: dict[tuple, list[tuple[str, tuple[str, ...], tuple[Option, ...], ModelPlan, Footprint, str]]] = {}
   for parts in compositions(families, options):
     name, overrides = combine(parts)
-    if name in seen:
-      continue
-    seen.add(name)
     try:
       overrides += matched
-      cost = footprint(candidate_config(src_cfg, src_run, overrides, source.params))
+      cfg = candidate_config(src_cfg, src_run, overrides, source.params)
+      plan, cost = footprint(cfg)
     except (ConfigError, ValueError):  # a composition the schedule language refuses, or a width below one neuron
       continue
-    valid.append(Candidate(name, overrides, tuple(p.family for p in parts), all(p.preset for p in parts), cost))
+    paper_rule = InitRules.of(cfg.train, cfg.schedule.kind).kv_pool
+    archs.setdefault(architecture(plan), []).append((name, overrides, parts, plan, cost, paper_rule))
+  valid = []
+  for options_of_arch in archs.values():
+    for label in kv_rules(options_of_arch[0][3]) or ("",):
+      # the option it is named after: a preset converting by this rule, else a preset, else the first enumerated
+      preset = [o for o in options_of_arch if all(p.preset for p in o[2]) and (not label or o[5] == KV_RULES[label])]
+      name, overrides, parts, _, cost, _ = (preset or [o for o in options_of_arch if all(p.preset for p in o[2])]
+                                            or options_of_arch)[0]
+      rule = (f"train.init_kv_pool={KV_RULES[label].value}",) if label else ()
+      valid.append(Candidate(f"{name}-{label}" if label else name, overrides + rule, tuple(p.family for p in parts),
+                             bool(preset), cost, label))
   if not valid:
     raise SearchError(f"--families {','.join(families)} has no valid schedule on this model "
                       f"({m.num_layers} layers of {m.num_heads} heads): add a family")

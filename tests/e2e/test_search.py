@@ -41,7 +41,7 @@ def test_a_search_reports_its_frontier_resumes_and_its_configs_train(tmp_path):
   with (out / "results.csv").open() as f:
     rows = {r["name"]: r for r in csv.DictReader(f)}
   stage1 = [line for line in log.splitlines() if line.startswith("[stage 1 ")]
-  assert len(stage1) == len(rows) >= 5 and {"cla2", "gqa2", "mlkv2"} <= set(rows)
+  assert len(stage1) == len(rows) >= 5 and {"cla2-own", "gqa2", "mlkv2-mean"} <= set(rows)
   assert any(name.startswith("kvsharer") for name in rows)  # KVSharer's proposals beside the enumerated space
   assert all(float(r["kv_fraction"]) <= 0.5 and float(r["stage1_loss"]) > 0 for r in rows.values())
   rung0 = [n for n, r in rows.items() if r["rung0_loss_2_steps"]]

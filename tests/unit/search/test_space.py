@@ -10,7 +10,7 @@ from jaxshare.config import apply_overrides
 from jaxshare.config.source import with_match_reference
 from jaxshare.plan import plan_of
 from jaxshare.search.budget import Budget, Limit, SearchError, parse_limit
-from jaxshare.search.space import FAMILIES, candidates
+from jaxshare.search.space import FAMILIES, KV_RULES, architecture, candidates
 
 
 def _cfg(layers: int, heads: int):
@@ -31,12 +31,17 @@ def test_every_candidate_is_a_valid_schedule_within_budget(layers, heads, kv, fl
     return
   names = [c.name for c in cands]
   assert len(set(names)) == len(names)
+  seen = set()
   src_plan = plan_of(src)
   assert source.kv_bytes == accounting.kv_cache_bytes_per_token(src.model, src_plan.schedule)
   for c in cands:
     cfg = with_match_reference(apply_overrides(src, ["schedule.kind=dense", "schedule.match_reference_params=0",
                                                      *c.overrides, "train.init_from=runs/src"]), source.params)
     plan = plan_of(cfg)  # compiles: a schedule the CLIs train, convert and serve
+    assert (architecture(plan), c.rule) not in seen, c.name  # one candidate per architecture and conversion rule
+    seen.add((architecture(plan), c.rule))
+    assert cfg.train.init_kv_pool == (KV_RULES[c.rule] if c.rule else "auto")
+    assert c.rule == "" or any(p.kv_source != p.index for p in plan.schedule.layers)
     kv_bytes = accounting.kv_cache_bytes_per_token(cfg.model, plan.schedule)
     assert kv_bytes == c.cost.kv_bytes
     assert kv is None or kv_bytes <= kv * source.kv_bytes
@@ -49,8 +54,23 @@ def test_every_candidate_is_a_valid_schedule_within_budget(layers, heads, kv, fl
 def test_the_papers_presets_are_among_the_candidates_at_their_budget():
   cands, _ = candidates(_cfg(8, 4), "runs/src", Budget(Limit(0.5, True)))
   presets = {c.name for c in cands if c.preset}
-  assert {"cla2", "mlkv4", "gqa2"} <= presets
+  assert {"cla2-own", "mlkv4-mean", "gqa2"} <= presets
   assert all(c.preset for c in cands[:len(presets)])  # presets first
+
+
+def test_an_architecture_is_listed_once_per_conversion_rule_under_a_presets_name():
+  """On 8 layers, CLA's factor 4 compiles to MLKV's 2 owners (K/V sources [0,0,0,0,4,4,4,4]) and CLA's factor 2 to
+  MLKV's 4: each is one architecture, named after the preset, once per K/V rule; a preset only under its paper's
+  rule. A producer serving two layers has no running-mean rule (the running mean of two is their mean)."""
+  cands = {c.name: c for c in candidates(_cfg(8, 4), "runs/src", Budget(Limit(0.5, True)), ["kv"])[0]}
+  assert not [n for n in cands if n.startswith("cla4")]
+  assert {n: cands[n].preset for n in cands if n.startswith("mlkv2-")} == {
+    "mlkv2-own": False, "mlkv2-mean": True, "mlkv2-running": False}
+  assert cands["mlkv2-own"].cost == cands["mlkv2-mean"].cost
+  assert "train.init_kv_pool=producer" in cands["mlkv2-own"].overrides
+  same = {n: cands[n].preset for n in cands if n.split("-")[0] in ("cla2", "mlkv4")}
+  assert same == {"cla2-own": True, "mlkv4-mean": True}
+  assert cands["gqa2"].rule == "" and not [n for n in cands if n.startswith("gqa2-")]
 
 
 def test_an_impossible_budget_is_refused_with_the_smallest_achievable_value():
