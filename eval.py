@@ -33,6 +33,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
   report.add_argument("path", help=run_help)
   report.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
   report.add_argument("--max-batches", type=int, default=0, help="validation batches (0: the whole split)")
+  report.add_argument("--skip-batches", type=int, default=0, metavar="N",
+                      help="skip the first N validation batches (a search's selection batches)")
   report.add_argument("--prompt", default="ROMEO:\n", help="prompt of the greedy sample")
   report.add_argument("--sample-tokens", type=int, default=200, help="tokens to generate (0: no sample)")
 
@@ -83,7 +85,8 @@ def main(argv: list[str] | None = None) -> int:
 def _report(args) -> int:
   from jaxshare.evaluation.evaluate import evaluate_run, format_report
 
-  report = evaluate_run(args.path, max_batches=args.max_batches, prompt=args.prompt, sample_tokens=args.sample_tokens)
+  report = evaluate_run(args.path, max_batches=args.max_batches, skip_batches=args.skip_batches, prompt=args.prompt,
+                        sample_tokens=args.sample_tokens)
   print(json.dumps(report) if args.json else format_report(report))
   return 0
 

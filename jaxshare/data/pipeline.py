@@ -270,19 +270,27 @@ class Datasets:
     ds = _block_rows(ds, self.batch_size, rows, len(ds) // self.batch_size)
     return iter(ds.batch(rows.stop - rows.start, drop_remainder=True).map(Batch.of).to_iter_dataset(READ_OPTIONS))
 
-  def val_batches(self, max_batches: int = 0) -> Iterator[Batch]:
-    """The validation split in order, in global batches (this process's :attr:`rows` of each); ``max_batches`` 0
-    means all.
+  @property
+  def val_batch_count(self) -> int:
+    """Global batches in the validation split (0 without one)."""
+    return 0 if self.val_source is None else len(self.val_source) // self.batch_size
+
+  def val_batches(self, max_batches: int = 0, skip: int = 0) -> Iterator[Batch]:
+    """The validation split in order, in global batches (this process's :attr:`rows` of each), from batch ``skip``
+    on; ``max_batches`` 0 means all the rest.
 
     Raises:
-      DataError: the data has no validation split (:attr:`has_validation`).
+      DataError: the data has no validation split (:attr:`has_validation`), or ``skip`` leaves no batch.
     """
     if self.val_source is None:
       raise DataError(f"{self.cfg.path} has no validation split: {_PREPARE_FIX}")
     rows = self.rows
-    total = len(self.val_source) // self.batch_size
-    n = total if not max_batches else min(max_batches, total)
-    ds = _block_rows(grain.MapDataset.source(self.val_source), self.batch_size, rows, n)
+    total = self.val_batch_count
+    if skip and skip >= total:
+      raise DataError(f"{self.cfg.path}: skipping {skip} validation batches leaves none (the split has {total} "
+                      f"batches of {self.batch_size} sequences)")
+    n = total - skip if not max_batches else min(max_batches, total - skip)
+    ds = _block_rows(grain.MapDataset.source(self.val_source), self.batch_size, rows, skip + n)
     ds = ds.batch(rows.stop - rows.start, drop_remainder=True).map(Batch.of)
-    for i in range(n):
+    for i in range(skip, skip + n):
       yield ds[i]

@@ -19,9 +19,10 @@ from jaxshare.evaluation.val_loss import evaluate_loss, loss_sums, make_eval_ste
 from jaxshare.store.runs import load_run
 
 
-def evaluate_run(path: str | Path, *, max_batches: int = 0, prompt: str = "ROMEO:\n",
+def evaluate_run(path: str | Path, *, max_batches: int = 0, skip_batches: int = 0, prompt: str = "ROMEO:\n",
                  sample_tokens: int = 200) -> dict[str, Any]:
-  """Evaluate the latest (or given) checkpoint of a run on its validation split, on one device.
+  """Evaluate the latest (or given) checkpoint of a run on its validation split, on one device: ``max_batches``
+  global batches (0: all) after the first ``skip_batches`` (a search selects on those and reports on the rest).
 
   Returns:
     ``step``, ``val_loss`` (nats/token), ``perplexity``, ``bits_per_byte`` (these three None when the data has no
@@ -37,7 +38,8 @@ def evaluate_run(path: str | Path, *, max_batches: int = 0, prompt: str = "ROMEO
   loss = None  # data prepared without a validation split
   if data.has_validation:
     with jax.set_mesh(run.mesh):
-      loss = evaluate_loss(jax.jit(make_eval_step(run.graphdef)), run.batch_sharding, run.params, data, max_batches)
+      loss = evaluate_loss(jax.jit(make_eval_step(run.graphdef)), run.batch_sharding, run.params, data, max_batches,
+                           skip_batches)
   sample_ids = []
   if sample_tokens:
     generator = Generator(run.model(), run.plan)

@@ -31,7 +31,9 @@ def loss_sums(eval_fn, batch_sharding: NamedSharding, params, batches: Iterable[
   return total, count
 
 
-def evaluate_loss(eval_fn, batch_sharding: NamedSharding, params, data: Datasets, max_batches: int) -> float:
-  """Mean validation loss in nats per token over up to ``max_batches`` global batches (0: all)."""
-  total, count = loss_sums(eval_fn, batch_sharding, params, data.val_batches(max_batches))
+def evaluate_loss(eval_fn, batch_sharding: NamedSharding, params, data: Datasets, max_batches: int,
+                  skip: int = 0) -> float:
+  """Mean validation loss in nats per token over up to ``max_batches`` global batches (0: all) after the first
+  ``skip``."""
+  total, count = loss_sums(eval_fn, batch_sharding, params, data.val_batches(max_batches, skip))
   return total / max(count, 1.0)

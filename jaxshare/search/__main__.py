@@ -7,8 +7,9 @@ trained (or imported) dense run.
 
 Stage 1 (no training): every schedule of the space within the budget (each family's options, their compositions,
 the papers' presets, and KVSharer's dissimilar-layer proposals) is converted from the source as `convert uptrain`
-converts it and scored on calibration batches: the validation loss right after conversion and the KL divergence
-of its next-token distribution from the source's. Stage 2: the best (the best preset among them) are uptrained for
+converts it and scored on the selection split (the first --calibration-batches validation batches): the loss right
+after conversion and the KL divergence of its next-token distribution from the source's. The rungs are scored on
+the same batches; the finals are reported on the validation batches after them only. Stage 2: the best (the best preset among them) are uptrained for
 --steps steps, the better half again with twice the steps, and so on while --trials runs last. The finals run the
 winner and the best preset at --seeds seeds.
 
@@ -45,7 +46,8 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--seeds", type=int, default=3, help="seeds of the finals (default: %(default)s)")
   p.add_argument("--lr", type=float, default=1e-3, help="uptraining peak learning rate (default: %(default)s)")
   p.add_argument("--calibration-batches", type=int, default=4, metavar="N",
-                 help="validation batches stage 1 scores on, and training batches a conversion fits on "
+                 help="the selection split: the first N validation batches, which stage 1 and the rungs score "
+                 "on (the finals report on the batches after them); and the training batches a conversion fits on "
                  "(default: %(default)s)")
   p.add_argument("--storage", help="Optuna storage URL (default: sqlite:///OUT/study.db)")
   p.add_argument("--parallel", type=int, default=1, metavar="N", help="uptraining runs at once (each on its own "

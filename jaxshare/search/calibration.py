@@ -13,6 +13,7 @@ from flax import nnx
 
 from jaxshare.data import Datasets
 from jaxshare.data.batch import Batch
+from jaxshare.search.budget import SearchError
 from jaxshare.store.runs import Run
 
 
@@ -29,13 +30,20 @@ class Stage1Score:
   kl: float
 
 
-def calibration_batches(src: Run, count: int) -> list[Batch]:
-  """The first ``count`` validation batches of the source run's data (one process's view: the whole batch).
+def calibration_batches(src: Run, count: int, reported: bool = False) -> list[Batch]:
+  """The first ``count`` validation batches of the source run's data (one process's view: the whole batch): a
+  search's selection split. With ``reported``, batches must be left after them for the finals to report on.
 
   Raises:
     DataError: the data cannot be read, or has no validation split.
+    SearchError: ``count`` below one, or (``reported``) leaving no validation batch to report on.
   """
   data = Datasets(src.cfg.data, src.cfg.train.batch_size, process_index=0, process_count=1)
+  total = data.val_batch_count
+  if count < 1 or (reported and count >= total):
+    raise SearchError(f"--calibration-batches {count} is invalid: the validation split of {src.cfg.data.path} has "
+                      f"{total} batches of {src.cfg.train.batch_size} sequences; the first N select and the finals "
+                      f"report on the rest, so N must be 1 to {total - 1}")
   return list(data.val_batches(count))
 
 

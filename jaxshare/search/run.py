@@ -38,7 +38,7 @@ def search(args: argparse.Namespace) -> int:
   budget = budget_of(args)
   families = [f.strip() for f in args.families.split(",") if f.strip()]
   src = runs.load_run(source)
-  batches = calibration_batches(src, args.calibration_batches)
+  batches = calibration_batches(src, args.calibration_batches, reported=args.trials > 0)
   extra = kvsharer_options(src, batches) if "kv" in families and all(
     p.is_producer for p in src.schedule.layers) else []
   cands, src_cost = candidates(src.cfg, source, budget, families, extra)
@@ -64,7 +64,9 @@ def search(args: argparse.Namespace) -> int:
     winner = min(rungs[-1], key=rungs[-1].get)
     best_preset = _best_preset(rungs, presets)
     names = [winner] + ([best_preset] if best_preset not in (None, winner) else [])
-    final = finals(settings, names, rung_steps[-1], storage, groups, rungs[-1])
+    last = len(rungs) - 1  # the last rung trained its candidates at seed 0 for the finals' steps
+    final = finals(settings, names, rung_steps[-1], storage, groups,
+                   {n: out / f"rung{last}" / n for n in names if n in rungs[-1]})
 
   by_name = {c.name: c for c in cands}
   rows = report.candidate_rows({c.name: (c.schedule, c.families, c.preset, c.cost) for c in cands}, src_cost,

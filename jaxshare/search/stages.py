@@ -2,6 +2,10 @@
 calibration batches (no training); stage 2 uptrains the best by successive halving (the better half of each rung
 trained again with twice the steps); the finals run the winner and the best preset at every seed.
 
+The validation split is cut in two: its first ``calibration_batches`` batches select (stage 1 scores on them, the
+rungs evaluate on them), the batches after them report (the finals evaluate on those only), so that the loss a
+search reports was not read to choose what it reports.
+
 Every stage is an Optuna study of a fixed grid (:mod:`jaxshare.search.study`); the trainings are ``train.py`` and
 ``eval.py`` runs through the sweep's runner, one per device group at a time.
 """
@@ -39,7 +43,8 @@ class Settings:
     trials: stage 2's budget of uptraining runs over all rungs (the finals apart).
     seeds: the finals' seeds.
     lr: uptraining's peak learning rate.
-    calibration_batches: batches a conversion fits on (UniAttn's W_c, a calibrated LISA start).
+    calibration_batches: training batches a conversion fits on (UniAttn's W_c, a calibrated LISA start), and the
+      selection split: the first validation batches, which stage 1 and the rungs score on.
     overrides: more overrides of every uptraining run (e.g. ``train.batch_size=8``).
   """
 
@@ -118,10 +123,22 @@ def rung_sizes(trials: int, candidates: int) -> list[int]:
   return fitting[-1] if fitting else []
 
 
+def selection_flags(settings: Settings) -> tuple[str, ...]:
+  """eval.py's flags for the selection split: the first ``calibration_batches`` validation batches."""
+  return ("--max-batches", str(settings.calibration_batches))
+
+
+def reported_flags(settings: Settings) -> tuple[str, ...]:
+  """eval.py's flags for the reported split: the validation batches after the selection split's."""
+  return ("--skip-batches", str(settings.calibration_batches))
+
+
 def _train_objective(settings: Settings, groups: Sequence[DeviceGroup], run_dir: Callable[[str], Path],
-                     steps: int, progress: Progress) -> Callable[[str], tuple[float, dict]]:
+                     steps: int, progress: Progress, eval_flags: tuple[str, ...],
+                     trained: dict[str, Path] | None = None) -> Callable[[str], tuple[float, dict]]:
   """A trial that uptrains ``point`` (``name`` or ``name@seed<k>``) from its converted run for ``steps`` steps, in a
-  free device group, and returns eval.py's validation loss."""
+  free device group, and returns eval.py's validation loss with ``eval_flags`` (the batches it reads). A point in
+  ``trained`` (a run already trained so, by the last rung) is evaluated there, not trained again."""
   free: queue.Queue[DeviceGroup] = queue.Queue()
   for g in groups:
     free.put(g)
@@ -133,10 +150,11 @@ def _train_objective(settings: Settings, groups: Sequence[DeviceGroup], run_dir:
     overrides = (f"train.init_from={converted}", f"train.steps={steps}", f"train.warmup_steps={max(1, steps // 10)}",
                  f"train.eval_every={steps}", f"train.checkpoint_every={steps}", f"train.lr={settings.lr}",
                  f"train.seed={seed}", f"data.shuffle_seed={seed}", *settings.overrides)
-    trial = Trial(name, seed, overrides, run_dir(point))
+    done = (trained or {}).get(point)
+    trial = Trial(name, seed, overrides, done or run_dir(point), eval_flags=eval_flags)
     group = free.get()
     try:
-      row = execute(str(converted / runs.CONFIG_FILE), trial, steps, group)
+      row = execute(str(converted / runs.CONFIG_FILE), trial, steps, group, evaluate_only=done is not None)
     finally:
       free.put(group)
     if row["status"] != "ok":
@@ -170,7 +188,8 @@ def stage2(settings: Settings, ranked: Sequence[str], presets: set[str], storage
     steps = settings.steps * 2 ** r
     names = names[:n]
     progress = Progress(f"stage 2 rung {r} ({steps} steps)", len(names))
-    objective = _train_objective(settings, groups, lambda p, r=r: settings.out / f"rung{r}" / p, steps, progress)
+    objective = _train_objective(settings, groups, lambda p, r=r: settings.out / f"rung{r}" / p, steps, progress,
+                                 selection_flags(settings))
     done = run_grid(storage, f"rung{r}", names, objective, workers=len(groups))
     scores = {name: done[name].value for name in names if name in done}
     if not scores:
@@ -182,14 +201,13 @@ def stage2(settings: Settings, ranked: Sequence[str], presets: set[str], storage
 
 
 def finals(settings: Settings, names: Sequence[str], steps: int, storage, groups: Sequence[DeviceGroup],
-           seed0: dict[str, float]) -> dict[str, list[float]]:
-  """``names`` uptrained for ``steps`` steps at every seed (``train.seed`` and ``data.shuffle_seed``); ``seed0``: the
-  losses of those that the last rung already trained so, at seed 0 (not run again). Returns the validation losses
-  by name, in seed order (a failed seed left out)."""
-  points = [f"{n}@seed{k}" for n in names for k in range(settings.seeds) if k or n not in seed0]
+           trained: dict[str, Path]) -> dict[str, list[float]]:
+  """``names`` uptrained for ``steps`` steps at every seed (``train.seed`` and ``data.shuffle_seed``) and evaluated on
+  the reported split; ``trained``: the runs the last rung already trained so, at seed 0, by name (evaluated, not
+  trained again). Returns the validation losses by name, in seed order (a failed seed left out)."""
+  points = [f"{n}@seed{k}" for n in names for k in range(settings.seeds)]
   progress = Progress(f"finals ({steps} steps)", len(points))
   objective = _train_objective(settings, groups, lambda p: settings.out / "finals" / p.replace("@", "/"), steps,
-                               progress)
+                               progress, reported_flags(settings), {f"{n}@seed0": d for n, d in trained.items()})
   done = run_grid(storage, "finals", points, objective, workers=len(groups))
-  return {n: ([seed0[n]] if n in seed0 else []) + [done[p].value for p in points if p.startswith(n + "@")
-                                                   and p in done] for n in names}
+  return {n: [done[p].value for p in points if p.startswith(n + "@") and p in done] for n in names}

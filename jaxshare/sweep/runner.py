@@ -91,7 +91,7 @@ def train_args(experiment: str, run: Trial) -> list[str]:
 
 
 def eval_args(run: Trial) -> list[str]:
-  return [sys.executable, "eval.py", str(run.run_dir), "--json", "--sample-tokens", "0"]
+  return [sys.executable, "eval.py", str(run.run_dir), "--json", "--sample-tokens", "0", *run.eval_flags]
 
 
 def _call(group: DeviceGroup, args: list[str], log: Path, capture: bool = False) -> tuple[int, str]:
@@ -136,7 +136,9 @@ def execute(experiment: str, run: Trial, steps: int, group: DeviceGroup, evaluat
   if code != 0 or not lines:
     return failed(f"eval.py exit {code}")
   report = json.loads(lines[-1])
-  write_atomic(run.run_dir / "eval.json", json.dumps(report, indent=1) + "\n")
+  # named by the batches it read where they are not the whole split (a search's run is scored on two splits)
+  name = "eval.json" if not run.eval_flags else "eval_" + "_".join(f.lstrip("-") for f in run.eval_flags) + ".json"
+  write_atomic(run.run_dir / name, json.dumps(report, indent=1) + "\n")
   return result_row(run, "ok", report)
 
 

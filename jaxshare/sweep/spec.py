@@ -43,6 +43,7 @@ class Trial:
   overrides: tuple[str, ...]  # base, then the variant's, then train.seed (never train.run_dir)
   run_dir: Path
   series: str = ""  # plot colour group
+  eval_flags: tuple[str, ...] = ()  # eval.py's flags beyond the defaults, e.g. which validation batches it reads
 
   @property
   def seed_key(self) -> str:

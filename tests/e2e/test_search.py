@@ -1,6 +1,6 @@
 """``python -m jaxshare.search`` end to end on a tiny trained dense run: stage 1 scores every candidate within the
 budget, successive halving uptrains the best through train.py and eval.py, the finals run the winner and the best
-preset; the report, the plots and the frontier configs are written; run again, it resumes and runs nothing; a
+preset, selected on the first validation batches and reported on the rest; the report, the plots and the frontier configs are written; run again, it resumes and runs nothing; a
 frontier config is what train.py and convert uptrain take."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import csv
 import io
+import json
 
 import optuna
 import pytest
@@ -49,6 +50,13 @@ def test_a_search_reports_its_frontier_resumes_and_its_configs_train(tmp_path):
   assert len(rung0) == 2 and len(rung1) == 1 and set(rung1) <= set(rung0)
   assert rung1[0] == min(rung0, key=lambda n: float(rows[n]["rung0_loss_2_steps"]))  # the better half goes on
   assert rows[rung1[0]]["final_losses"]  # the winner's finals
+  # the rungs select on the first validation batch (--calibration-batches 1), the finals report on the rest: the
+  # winner's seed-0 run, trained by the last rung, evaluated on both
+  selected = json.loads((out / "rung1" / rung1[0] / "eval_max-batches_1.json").read_text())["val_loss"]
+  reported = json.loads((out / "rung1" / rung1[0] / "eval_skip-batches_1.json").read_text())["val_loss"]
+  assert float(rows[rung1[0]]["rung1_loss_4_steps"]) == pytest.approx(selected, rel=1e-6)
+  assert float(rows[rung1[0]]["final_losses"].split()[0]) == pytest.approx(reported, abs=1e-5)
+  assert abs(selected - reported) > 1e-6
   ranked = sorted(rows, key=lambda n: float(rows[n]["stage1_loss"]))
   presets = [n for n in ranked if rows[n]["preset"] == "True"]
   assert set(rung0) == {ranked[0], presets[0]} or set(rung0) == set(ranked[:2])  # the best preset always enters

@@ -48,6 +48,18 @@ def test_prepared_shakespeare_gives_the_token_caches_batches(corpus, prepared_sh
   assert prepared.bytes_per_token == pytest.approx(text.bytes_per_token, rel=1e-12)
 
 
+def test_validation_batches_after_a_skip_are_the_splits_next_batches(corpus):
+  """A search selects on the first validation batches and reports on the rest (eval.py --skip-batches)."""
+  data = Datasets(DataConfig(path=str(corpus), seq_len=64), batch_size=8)
+  whole = list(data.val_batches())
+  assert len(whole) == data.val_batch_count > 3
+  assert_batches_equal(list(data.val_batches(2, skip=1)), whole[1:3])
+  assert_batches_equal(list(data.val_batches(skip=3)), whole[3:])
+  with pytest.raises(DataError, match=f"skipping {len(whole)} validation batches leaves none \\(the split has "
+                                      f"{len(whole)} batches of 8 sequences\\)"):
+    list(data.val_batches(skip=len(whole)))
+
+
 def test_bpe_prepared_shakespeare_gives_the_token_caches_windows(tmp_path, corpus):
   tk = str(write_bpe_tokenizer(tmp_path / "tk", corpus.read_text()[:20000]))
   prepare([str(corpus)], tmp_path / "out", PrepareOptions(tokenizer=tk, val_fraction=0.1), progress=False)

@@ -8,6 +8,7 @@ from conftest import tiny_config
 from jaxshare.convert.uptrain import convert
 from jaxshare.evaluation.val_loss import make_eval_step
 from jaxshare.store.runs import load_run
+from jaxshare.search.budget import SearchError
 from jaxshare.search.calibration import Calibration, calibration_batches
 from jaxshare.search.kvsharer import kvsharer_options, kvsharer_sources, layer_kv_means
 
@@ -25,6 +26,15 @@ def _log_softmax(x: np.ndarray) -> np.ndarray:
   x = x.astype(np.float64)
   z = x - x.max(-1, keepdims=True)
   return z - np.log(np.exp(z).sum(-1, keepdims=True))
+
+
+def test_the_selection_split_leaves_validation_batches_to_report_on(source):
+  _, src = source
+  total = len(calibration_batches(src, 10**6))  # stage 1 only: the whole split may select
+  assert len(calibration_batches(src, total - 1, reported=True)) == total - 1
+  with pytest.raises(SearchError, match=f"--calibration-batches {total} is invalid: .* has {total} batches of "
+                                        f".* N must be 1 to {total - 1}"):
+    calibration_batches(src, total, reported=True)
 
 
 def test_stage1_scores_equal_an_independent_recomputation(source):
