@@ -97,8 +97,8 @@ class ModelConfig:
   param_dtype: str = _f("float32", "Storage dtype of parameters and optimizer state.", ("float32", "bfloat16"))
   scan_layers: bool = _f(True, "Scan each stack of identical superblocks and each run of identical layers inside "
                          "a superblock (K/V consumers, probability reusers, LISA chains): compile time independent of "
-                         "depth. Without remat (model.remat=none) a stack of superblocks of several layers is unrolled, "
-                         "and under minimal one of superblocks of more than two (scanned, its backward pass slices a "
+                         "depth. Without remat (model.remat=none) a stack of superblocks of several layers is "
+                         "unrolled, and under minimal one of superblocks of more than two (scanned, its backward pass slices a "
                          "whole superblock's residuals at once: more memory than dense), so its compile time grows "
                          "with depth. false unrolls the same math.")
   remat: str = _f("none", "Rematerialisation policy (MaxText's names), applied to each layer: none keeps every "

@@ -32,9 +32,10 @@ what is kept, as XLA does itself when it fuses them into their consumers in an u
 cannot fuse across its loop: without the policy it stacked every such result as a residual (the ~1.2B Llama's four
 float32 copies of each layer's residual stream took 16 GiB at 32k tokens, and the step 68.55 GiB on one H100; with
 it 51.22 GiB, for the same executed FLOPs). A stack whose superblocks hold several layers is unrolled under ``none``,
-and under ``minimal`` where they hold more than two (:func:`jaxshare.model.block.unrolled`). What must be recomputed whatever an enclosing policy keeps (probability
-reuse in XLA, a LISA chain's chunks) uses :func:`jaxshare.kernels.recompute.recomputed`, not a nested
-``jax.checkpoint``, whose choice an enclosing policy overrides.
+and under ``minimal`` where they hold more than two (:func:`jaxshare.model.block.unrolled`). What must be recomputed
+whatever an enclosing policy keeps (probability reuse in XLA, a LISA chain's chunks) uses
+:func:`jaxshare.kernels.recompute.recomputed`, not a nested ``jax.checkpoint``, whose choice an enclosing policy
+overrides.
 
 Host offloading (``*_offloaded``) moves the kept arrays to pinned host memory, which jax has on GPUs and TPUs only:
 :func:`check_platform` refuses them elsewhere before anything is compiled.

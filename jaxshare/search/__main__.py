@@ -8,10 +8,10 @@ trained (or imported) dense run.
 Stage 1 (no training): every schedule of the space within the budget (each family's options, their compositions,
 the papers' presets, and KVSharer's dissimilar-layer proposals) is converted from the source as `convert uptrain`
 converts it and scored on the selection split (the first --calibration-batches validation batches): the loss right
-after conversion and the KL divergence of its next-token distribution from the source's. The rungs are scored on
-the same batches; the finals are reported on the validation batches after them only. Stage 2: the best (the best preset among them) are uptrained for
---steps steps, the better half again with twice the steps, and so on while --trials runs last. The finals run the
-winner and the best preset at --seeds seeds.
+after conversion and the KL divergence of its next-token distribution from the source's. Stage 2: the best (the
+best preset among them) are uptrained for --steps steps, the better half again with twice the steps, and so on while
+--trials runs last, each scored on the selection split too. The finals run the winner and the best preset at --seeds
+seeds and are reported on the validation batches after the selection split's only.
 
 Each stage is an Optuna study kept in --storage (default: sqlite in --out): run the same command again to resume a
 killed search (finished trials are not run again), or run it in several processes, or on several hosts with a

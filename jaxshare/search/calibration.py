@@ -41,9 +41,10 @@ def calibration_batches(src: Run, count: int, reported: bool = False) -> list[Ba
   data = Datasets(src.cfg.data, src.cfg.train.batch_size, process_index=0, process_count=1)
   total = data.val_batch_count
   if count < 1 or (reported and count >= total):
+    rest = " and the finals report on the rest" if reported else ""
     raise SearchError(f"--calibration-batches {count} is invalid: the validation split of {src.cfg.data.path} has "
-                      f"{total} batches of {src.cfg.train.batch_size} sequences; the first N select and the finals "
-                      f"report on the rest, so N must be 1 to {total - 1}")
+                      f"{total} batches of {src.cfg.train.batch_size} sequences; the first N select{rest}, so N "
+                      f"must be 1 to {total - 1 if reported else total}")
   return list(data.val_batches(count))
 
 

@@ -13,7 +13,7 @@ from jaxshare.search.budget import Budget, parse_limit
 from jaxshare.search.calibration import Calibration, calibration_batches
 from jaxshare.search.kvsharer import kvsharer_options
 from jaxshare.search.space import candidate_config, candidates
-from jaxshare.search.stages import Settings, finals, stage1, stage2
+from jaxshare.search.stages import Settings, finals, rung_dir, stage1, stage2
 from jaxshare.search.study import failures, open_storage
 from jaxshare.sweep.devices import device_groups
 from jaxshare.sweep.runner import say
@@ -66,7 +66,7 @@ def search(args: argparse.Namespace) -> int:
     names = [winner] + ([best_preset] if best_preset not in (None, winner) else [])
     last = len(rungs) - 1  # the last rung trained its candidates at seed 0 for the finals' steps
     final = finals(settings, names, rung_steps[-1], storage, groups,
-                   {n: out / f"rung{last}" / n for n in names if n in rungs[-1]})
+                   {n: rung_dir(settings, last, n) for n in names if n in rungs[-1]})
 
   by_name = {c.name: c for c in cands}
   rows = report.candidate_rows({c.name: (c.schedule, c.families, c.preset, c.cost) for c in cands}, src_cost,

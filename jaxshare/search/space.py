@@ -49,7 +49,7 @@ class Candidate:
   """A schedule of the search.
 
   Attributes:
-    name: directory-safe, the architecture's and the K/V rule's, e.g. ``cla2-own+uniattn_b4``'s ``cla2+uniattn_b4-own``.
+    name: directory-safe, the architecture's and the K/V rule's, e.g. ``cla2+uniattn_b4-own``.
     overrides: ``schedule.*`` overrides of the source's config (``schedule.kind`` first), then the K/V rule's
       ``train.init_kv_pool`` where it has one.
     families: the families it composes, e.g. ``("kv", "scores")``.

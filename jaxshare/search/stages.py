@@ -123,6 +123,11 @@ def rung_sizes(trials: int, candidates: int) -> list[int]:
   return fitting[-1] if fitting else []
 
 
+def rung_dir(settings: Settings, rung: int, name: str) -> Path:
+  """Where stage 2's rung ``rung`` trains candidate ``name``."""
+  return settings.out / f"rung{rung}" / name
+
+
 def selection_flags(settings: Settings) -> tuple[str, ...]:
   """eval.py's flags for the selection split: the first ``calibration_batches`` validation batches."""
   return ("--max-batches", str(settings.calibration_batches))
@@ -188,7 +193,7 @@ def stage2(settings: Settings, ranked: Sequence[str], presets: set[str], storage
     steps = settings.steps * 2 ** r
     names = names[:n]
     progress = Progress(f"stage 2 rung {r} ({steps} steps)", len(names))
-    objective = _train_objective(settings, groups, lambda p, r=r: settings.out / f"rung{r}" / p, steps, progress,
+    objective = _train_objective(settings, groups, lambda p, r=r: rung_dir(settings, r, p), steps, progress,
                                  selection_flags(settings))
     done = run_grid(storage, f"rung{r}", names, objective, workers=len(groups))
     scores = {name: done[name].value for name in names if name in done}

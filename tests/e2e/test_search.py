@@ -1,6 +1,7 @@
 """``python -m jaxshare.search`` end to end on a tiny trained dense run: stage 1 scores every candidate within the
 budget, successive halving uptrains the best through train.py and eval.py, the finals run the winner and the best
-preset, selected on the first validation batches and reported on the rest; the report, the plots and the frontier configs are written; run again, it resumes and runs nothing; a
+preset, selected on the first validation batches and reported on the rest; the
+report, the plots and the frontier configs are written; run again, it resumes and runs nothing; a
 frontier config is what train.py and convert uptrain take."""
 
 from __future__ import annotations
