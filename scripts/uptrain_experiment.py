@@ -10,8 +10,10 @@
      schedule.match_params (MLKV Sec. 4's control: equal parameter counts); UniAttn with least-squares W_c, uptrained
      with the standard and the paper's two-stage recipe (stage 1, then the steps every row gets); LISA from its DS
      start, the weight fit and the fit calibrated on data (train.init_lisa=ds, fit, calibrated); and the papers'
-     recipes beside them: CLA2 from mean-pooled K/V, MLKV-4 matched by duplicated units, W_c fitted to the averages
-     (UniAttn Theorem 3.1), LISA training only its new parameters with distillation (LISA Sec. 5.1, App. B)
+     recipes beside them, each one change against the row it names (RECIPES): CLA2 from mean-pooled K/V, MLKV-4
+     matched by duplicated units, W_c fitted to the averages (UniAttn Theorem 3.1), UniAttn's two stages, and LISA's
+     recipe (Sec. 5.1, App. B) one change at a time from its DS start: only the new parameters trained, then
+     distillation from the dense source, then the paper's lr
   6. uptrain each for the same token budget at every seed, and train the KV schedules from scratch for the same
      tokens at every seed                                                      train.py
   7. tabulate validation loss (mean ± sample std over seeds) against KV bytes per token: results.md, results.json,
@@ -55,30 +57,57 @@ _KV = {
 }
 _UNIATTN = ["schedule.kind=uniattn", "schedule.uniattn.block_size=2"]  # top half: layers 5 and 7 reuse 4 and 6
 _LISA = ["schedule.kind=lisa", "schedule.lisa.rank=8"]  # layers 3-5 (the paper's rule), ffn aligner
-SCHEDULES: dict[str, tuple[list[str], list[str], bool]] = {
+# name -> (conversion overrides of the dense model's config, extra uptraining overrides, also trained from scratch)
+_ROWS: dict[str, tuple[list[str], list[str], bool]] = {
   "dense": (["schedule.kind=dense"], [], True),  # the control: the dense model trained on for the same tokens
   **{name: (o, [], True) for name, o in _KV.items()},
   **{f"{name}_m": ([*o, *MATCHED], [], False) for name, o in _KV.items()},
   "uniattn": (_UNIATTN, [], True),
-  # UniAttn Alg. 1: stage 1 (W_c alone, early stopping) before the same fine-tuning budget the standard recipe gets
-  "uniattn_2stage": (_UNIATTN, ["train.recipe=uniattn_two_stage", f"train.stage1_max_steps={STAGE1_MAX_STEPS}"],
-                     False),
   "lisa_ds": ([*_LISA, "train.init_lisa=ds"], [], False),
   "lisa_fit": ([*_LISA, "train.init_lisa=fit"], [], False),
   "lisa_cal": ([*_LISA, "train.init_lisa=calibrated"], [], False),
-  # the papers' recipes and conversion rules beside the rows above (issue 46):
-  "cla2_pool": ([*_KV["cla2"], "train.init_kv_pool=mean"], [], False),  # producers from the mean of their layers
-  "mlkv4_m_dup": ([*_KV["mlkv4"], *MATCHED, "train.init_mlp_widen=duplicate"], [], False),  # pythia-mlkv's widening
-  "uniattn_wcmean": (_UNIATTN, [], False),  # W_c fitted to the averages, as Theorem 3.1 states it
-  # LISA Sec. 5.1 and App. B: only the new parameters trained, distilled from the dense model (beta 0.25), lr 3e-4
-  "lisa_paper": ([*_LISA, "train.init_lisa=ds"], ["train.trainable=sharing", "train.kd_beta=0.25", "train.lr=3e-4"],
-                 False),
 }
-# uniattn_2stage uptrains the conversion of uniattn, lisa_paper the config of lisa_ds; the others convert their own
-CONVERSION = {"uniattn_2stage": "uniattn", "lisa_paper": "lisa_ds"}
-CONVERSION_FLAGS = {"uniattn_wcmean": ["--wc-fit", "mean"]}  # instead of --wc-fit of the command line
-# uptrained from the imported dense model (the distillation teacher is train.init_from), not from their conversion
-FROM_SOURCE = {"lisa_paper"}
+# The papers' recipes and conversion rules, each one change against its twin (the row it names, listed above it):
+# name -> (twin, conversion overrides added, uptraining overrides added, convert flags instead of --wc-fit's).
+RECIPES: dict[str, tuple[str, list[str], list[str], list[str]]] = {
+  "cla2_pool": ("cla2", ["train.init_kv_pool=mean"], [], []),  # producers from the mean of their layers (MLKV's)
+  "mlkv4_m_dup": ("mlkv4_m", ["train.init_mlp_widen=duplicate"], [], []),  # pythia-mlkv's widening
+  "uniattn_wcmean": ("uniattn", [], [], ["--wc-fit", "mean"]),  # W_c fitted to the averages (Theorem 3.1)
+  # UniAttn Alg. 1: stage 1 (W_c alone, early stopping) before the same fine-tuning budget the standard recipe gets
+  "uniattn_2stage": ("uniattn", [], ["train.recipe=uniattn_two_stage", f"train.stage1_max_steps={STAGE1_MAX_STEPS}"],
+                     []),
+  # LISA Sec. 5.1 and App. B from the DS start, one change at a time: only the new parameters trained; distilled from
+  # the dense model (beta 0.25; the teacher is the dense source the conversion recorded); the paper's lr 3e-4
+  "lisa_frozen": ("lisa_ds", [], ["train.trainable=sharing"], []),
+  "lisa_frozen_kd": ("lisa_frozen", [], ["train.kd_beta=0.25"], []),
+  "lisa_paper": ("lisa_frozen_kd", [], ["train.lr=3e-4"], []),
+}
+
+
+def _descends(name: str, twin: str) -> bool:
+  """Whether ``name`` is ``twin`` or a recipe row changed (through its twins) from ``twin``."""
+  while name != twin and name in RECIPES:
+    name = RECIPES[name][0]
+  return name == twin
+
+
+def _with_recipes() -> tuple[dict[str, tuple[list[str], list[str], bool]], dict[str, str]]:
+  """Every row in table order, each recipe row after its twin and the rows changed from it before, and the
+  conversion each row uptrains where it is another row's (a recipe row that changes only the uptraining)."""
+  rows, conversion = dict(_ROWS), {}
+  for name, (twin, convert, uptrain, flags) in RECIPES.items():
+    conv, up, _ = rows[twin]
+    if not convert and not flags:
+      conversion[name] = conversion.get(twin, twin)
+    order = list(rows)
+    at = max(i for i, row in enumerate(order) if _descends(row, twin)) + 1
+    rows[name] = ([*conv, *convert], [*up, *uptrain], False)
+    rows = {n: rows[n] for n in [*order[:at], name, *order[at:]]}
+  return rows, conversion
+
+
+SCHEDULES, CONVERSION = _with_recipes()
+CONVERSION_FLAGS = {name: flags for name, (_, _, _, flags) in RECIPES.items() if flags}
 TWO_STAGE = {"uniattn_2stage"}
 PROMPT = "ROMEO:\n"
 
@@ -187,10 +216,15 @@ def table(rows: list[dict], args: argparse.Namespace) -> list[str]:
            "| schedule | KV bytes/token (bf16) | params | converted (step 0) | uptrained | uptrained - dense "
            "uptrained (paired by seed) | from scratch | n |", "|---|---|---|---|---|---|---|---|"]
   for r in rows:
-    up = r["uptrained"]
-    delta = "—" if not up or r["name"] in ("start", "dense") else mean_std([a - b for a, b in zip(up, control)])
-    lines.append(f"| {r['name']} ({r['schedule']}) | {r['kv_bytes_per_token_bf16']:,} | {r['num_params']:,} | "
-                 f"{r['converted']:.4f} | {mean_std(up)} | {delta} | {mean_std(r['scratch'])} | {len(up)} |")
+    up, name = r["uptrained"], r["name"]
+    delta = "—" if not up or name in ("start", "dense") else mean_std([a - b for a, b in zip(up, control)])
+    label = f"{name} ({r['schedule']})"
+    if name in RECIPES:
+      twin, convert, uptrain, flags = RECIPES[name]
+      label += f", {twin} with {' '.join([*convert, *uptrain, *flags])}"
+    converted = f"= {CONVERSION[name]}" if name in CONVERSION else f"{r['converted']:.4f}"
+    lines.append(f"| {label} | {r['kv_bytes_per_token_bf16']:,} | {r['num_params']:,} | {converted} | "
+                 f"{mean_std(up)} | {delta} | {mean_std(r['scratch'])} | {len(up)} |")
   stage1 = {r["name"]: r["stage1_steps"] for r in rows if r["stage1_steps"]}
   return lines + ["", *(f"{name}: stage 1 (W_c alone, early stopping, at most {STAGE1_MAX_STEPS} steps) ran "
                         f"{', '.join(map(str, steps))} steps at the seeds above, then stage 2 the {args.steps} steps "
@@ -198,11 +232,9 @@ def table(rows: list[dict], args: argparse.Namespace) -> list[str]:
                   "start: the dense model after export to HF and import back (bit-exact); dense: that model "
                   "trained on with the uptraining recipe, the control every schedule is compared with; _m: "
                   "schedule.match_params (the MLPs resized to the dense model's parameter count, new units with zero "
-                  "output rows; _m_dup: duplicated units, pythia-mlkv's way); cla2 keeps each producer's own K/V, "
-                  "cla2_pool averages its layers'; uniattn fits W_c on every token (--wc-fit), uniattn_wcmean on the "
-                  "averages (Theorem 3.1); lisa_paper trains only LISA's new parameters with distillation from the "
-                  "dense model (beta 0.25, lr 3e-4: LISA Sec. 5.1, App. B), the lisa rows every parameter with the LM "
-                  "loss."]
+                  "output rows). A row naming another changes one thing against it (the overrides or flags it "
+                  "names); '= row' in the converted column: it uptrains that row's conversion. lisa_frozen_kd and "
+                  "lisa_paper distil from the dense source the conversion recorded (train.kd_teacher)."]
 
 
 def plot(rows: list[dict], out: Path) -> None:
@@ -257,9 +289,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in names:
       path, at_conversion = converted[name]
       config = str(path / "config.yaml")
-      source = out / "imported" if name in FROM_SOURCE else path
       up = run_variant(config, out / f"uptrained_{name}" / f"seed{seed}",
-                       [*seeded, f"train.init_from={source}", f"train.lr={args.uptrain_lr}", *SCHEDULES[name][1]],
+                       [*seeded, f"train.init_from={path}", f"train.lr={args.uptrain_lr}", *SCHEDULES[name][1]],
                        args.steps, two_stage=name in TWO_STAGE)
       results[name]["uptrained"].append(up["val_loss"])
       line = f"seed {seed} {name}: converted {at_conversion['val_loss']:.4f}, uptrained {up['val_loss']:.4f}"

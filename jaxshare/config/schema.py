@@ -419,8 +419,12 @@ class TrainConfig:
                       "methods add: LISA's low-rank Q/K and aligner, UniAttn's W_c); the rest are frozen with "
                       "optax masks.", ("all", "sharing"))
   kd_beta: float = _f(0.0, "LISA distillation (Eq. 5-7): loss = kd_beta * Huber(student logits, teacher logits on "
-                      "the LISA layers) + (1 - kd_beta) * LM loss; the teacher is train.init_from, frozen. 0: off; "
+                      "the LISA layers) + (1 - kd_beta) * LM loss; the teacher is train.kd_teacher, frozen. 0: off; "
                       "the paper uses 0.25.")
+  kd_teacher: str = _f("", "Distillation's teacher (train.kd_beta > 0): a run directory or checkpoint, used whatever its "
+                       "schedule. Empty: the dense model train.init_from was converted from (convert uptrain records "
+                       "it here in the converted run's config), else train.init_from itself; a teacher found so that "
+                       "is not dense is refused (name it here to distil from it).")
   kd_delta: float = _f(1.0, "Huber delta of the distillation loss.")
   postshare_gamma: float = _f(0.0, "PostShare (Eq. in Sec. 4.3): add gamma * L_w, L_w = mean over the matched head "
                               "pairs of sum_{q,k,v} ||W_i - W_j||_F, pairs selected by DirectShare at "

@@ -117,8 +117,8 @@ def validate(cfg: Config) -> None:
   _require(t.eval_every >= 0, "train.eval_every", t.eval_every, "must be >= 0 (0: no periodic validation)")
   _require(t.eval_batches >= 0, "train.eval_batches", t.eval_batches, "must be >= 0 (0: the whole split)")
   _require(0.0 <= t.kd_beta <= 1.0, "train.kd_beta", t.kd_beta, "must be in [0, 1]")
-  _require(t.kd_beta == 0 or bool(t.init_from), "train.kd_beta", t.kd_beta,
-           "distillation needs a teacher: set train.init_from to the dense run")
+  _require(t.kd_beta == 0 or bool(t.init_from or t.kd_teacher), "train.kd_beta", t.kd_beta,
+           "distillation needs a teacher: set train.kd_teacher or train.init_from")
   _require(math.isfinite(t.kd_delta) and t.kd_delta > 0, "train.kd_delta", t.kd_delta, "must be a finite number > 0")
   _require(0.0 < t.postshare_ratio < 0.75, "train.postshare_ratio", t.postshare_ratio, "must be in (0, 0.75)")
   for name in ("stage1_max_steps", "stage1_patience"):

@@ -21,6 +21,7 @@ from jaxshare.init.rules import InitRules
 from jaxshare.init.source import check_loadable, initial_params, params_from_source
 from jaxshare.model.ties import HeadTies
 from jaxshare.plan import ModelPlan, plan_of
+from jaxshare.store.teacher import recorded_teacher
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,7 +69,8 @@ def convert(src: runs.Run, src_run, overrides, *, calibration_batches: int = 8, 
   """Convert the loaded run ``src`` (read from ``src_run``) into another schedule, in memory.
 
   The target config is the source's, with ``schedule`` when given (e.g. a search's frontier config's), with
-  ``overrides`` applied (``train.init_from`` set to the source), its
+  ``overrides`` applied (``train.init_from`` set to the source, ``train.kd_teacher`` to the dense model it descends
+  from: :func:`~jaxshare.store.teacher.recorded_teacher`), its
   parameters those ``train.py`` would start from with ``train.init_from``, except what is fitted on the first
   ``calibration_batches`` training batches: UniAttn's W_c by least squares (:mod:`jaxshare.init.compensation`; 0
   batches keep them at zero), and with ``train.init_lisa=calibrated`` LISA's low-rank factors, from the ``fit``
@@ -81,8 +83,10 @@ def convert(src: runs.Run, src_run, overrides, *, calibration_batches: int = 8, 
   """
   # the source's own reference (if it was matched) is not the target's: the target is matched to the source
   base = src.cfg if schedule is None else dataclasses.replace(src.cfg, schedule=schedule)
-  cfg = with_match_reference(apply_overrides(base, ["schedule.match_reference_params=0", *overrides,
-                                                    f"train.init_from={src_run}"]), src.plan.param_count().total)
+  recorded = recorded_teacher(src)  # distillation's teacher for runs uptrained from this one (train.kd_teacher)
+  cfg = with_match_reference(apply_overrides(base, ["schedule.match_reference_params=0", f"train.kd_teacher={recorded}",
+                                                    *overrides, f"train.init_from={src_run}"]),
+                             src.plan.param_count().total)
   check_loadable(src.cfg.model, cfg.model, str(src_run), src_tokenizer=src.cfg.data.tokenizer,
                  tokenizer=cfg.data.tokenizer)
   start = "fit" if cfg.train.init_lisa == "calibrated" else cfg.train.init_lisa  # calibrated starts from fit

@@ -40,7 +40,7 @@ def check_loadable(src: ModelConfig, model: ModelConfig, source: str, *, src_tok
     differ = [f for f in differ if f != "resolved_head_dim" or model.head_dim]
   diffs = [f"model.{f.replace('resolved_', '')}={getattr(model, f)!r} (the source has {getattr(src, f)!r})"
            for f in differ]
-  if not _same_tokenizer(tokenizer, src_tokenizer):
+  if not same_tokenizer(tokenizer, src_tokenizer):
     diffs.append(f"data.tokenizer={tokenizer!r} (the source has {src_tokenizer!r})")
   if diffs:
     raise ConfigError(f"train.init_from={source!r} cannot load that run's weights into this model: "
@@ -48,7 +48,7 @@ def check_loadable(src: ModelConfig, model: ModelConfig, source: str, *, src_tok
                       "schedule and tokenizer unless told otherwise) or give the source's values")
 
 
-def _same_tokenizer(a: str, b: str) -> bool:
+def same_tokenizer(a: str, b: str) -> bool:
   """Whether two ``data.tokenizer`` values name the same tokenizer (the same name, or directories of the same files)."""
   if a == b:
     return True

@@ -89,7 +89,8 @@ class _Trainer:
     self.run_dir, self.data, self.source, self.ckpt = start.run_dir, start.data, start.source, start.ckpt
     self.setup, self.state, self.data_iter = start.setup, start.state, start.data_iter
     self.two_stage = self.tcfg.recipe == "uniattn_two_stage"
-    self.teacher_params = self.source.params if self.tcfg.kd_beta > 0 else None
+    self.teacher = start.teacher
+    self.teacher_params = None if self.teacher is None else self.teacher.params
     self.stage, self.stage_start = stage_of(self.cfg, start.meta)  # stage_start: where its lr schedule began
     self.end = end_step(self.cfg, self.stage, self.stage_start)
     self.skipped = start.meta.get("skipped_steps", 0)
@@ -104,7 +105,7 @@ class _Trainer:
 
   def compile(self) -> None:
     """The auxiliary objective and the jitted steps."""
-    self.objective = build_objective(self.cfg, self.setup, self.source, self.start.pairs)
+    self.objective = build_objective(self.cfg, self.setup, self.teacher, self.start.pairs)
     self.teacher_shardings = (jax.tree.map(lambda x: x.sharding, self.teacher_params)
                               if self.teacher_params is not None else None)
     self.step_fn = jit_train_step(self.setup, self.objective, self.teacher_shardings)
@@ -139,6 +140,9 @@ class _Trainer:
                                         for c in self.data.components))
     for line in self.start.init_report:
       log.print(f"init | {line}")
+    if self.teacher is not None:
+      log.print(f"distillation (kd_beta {tcfg.kd_beta}) from {self.teacher.directory} "
+                f"({self.teacher.schedule.describe()}, step {self.teacher.step})")
     log.print(f"MFU against {self.peak.label}; {self.flops_per_token / 1e6:.2f} MFLOP per trained token (model "
               "FLOPs)" if self.peak is not None else "MFU not shown: unknown accelerator peak (set train.peak_tflops)")
     self.summary: dict[str, Any] = {"run_dir": cfg.train.run_dir, "num_params": setup.num_params,

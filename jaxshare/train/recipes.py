@@ -94,8 +94,8 @@ def postshare_pairs(cfg: Config, setup: TrainSetup, teacher: Run | None, saved: 
 
 
 def build_objective(cfg: Config, setup: TrainSetup, teacher: Run | None, pairs: PostSharePairs | None) -> Objective:
-  """The auxiliary losses of ``cfg`` (``teacher``: the ``train.init_from`` run, when set; ``pairs``: PostShare's,
-  from :func:`postshare_pairs`).
+  """The auxiliary losses of ``cfg`` (``teacher``: distillation's, :func:`~jaxshare.store.teacher.resolve_teacher`;
+  ``pairs``: PostShare's, from :func:`postshare_pairs`).
 
   Raises:
     ConfigError: distillation without LISA layers.

@@ -23,6 +23,7 @@ from jaxshare.plan import plan_of
 from jaxshare.schedule import parse_kind
 from jaxshare.model.ties import HeadTies, PostSharePairs
 from jaxshare.train.recipes import postshare_pairs, stage_of, stage_setup
+from jaxshare.store.teacher import resolve_teacher
 from jaxshare.train.state import TrainSetup, abstract_state, init_state, state_from_params
 from jaxshare.train.step import TrainState
 
@@ -49,7 +50,9 @@ class RunStart:
       :func:`~jaxshare.config.source.with_match_reference`).
     run_dir: the run directory, absolute; it exists and holds the config, ties and pairs.
     data: the datasets, this process's rows of each global batch.
-    source: the ``train.init_from`` run (uptraining source and distillation teacher), or None.
+    source: the ``train.init_from`` run (the uptraining source), or None.
+    teacher: distillation's teacher (:func:`~jaxshare.store.teacher.resolve_teacher`; ``source`` itself where it
+      is), or None without distillation.
     ckpt: the run's checkpoints.
     setup: the run's static pieces at its recipe stage (``setup.ties``: head-wise sharing's ties).
     state / data_iter: the train state and the data iterator, restored or new.
@@ -67,6 +70,7 @@ class RunStart:
   run_dir: epath.Path
   data: Datasets
   source: runs.Run | None
+  teacher: runs.Run | None
   ckpt: Checkpointer
   setup: TrainSetup
   state: TrainState
@@ -91,7 +95,8 @@ def start_run(cfg: Config, mesh: Mesh | None = None) -> RunStart:
 
   Raises:
     ConfigError / DataError / CheckpointError: bad config, data or run directory (checkpoints of another experiment:
-      :func:`check_resume_compatible`), or a ``train.init_from`` run whose weights this model cannot load.
+      :func:`check_resume_compatible`), a ``train.init_from`` run whose weights this model cannot load, or a
+      distillation teacher it cannot use (:func:`~jaxshare.store.teacher.resolve_teacher`).
   """
   run_dir = writable_dir(cfg.train.run_dir, "train.run_dir")
   mesh = mesh or parallel.make_mesh(cfg.mesh)
@@ -100,6 +105,7 @@ def start_run(cfg: Config, mesh: Mesh | None = None) -> RunStart:
     cfg = with_match_reference(cfg, source.plan.param_count().total)
     check_loadable(source.cfg.model, cfg.model, cfg.train.init_from, src_tokenizer=source.cfg.data.tokenizer,
                    tokenizer=cfg.data.tokenizer)
+  teacher = resolve_teacher(cfg.train, cfg.model, cfg.data.tokenizer, source, mesh)
   data = _open_data(cfg, mesh)
   ckpt = _existing_checkpoints(cfg, run_dir)
   resuming = ckpt is not None and ckpt.latest_step() is not None
@@ -136,7 +142,7 @@ def start_run(cfg: Config, mesh: Mesh | None = None) -> RunStart:
   rules = setup.init_rules
   report = (init_report(source.params, source.schedule, state.params, setup.schedule, rules.kv_pool,
                         rules.mlp_widen) if source is not None and latest is None and ties is None else [])
-  return RunStart(cfg, run_dir, data, source, ckpt, setup, state, data_iter, pairs, meta, latest, tuple(notes),
+  return RunStart(cfg, run_dir, data, source, teacher, ckpt, setup, state, data_iter, pairs, meta, latest, tuple(notes),
                   tuple(report))
 
 

@@ -18,9 +18,9 @@ _spec.loader.exec_module(experiment)
 
 
 def _cell(name: str):
-  conversion, uptraining, _ = experiment.SCHEDULES[experiment.CONVERSION.get(name, name)]
-  teacher = ["train.init_from=runs/uptrain/imported"] if name in experiment.FROM_SOURCE else []
-  cfg = load_config(REPO / experiment.EXPERIMENT, [*conversion, *experiment.SCHEDULES[name][1], *teacher])
+  conversion, uptraining, _ = experiment.SCHEDULES[name]
+  source = f"train.init_from=runs/uptrain/converted_{experiment.CONVERSION.get(name, name)}"  # as the experiment's
+  cfg = load_config(REPO / experiment.EXPERIMENT, [*conversion, *uptraining, source])
   return cfg, compile_schedule(cfg.model, cfg.schedule)
 
 
@@ -55,17 +55,30 @@ def test_matched_cells_have_the_dense_parameter_count():
     assert _params(*_cell(unmatched)) < dense - per_neuron, unmatched
 
 
-def test_recipe_rows_differ_from_their_twins_only_in_the_recipe():
-  """The papers' recipes (issue 46) change one thing each against the row they are compared with."""
-  rows = experiment.SCHEDULES
-  assert rows["cla2_pool"][0] == [*rows["cla2"][0], "train.init_kv_pool=mean"]
-  assert rows["mlkv4_m_dup"][0] == [*rows["mlkv4_m"][0], "train.init_mlp_widen=duplicate"]
-  assert _params(*_cell("mlkv4_m_dup")) == _params(*_cell("mlkv4_m"))
-  assert rows["uniattn_wcmean"][0] == rows["uniattn"][0]
-  assert experiment.CONVERSION_FLAGS["uniattn_wcmean"] == ["--wc-fit", "mean"]
-  assert experiment.CONVERSION["lisa_paper"] == "lisa_ds" and "lisa_paper" in experiment.FROM_SOURCE
+def test_recipe_rows_change_one_thing_against_the_row_they_name():
+  """The papers' recipes (issue 46) change one thing each against their twin, listed above them; LISA's recipe is
+  three such rows from its DS start, the paper's the last (issue 63 part 3)."""
+  rows, order = experiment.SCHEDULES, list(experiment.SCHEDULES)
+  changes = {}
+  for name, (twin, convert, uptrain, flags) in experiment.RECIPES.items():
+    assert order.index(twin) < order.index(name), name
+    assert rows[name][0] == [*rows[twin][0], *convert] and rows[name][1] == [*rows[twin][1], *uptrain], name
+    # one field, or the two-stage recipe's own (its stage-1 cap is a field of that recipe)
+    fields = {o.split("=")[0] for o in (*convert, *uptrain)} - {"train.stage1_max_steps"} | set(flags[:1])
+    assert len(fields) == 1, (name, fields)
+    changes[name] = (twin, fields.pop())
+    # a row that changes only the uptraining uptrains its twin's conversion, whose converted cell it does not copy
+    assert (experiment.CONVERSION.get(name) is not None) == (not convert and not flags)
+  assert changes["lisa_frozen"] == ("lisa_ds", "train.trainable")
+  assert changes["lisa_frozen_kd"] == ("lisa_frozen", "train.kd_beta")
+  assert changes["lisa_paper"] == ("lisa_frozen_kd", "train.lr")
+  assert order[order.index("lisa_ds"):order.index("lisa_ds") + 4] == ["lisa_ds", "lisa_frozen", "lisa_frozen_kd",
+                                                                      "lisa_paper"]
+  assert {experiment.CONVERSION[n] for n in ("lisa_frozen", "lisa_frozen_kd", "lisa_paper")} == {"lisa_ds"}
   cfg, _ = _cell("lisa_paper")
   assert (cfg.train.trainable, cfg.train.kd_beta, cfg.train.lr) == ("sharing", 0.25, 3e-4)
+  assert experiment.CONVERSION_FLAGS == {"uniattn_wcmean": ["--wc-fit", "mean"]}
+  assert _params(*_cell("mlkv4_m_dup")) == _params(*_cell("mlkv4_m"))
 
 
 def test_two_stage_row_gets_the_standard_fine_tuning_budget(tmp_path):

@@ -222,3 +222,41 @@ def test_uniattn_stage2_steps_gives_stage2_its_own_budget(tmp_path):
   assert again["step"] == 7 and again["finished"]
   assert [(r["step"], r["loss"], r["stage"]) for r in metrics(tmp_path / "b")] == \
       [(r["step"], r["loss"], r["stage"]) for r in records]
+
+
+def test_distillation_teacher_is_the_dense_source_recorded_at_conversion(teacher, tmp_path):
+  """A LISA run uptrained from a converted LISA run distils from the dense model it was converted from (recorded at
+  conversion as train.kd_teacher), not from the conversion's own logits: those equal the student's at step 0, so
+  the first step's distillation loss is 0 exactly when the conversion teaches (issue 63 part 3)."""
+  from jaxshare.convert.uptrain import uptrain_run
+  from jaxshare.store.runs import read_config
+  from jaxshare.train.start import start_run
+
+  lisa = ["schedule.kind=lisa", "schedule.lisa.layers=[1,2]", "schedule.lisa.hidden=8", "train.init_lisa=ds"]
+  converted = tmp_path / "converted"
+  uptrain_run(teacher, converted, lisa, calibration_batches=0)
+  assert read_config(converted).train.kd_teacher == str(teacher)  # the dense source, recorded
+  distil = ["train.kd_beta=0.25", "train.trainable=sharing", "train.steps=1", "train.eval_every=1",
+            "train.warmup_steps=0"]
+  train(tiny_config(*lisa, *distil, f"train.init_from={converted}", f"train.run_dir={tmp_path / 'student'}"))
+  assert metrics(tmp_path / "student")[0]["kd_loss"] > 1e-5  # exactly 0 with the conversion as the teacher
+
+  # a run that was trained, not converted, records no teacher: distilling from it by default is refused ...
+  trained = tmp_path / "trained"
+  train(tiny_config(*lisa, "train.steps=1", "train.eval_every=1", "train.warmup_steps=0",
+                    f"train.init_from={converted}", f"train.run_dir={trained}"))
+  refused = tiny_config(*lisa, *distil, f"train.init_from={trained}", f"train.run_dir={tmp_path / 'refused'}")
+  with pytest.raises(ConfigError, match=r"train.kd_teacher.*schedule.kind='lisa'.*not dense"):
+    start_run(refused)
+  assert not (tmp_path / "refused").exists()  # refused before anything was written
+  # ... unless it is named
+  named = tiny_config(*lisa, *distil, f"train.init_from={trained}", f"train.kd_teacher={trained}",
+                      f"train.run_dir={tmp_path / 'named'}")
+  assert start_run(named).teacher.directory == trained
+  # a teacher of another shape is refused by name
+  other = tmp_path / "other"
+  train(tiny_config("model.num_heads=2", "train.steps=1", "train.eval_every=1", "train.warmup_steps=0",
+                    f"train.run_dir={other}"))
+  with pytest.raises(ConfigError, match=r"train.kd_teacher=.*model.num_heads=4 \(the teacher has 2\)"):
+    start_run(tiny_config(*lisa, *distil, f"train.init_from={converted}", f"train.kd_teacher={other}",
+                          f"train.run_dir={tmp_path / 'other_student'}"))

@@ -40,6 +40,8 @@ def test_repo_experiment_files_load():
   (["mesh.context=2", "attention.score_sharing=materialize"],
    "attention.score_sharing='materialize' is invalid: must be recompute with mesh.context > 1"),
   (["mesh.context=2", "train.kd_beta=0.25", "train.init_from=runs/x"], "train.kd_beta=0.25 is invalid: must be 0 with"),
+  (["train.kd_beta=0.25"], "train.kd_beta=0.25 is invalid: distillation needs a teacher: set train.kd_teacher or "
+                           "train.init_from"),
   (["mesh.context=0"], "mesh.context=0 is invalid: must be a positive axis size or -1"),
   (["model.remat=selective"], "model.remat='selective' is invalid: must be one of none, full, minimal"),
   (["train.num_vocab_tiling=3"], "train.num_vocab_tiling=3 is invalid: must be a positive divisor of "
