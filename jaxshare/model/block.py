@@ -165,7 +165,7 @@ class LayerRun(nnx.Module):
       head_kernels: head-wise sharing's kernels ``[length, D, H, d]`` per matrix.
       capture: ``"logits"``: also return the logits each layer used (``[B, H, T, S]`` float32 each; none for
         probability reusers, whose source's logits stand for theirs); ``"mha"``: each layer's
-        :class:`MHAActivations`.
+        :class:`MHAActivations`; ``"kv"``: the ``(K, V)`` each layer attended with (``[B, S, G, d]``, K rotated).
 
     Returns:
       :class:`RunOut`; K/V and a non-chain state only for a run of one layer (longer runs hold no layer that
@@ -223,7 +223,8 @@ class LayerRun(nnx.Module):
       if prepared is None:
         prepared = layer.prepare(x, positions, kv_in, score, slot, kernels)
       out, mha = layer(x, positions, segment_ids, prepared, kernels)
-      item = mha if capture == "mha" else scores.logits(out.used) if capture and out.used is not None else None
+      item = (mha if capture == "mha" else out.kv if capture == "kv" else
+              scores.logits(out.used) if capture and out.used is not None else None)
       return out.replace(used=None), item
 
     if not remat.enabled(self.remat):
@@ -267,7 +268,7 @@ class LayerRun(nnx.Module):
 
   def _captures(self, capture: str | None) -> bool:
     """Whether this run returns its own captures (a probability reuser has no logits of its own)."""
-    return capture == "mha" or (capture == "logits" and self.role.score_reuse != ScoreReuse.PROBS)
+    return capture in ("mha", "kv") or (capture == "logits" and self.role.score_reuse != ScoreReuse.PROBS)
 
 
 def unrolled(plan: ModelPlan, runs: tuple[RunPlan, ...]) -> bool:
@@ -344,7 +345,8 @@ class Superblock(nnx.Module):
   def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array, capture: str | None = None,
                head_kernels: dict | None = None) -> tuple[jax.Array, tuple]:
     """Returns the residual stream and, per layer, with ``capture="logits"`` the pre-softmax logits ``[B,H,T,T]``
-    (f32; a probability reuser's are its source's), with ``capture="mha"`` its :class:`MHAActivations`.
+    (f32; a probability reuser's are its source's), with ``capture="mha"`` its :class:`MHAActivations`, with
+    ``capture="kv"`` the ``(K, V)`` it attended with.
 
     ``head_kernels`` (head-wise sharing): ``{"q", "k", "v"}`` kernels ``[superblock size, D, H, d]``.
     """

@@ -150,6 +150,17 @@ class Transformer(nnx.Module):
     """
     return self._forward(tokens, positions, segment_ids, "mha")
 
+  def capture_kv(self, tokens: jax.Array, positions: jax.Array | None = None,
+                 segment_ids: jax.Array | None = None) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    """Next-token logits and the K/V every layer attended with, as its KV cache holds them (K after RoPE; a K/V
+    consumer's are its producer's): KVSharer's calibration. Arguments as :meth:`__call__`; every layer must
+    compute its own scores (a probability reuser has no K).
+
+    Returns:
+      ``([B, T, V] float32, (K, V) each [L, B, T, G, d] in the compute dtype)``.
+    """
+    return self._forward(tokens, positions, segment_ids, "kv")
+
   def final_hidden(self, tokens: jax.Array, positions: jax.Array | None = None,
                    segment_ids: jax.Array | None = None) -> jax.Array:
     """The final norm's output ``[B, T, D]`` in the compute dtype, which the LM head (:meth:`head_kernel`) maps to

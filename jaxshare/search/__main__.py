@@ -6,7 +6,7 @@ trained (or imported) dense run.
   python -m jaxshare.search SOURCE_RUN --kv-budget 0.25 --trials 12 --steps 50 --seeds 3 --parallel 2 --out DIR
 
 Stage 1 (no training): every schedule of the space within the budget (each family's options, their compositions,
-the papers' presets, and KVSharer's dissimilar-layer proposals) is converted from the source as `convert uptrain`
+the papers' presets, and KVSharer's proposals, found by its acceptance test at --kvsharer-threshold) is converted from the source as `convert uptrain`
 converts it and scored on the selection split (the first --calibration-batches validation batches): the loss right
 after conversion and the KL divergence of its next-token distribution from the source's. Stage 2: the best (the
 best preset among them) are uptrained for --steps steps, the better half again with twice the steps, and so on while
@@ -49,6 +49,10 @@ def _parser() -> argparse.ArgumentParser:
                  help="the selection split: the first N validation batches, which stage 1 and the rungs score "
                  "on (the finals report on the batches after them); and the training batches a conversion fits on "
                  "(default: %(default)s)")
+  p.add_argument("--kvsharer-threshold", type=float, default=0.5, metavar="S",
+                 help="KVSharer's acceptance test: a replacement is kept while the final hidden states' mean cosine "
+                 "similarity to the source's on the selection split stays above S, in [-1, 1] (default: %(default)s, "
+                 "the authors' released search's)")
   p.add_argument("--storage", help="Optuna storage URL (default: sqlite:///OUT/study.db)")
   p.add_argument("--parallel", type=int, default=1, metavar="N", help="uptraining runs at once (each on its own "
                  "group of --devices)")
@@ -66,6 +70,8 @@ def main(argv: list[str] | None = None) -> int:
                              ("--calibration-batches", args.calibration_batches, 1), ("--parallel", args.parallel, 1)):
     if value < least:
       parser.error(f"{flag}={value} is invalid: must be >= {least}")
+  if not -1.0 <= args.kvsharer_threshold <= 1.0:
+    parser.error(f"--kvsharer-threshold={args.kvsharer_threshold} is invalid: a cosine similarity, in [-1, 1]")
   if not args.kv_budget and not args.flops_budget:
     parser.error("give a budget: --kv-budget and/or --flops-budget")
 

@@ -11,7 +11,7 @@ from jaxshare.store import runs
 from jaxshare.search import report
 from jaxshare.search.budget import Budget, parse_limit
 from jaxshare.search.calibration import Calibration, calibration_batches
-from jaxshare.search.kvsharer import kvsharer_options
+from jaxshare.search.kvsharer import kvsharer_applies, kvsharer_options
 from jaxshare.search.space import candidate_config, candidates
 from jaxshare.search.stages import Settings, finals, rung_dir, stage1, stage2
 from jaxshare.search.study import failures, open_storage
@@ -39,8 +39,8 @@ def search(args: argparse.Namespace) -> int:
   families = [f.strip() for f in args.families.split(",") if f.strip()]
   src = runs.load_run(source)
   batches = calibration_batches(src, args.calibration_batches, reported=args.trials > 0)
-  extra = kvsharer_options(src, batches) if "kv" in families and all(
-    p.is_producer for p in src.schedule.layers) else []
+  extra = kvsharer_options(src, batches, args.kvsharer_threshold, say) if "kv" in families and kvsharer_applies(
+    src.schedule) else []
   cands, src_cost = candidates(src.cfg, source, budget, families, extra)
   cands = smoke.first(cands, 2)  # a smoke check: two candidates (a halving), one seed
   args.seeds = len(smoke.first(range(args.seeds), 1))

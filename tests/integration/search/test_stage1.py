@@ -1,6 +1,8 @@
-"""Stage 1 of the search: scores equal an independent recomputation, KVSharer's proposals follow its ranking."""
+"""Stage 1 of the search: scores equal an independent recomputation; KVSharer's caches are the decode cache's, and
+its acceptance test keeps a replacement only above its threshold."""
 
 import jax
+from flax import nnx
 import numpy as np
 import pytest
 
@@ -10,7 +12,8 @@ from jaxshare.evaluation.val_loss import make_eval_step
 from jaxshare.store.runs import load_run
 from jaxshare.search.budget import SearchError
 from jaxshare.search.calibration import Calibration, calibration_batches
-from jaxshare.search.kvsharer import kvsharer_options, kvsharer_sources, layer_kv_means
+from jaxshare.model.cache import init_cache
+from jaxshare.search.kvsharer import cache_distances, kvsharer_options, kvsharer_sources, layer_kv_caches
 
 
 @pytest.fixture(scope="module")
@@ -60,37 +63,60 @@ def test_stage1_scores_equal_an_independent_recomputation(source):
   assert Calibration(src, batches).score(same.graphdef, same.params).kl == pytest.approx(0.0, abs=1e-6)
 
 
-def test_kvsharer_shares_the_most_dissimilar_layers_first():
-  means = np.zeros((5, 3))
-  means[3] = [10.0, 0, 0]
-  means[4] = [0, 3.0, 0]  # 3-4 are the farthest apart (10.4), then 3 from 0, 1, 2 (10), 4 from 0, 1, 2 (3)
-  assert kvsharer_sources(means, 1) == [0, 1, 2, 3, 3]  # the later layer reads the earlier's K/V
-  # 3 is read now, so it never reads; 4 reads already; the rest are alike (distance 0): the first such pair
-  assert kvsharer_sources(means, 2) == [0, 0, 2, 3, 3]
-  for n in range(5):
-    s = kvsharer_sources(means, n)
-    # as asked, except that the greedy order can leave no pair: 3, read by 4, may not read 0 (no chains)
-    assert sum(k != v for k, v in enumerate(s)) == min(n, 3)
-    assert all(v <= k and s[v] == v for k, v in enumerate(s))  # earlier producers only
-  with pytest.raises(ValueError, match="num_shared=5 is invalid"):
-    kvsharer_sources(means, 5)
-
-
-def test_layer_kv_means_are_the_projections_of_the_mean_normed_input(source):
+def test_layer_kv_caches_are_the_decode_cache_averaged_over_sequences(source):
+  """KVSharer averages the KV cache: K after RoPE, as a prefill writes it (an independent path: the decode step)."""
   _, src = source
-  batches = calibration_batches(src, 1)
-  means = layer_kv_means(src, batches)
+  T = calibration_batches(src, 1)[0].inputs.shape[1]
+  # positions from 0 in every row, as a prefill of an empty cache counts them (the corpus is one document)
+  batches = [b.replace(positions=np.broadcast_to(np.arange(T, dtype=np.int32), b.positions.shape))
+             for b in calibration_batches(src, 2)]
+  k, v = layer_kv_caches(src, batches)
   L, H, d = 4, 4, 8
-  assert means.shape == (L, 2 * H * d)
-  _, mha = src.model().capture_mha(batches[0].inputs, batches[0].positions, batches[0].segment_ids)
+  assert k.shape == v.shape == (L, T, H, d)
+  want = {"k": np.zeros((L, T, H, d)), "v": np.zeros((L, T, H, d))}
+  rows = 0
+  for b in batches:
+    _, cache = src.model().decode(b.inputs, init_cache(src.plan, b.inputs.shape[0], T))
+    for stack, runs in zip(src.schedule.stacks, cache.buffers):
+      for run_plan, buffers in zip(stack.runs, runs):
+        for name, buf in buffers.items():  # [count, length, B, G, S, d]
+          for c in range(stack.count):
+            for j in range(run_plan.length):
+              layer = stack.start + c * stack.superblock_size + run_plan.start + j
+              want[name][layer] += np.asarray(buf[c, j], np.float64).sum(0).transpose(1, 0, 2)
+    rows += b.inputs.shape[0]
+  np.testing.assert_allclose(k, want["k"] / rows, rtol=1e-4, atol=1e-5)
+  np.testing.assert_allclose(v, want["v"] / rows, rtol=1e-4, atol=1e-5)
+
+
+def test_kvsharer_keeps_a_replacement_only_above_the_threshold(source):
+  """The acceptance test on the real model: each trial's similarity is the mean per-sequence cosine of the final
+  hidden states of the source and of the trial converted by KVSharer's rule (the consumer reads the earlier layer's
+  K/V unchanged); nothing passes a threshold of 1, everything one of -1."""
+  run_dir, src = source
+  batches = calibration_batches(src, 1)
+  heard = []
+  assert kvsharer_options(src, batches, threshold=1.0, say=heard.append) == []
+  assert heard and all("not kept" in line for line in heard)
+  heard.clear()
+  options = kvsharer_options(src, batches, threshold=-1.0, say=heard.append)
+  steps = kvsharer_sources(cache_distances(*layer_kv_caches(src, batches)), lambda s: True, 3)
+  assert [o.name for o in options] == ["kvsharer1", "kvsharer2", "kvsharer3"]  # a quarter, half, three quarters
+  assert [o.knobs for o in options] == [("schedule.sources=" + "_".join(map(str, s)),) for s in steps]
+  # the first trial's similarity, recomputed: the own-K/V conversion's final hidden states against the source's
+  first = steps[0]
+  conv = convert(src, run_dir, ["schedule.kind=explicit", f"schedule.sources={'_'.join(map(str, first))}",
+                                "train.init_kv_pool=producer"], calibration_batches=0)
+  b = batches[0]
+  a = np.asarray(src.model().final_hidden(b.inputs, b.positions, b.segment_ids), np.float64).reshape(len(b.inputs), -1)
+  c = np.asarray(nnx.merge(conv.graphdef, conv.params).final_hidden(b.inputs, b.positions, b.segment_ids),
+                 np.float64).reshape(len(b.inputs), -1)
+  cosine = np.mean((a * c).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(c, axis=1))
+  assert f"sources {'_'.join(map(str, first))}: final hidden cosine similarity {cosine:.4f} (kept" in heard[0]
+  layers = [layer for layer in range(4) if first[layer] != layer]
+  attn = jax.device_get(conv.params)
   from jaxshare.model.params import layer_params
-  for layer in range(L):
-    attn = layer_params(jax.device_get(src.params), src.schedule, layer)["attn"]
-    k = np.einsum("btd,dgh->btgh", np.asarray(mha.normed[layer], np.float64),
-                  np.asarray(attn["k_proj"]["kernel"], np.float64)).mean((0, 1)).ravel()
-    np.testing.assert_allclose(means[layer, :H * d], k, rtol=1e-4, atol=1e-6)
-  options = kvsharer_options(src, batches)  # a quarter, half, three quarters asked (the greedy may stop short)
-  assert [o.name for o in options][:2] == ["kvsharer1", "kvsharer2"]
-  for o in options:
-    sources = [int(x) for x in o.knobs[0].split("=")[1].split("_")]
-    assert o.kind == "explicit" and o.name == f"kvsharer{sum(k != v for k, v in enumerate(sources))}"
+  # KVSharer's conversion: the producer's K/V projections are its own (nothing pooled)
+  np.testing.assert_array_equal(
+    layer_params(attn, conv.plan.schedule, first[layers[0]])["attn"]["k_proj"]["kernel"],
+    layer_params(jax.device_get(src.params), src.schedule, first[layers[0]])["attn"]["k_proj"]["kernel"])
