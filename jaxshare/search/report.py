@@ -134,9 +134,10 @@ def plot(rows: Sequence[dict], loss: str, out: Path, title: str) -> list[Path]:
   return paths
 
 
-def write_config(path: Path, cfg: Config) -> None:
+def write_config(path: Path, cfg: Config, wc_fit: str = "") -> None:
   """A candidate's full config (``train.init_from`` the source): ``train.py --config PATH`` uptrains it, ``convert
-  uptrain --config PATH`` converts into its schedule."""
-  text = to_yaml(cfg)
+  uptrain --config PATH`` converts into its schedule; a first comment names the ``--wc-fit`` it was converted with
+  (``wc_fit``, where it has a W_c), which no config field holds."""
+  text = (f"# converted with: convert uptrain --wc-fit {wc_fit}\n" if wc_fit else "") + to_yaml(cfg)
   yaml.safe_load(text)  # what train.py --config will read back
   write_atomic(path, text)

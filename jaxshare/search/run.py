@@ -86,7 +86,7 @@ def search(args: argparse.Namespace) -> int:
     run_dir = out / "uptrained" / name
     cfg = candidate_config(src.cfg, source, [*by_name[name].overrides, f"train.run_dir={run_dir}"],
                            src.plan.param_count().total)
-    report.write_config(out / "frontier" / f"{name}.yaml", cfg)
+    report.write_config(out / "frontier" / f"{name}.yaml", cfg, by_name[name].wc_fit)
   say(f"results: {out / 'results.csv'}, frontier.md, " + ", ".join(p.name for p in plots)
       + f", frontier/ ({len(front)} configs)"
       + (f" | winner {winner}: {report.mean_std(final[winner])}" if winner else "")

@@ -10,8 +10,10 @@ rank, the MLP width) under a conversion rule. Options that compile to one plan a
 a preset where one compiles to it (``cla4`` on 8 layers is MLKV's 2 owners, ``mlkv2``); where layers read another
 layer's K/V, how the producer's K/V start from the source (``train.init_kv_pool``: the producer's own, the readers'
 mean, their running pairwise mean) is a labelled dimension, so one architecture appears once per rule that builds
-different K/V, named by both (``mlkv2-own``, ``mlkv2-mean``). A candidate is a preset when its architecture is a
-preset's and its rule the one that preset converts with (CLA's own K/V, MLKV's mean).
+different K/V, named by both (``mlkv2-own``, ``mlkv2-mean``); so is how UniAttn's W_c are fitted (every token or
+their averages, both the paper's: ``uniattn_b4_s4-wctokens``, ``-wcmean``). A candidate is a preset when its
+architecture is a preset's and its rule the one that preset converts with (CLA's own K/V, MLKV's mean, either
+W_c fit).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import itertools
 from collections.abc import Iterable, Sequence
 
 from jaxshare.config import Config, ConfigError, apply_overrides
-from jaxshare.config.choices import KVPool
+from jaxshare.config.choices import KVPool, WcFit
 from jaxshare.config.source import with_match_reference
 from jaxshare.init.rules import InitRules
 from jaxshare.plan import ModelPlan
@@ -30,6 +32,9 @@ from jaxshare.search.budget import Budget, Footprint, SearchError, footprint
 FAMILIES = ("kv", "scores", "lisa", "headwise")
 # The K/V conversion rules by label (``train.init_kv_pool``), in the order a candidate's rules are listed.
 KV_RULES = {"own": KVPool.PRODUCER, "mean": KVPool.MEAN, "running": KVPool.RUNNING}
+# UniAttn's W_c fits (``convert uptrain --wc-fit``), both the paper's: every calibration token (App. F, Eq. 22-23) and
+# their averages (Alg. 1 with v = 1, Theorem 3.1), in the order a candidate's fits are listed.
+WC_FITS = (WcFit.TOKENS, WcFit.MEAN)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,13 +54,15 @@ class Candidate:
   """A schedule of the search.
 
   Attributes:
-    name: directory-safe, the architecture's and the K/V rule's, e.g. ``cla2+uniattn_b4-own``.
+    name: directory-safe, the architecture's and its conversion rules', e.g. ``mlkv4+uniattn_b4_s4-mean-wctokens``.
     overrides: ``schedule.*`` overrides of the source's config (``schedule.kind`` first), then the K/V rule's
       ``train.init_kv_pool`` where it has one.
     families: the families it composes, e.g. ``("kv", "scores")``.
     preset: every part is a paper's own setting, converted by the paper's rule.
     cost: its KV bytes, FLOPs and parameters (:func:`~jaxshare.search.budget.footprint`).
     rule: the K/V conversion rule's label (:data:`KV_RULES`), ``""`` where no layer reads another's K/V.
+    wc_fit: how UniAttn's W_c are fitted at conversion (:data:`WC_FITS`, ``convert uptrain --wc-fit``), ``""``
+      where no layer has a W_c.
   """
 
   name: str
@@ -64,6 +71,7 @@ class Candidate:
   preset: bool
   cost: Footprint
   rule: str = ""
+  wc_fit: str = ""
 
   @property
   def schedule(self) -> str:
@@ -165,6 +173,12 @@ def kv_rules(plan: ModelPlan) -> tuple[str, ...]:
   return () if most == 1 else ("own", "mean") if most == 2 else tuple(KV_RULES)
 
 
+def wc_fits(plan: ModelPlan) -> tuple[str, ...]:
+  """The W_c fits (:data:`WC_FITS`) that start ``plan`` differently: both where a layer has UniAttn's compensation,
+  none otherwise."""
+  return tuple(WC_FITS) if any(p.compensation for p in plan.schedule.layers) else ()
+
+
 def candidate_config(src_cfg: Config, src_run: str, overrides: Sequence[str], src_params: int) -> Config:
   """The config of a candidate uptrained from ``src_run`` (whose config is ``src_cfg``, whose model has
   ``src_params`` parameters): the source's with the candidate's ``overrides`` (``schedule.*``, then any other),
@@ -214,14 +228,16 @@ def candidates(src_cfg: Config, src_run: str, budget: Budget, families: Sequence
     archs.setdefault(architecture(plan), []).append((name, overrides, parts, plan, cost, paper_rule))
   valid = []
   for options_of_arch in archs.values():
-    for label in kv_rules(options_of_arch[0][3]) or ("",):
+    plan = options_of_arch[0][3]
+    for label, fit in itertools.product(kv_rules(plan) or ("",), wc_fits(plan) or ("",)):
       # the option it is named after: a preset converting by this rule, else a preset, else the first enumerated
       preset = [o for o in options_of_arch if all(p.preset for p in o[2]) and (not label or o[5] == KV_RULES[label])]
       name, overrides, parts, _, cost, _ = (preset or [o for o in options_of_arch if all(p.preset for p in o[2])]
                                             or options_of_arch)[0]
       rule = (f"train.init_kv_pool={KV_RULES[label].value}",) if label else ()
-      valid.append(Candidate(f"{name}-{label}" if label else name, overrides + rule, tuple(p.family for p in parts),
-                             bool(preset), cost, label))
+      suffix = "".join(f"-{part}" for part in (label, fit and f"wc{fit}") if part)
+      valid.append(Candidate(name + suffix, overrides + rule, tuple(p.family for p in parts), bool(preset), cost,
+                             label, fit))
   if not valid:
     raise SearchError(f"--families {','.join(families)} has no valid schedule on this model "
                       f"({m.num_layers} layers of {m.num_heads} heads): add a family")

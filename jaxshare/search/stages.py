@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from jaxshare.config import to_yaml
+from jaxshare.config.choices import WcFit
 from jaxshare.store import runs
 from jaxshare.convert.uptrain import convert
 from jaxshare.search.budget import SearchError
@@ -100,7 +101,7 @@ def stage1(settings: Settings, src: runs.Run, candidates: Sequence[Candidate], c
   def objective(name: str) -> tuple[float, dict]:
     cand = by_name[name]
     conversion = convert(src, settings.source, list(cand.overrides),
-                         calibration_batches=settings.calibration_batches)
+                         calibration_batches=settings.calibration_batches, wc_fit=cand.wc_fit or WcFit.TOKENS)
     score = calibration.score(conversion.graphdef, conversion.params)
     _write_converted(settings.out / "converted" / name, conversion, settings.source)
     progress.finished(name, score.loss, f" (KL {score.kl:.4f})")

@@ -38,10 +38,13 @@ def test_every_candidate_is_a_valid_schedule_within_budget(layers, heads, kv, fl
     cfg = with_match_reference(apply_overrides(src, ["schedule.kind=dense", "schedule.match_reference_params=0",
                                                      *c.overrides, "train.init_from=runs/src"]), source.params)
     plan = plan_of(cfg)  # compiles: a schedule the CLIs train, convert and serve
-    assert (architecture(plan), c.rule) not in seen, c.name  # one candidate per architecture and conversion rule
-    seen.add((architecture(plan), c.rule))
+    # one candidate per architecture and conversion rule (K/V pooling, W_c fit)
+    assert (architecture(plan), c.rule, c.wc_fit) not in seen, c.name
+    seen.add((architecture(plan), c.rule, c.wc_fit))
     assert cfg.train.init_kv_pool == (KV_RULES[c.rule] if c.rule else "auto")
     assert c.rule == "" or any(p.kv_source != p.index for p in plan.schedule.layers)
+    assert (c.wc_fit != "") == any(p.compensation for p in plan.schedule.layers)
+    assert c.name.endswith(f"-wc{c.wc_fit}" if c.wc_fit else ("-" + c.rule if c.rule else ""))
     kv_bytes = accounting.kv_cache_bytes_per_token(cfg.model, plan.schedule)
     assert kv_bytes == c.cost.kv_bytes
     assert kv is None or kv_bytes <= kv * source.kv_bytes
@@ -73,6 +76,17 @@ def test_an_architecture_is_listed_once_per_conversion_rule_under_a_presets_name
   assert cands["gqa2"].rule == "" and not [n for n in cands if n.startswith("gqa2-")]
 
 
+def test_uniattn_is_listed_once_per_w_c_fit_both_the_papers():
+  """UniAttn's W_c is fitted by least squares on every calibration token (App. F, Eq. 22-23) or on their averages (Alg.
+  1 with v = 1, Theorem 3.1): one architecture under two conversion rules, each the paper's, so both are presets."""
+  cands = {c.name: c for c in candidates(_cfg(8, 4), "runs/src", Budget(Limit(1.0, True)), ["scores"])[0]}
+  fits = {n: (cands[n].wc_fit, cands[n].preset) for n in cands if n.startswith("uniattn_b4_s4")}
+  assert fits == {"uniattn_b4_s4-wctokens": ("tokens", True), "uniattn_b4_s4-wcmean": ("mean", True)}
+  assert cands["uniattn_b4_s4-wctokens"].cost == cands["uniattn_b4_s4-wcmean"].cost
+  assert cands["uniattn_b2_s4-wcmean"].preset is False  # not the paper's block size
+  assert all(cands[n].wc_fit == "" for n in cands if n.startswith("sa_"))  # no W_c to fit
+
+
 def test_an_impossible_budget_is_refused_with_the_smallest_achievable_value():
   with pytest.raises(SearchError, match=r"smallest achievable is 64 KV B/token \(0\.125 of the source's\)"):
     candidates(_cfg(4, 4), "runs/src", Budget(Limit(8, False)), ["kv"])
@@ -95,3 +109,13 @@ def test_budgets_parse_as_fractions_or_figures_with_units(text, kind, expected):
 def test_bad_budgets_name_the_flag_and_what_is_allowed(text, needle):
   with pytest.raises(SearchError, match=f"--kv-budget '{text}'.*{needle}|{needle}.*B, KiB, MiB"):
     parse_limit(text, "kv", "--kv-budget")
+
+
+def test_a_frontier_config_names_the_w_c_fit_no_field_holds(tmp_path):
+  from jaxshare.config import load_config
+  from jaxshare.search.report import write_config
+
+  cfg = tiny_config("schedule.kind=uniattn", "schedule.uniattn.block_size=2")
+  write_config(tmp_path / "c.yaml", cfg, "mean")
+  assert (tmp_path / "c.yaml").read_text().splitlines()[0] == "# converted with: convert uptrain --wc-fit mean"
+  assert load_config(tmp_path / "c.yaml") == cfg
