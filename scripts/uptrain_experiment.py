@@ -40,9 +40,13 @@ if str(REPO) not in sys.path:  # run as a script from anywhere: jaxshare is impo
   sys.path.insert(0, str(REPO))
 
 from jaxshare import smoke  # noqa: E402  (after the path fix above)
+from jaxshare.sweep.provenance import provenance, read_result, write_result  # noqa: E402
 from jaxshare.sweep.results import mean_std  # noqa: E402
 
 EXPERIMENT = "configs/experiments/uptrain_neox.yaml"
+RESULTS = REPO / "results" / "uptrain"  # the committed result files the tables are rendered from
+MEASURE = ("eval.py --json val_loss: next-token cross-entropy in nats per token (byte tokenizer: per byte), mean over "
+           "every scored token of the whole validation split")
 MATCHED = ["schedule.match_params=true"]
 STAGE1_MAX_STEPS = 50  # the two-stage rows' stage 1 at most; their stage 2 gets --steps (train.stage2_steps)
 # name -> (conversion overrides of the dense model's config, extra uptraining overrides, also trained from scratch).
@@ -127,12 +131,16 @@ def cached_report(run_dir: Path, step: int | None = None) -> dict | None:
   return report if report is not None and (step is None or report["step"] == step) else None
 
 
+def eval_command(run_dir: Path, sample_tokens: int = 0) -> list[str]:
+  """The eval.py command that evaluates a run's latest checkpoint (:data:`MEASURE`)."""
+  return [sys.executable, "eval.py", str(run_dir), "--json", "--sample-tokens", str(sample_tokens), "--prompt", PROMPT]
+
+
 def evaluate(run_dir: Path, sample_tokens: int = 0, step: int | None = None) -> dict:
   """eval.py's JSON report of a run's latest checkpoint, kept in run_dir/eval.json for re-runs."""
   report = None if sample_tokens else cached_report(run_dir, step)
   if report is None:
-    report = json.loads(run(sys.executable, "eval.py", str(run_dir), "--json", "--sample-tokens",
-                            str(sample_tokens), "--prompt", PROMPT))
+    report = json.loads(run(*eval_command(run_dir, sample_tokens)))
     (run_dir / "eval.json").write_text(json.dumps(report))
   return report
 
@@ -149,23 +157,24 @@ def stage1_steps(run_dir: Path) -> int:
 
 
 def run_variant(experiment: str, run_dir: Path, overrides: list[str], steps: int, sample_tokens: int = 0,
-                two_stage: bool = False) -> dict:
+                two_stage: bool = False) -> tuple[dict, list[list[str]]]:
   """Train (or resume; a finished run returns at once) one run of ``steps`` steps, then evaluate it: eval.py's
-  JSON report. ``two_stage``: UniAttn's stage 1 (at most STAGE1_MAX_STEPS) and then ``steps`` steps of stage 2;
-  the report gains ``stage1_steps``."""
+  JSON report, and the commands that make it (train.py's, eval.py's). ``two_stage``: UniAttn's stage 1 (at most
+  STAGE1_MAX_STEPS) and then ``steps`` steps of stage 2; the report gains ``stage1_steps``."""
   final = None if two_stage else steps  # a two-stage run ends where stage 1 did, plus steps
+  budget = ([f"train.steps={steps + STAGE1_MAX_STEPS}", f"train.stage2_steps={steps}"] if two_stage else
+            [f"train.steps={steps}"])
+  command = [sys.executable, "train.py", "--config", experiment, "--no-eval", *overrides, *budget,
+             f"train.run_dir={run_dir}"]
   if sample_tokens or cached_report(run_dir, final) is None:
-    budget = ([f"train.steps={steps + STAGE1_MAX_STEPS}", f"train.stage2_steps={steps}"] if two_stage else
-              [f"train.steps={steps}"])
-    run(sys.executable, "train.py", "--config", experiment, "--no-eval", *overrides, *budget,
-        f"train.run_dir={run_dir}")
+    run(*command)
   report = evaluate(run_dir, sample_tokens, final)
   if two_stage:
     report["stage1_steps"] = stage1_steps(run_dir)
     if report["step"] != report["stage1_steps"] + steps:
       raise SystemExit(f"{run_dir}: evaluated at step {report['step']}, not at stage 1's end + {steps} (an evaluation "
                        "of another --steps): delete its eval.json and re-run")
-  return report
+  return report, [command, eval_command(run_dir, sample_tokens)]
 
 
 def transformers_greedy(hf_dir: Path, tokens: int) -> str:
@@ -180,55 +189,176 @@ def transformers_greedy(hf_dir: Path, tokens: int) -> str:
   return bytes(out[0, ids.shape[1]:].tolist()).decode("utf-8", errors="replace")
 
 
-def dense_round_trip(out: Path, dense_steps: int) -> dict:
-  """Steps 1-4: the dense source trained, exported, checked against transformers and imported back; the imported
-  run's evaluation."""
+def dense_round_trip(out: Path, dense_steps: int, results: Results) -> dict:
+  """Steps 1-4: the dense source trained, exported, checked against transformers and imported back (recorded in
+  ``results``' source.json, or checked against it); the imported run's evaluation."""
   dense = out / "dense"
-  dense_eval = run_variant(EXPERIMENT, dense, [f"train.warmup_steps={dense_steps // 12}"], dense_steps,
-                           sample_tokens=100)
+  dense_eval, commands = run_variant(EXPERIMENT, dense, [f"train.warmup_steps={dense_steps // 12}"], dense_steps,
+                                     sample_tokens=100)
   hf_dir = out / "hf_dense"
+  export = [sys.executable, "-m", "jaxshare.convert", "export", str(dense), str(hf_dir)]
   if not hf_dir.exists():
-    print(run(sys.executable, "-m", "jaxshare.convert", "export", str(dense), str(hf_dir)), end="")
+    print(run(*export), end="")
   torch_text = transformers_greedy(hf_dir, 100)
   print(f"transformers greedy sample:\n{PROMPT}{torch_text}\n", flush=True)
   if torch_text != dense_eval["sample"]:
     raise SystemExit(f"transformers and jaxshare disagree on the greedy sample:\n{torch_text!r}\n"
                      f"{dense_eval['sample']!r}")
   imported = out / "imported"
+  to_jaxshare = [sys.executable, "-m", "jaxshare.convert", "import", str(hf_dir), str(imported),
+                 "data.path=tinyshakespeare.txt", "data.seq_len=128", "train.batch_size=32"]
   if not imported.exists():
-    print(run(sys.executable, "-m", "jaxshare.convert", "import", str(hf_dir), str(imported),
-              "data.path=tinyshakespeare.txt", "data.seq_len=128", "train.batch_size=32"), end="")
+    print(run(*to_jaxshare), end="")
   imported_eval = evaluate(imported)
   print(f"dense val loss {dense_eval['val_loss']:.5f}, after export + import {imported_eval['val_loss']:.5f}",
         flush=True)
+  results.source({"dense_val_loss": dense_eval["val_loss"], "val_loss": imported_eval["val_loss"],
+                  "transformers_sample_equal": True, **_sizes(imported_eval)},
+                 [*commands, export, to_jaxshare, eval_command(imported)])
   return imported_eval
 
 
-def table(rows: list[dict], args: argparse.Namespace) -> list[str]:
-  """results.md: one line per schedule, losses as mean ± sample std over the seeds that finished."""
-  control = next(r for r in rows if r["name"] == "dense")["uptrained"]
-  lines = [f"Dense source: {args.dense_steps} steps. Uptraining and from-scratch runs: {args.steps} steps of the same "
-           f"32x128 tokens each (uptraining lr {args.uptrain_lr}, from scratch the dense recipe's), at seeds "
-           f"{', '.join(map(str, args.seeds))}: mean ± sample std over the seeds (n in the last column). "
-           "Validation loss in nats per token (= per byte: byte tokenizer) on the whole validation split. The "
-           "difference from the dense control is the mean ± std of the per-seed differences (a seed fixes the data "
-           "order).", "",
+def convert(out: Path, name: str, wc_fit: str) -> tuple[Path, list[str]]:
+  """Row ``name``'s conversion of the imported source (made unless it exists) and the command that makes it."""
+  path = out / f"converted_{name}"
+  command = [sys.executable, "-m", "jaxshare.convert", "uptrain", str(out / "imported"), str(path),
+             *SCHEDULES[name][0], *CONVERSION_FLAGS.get(name, ["--wc-fit", wc_fit])]
+  if not path.exists():
+    print(run(*command), end="")
+  return path, command
+
+
+def _sizes(report: dict) -> dict:
+  """What a row's cells other than the losses hold, from an eval.py report."""
+  return {k: report[k] for k in ("schedule", "num_params", "kv_bytes_per_token_bf16")}
+
+
+class Results:
+  """The experiment's committed result files (``results/uptrain``): ``settings.json`` (what every row shares),
+  ``source.json`` (the dense source before and after the HF round trip) and ``rows/<name>.json`` (a row's overrides,
+  its conversion's evaluation and each seed's runs), each result with its :func:`provenance`. A run recorded there
+  is not run again: an experiment interrupted, or continued on another machine, resumes from the committed files.
+
+  Raises (SystemExit): results of other settings, a source that no longer evaluates as recorded, or a row recorded
+  with other overrides (each naming what to delete to re-run).
+  """
+
+  def __init__(self, root: Path, settings: dict):
+    self.root = root
+    saved = read_result(root / "settings.json")
+    if saved is not None and saved != settings:
+      raise SystemExit(f"{root} holds results of {saved}, not of {settings}: choose another --results, or delete "
+                       f"{root} to run every row again")
+    write_result(root / "settings.json", settings)
+
+  def source(self, values: dict, commands: list[list[str]]) -> None:
+    saved = read_result(self.root / "source.json")
+    if saved is not None:
+      changed = {k: (saved.get(k), v) for k, v in values.items() if saved.get(k) != v}
+      if changed:
+        raise SystemExit(f"the dense source no longer evaluates as {self.root / 'source.json'} records it "
+                         f"(recorded, now: {changed}): the code or data changed under the recorded rows; delete "
+                         f"{self.root} to run every row again at this code")
+      return
+    write_result(self.root / "source.json", {**values, "provenance": provenance(commands, MEASURE, REPO)})
+
+  def row(self, name: str) -> dict:
+    """The row's file (a new row: its overrides), checked against the experiment's overrides for it."""
+    conversion, uptraining, _ = SCHEDULES[name]
+    recipe = {"conversion": conversion, "uptraining": uptraining, "convert_flags": CONVERSION_FLAGS.get(name, []),
+              "conversion_of": CONVERSION.get(name, name)}
+    saved = read_result(self._path(name)) or {"row": name, **recipe}
+    stale = {k: (saved.get(k), v) for k, v in recipe.items() if saved.get(k) != v}
+    if stale:
+      raise SystemExit(f"{self._path(name)} was measured with other overrides (recorded, now: {stale}): delete it to "
+                       "run that row again")
+    return saved
+
+  def record(self, name: str, row: dict, key: str, seed: int | None, values: dict,
+             commands: list[list[str]]) -> None:
+    """Add one result to ``row`` (under ``key``, and seed when given) and write the row's file."""
+    entry = {**values, "provenance": provenance(commands, MEASURE, REPO)}
+    if seed is None:
+      row[key] = entry
+    else:
+      row.setdefault(key, {})[str(seed)] = entry
+    self.save(name, row)
+
+  def save(self, name: str, row: dict) -> None:
+    write_result(self._path(name), row)
+
+  def _path(self, name: str) -> Path:
+    return self.root / "rows" / f"{name}.json"
+
+
+def load_rows(root: Path) -> tuple[dict, list[dict]]:
+  """The settings and the table's rows (``start`` first, then every recorded row in table order) of the result files
+  in ``root``; a row's losses are ``{seed: val_loss}``."""
+  settings, source = read_result(root / "settings.json"), read_result(root / "source.json")
+  if settings is None or source is None:
+    raise SystemExit(f"{root} has no settings.json and source.json: run scripts/uptrain_experiment.py --results {root}")
+  rows = [{"name": "start", **_sizes(source), "converted": source["val_loss"], "uptrained": {}, "scratch": {},
+           "stage1_steps": {}, "commits": {_version(source)}}]
+  for name in SCHEDULES:
+    saved = read_result(root / "rows" / f"{name}.json")
+    if saved is None or "sizes" not in saved:
+      continue
+    converted = read_result(root / "rows" / f"{saved['conversion_of']}.json") or {}
+    runs = {key: saved.get(key, {}) for key in ("uptrained", "scratch")}
+    rows.append({"name": name, **saved["sizes"], "converted": converted.get("converted", {}).get("val_loss"),
+                 **{key: {int(s): r["val_loss"] for s, r in v.items()} for key, v in runs.items()},
+                 "stage1_steps": {int(s): r["stage1_steps"] for s, r in runs["uptrained"].items()
+                                  if "stage1_steps" in r},
+                 "commits": {_version(r) for v in runs.values() for r in v.values()}})
+  return settings, rows
+
+
+def _version(result: dict) -> str:
+  """The code version a result was measured at: its commit's short hash, ``+`` when the tree differed from it."""
+  p = result["provenance"]
+  return (p["commit"] or "unknown")[:7] + ("+" if p["dirty"] else "")
+
+
+def render(root: Path) -> list[str]:
+  """The uptraining table of the result files in ``root`` (:func:`table`), with the code versions it was measured
+  at: what docs/results.md shows (scripts/render_results.py)."""
+  settings, rows = load_rows(root)
+  commits = sorted({c for r in rows for c in r["commits"]})
+  where = root.relative_to(REPO) if root.is_relative_to(REPO) else root
+  return [*table(rows, settings), "", f"Rendered by scripts/render_results.py from {where}/, measured at "
+          f"commit{'s' if len(commits) > 1 else ''} {', '.join(commits)} (+: with uncommitted changes; each cell's "
+          "commands, commit, jax and flax versions and date are in its row's file)."]
+
+
+def table(rows: list[dict], settings: dict) -> list[str]:
+  """The table: one line per schedule, losses as mean ± sample std over the seeds recorded."""
+  control = next((r for r in rows if r["name"] == "dense"), {"uptrained": {}})["uptrained"]
+  seeds = sorted({s for r in rows for s in r["uptrained"]})
+  lines = [f"Dense source: {settings['dense_steps']} steps. Uptraining and from-scratch runs: {settings['steps']} "
+           f"steps of the same 32x128 tokens each (uptraining lr {settings['uptrain_lr']}, from scratch the dense "
+           f"recipe's), at seeds {', '.join(map(str, seeds))}: mean ± sample std over the seeds (n in the last "
+           "column). Validation loss in nats per token (= per byte: byte tokenizer) on the whole validation split. "
+           "The difference from the dense control is the mean ± std of the per-seed differences (a seed fixes the "
+           "data order).", "",
            "| schedule | KV bytes/token (bf16) | params | converted (step 0) | uptrained | uptrained - dense "
            "uptrained (paired by seed) | from scratch | n |", "|---|---|---|---|---|---|---|---|"]
   for r in rows:
     up, name = r["uptrained"], r["name"]
-    delta = "—" if not up or name in ("start", "dense") else mean_std([a - b for a, b in zip(up, control)])
+    paired = [up[s] - control[s] for s in sorted(up) if s in control]
+    delta = "—" if not paired or name in ("start", "dense") else mean_std(paired)
     label = f"{name} ({r['schedule']})"
     if name in RECIPES:
       twin, convert, uptrain, flags = RECIPES[name]
       label += f", {twin} with {' '.join([*convert, *uptrain, *flags])}"
-    converted = f"= {CONVERSION[name]}" if name in CONVERSION else f"{r['converted']:.4f}"
+    converted = (f"= {CONVERSION[name]}" if name in CONVERSION else "—" if r["converted"] is None else
+                 f"{r['converted']:.4f}")
     lines.append(f"| {label} | {r['kv_bytes_per_token_bf16']:,} | {r['num_params']:,} | {converted} | "
-                 f"{mean_std(up)} | {delta} | {mean_std(r['scratch'])} | {len(up)} |")
+                 f"{mean_std(list(up.values()))} | {delta} | {mean_std(list(r['scratch'].values()))} | {len(up)} |")
   stage1 = {r["name"]: r["stage1_steps"] for r in rows if r["stage1_steps"]}
   return lines + ["", *(f"{name}: stage 1 (W_c alone, early stopping, at most {STAGE1_MAX_STEPS} steps) ran "
-                        f"{', '.join(map(str, steps))} steps at the seeds above, then stage 2 the {args.steps} steps "
-                        "every other row gets (UniAttn Alg. 1, App. D)." for name, steps in stage1.items()),
+                        f"{', '.join(str(steps[s]) for s in sorted(steps))} steps at seeds "
+                        f"{', '.join(map(str, sorted(steps)))}, then stage 2 the {settings['steps']} steps every other "
+                        "row gets (UniAttn Alg. 1, App. D)." for name, steps in stage1.items()),
                   "start: the dense model after export to HF and import back (bit-exact); dense: that model "
                   "trained on with the uptraining recipe, the control every schedule is compared with; _m: "
                   "schedule.match_params (the MLPs resized to the dense model's parameter count, new units with zero "
@@ -243,10 +373,11 @@ def plot(rows: list[dict], out: Path) -> None:
   points = []
   for r in rows:
     for series, key in (("uptrained", "uptrained"), ("from scratch", "scratch")):
-      if r[key]:
+      losses = list(r[key].values())
+      if losses:
         series = f"{series}, matched" if r["name"].endswith(("_m", "_m_dup")) else series
-        points.append({"name": r["name"], "series": series, "val_loss": statistics.mean(r[key]),
-                       "std": statistics.stdev(r[key]) if len(r[key]) > 1 else 0.0,
+        points.append({"name": r["name"], "series": series, "val_loss": statistics.mean(losses),
+                       "std": statistics.stdev(losses) if len(losses) > 1 else 0.0,
                        "kv_bytes_per_token_bf16": r["kv_bytes_per_token_bf16"]})
   loss_vs_kv(points, out / "pareto.png", kv_key="kv_bytes_per_token_bf16", kv_label="KV cache, bytes per token (bf16)",
              loss_label="validation loss (nats/byte)", err_key="std", title="mean ± std over seeds", log_x=True)
@@ -255,6 +386,9 @@ def plot(rows: list[dict], out: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--out", default="runs/uptrain", help="directory of every run and the results")
+  parser.add_argument("--results", default=str(RESULTS.relative_to(REPO)),
+                      help="the committed result files (default: %(default)s; under JAXSHARE_SMOKE, OUT/results): a "
+                      "run recorded there is not run again")
   parser.add_argument("--dense-steps", type=int, default=600, help="training steps of the dense model")
   parser.add_argument("--steps", type=int, default=150, help="steps of every uptraining and from-scratch run")
   parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="seeds of every uptraining and "
@@ -267,55 +401,57 @@ def main(argv: list[str] | None = None) -> int:
                       "rows to a table whose from-scratch cells exist)")
   args = parser.parse_args(argv)
   out = Path(args.out).resolve()  # relative to the working directory, as typed
+  root = out / "results" if smoke.enabled() else Path(args.results).resolve()
   os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(out / "xla_cache"))
-  imported_eval = dense_round_trip(out, args.dense_steps)
+  results = Results(root, {"experiment": EXPERIMENT, "dense_steps": args.dense_steps, "steps": args.steps,
+                           "uptrain_lr": args.uptrain_lr, "wc_fit": args.wc_fit})
+  dense_round_trip(out, args.dense_steps, results)
   # JAXSHARE_SMOKE: dense alone (the control: converted, uptrained and trained from scratch) at the first seed
   names = smoke.first([n for n in SCHEDULES if n == "dense" or not args.only or n in args.only])
   args.seeds = smoke.first(args.seeds, 1)
 
   budget = [f"train.warmup_steps={max(1, args.steps // 10)}",
             f"train.eval_every={args.steps}", f"train.checkpoint_every={args.steps}"]
-  converted = {}
-  for name in names:
+  rows = {}
+  for name in names:  # each row's sizes from its conversion, and its own conversion's loss, recorded once
+    rows[name] = row = results.row(name)
     source = CONVERSION.get(name, name)
-    path = out / f"converted_{source}"
-    if not path.exists():
-      print(run(sys.executable, "-m", "jaxshare.convert", "uptrain", str(out / "imported"), str(path),
-                *SCHEDULES[source][0], *CONVERSION_FLAGS.get(source, ["--wc-fit", args.wc_fit])), end="")
-    converted[name] = (path, evaluate(path))
-  results = {name: {"uptrained": [], "scratch": [], "stage1_steps": []} for name in names}
+    if "sizes" in row and (source != name or "converted" in row):
+      continue
+    path, command = convert(out, source, args.wc_fit)
+    report = evaluate(path)
+    row["sizes"] = _sizes(report)
+    if source == name:
+      results.record(name, row, "converted", None, {"val_loss": report["val_loss"]}, [command, eval_command(path)])
+    else:
+      results.save(name, row)
   for seed in args.seeds:
     seeded = [*budget, f"train.seed={seed}", f"data.shuffle_seed={seed}"]
     for name in names:
-      path, at_conversion = converted[name]
-      config = str(path / "config.yaml")
-      up = run_variant(config, out / f"uptrained_{name}" / f"seed{seed}",
-                       [*seeded, f"train.init_from={path}", f"train.lr={args.uptrain_lr}", *SCHEDULES[name][1]],
-                       args.steps, two_stage=name in TWO_STAGE)
-      results[name]["uptrained"].append(up["val_loss"])
-      line = f"seed {seed} {name}: converted {at_conversion['val_loss']:.4f}, uptrained {up['val_loss']:.4f}"
-      if name in TWO_STAGE:
-        results[name]["stage1_steps"].append(up["stage1_steps"])
-        line += f" (stage 1: {up['stage1_steps']} steps)"
+      row = rows[name]
+      path = out / f"converted_{CONVERSION.get(name, name)}"
+      if str(seed) not in row.get("uptrained", {}):
+        convert(out, CONVERSION.get(name, name), args.wc_fit)  # recorded on another machine: converted again
+        up, commands = run_variant(str(path / "config.yaml"), out / f"uptrained_{name}" / f"seed{seed}",
+                                   [*seeded, f"train.init_from={path}", f"train.lr={args.uptrain_lr}",
+                                    *SCHEDULES[name][1]], args.steps, two_stage=name in TWO_STAGE)
+        kept = {"val_loss": up["val_loss"], "step": up["step"],
+                **({"stage1_steps": up["stage1_steps"]} if name in TWO_STAGE else {})}
+        results.record(name, row, "uptrained", seed, kept, commands)
+      line = f"seed {seed} {name}: uptrained {row['uptrained'][str(seed)]['val_loss']:.4f}"
       if SCHEDULES[name][2] and not args.no_scratch:
-        scratch = run_variant(config, out / f"scratch_{name}" / f"seed{seed}", [*seeded, "train.init_from="],
-                              args.steps)
-        results[name]["scratch"].append(scratch["val_loss"])
-        line += f", from scratch {scratch['val_loss']:.4f}"
+        if str(seed) not in row.get("scratch", {}):
+          convert(out, CONVERSION.get(name, name), args.wc_fit)  # its config is the run's
+          scratch, commands = run_variant(str(path / "config.yaml"), out / f"scratch_{name}" / f"seed{seed}",
+                                          [*seeded, "train.init_from="], args.steps)
+          results.record(name, row, "scratch", seed, {"val_loss": scratch["val_loss"], "step": scratch["step"]},
+                         commands)
+        line += f", from scratch {row['scratch'][str(seed)]['val_loss']:.4f}"
       print(line, flush=True)
 
-  rows = [{"name": "start", "schedule": imported_eval["schedule"], "num_params": imported_eval["num_params"],
-           "kv_bytes_per_token_bf16": imported_eval["kv_bytes_per_token_bf16"],
-           "converted": imported_eval["val_loss"], "uptrained": [], "scratch": [], "stage1_steps": []}]
-  for name in names:
-    report = converted[name][1]
-    rows.append({"name": name, "schedule": report["schedule"], "num_params": report["num_params"],
-                 "kv_bytes_per_token_bf16": report["kv_bytes_per_token_bf16"], "converted": report["val_loss"],
-                 **results[name]})
-  lines = table(rows, args)
+  lines = render(root)
   (out / "results.md").write_text("\n".join(lines) + "\n")
-  (out / "results.json").write_text(json.dumps(rows, indent=1))
-  plot(rows, out)
+  plot(load_rows(root)[1], out)
   print("\n".join(lines))
   return 0
 
