@@ -346,6 +346,7 @@ def table(rows: list[dict], settings: dict) -> list[str]:
     up, name = r["uptrained"], r["name"]
     paired = [up[s] - control[s] for s in sorted(up) if s in control]
     delta = "—" if not paired or name in ("start", "dense") else mean_std(paired)
+    delta = delta if delta[0] in "—-" else "+" + delta  # a difference: signed
     label = f"{name} ({r['schedule']})"
     if name in RECIPES:
       twin, convert, uptrain, flags = RECIPES[name]

@@ -56,6 +56,7 @@ COMMAND_TESTS = {
   "scripts/bench_convert.py": [("tests/e2e/test_scripts.py", _IMPORTED)],
   "scripts/bench_data.py": [("tests/e2e/test_scripts.py", "scripts/bench_data.py")],
   "scripts/config_reference.py": [("tests/e2e/test_docs.py", "config_reference.py")],
+  "scripts/render_results.py": [("tests/e2e/test_results_render.py", "render_results")],
   "scripts/launch_tpu_pod.sh": [("tests/e2e/test_launchers.py", "launch_tpu_pod.sh")],
   "scripts/launch_slurm.sh": [("tests/e2e/test_launchers.py", "launch_slurm.sh")],
 }

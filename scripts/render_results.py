@@ -1,0 +1,89 @@
+#!/usr/bin/env python
+"""Render the published tables from the committed result files (results/<experiment>/) into the pages that show
+them, between markers of the form
+
+  <!-- rendered from results/<experiment>: begin -->
+  ...
+  <!-- rendered from results/<experiment>: end -->
+
+so that every number in those tables comes from a file that records its command, commit, versions, date and
+measure. Usage:
+  python scripts/render_results.py           # rewrite every marked table
+  python scripts/render_results.py --check   # exit 1 naming each table that differs from its files (the test)
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import re
+import sys
+from pathlib import Path
+from typing import Callable
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _uptrain() -> Callable[[Path], list[str]]:
+  spec = importlib.util.spec_from_file_location("uptrain_experiment", REPO / "scripts" / "uptrain_experiment.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.render
+
+
+# experiment -> its renderer (the result directory -> the table's lines)
+RENDERERS: dict[str, Callable[[], Callable[[Path], list[str]]]] = {"uptrain": _uptrain}
+
+
+def _block(experiment: str) -> re.Pattern:
+  return re.compile(rf"(<!-- rendered from results/{experiment}: begin -->\n)(.*?)(<!-- rendered from "
+                    rf"results/{experiment}: end -->)", re.S)
+
+
+def pages() -> list[Path]:
+  return [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+
+
+def rendered(text: str, tables: dict[str, str]) -> str:
+  """``text`` with every marked table replaced by its rendering (``tables``: experiment -> markdown).
+
+  Raises:
+    SystemExit: a marker of an experiment that has no result files.
+  """
+  for experiment in set(re.findall(r"<!-- rendered from results/([\w-]+): begin -->", text)):
+    if experiment not in tables:
+      raise SystemExit(f"a page marks a table rendered from results/{experiment}, which has no result files or no "
+                       f"renderer (renderers: {', '.join(RENDERERS)})")
+    text = _block(experiment).sub(lambda m: m.group(1) + tables[experiment] + m.group(3), text)
+  return text
+
+
+def render_all(results: Path) -> dict[str, str]:
+  """Every experiment's table rendered from ``results/<experiment>`` (those that have result files)."""
+  return {name: "\n".join(make()(results / name)) + "\n" for name, make in RENDERERS.items()
+          if (results / name).is_dir()}
+
+
+def main(argv: list[str] | None = None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--check", action="store_true", help="change nothing; exit 1 if a page differs from its files")
+  args = parser.parse_args(argv)
+  tables = render_all(REPO / "results")
+  stale = []
+  for page in pages():
+    text = page.read_text()
+    new = rendered(text, tables)
+    if new != text:
+      stale.append(str(page.relative_to(REPO)))
+      if not args.check:
+        page.write_text(new)
+  if args.check and stale:
+    print(f"these pages' tables differ from results/: {', '.join(stale)}; run python scripts/render_results.py",
+          file=sys.stderr)
+    return 1
+  print(("rewrote " + ", ".join(stale)) if stale else "every rendered table matches its result files")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

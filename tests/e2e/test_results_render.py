@@ -1,0 +1,86 @@
+"""Every published table marked as rendered comes from the committed result files (issue 63 part 4): rendering
+results/ again changes no page; the uptraining table computes its cells from the row files as its caption says
+(mean ± sample std over the seeds recorded, differences paired by seed, a shared conversion named, the commits
+measured at); a hand-edited cell or a marker without files is caught."""
+
+import importlib.util
+import json
+
+import pytest
+
+from conftest import REPO
+
+
+def _load(name: str):
+  spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+render_results = _load("render_results")
+experiment = _load("uptrain_experiment")
+
+
+def test_the_pages_tables_are_their_result_files():
+  assert render_results.main(["--check"]) == 0
+
+
+def _result(values: dict, commit: str = "a" * 40, dirty: bool = False) -> dict:
+  return {**values, "provenance": {"commands": [["python", "train.py"]], "commit": commit, "dirty": dirty,
+                                   "jax": "0", "flax": "0", "date": "2026-12-02", "measure": "m"}}
+
+
+def _write(path, data):
+  path.parent.mkdir(parents=True, exist_ok=True)
+  path.write_text(json.dumps(data))
+
+
+def _sizes(kv: int) -> dict:
+  return {"schedule": "s", "num_params": 100, "kv_bytes_per_token_bf16": kv}
+
+
+@pytest.fixture
+def results(tmp_path):
+  root = tmp_path / "uptrain"
+  _write(root / "settings.json", {"experiment": "e", "dense_steps": 600, "steps": 150, "uptrain_lr": 0.001,
+                                  "wc_fit": "tokens"})
+  _write(root / "source.json", _result({"val_loss": 1.7, "dense_val_loss": 1.7, **_sizes(4096)}))
+  rows = root / "rows"
+  _write(rows / "dense.json", {"conversion_of": "dense", "sizes": _sizes(4096), "converted": _result({"val_loss": 1.7}),
+                               "uptrained": {str(s): _result({"val_loss": v}) for s, v in enumerate([1.6, 1.62, 1.64])},
+                               "scratch": {"0": _result({"val_loss": 2.2})}})
+  _write(rows / "uniattn.json", {"conversion_of": "uniattn", "sizes": _sizes(3584),
+                                 "converted": _result({"val_loss": 1.9}),
+                                 # seeds 0 and 2 only: paired with the control's seeds 0 and 2
+                                 "uptrained": {"0": _result({"val_loss": 1.7}),
+                                               "2": _result({"val_loss": 1.8}, commit="b" * 40, dirty=True)}})
+  _write(rows / "uniattn_2stage.json", {"conversion_of": "uniattn", "sizes": _sizes(3584),
+                                        "uptrained": {"0": _result({"val_loss": 1.75, "stage1_steps": 50})}})
+  return root
+
+
+def test_the_uptraining_table_is_computed_from_its_row_files(results):
+  lines = experiment.render(results)
+  rows = {line.split(" (")[0].strip("| "): line for line in lines if line.startswith("| ")}
+  assert "at seeds 0, 1, 2" in lines[0]
+  assert rows["dense"].split(" | ")[3:] == ["1.7000", "1.6200 ± 0.0200", "—", "2.2000", "3 |"]
+  # the mean and std of 1.7 and 1.8; paired: 1.7 - 1.6 and 1.8 - 1.64
+  assert rows["uniattn"].split(" | ")[3:] == ["1.9000", "1.7500 ± 0.0707", "+0.1300 ± 0.0424", "—", "2 |"]
+  assert rows["uniattn_2stage"].split(" | ")[0].endswith(
+    "uniattn with train.recipe=uniattn_two_stage train.stage1_max_steps=50")
+  assert rows["uniattn_2stage"].split(" | ")[3] == "= uniattn"  # its conversion's cell is not copied
+  assert any(line.startswith("uniattn_2stage: stage 1") and "ran 50 steps at seeds 0" in line for line in lines)
+  assert lines[-1].endswith("measured at commits aaaaaaa, bbbbbbb+ (+: with uncommitted changes; each cell's "
+                            "commands, commit, jax and flax versions and date are in its row's file).")
+
+
+def test_a_hand_edited_cell_and_a_marker_without_files_are_caught(results):
+  table = "\n".join(experiment.render(results)) + "\n"
+  page = ("text\n<!-- rendered from results/uptrain: begin -->\n" + table.replace("1.6200", "1.6100")
+          + "<!-- rendered from results/uptrain: end -->\nmore\n")
+  fixed = render_results.rendered(page, {"uptrain": table})
+  assert fixed != page and "1.6200 ± 0.0200" in fixed and fixed.startswith("text\n") and fixed.endswith("more\n")
+  assert render_results.rendered(fixed, {"uptrain": table}) == fixed
+  with pytest.raises(SystemExit, match="results/sharing, which has no result files"):
+    render_results.rendered(page.replace("results/uptrain", "results/sharing"), {"uptrain": table})
