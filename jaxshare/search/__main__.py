@@ -53,6 +53,8 @@ def _parser() -> argparse.ArgumentParser:
                  help="KVSharer's acceptance test: a replacement is kept while the final hidden states' mean cosine "
                  "similarity to the source's on the selection split stays above S, in [-1, 1] (default: %(default)s, "
                  "the authors' released search's)")
+  p.add_argument("--results", metavar="FILE", help="also write the search's summary (the README's table row: "
+                 "scripts/render_results.py) with its provenance to FILE, e.g. results/search/kv50.json")
   p.add_argument("--storage", help="Optuna storage URL (default: sqlite:///OUT/study.db)")
   p.add_argument("--parallel", type=int, default=1, metavar="N", help="uptraining runs at once (each on its own "
                  "group of --devices)")
@@ -66,6 +68,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
   parser = _parser()
   args = parser.parse_args(argv)
+  args.argv = list(sys.argv[1:] if argv is None else argv)  # what the results' provenance records
   for flag, value, least in (("--trials", args.trials, 0), ("--steps", args.steps, 1), ("--seeds", args.seeds, 1),
                              ("--calibration-batches", args.calibration_batches, 1), ("--parallel", args.parallel, 1)):
     if value < least:

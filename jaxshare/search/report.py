@@ -116,6 +116,46 @@ def frontier_markdown(title: str, rows: Sequence[dict], rung_keys: Sequence[str]
   return "\n".join(out)
 
 
+def summary(budget: str, candidates: Sequence[dict], rung_keys: Sequence[str], finals: dict[str, list[float]],
+            winner: str | None, best_preset: str | None) -> dict:
+  """What the README's search table shows of one search (:func:`summary_row`): the budget, the candidates (presets,
+  KVSharer's), the best at conversion, the first rung's entrants, the finals of the winner and the best preset, and
+  how well stage 1 ranked the first rung; ``candidates`` are :func:`candidate_rows`."""
+  scored = [r for r in candidates if r.get("stage1_loss") is not None]
+  best = min(scored, key=lambda r: r["stage1_loss"]) if scored else None
+  first = rung_keys[0] if rung_keys else None
+  rc = rank_correlation(candidates, first) if first else None
+  kv = {r["name"]: r["kv_bytes_per_token_bf16"] for r in candidates}
+  return {"budget": budget, "candidates": len(candidates), "presets": sum(bool(r["preset"]) for r in candidates),
+          "kvsharer": sum(r["name"].startswith("kvsharer") for r in candidates),
+          "stage1_best": None if best is None else [best["name"], best["stage1_loss"]],
+          "rung0_steps": int(first.split("_")[2]) if first else None,
+          "rung0": {r["name"]: r[first] for r in candidates if first and r.get(first) is not None},
+          "final_steps": int(rung_keys[-1].split("_")[2]) if rung_keys else None,
+          "finals": {n: list(v) for n, v in finals.items()}, "winner": winner, "best_preset": best_preset,
+          "kv_bytes_per_token_bf16": {n: kv[n] for n in finals}, "rho": None if rc is None else list(rc)}
+
+
+SUMMARY_HEADER = ("| budget | candidates | best at conversion (stage 1) | first rung | winner (finals) | best preset "
+                  "(finals) | ρ(stage 1, rung 0) |", "|---|---|---|---|---|---|---|")
+
+
+def summary_row(s: dict) -> str:
+  """One search's line of the README's search table, from its :func:`summary`."""
+  def final(name: str | None) -> str:
+    if name is None or name not in s["finals"]:
+      return "—"
+    return (f"`{name}` {mean_std(s['finals'][name])} ({s['kv_bytes_per_token_bf16'][name]:,} B/token, "
+            f"{len(s['finals'][name])} seeds × {s['final_steps']} steps)")
+
+  best = "—" if s["stage1_best"] is None else f"`{s['stage1_best'][0]}` {s['stage1_best'][1]:.3f}"
+  rung = ", ".join(f"`{n}` {v:.3f}" for n, v in sorted(s["rung0"].items(), key=lambda kv: kv[1]))
+  preset = "(the winner)" if s["best_preset"] == s["winner"] else final(s["best_preset"])
+  rho = "—" if s["rho"] is None else f"{s['rho'][0]:+.2f} ({s['rho'][1]} candidates)"
+  return (f"| {s['budget']} | {s['candidates']} ({s['presets']} presets, {s['kvsharer']} KVSharer) | {best} | "
+          f"{s['rung0_steps']} steps: {rung} | {final(s['winner'])} | {preset} | {rho} |")
+
+
 def plot(rows: Sequence[dict], loss: str, out: Path, title: str) -> list[Path]:
   """``frontier.png`` (loss against KV bytes) and ``frontier_flops.png`` (against FLOPs), presets and found schedules
   in two colours, each with its Pareto front."""

@@ -16,7 +16,13 @@ from jaxshare.search.space import candidate_config, candidates
 from jaxshare.search.stages import Settings, finals, rung_dir, stage1, stage2
 from jaxshare.search.study import failures, open_storage
 from jaxshare.sweep.devices import device_groups
+from jaxshare.sweep.provenance import provenance, write_result
 from jaxshare.sweep.runner import say
+
+
+REPO = Path(__file__).resolve().parents[2]
+MEASURE = ("eval.py val_loss: next-token cross-entropy in nats per token, over the validation batches after the first "
+           "--calibration-batches (the finals); stage 1 and the rungs over those first batches")
 
 
 def budget_of(args: argparse.Namespace) -> Budget:
@@ -78,6 +84,11 @@ def search(args: argparse.Namespace) -> int:
             for point, error in failures(storage, stage).items()}
   (out / "frontier.md").write_text(report.frontier_markdown(title, rows, rung_keys, final, winner, best_preset,
                                                             failed))
+  if args.results:  # the published table's row, with what made it
+    results = Path(args.results).absolute()
+    write_result(results, {**report.summary(budget.describe(src_cost), rows, rung_keys, final, winner, best_preset),
+                           "provenance": provenance([["python", "-m", "jaxshare.search", *args.argv]], MEASURE,
+                                                    REPO)})
   plots = report.plot(rows, rung_keys[0] if rung_keys else "stage1_loss", out, title)
   front = {r["name"] for key in ["stage1_loss", *rung_keys] for cost in ("kv_bytes_per_token_bf16", "flops_per_token")
            for r in report.pareto([r for r in rows if r.get(key) is not None], cost, key)}

@@ -84,3 +84,23 @@ def test_a_hand_edited_cell_and_a_marker_without_files_are_caught(results):
   assert render_results.rendered(fixed, {"uptrain": table}) == fixed
   with pytest.raises(SystemExit, match="results/sharing, which has no result files"):
     render_results.rendered(page.replace("results/uptrain", "results/sharing"), {"uptrain": table})
+
+
+def test_the_search_table_has_one_row_per_summary_in_the_readmes_order(tmp_path):
+  def summary(budget, winner, preset, finals):
+    return _result({"budget": budget, "candidates": 9, "presets": 4, "kvsharer": 2, "stage1_best": ["gqa2", 2.5123],
+                    "rung0_steps": 25, "rung0": {"cla2-own": 2.1, "gqa2": 2.3}, "final_steps": 100, "finals": finals,
+                    "winner": winner, "best_preset": preset,
+                    "kv_bytes_per_token_bf16": {n: 2048 for n in finals}, "rho": [-0.8, 4]})
+
+  _write(tmp_path / "kv25.json", summary("KV <= 1,024 B/token", "mlkv2-own", "mlkv2-mean",
+                                         {"mlkv2-own": [2.0, 2.01], "mlkv2-mean": [2.05, 2.06]}))
+  _write(tmp_path / "kv50.json", summary("KV <= 2,048 B/token", "cla2-own", "cla2-own", {"cla2-own": [1.88, 1.89]}))
+  lines = render_results._search()(tmp_path)
+  rows = [line for line in lines[2:] if line.startswith("| ")]
+  assert [r.split(" | ")[0] for r in rows] == ["| KV <= 2,048 B/token", "| KV <= 1,024 B/token"]  # kv50 first
+  assert rows[0] == ("| KV <= 2,048 B/token | 9 (4 presets, 2 KVSharer) | `gqa2` 2.512 | 25 steps: `cla2-own` 2.100, "
+                     "`gqa2` 2.300 | `cla2-own` 1.8850 ± 0.0071 (2,048 B/token, 2 seeds × 100 steps) | (the winner) | "
+                     "-0.80 (4 candidates) |")
+  assert "`mlkv2-mean` 2.0550 ± 0.0071" in rows[1]
+  assert lines[-1].startswith("Rendered by scripts/render_results.py from results/search/ (kv50.json, kv25.json)")

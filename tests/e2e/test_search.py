@@ -38,7 +38,8 @@ def test_a_search_reports_its_frontier_resumes_and_its_configs_train(tmp_path):
   train(tiny_config(f"train.run_dir={src}"))
   out = tmp_path / "search"
   argv = (str(src), "--kv-budget", "0.5", "--families", "kv", "--trials", "3", "--steps", "2", "--seeds", "1",
-          "--calibration-batches", "1", "--set", "train.eval_batches=1", "train.log_every=1", "--out", str(out))
+          "--calibration-batches", "1", "--set", "train.eval_batches=1", "train.log_every=1", "--out", str(out),
+          "--results", str(tmp_path / "summary.json"))
   log = search(*argv)
   with (out / "results.csv").open() as f:
     rows = {r["name"]: r for r in csv.DictReader(f)}
@@ -66,6 +67,15 @@ def test_a_search_reports_its_frontier_resumes_and_its_configs_train(tmp_path):
                  "Did stage 1 predict stage 2?"):
     assert needle in report
   assert (out / "frontier.png").stat().st_size > 0 and (out / "frontier_flops.png").stat().st_size > 0
+  # the published table's row: the same candidates, rung and finals, with the command that made them
+  summary = json.loads((tmp_path / "summary.json").read_text())
+  assert (summary["candidates"], summary["winner"]) == (len(rows), rung1[0])
+  assert summary["rung0"] == {n: pytest.approx(float(rows[n]["rung0_loss_2_steps"])) for n in rung0}
+  assert summary["finals"][rung1[0]] == [pytest.approx(float(v)) for v in rows[rung1[0]]["final_losses"].split()]
+  assert summary["stage1_best"][0] == ranked[0]
+  assert summary["provenance"]["commands"] == [["python", "-m", "jaxshare.search", *argv]]
+  from jaxshare.search.report import summary_row
+  assert summary_row(summary).startswith(f"| {summary['budget']} | {len(rows)} (")
 
   again = search(*argv)  # resumed: every trial finished, nothing runs again
   assert not [line for line in again.splitlines() if line.startswith("[")]
