@@ -16,13 +16,16 @@
      distillation from the dense source, then the paper's lr
   6. uptrain each for the same token budget at every seed, and train the KV schedules from scratch for the same
      tokens at every seed                                                      train.py
-  7. tabulate validation loss (mean ± sample std over seeds) against KV bytes per token: results.md, results.json,
-     pareto.png in --out
+  7. record every result as it finishes in the committed result files (--results, default results/uptrain: Results)
+     and tabulate validation loss (mean ± sample std over seeds) against KV bytes per token from them: results.md
+     and pareto.png in --out; docs/results.md and the README show the same table (scripts/render_results.py)
 
 Seeds vary the uptraining (train.seed and data.shuffle_seed); the dense source and each conversion are shared by
-every seed. Re-running skips finished steps: conversions and runs are reused, evaluations read back from each run's
-eval.json. Runs go seed by seed, so an interrupted experiment has whole seeds to tabulate. Usage:
-  python scripts/uptrain_experiment.py [--out runs/uptrain] [--dense-steps 600] [--steps 150] [--seeds 0 1 2]
+every seed. Re-running skips finished steps: a run recorded in --results is not run again (on any machine: the dense
+source is trained again and checked against its record), and conversions and runs in --out are reused. Runs go seed
+by seed, so an interrupted experiment has whole seeds to tabulate. Usage:
+  python scripts/uptrain_experiment.py [--out runs/uptrain] [--results results/uptrain] [--dense-steps 600]
+                                       [--steps 150] [--seeds 0 1 2]
 """
 
 from __future__ import annotations
@@ -347,7 +350,8 @@ def table(rows: list[dict], settings: dict) -> list[str]:
     paired = [up[s] - control[s] for s in sorted(up) if s in control]
     delta = "—" if not paired or name in ("start", "dense") else mean_std(paired)
     delta = delta if delta[0] in "—-" else "+" + delta  # a difference: signed
-    label = f"{name} ({r['schedule']})"
+    schedule = r["schedule"].replace("|", "\\|")  # a cell of a markdown table
+    label = f"{name} ({schedule})"
     if name in RECIPES:
       twin, convert, uptrain, flags = RECIPES[name]
       label += f", {twin} with {' '.join([*convert, *uptrain, *flags])}"
