@@ -7,6 +7,7 @@ Usage:
   python scripts/sweep.py SWEEP --dry-run                                # print the commands, run nothing
   python scripts/sweep.py SWEEP --launch slurm --launcher-args "--nodes 1 --gpus-per-node 8"
   python scripts/sweep.py SWEEP --collect                                # evaluate launched runs that have finished
+  python scripts/sweep.py SWEEP --results results/NAME                   # also commit-ready result files per run
 
 Sweep file (YAML):
   experiment: configs/experiments/sharing_base.yaml   # train.py --config
@@ -24,7 +25,9 @@ resumes from its run directory). Each run's train.py/eval.py output goes to <run
 recorded with status `failed` and the sweep goes on; one stopped by Ctrl-C or preemption (train.py exit 130, its
 checkpoint saved) as `interrupted`. The exit code is 1 if any run failed, 130 on Ctrl-C, 2 for a bad sweep file
 or flag. Results merge by (variant, seed) into <run_root>/results.csv (rows of other variants are kept), and
-results.md (mean ± sample std over seeds), loss_vs_kv.png and loss_vs_params.png are rewritten from it.
+results.md (mean ± sample std over seeds), loss_vs_kv.png and loss_vs_params.png are rewritten from it. With
+--results DIR each run finished in this invocation is also written to DIR/rows/ with the commands that made it, the
+commit, versions and date (jaxshare.sweep.publish), the files scripts/render_results.py renders published tables from.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import argparse
 import shlex
 import sys
 import time
+from pathlib import Path
 
 from jaxshare import exit_codes
 from jaxshare.config import REPO_ROOT, ConfigError
@@ -40,9 +44,9 @@ from jaxshare.exit_codes import report_input_errors
 from jaxshare.schedule import ScheduleError
 from jaxshare.sweep.devices import DeviceGroup, device_groups
 from jaxshare.sweep.launch import LAUNCHERS, check_launcher_args, launch, launcher_command
+from jaxshare.sweep.publish import Published
 from jaxshare.sweep.results import Results, markdown_table, plot, result_row, summarize
-from jaxshare.sweep.runner import (appending, cached_eval, command, eval_args, execute, latest_step, say, train_all,
-                                   train_args)
+from jaxshare.sweep.runner import appending, cached_eval, command, execute, latest_step, say, train_all
 from jaxshare.sweep.spec import Sweep, SweepError, Trial, check_config, load_sweep, rel
 
 
@@ -68,6 +72,9 @@ def _parser(prog: str | None) -> argparse.ArgumentParser:
                       "\"--bucket gs://B/runs --tpu NAME --zone Z\"")
   parser.add_argument("--collect", action="store_true",
                       help="train nothing: evaluate runs that finished (e.g. launched ones) and tabulate")
+  parser.add_argument("--results", default=None, metavar="DIR",
+                      help="also write each run that finishes here to DIR/rows/<variant>[-seed<S>].json with its "
+                      "provenance, and the sweep's variants to DIR/sweep.json (e.g. results/sharing, committed)")
   return parser
 
 
@@ -109,6 +116,7 @@ def _sweep(args) -> int:
     raise SweepError(f"--launch {args.launch}: {LAUNCHERS[args.launch]} is not there")
 
   results = Results(sweep)
+  published = Published(Path(args.results).resolve(), sweep) if args.results and not args.dry_run else None
   done: list[dict] = []  # rows of this invocation
   pending: list[tuple[Trial, int | None, str]] = []  # run, target steps, config error
   for run in runs:
@@ -131,10 +139,10 @@ def _sweep(args) -> int:
       elif args.launch:
         print(shlex.join(launcher_command(args.launch, sweep, run, launcher_args)))
       elif args.collect:
-        print(command(DeviceGroup(), eval_args(run)))
+        print(command(DeviceGroup(), run.eval_command()))
       else:  # the group each run would get if runs took equally long
         group = groups[i % len(groups)]
-        print(command(group, train_args(sweep.experiment, run)) + " && " + command(group, eval_args(run)))
+        print(command(group, run.train_command(sweep.experiment)) + " && " + command(group, run.eval_command()))
     return 0
 
   failures = 0
@@ -164,11 +172,13 @@ def _sweep(args) -> int:
       else:
         print(f"{run.label}: not finished (step {reached} of {steps})", flush=True)
         row = result_row(run, "incomplete", {"step": reached if reached is not None else ""})
+      if published:
+        published.add(run, row)
       failures += row["status"] != "ok"
       done.append(row)
   else:
     try:
-      failures += train_all(sweep, todo, groups, results, done)
+      failures += train_all(sweep, todo, groups, results, done, published)
     except KeyboardInterrupt:
       say("interrupted: finished runs are in results.csv; run the same command again to resume the others",
           file=sys.stderr)

@@ -15,7 +15,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Iterator, TextIO
+from typing import TYPE_CHECKING, Iterator, TextIO
 
 from jaxshare.config import REPO_ROOT
 from jaxshare.sweep.devices import DeviceGroup
@@ -24,6 +24,9 @@ from jaxshare.files import is_remote, write_atomic
 from jaxshare.sweep.results import Results, result_row
 from jaxshare.sweep.spec import Sweep, Trial, rel
 from jaxshare import exit_codes
+
+if TYPE_CHECKING:
+  from jaxshare.sweep.publish import Published
 
 _PRINT = threading.Lock()
 
@@ -85,15 +88,6 @@ def command(group: DeviceGroup, args: list[str]) -> str:
   return " ".join(env + [shlex.join([*group.prefix, *args])])
 
 
-def train_args(experiment: str, run: Trial) -> list[str]:
-  """``train.py`` of ``run`` on the experiment config ``experiment`` (without the evaluation summary)."""
-  return [sys.executable, "train.py", "--config", experiment, "--no-eval", *run.train_overrides()]
-
-
-def eval_args(run: Trial) -> list[str]:
-  return [sys.executable, "eval.py", str(run.run_dir), "--json", "--sample-tokens", "0", *run.eval_flags]
-
-
 def _call(group: DeviceGroup, args: list[str], log: Path, capture: bool = False) -> tuple[int, str]:
   """Run a command with the group's devices, appending its output to ``log`` as it comes (``tail -f`` follows a
   run); with ``capture`` stdout is returned instead and appended at the end. ``(exit code, stdout)``."""
@@ -119,7 +113,7 @@ def execute(experiment: str, run: Trial, steps: int, group: DeviceGroup, evaluat
     return result_row(run, "failed", error=f"{what}: {tail[-1] if tail else 'no output'}"[:300])
 
   if not evaluate_only:
-    code, _ = _call(group, train_args(experiment, run), log)
+    code, _ = _call(group, run.train_command(experiment), log)
     if code == exit_codes.INTERRUPTED:  # Ctrl-C or preemption: the run saved a checkpoint and resumes next time
       return result_row(run, "interrupted", error=f"stopped by a signal at step {latest_step(run.run_dir)} with a "
                         "checkpoint; run the sweep again to resume it")
@@ -131,7 +125,7 @@ def execute(experiment: str, run: Trial, steps: int, group: DeviceGroup, evaluat
     reached = latest_step(run.run_dir)
     if reached != steps:
       return result_row(run, "failed", error=f"training stopped at step {reached} of {steps}")
-  code, out = _call(group, eval_args(run), log, capture=True)
+  code, out = _call(group, run.eval_command(), log, capture=True)
   lines = [ln for ln in out.splitlines() if ln.startswith("{")]
   if code != 0 or not lines:
     return failed(f"eval.py exit {code}")
@@ -143,9 +137,9 @@ def execute(experiment: str, run: Trial, steps: int, group: DeviceGroup, evaluat
 
 
 def train_all(sweep: Sweep, todo: list[tuple[Trial, int]], groups: list[DeviceGroup], results: Results,
-              done: list[dict]) -> int:
-  """Train and evaluate ``todo``, as many at once as there are device groups; rows are merged into the table as
-  each run ends. Returns the number of failed runs."""
+              done: list[dict], published: Published | None = None) -> int:
+  """Train and evaluate ``todo``, as many at once as there are device groups; rows are merged into the table (and
+  written to ``published``'s files) as each run ends. Returns the number of failed runs."""
   free: queue.Queue[DeviceGroup] = queue.Queue()
   for g in groups:
     free.put(g)
@@ -165,6 +159,8 @@ def train_all(sweep: Sweep, todo: list[tuple[Trial, int]], groups: list[DeviceGr
         say(f"[{i}/{total}] {run.label}: FAILED ({row['error']})",
             *(f"    {line}" for line in _tail(run.run_dir / "sweep.log", 15)))
       results.add([row])
+      if published:
+        published.add(run, row)
       return row
     finally:
       free.put(group)

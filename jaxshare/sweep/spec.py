@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +57,14 @@ class Trial:
   def train_overrides(self) -> list[str]:
     # run_dir last, so that no override can move a run out of the layout the sweep reads back
     return [*self.overrides, f"train.run_dir={self.run_dir}"]
+
+  def train_command(self, experiment: str) -> list[str]:
+    """``train.py`` of this trial on the experiment config ``experiment`` (without the evaluation summary)."""
+    return [sys.executable, "train.py", "--config", experiment, "--no-eval", *self.train_overrides()]
+
+  def eval_command(self) -> list[str]:
+    """``eval.py`` of this trial's latest checkpoint, as JSON."""
+    return [sys.executable, "eval.py", str(self.run_dir), "--json", "--sample-tokens", "0", *self.eval_flags]
 
 
 @dataclasses.dataclass

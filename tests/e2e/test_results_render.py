@@ -104,3 +104,22 @@ def test_the_search_table_has_one_row_per_summary_in_the_readmes_order(tmp_path)
                      "-0.80 (4 candidates) |")
   assert "`mlkv2-mean` 2.0550 ± 0.0071" in rows[1]
   assert lines[-1].startswith("Rendered by scripts/render_results.py from results/search/ (kv50.json, kv25.json)")
+
+
+def test_a_published_sweep_renders_its_variants_in_order_over_seeds(tmp_path):
+  """A directory a sweep published (sweep.json: scripts/sweep.py --results) renders through the sweep's renderer:
+  its variants in the sweep file's order (not the files' names), the loss as mean ± sample std over seeds; a row
+  of a variant sweep.json does not list is refused."""
+  root = tmp_path / "sharing"
+  _write(root / "sweep.json", {"sweep": "configs/sweeps/sharing_table.yaml", "experiment": "e", "base": [],
+                               "variants": [["zeta", []], ["alpha", ["schedule.kind=cla"]]]})
+  for name, seed, loss in [("alpha", 0, 1.80), ("alpha", 1, 1.82), ("zeta", 0, 1.75)]:
+    _write(root / "rows" / f"{name}-seed{seed}.json",
+           _result({"variant": name, "seed": seed, "val_loss": loss, "kv_bytes_per_token_bf16": 2048, "num_params": 9}))
+  table = render_results.render_all(tmp_path)["sharing"].splitlines()
+  assert table[2:4] == ["| zeta | (the experiment as it is) | 0 | 1.7500 | 2,048 | 9 |",
+                        "| alpha | `schedule.kind=cla` | 0, 1 | 1.8100 ± 0.0141 | 2,048 | 9 |"]
+  assert "python scripts/sweep.py configs/sweeps/sharing_table.yaml --results" in table[-1] and "3 runs" in table[-1]
+  _write(root / "rows" / "beta.json", _result({"variant": "beta", "seed": None, "val_loss": 1.0}))
+  with pytest.raises(ValueError, match="variant 'beta' is not one of"):
+    render_results.render_all(tmp_path)

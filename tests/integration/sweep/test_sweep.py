@@ -3,6 +3,7 @@
 
 import csv
 import io
+import json
 import os
 import re
 import shlex
@@ -16,6 +17,7 @@ import pytest
 
 from conftest import REPO
 from jaxshare.sweep.__main__ import main
+from jaxshare.sweep import publish
 from jaxshare.sweep.devices import DeviceGroup, device_groups, split_devices
 from jaxshare.sweep.launch import LAUNCHERS
 from jaxshare.sweep.results import markdown_table, mean_std, merge_rows, read_results, summarize
@@ -198,11 +200,12 @@ def test_launch_slurm_submits_one_job_per_run(tmp_path, monkeypatch, capsys):
 
 @pytest.fixture(scope="module")
 def swept(tmp_path_factory):
-  """dense and cla2 trained for 2 steps, two at a time; `broken` (a missing corpus: train.py exits 2) not yet run."""
+  """dense and cla2 trained for 2 steps, two at a time, published to <tmp>/published; `broken` (a missing corpus:
+  train.py exits 2) not yet run."""
   tmp = tmp_path_factory.mktemp("sweep")
   spec = _spec(tmp, f"base: {TINY}\nseeds: [0]\nvariants:\n  dense: []\n  cla2: [schedule.kind=cla]\n"
                     "  broken: [data.path=no_such_corpus.txt]\n")
-  code = main([str(spec), "--only", "dense", "cla2", "--parallel", "2"])
+  code = main([str(spec), "--only", "dense", "cla2", "--parallel", "2", "--results", str(tmp / "published")])
   return spec, tmp / "runs", code
 
 
@@ -228,6 +231,41 @@ def test_second_invocation_skips_finished_runs(swept, capsys):
   out = capsys.readouterr().out
   assert out.count("skipped (finished at step 2") == 2 and "training" not in out
   assert [p.stat().st_mtime_ns for p in (ckpt, root / "dense" / "seed0" / "eval.json")] == stamps
+
+
+def test_published_rows_carry_their_commands_and_render_the_table(swept, capsys):
+  """--results: each finished run's file holds its row and the commands that re-make it (relative to the
+  repository, the interpreter as python), the commit and the measure; the table renders from the files alone, in the
+  sweep's order; a skipped run's file is not rewritten, a failed run writes none, and a changed variant is refused."""
+  spec, root, _ = swept
+  published = root.parent / "published"
+  assert sorted(p.name for p in (published / "rows").iterdir()) == ["cla2-seed0.json", "dense-seed0.json"]
+  table = {r["variant"]: r for r in csv.DictReader((root / "results.csv").open())}
+  dense = json.loads((published / "rows" / "dense-seed0.json").read_text())
+  assert dense["val_loss"] == float(table["dense"]["val_loss"]) and dense["step"] == 2 and dense["seed"] == 0
+  train, evaluate = dense["provenance"]["commands"]
+  assert train[:4] == ["python", "train.py", "--config", "configs/experiments/sharing_base.yaml"]
+  assert train[-1] == f"train.run_dir={root / 'dense' / 'seed0'}" and "train.seed=0" in train
+  assert evaluate == ["python", "eval.py", str(root / "dense" / "seed0"), "--json", "--sample-tokens", "0"]
+  assert dense["provenance"]["commit"] == subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"],
+                                                         capture_output=True, text=True).stdout.strip()
+  assert "whole validation split" in dense["provenance"]["measure"]
+  lines = publish.render(published)
+  cla2 = json.loads((published / "rows" / "cla2-seed0.json").read_text())
+  assert lines[2:4] == [
+    f"| dense | (the experiment as it is) | 0 | {dense['val_loss']:.4f} | {dense['kv_bytes_per_token_bf16']:,} | "
+    f"{dense['num_params']:,} |",
+    f"| cla2 | `schedule.kind=cla` | 0 | {cla2['val_loss']:.4f} | {cla2['kv_bytes_per_token_bf16']:,} | "
+    f"{cla2['num_params']:,} |"]
+  stamp = (published / "rows" / "dense-seed0.json").stat().st_mtime_ns
+  assert main([str(spec), "--only", "dense", "broken", "--results", str(published)]) == 1  # broken fails
+  assert (published / "rows" / "dense-seed0.json").stat().st_mtime_ns == stamp
+  assert not (published / "rows" / "broken-seed0.json").exists()
+  changed = spec.parent / "changed.yaml"
+  changed.write_text(spec.read_text().replace("[schedule.kind=cla]", "[schedule.kind=cla, schedule.factor=3]"))
+  capsys.readouterr()
+  assert main([str(changed), "--only", "cla2", "--results", str(published)]) == 2
+  assert "variant cla2's rows were made with ['schedule.kind=cla']" in capsys.readouterr().err
 
 
 def test_only_with_an_unknown_name_exits_2_and_leaves_results(swept, capsys):
