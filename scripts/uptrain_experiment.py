@@ -300,15 +300,16 @@ def load_rows(root: Path) -> tuple[dict, list[dict]]:
   settings, source = read_result(root / "settings.json"), read_result(root / "source.json")
   if settings is None or source is None:
     raise SystemExit(f"{root} has no settings.json and source.json: run scripts/uptrain_experiment.py --results {root}")
-  rows = [{"name": "start", **_sizes(source), "converted": source["val_loss"], "uptrained": {}, "scratch": {},
-           "stage1_steps": {}, "commits": {_version(source)}}]
+  rows = [{"name": "start", **_sizes(source), "conversion": None, "converted": source["val_loss"], "uptrained": {},
+           "scratch": {}, "stage1_steps": {}, "commits": {_version(source)}}]
   for name in SCHEDULES:
     saved = read_result(root / "rows" / f"{name}.json")
     if saved is None or "sizes" not in saved:
       continue
     converted = read_result(root / "rows" / f"{saved['conversion_of']}.json") or {}
     runs = {key: saved.get(key, {}) for key in ("uptrained", "scratch")}
-    rows.append({"name": name, **saved["sizes"], "converted": converted.get("converted", {}).get("val_loss"),
+    rows.append({"name": name, **saved["sizes"], "conversion": saved["conversion"],
+                 "converted": converted.get("converted", {}).get("val_loss"),
                  **{key: {int(s): r["val_loss"] for s, r in v.items()} for key, v in runs.items()},
                  "stage1_steps": {int(s): r["stage1_steps"] for s, r in runs["uptrained"].items()
                                   if "stage1_steps" in r},
@@ -350,8 +351,9 @@ def table(rows: list[dict], settings: dict) -> list[str]:
     paired = [up[s] - control[s] for s in sorted(up) if s in control]
     delta = "—" if not paired or name in ("start", "dense") else mean_std(paired)
     delta = delta if delta[0] in "—-" else "+" + delta  # a difference: signed
-    schedule = r["schedule"].replace("|", "\\|")  # a cell of a markdown table
-    label = f"{name} ({schedule})"
+    # what the row converts with, as its file records it (the compiled schedule is in the file's sizes)
+    label = "start (the dense source after export to HF and import)" if r["conversion"] is None else (
+      f"{name} (`{' '.join(r['conversion'])}`)".replace("|", "\\|"))
     if name in RECIPES:
       twin, convert, uptrain, flags = RECIPES[name]
       label += f", {twin} with {' '.join([*convert, *uptrain, *flags])}"

@@ -30,10 +30,6 @@ from jaxshare.schedule import Schedule
 from jaxshare.store.runs import Run
 from jaxshare.search.space import KV_RULES, Option, explicit_option
 
-# The acceptance threshold of the authors' released strategy search (cosine similarity of the final hidden states).
-DEFAULT_THRESHOLD = 0.5
-
-
 def kvsharer_applies(schedule: Schedule) -> bool:
   """Whether KVSharer starts from this schedule: every layer attends with its own K/V and scores, all with one
   number of K/V heads (its caches are compared as arrays of one shape)."""
@@ -119,11 +115,12 @@ def _final_hidden(graphdef: nnx.GraphDef, params: dict, batches: list[Batch]) ->
   return [np.asarray(hidden(params, b)) for b in batches]
 
 
-def kvsharer_options(src: Run, batches: list[Batch], threshold: float = DEFAULT_THRESHOLD,
+def kvsharer_options(src: Run, batches: list[Batch], threshold: float,
                      say: Callable[[str], None] = lambda line: None) -> list[Option]:
   """KVSharer's proposals sharing a quarter, half and three quarters of the layers (``kvsharer<n>``, n the layers
   that read another's K/V: fewer than asked when the acceptance test or the pairs run out), searched on the
-  calibration ``batches`` at the acceptance ``threshold``; ``say`` hears each trial's similarity.
+  calibration ``batches`` at the acceptance ``threshold`` (a cosine similarity of the final hidden states: the
+  authors' released search uses 0.5, the CLI's default); ``say`` hears each trial's similarity.
 
   Raises:
     As :func:`layer_kv_caches`.

@@ -47,15 +47,18 @@ def results(tmp_path):
                                   "wc_fit": "tokens"})
   _write(root / "source.json", _result({"val_loss": 1.7, "dense_val_loss": 1.7, **_sizes(4096)}))
   rows = root / "rows"
-  _write(rows / "dense.json", {"conversion_of": "dense", "sizes": _sizes(4096), "converted": _result({"val_loss": 1.7}),
+  _write(rows / "dense.json", {"conversion_of": "dense", "conversion": ["schedule.kind=dense"], "sizes": _sizes(4096),
+                               "converted": _result({"val_loss": 1.7}),
                                "uptrained": {str(s): _result({"val_loss": v}) for s, v in enumerate([1.6, 1.62, 1.64])},
                                "scratch": {"0": _result({"val_loss": 2.2})}})
-  _write(rows / "uniattn.json", {"conversion_of": "uniattn", "sizes": _sizes(3584),
+  _write(rows / "uniattn.json", {"conversion_of": "uniattn", "conversion": ["schedule.kind=uniattn"],
+                                 "sizes": _sizes(3584),
                                  "converted": _result({"val_loss": 1.9}),
                                  # seeds 0 and 2 only: paired with the control's seeds 0 and 2
                                  "uptrained": {"0": _result({"val_loss": 1.7}),
                                                "2": _result({"val_loss": 1.8}, commit="b" * 40, dirty=True)}})
-  _write(rows / "uniattn_2stage.json", {"conversion_of": "uniattn", "sizes": _sizes(3584),
+  _write(rows / "uniattn_2stage.json", {"conversion_of": "uniattn", "conversion": ["schedule.kind=uniattn"],
+                                        "sizes": _sizes(3584),
                                         "uptrained": {"0": _result({"val_loss": 1.75, "stage1_steps": 50})}})
   return root
 
@@ -64,6 +67,8 @@ def test_the_uptraining_table_is_computed_from_its_row_files(results):
   lines = experiment.render(results)
   rows = {line.split(" (")[0].strip("| "): line for line in lines if line.startswith("| ")}
   assert "at seeds 0, 1, 2" in lines[0]
+  assert rows["dense"].startswith("| dense (`schedule.kind=dense`) |")  # the conversion its file records
+  assert rows["start"].startswith("| start (the dense source after export to HF and import) |")
   assert rows["dense"].split(" | ")[3:] == ["1.7000", "1.6200 ± 0.0200", "—", "2.2000", "3 |"]
   # the mean and std of 1.7 and 1.8; paired: 1.7 - 1.6 and 1.8 - 1.64
   assert rows["uniattn"].split(" | ")[3:] == ["1.9000", "1.7500 ± 0.0707", "+0.1300 ± 0.0424", "—", "2 |"]
