@@ -19,7 +19,7 @@ import argparse
 import dataclasses
 import sys
 from pathlib import Path
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # run as a script from anywhere: jaxshare is importable without an install
@@ -30,14 +30,17 @@ from jaxshare.aot.topology import use_host_compiler  # noqa: E402
 use_host_compiler()  # before JAX is imported
 
 from jaxshare import accounting, smoke  # noqa: E402
+from jaxshare.aot import fit_results  # noqa: E402
 from jaxshare.aot.fit import max_batch  # noqa: E402
 from jaxshare.aot import topology  # noqa: E402
-from jaxshare.aot.report import Fit, batch_unit, check, gib  # noqa: E402
+from jaxshare.aot.report import Fit, batch_unit, check  # noqa: E402
+from jaxshare.aot.units import gib  # noqa: E402
 from jaxshare.config import ConfigError, load_config  # noqa: E402
 from jaxshare.config.catalogue import schedule_matrix  # noqa: E402
 from jaxshare.config.choices import RematPolicy  # noqa: E402
 from jaxshare.exit_codes import report_input_errors  # noqa: E402
 from jaxshare.plan import plan_of  # noqa: E402
+from jaxshare.sweep.provenance import provenance  # noqa: E402
 
 EXPERIMENTS = REPO / "configs" / "experiments"
 
@@ -87,8 +90,10 @@ def _row(model: str, target: str, cfg, name: str, best: Fit | None, probes: list
           f"{gib(fit.hbm)} | {kv} | {total} | {bound} | {gib(cache)} | {len(probes)} |")
 
 
-def fit_rows(cases, remats: list[str], schedules: list[str] | None, overrides: list[str], search: bool) -> None:
-  """One row per (case, schedule, policy): ``cases`` are ``(model, target, config, overrides, matrix)``.
+def fit_rows(cases, remats: list[str], schedules: list[str] | None, overrides: list[str], search: bool,
+             publish: Callable[[dict], None] = lambda row: None) -> None:
+  """One row per (case, schedule, policy): ``cases`` are ``(model, target, config, overrides, matrix)``; ``publish``
+  gets each row's :func:`~jaxshare.aot.fit_results.fit_row` as it is printed.
 
   Raises:
     ConfigError: a name in ``schedules`` is no schedule of any case's matrix (a config override written after
@@ -113,6 +118,10 @@ def fit_rows(cases, remats: list[str], schedules: list[str] | None, overrides: l
           fit = check(cfg, target)
           best, probes = (fit if fit.fits else None), [fit]
         print(_row(model, target, cfg, name, best, probes), flush=True)
+        ring = cfg.mesh.context_size > 1 and cfg.attention.context_strategy == "ring"
+        cache = accounting.kv_cache_bytes(cfg.model, plan_of(cfg).schedule, 1, cfg.data.seq_len)
+        publish(fit_results.fit_row(model, target, name, cfg.model.remat, cfg.data.seq_len, cfg.mesh.context_size,
+                                    ring, best, probes, cache))
 
 
 def policy_rows(lengths: list[int], overrides: list[str]) -> None:
@@ -163,11 +172,23 @@ def main(argv=None) -> int:
   ap.add_argument("--against-dense", type=Path, metavar="TABLE",
                   help="compile nothing: print the HBM of each schedule in TABLE (a --topology table this script "
                        "printed) minus dense's at the same topology, length and policy")
+  ap.add_argument("--results", type=Path, metavar="DIR",
+                  help="also write every row with the command's provenance to DIR/fit.json as it finishes (replacing "
+                  "that file's row of the same case and schedule, keeping the others: several invocations fill one "
+                  "table), the file scripts/render_results.py renders the published table from")
   ap.add_argument("overrides", nargs="*", help="config overrides (key=value), e.g. attention.impl=pallas")
   args = ap.parse_args(argv)
+  if args.results and (args.policies or args.against_dense):
+    ap.error("--results writes the fit table's rows: not with --policies or --against-dense")
   if args.against_dense:
     against_dense(args.against_dense)
     return 0
+
+  command = [sys.executable, "scripts/fit_table.py", *(sys.argv[1:] if argv is None else argv)]
+
+  def publish(row: dict) -> None:
+    if args.results:
+      fit_results.publish(args.results.resolve(), row, provenance([command], fit_results.MEASURE, REPO))
 
   def table() -> int:
     if args.policies:
@@ -175,10 +196,10 @@ def main(argv=None) -> int:
     elif args.topology:
       cases = [("config", t, args.config, (f"data.seq_len={n}", "train.batch_size=1"), "script_fit_table")
                for t in args.topology for n in args.lengths]
-      fit_rows(cases, args.remat, args.schedules, args.overrides, args.search)
+      fit_rows(cases, args.remat, args.schedules, args.overrides, args.search, publish)
     else:
       cases = [tuple(SCENARIOS[s]) for s in smoke.first(args.scenario or list(SCENARIOS))]
-      fit_rows(cases, args.remat, args.schedules, args.overrides, args.search)
+      fit_rows(cases, args.remat, args.schedules, args.overrides, args.search, publish)
     return 0
 
   return report_input_errors(table)

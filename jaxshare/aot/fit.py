@@ -13,7 +13,8 @@ from typing import Callable
 
 from jaxshare import smoke
 from jaxshare.aot import topology
-from jaxshare.aot.report import Fit, advice, batch_unit, check, format_report, gib
+from jaxshare.aot.report import Fit, advice, batch_unit, check, format_report
+from jaxshare.aot.units import gib
 from jaxshare.config import Config
 
 EXIT_NO_FIT = 3

@@ -46,9 +46,9 @@ import numpy as np
 from jaxshare.aot import topology
 from jaxshare.aot.collectives import KINDS, Traffic
 from jaxshare.aot.compile import compile_traced, compiler_oom, trace_train_step, usable_hbm
+from jaxshare.aot.units import GIB, gib
 from jaxshare.config import Config, ConfigError
 
-GIB = 2 ** 30
 
 
 @dataclasses.dataclass(frozen=True)
@@ -237,13 +237,6 @@ def traffic_summary(traffic: Traffic) -> str:
   kinds = ", ".join(f"{kind} {gib(int(traffic.by_kind[kind]))}" for kind in KINDS if kind in traffic.by_kind) or "none"
   share = f" ({traffic.kv / traffic.total:.0%})" if traffic.total else ""
   return f"{kinds}; attention K/V {gib(int(traffic.kv))}{share}"
-
-
-def gib(n: int | None) -> str:
-  """Bytes as GiB, or MiB under a tenth of a GiB; "?" when unknown."""
-  if n is None:
-    return "?"
-  return f"{n / GIB:.2f} GiB" if abs(n) >= GIB / 10 else f"{n / 2 ** 20:.1f} MiB"
 
 
 def _capacity(fit: Fit) -> str:

@@ -128,3 +128,38 @@ def test_a_published_sweep_renders_its_variants_in_order_over_seeds(tmp_path):
   _write(root / "rows" / "beta.json", _result({"variant": "beta", "seed": None, "val_loss": 1.0}))
   with pytest.raises(ValueError, match="variant 'beta' is not one of"):
     render_results.render_all(tmp_path)
+
+
+def test_a_fit_table_renders_one_column_per_schedule_from_rows_of_several_commands(tmp_path):
+  """A directory holding fit.json (scripts/fit_table.py --results) renders as the fit table: a column per schedule,
+  per case the largest batch with its HBM (none when one sequence per shard does not fit) and, on several chips,
+  the K/V moved; the decode cache once per length; a missing cell is a dash; a row published again replaces its
+  case's; the footer names every command and commit."""
+  from jaxshare.aot.fit_results import publish
+
+  root = tmp_path / "long"
+  gib = 2 ** 30
+
+  def row(schedule, target, context, batch, hbm, kv, ring=False):
+    return {"model": "M", "target": target, "schedule": schedule, "remat": "full", "seq_len": 131072,
+            "context": context, "ring": ring, "chips": context, "batch": batch, "hbm": hbm * gib,
+            "kv_moved": kv * gib if kv is not None else None, "moved": None, "step_time_bound_s": 1.0,
+            "decode_kv_cache": (16 if schedule == "dense" else 8) * gib, "compiles": 3}
+
+  one, two = (_result({}, commit=c)["provenance"] for c in ("a" * 40, "b" * 40))
+  two = {**two, "commands": [["python", "scripts/fit_table.py", "ring"]]}
+  publish(root, row("dense", "h100:1", 1, 2, 50, None), one)
+  publish(root, row("cla2", "h100:1", 1, 1, 60, None), one)
+  publish(root, row("cla2", "h100:1", 1, 2, 40, None), one)  # again: replaces the row before
+  publish(root, row("dense", "h100:8", 8, None, 90, 168, ring=True), two)
+  table = render_results.render_all(tmp_path)["long"].splitlines()
+  assert table[:6] == [
+    "| case | dense | cla2 |", "|---|---|---|",
+    "| M, 131,072 tokens, h100:1, `model.remat=full`: largest batch (HBM per chip) | 2 (50.00 GiB) | 2 (40.00 GiB) |",
+    "| decode KV cache per 131,072-token sequence | 16.00 GiB | 8.00 GiB |",
+    "| M, 131,072 tokens, h100:8, mesh.context=8 round the ring (`attention.context_strategy=ring`), "
+    "`model.remat=full`: largest batch (HBM per chip) | none (90.00 GiB for one sequence per shard) | — |",
+    "| M, 131,072 tokens, h100:8, mesh.context=8 round the ring (`attention.context_strategy=ring`), "
+    "`model.remat=full`: K/V bytes moved per chip per step | 168.00 GiB | — |"]
+  assert table[-1].endswith("made by `python train.py`, `python scripts/fit_table.py ring`; compiled at commits "
+                            "aaaaaaa, bbbbbbb with jax 0.")

@@ -13,6 +13,7 @@ import sys
 
 
 from conftest import OPTIMIZED_ENV, REPO, needs_cuda_plugin, needs_cudnn, needs_libtpu
+from jaxshare.aot import fit_results, units
 
 KERNEL_CALLS = {"flash_attention": 3, "kv_consumer": 6, "probability_reuse": 3, "lisa_plus_features": 3, "decode": 1}
 
@@ -252,16 +253,32 @@ def test_long_context_fits_and_sharing_moves_less_kv_in_no_more_memory():
   assert gib(table["h100:1", "dense"][11]) == 2 * gib(table["h100:1", "cla2"][11]) > 0
 
 
-def test_round_the_ring_cla2_needs_no_more_memory_than_dense_at_512k():
+def test_round_the_ring_cla2_needs_no_more_memory_than_dense_at_512k(tmp_path):
   """512k over a node of 8 with mesh.context=8 and attention.context_strategy=ring: no K/V gathered copy lives across
   CLA2's two readers, so CLA2 needs at most dense's HBM (gathered it needs 30.03 GiB against 28.56), while its K/V
-  traffic is dense's order (each reader rotates the chunks)."""
-  proc = subprocess.run([sys.executable, "scripts/fit_table.py", "--scenario", "1b-h100x8-512k", "--remat", "full",
-                         "--schedules", "dense", "cla2", "--no-search", "attention.context_strategy=ring"], cwd=REPO,
-                        capture_output=True, text=True, timeout=1200, env=OPTIMIZED_ENV)
+  traffic is dense's order (each reader rotates the chunks). --results writes the printed rows with the command, and
+  the published table renders from that file alone."""
+  command = ["scripts/fit_table.py", "--scenario", "1b-h100x8-512k", "--remat", "full", "--schedules", "dense", "cla2",
+             "--no-search", "--results", str(tmp_path / "fit"), "attention.context_strategy=ring"]
+  proc = subprocess.run([sys.executable, *command], cwd=REPO, capture_output=True, text=True, timeout=1200,
+                        env=OPTIMIZED_ENV)
   assert proc.returncode == 0, proc.stderr[-3000:]
   rows = {r[4]: r for r in (r.strip(" |").split(" | ") for r in proc.stdout.splitlines() if r.startswith("| ~1.2B"))}
   assert sorted(rows) == ["cla2", "dense"] and all(r[3] == "8 (ring)" and r[6] == "1" for r in rows.values()), rows
   gib = lambda text: float(text.split()[0]) * (1 if text.endswith("GiB") else 2 ** -10)  # noqa: E731
   assert gib(rows["cla2"][7]) <= gib(rows["dense"][7]), rows
   assert gib(rows["cla2"][8]) >= gib(rows["dense"][8]) > 0, rows
+  published = json.loads((tmp_path / "fit" / "fit.json").read_text())
+  assert all(r["provenance"]["commands"] == [["python", *command]] for r in published["rows"])
+  kept = {r["schedule"]: r for r in published["rows"]}
+  for name, row in rows.items():  # the file holds what the table printed
+    r = kept[name]
+    assert (r["batch"], r["ring"], r["context"], r["seq_len"]) == (1, True, 8, 524288)
+    assert (units.gib(r["hbm"]), units.gib(r["kv_moved"]), units.gib(r["decode_kv_cache"])) == (row[7], row[8], row[11])
+  table = fit_results.render(tmp_path / "fit")
+  assert table[0] == "| case | dense | cla2 |"
+  case = "~1.2B Llama, 524,288 tokens, h100:8, mesh.context=8 round the ring (`attention.context_strategy=ring`)"
+  assert table[2] == f"| {case}, `model.remat=full`: largest batch (HBM per chip) | 1 ({rows['dense'][7]}) | " \
+                     f"1 ({rows['cla2'][7]}) |"
+  assert table[3].endswith(f"K/V bytes moved per chip per step | {rows['dense'][8]} | {rows['cla2'][8]} |")
+  assert table[4] == f"| decode KV cache per 524,288-token sequence | {rows['dense'][11]} | {rows['cla2'][11]} |"

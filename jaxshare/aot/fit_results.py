@@ -1,0 +1,90 @@
+"""The published fit tables: the rows ``scripts/fit_table.py --results DIR`` writes to ``DIR/fit.json`` (one per
+compile search, each with its command's provenance; several invocations fill one table) and their rendering as a table with one column per schedule
+(:func:`render`, what scripts/render_results.py puts in the pages). Bytes are per chip; FLOPs-derived times per
+step."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from jaxshare.aot.units import gib
+from jaxshare.config import REPO_ROOT
+from jaxshare.sweep.provenance import read_result, write_result
+
+if TYPE_CHECKING:  # (this module renders without JAX; a Fit comes from the compile)
+  from jaxshare.aot.report import Fit
+
+MEASURE = ("the train step compiled on this host for the target (no device): HBM per chip is the compiler's peak "
+           "memory_analysis (jaxlib's sum where it gives none); the largest global batch is the largest whose step "
+           "fits the memory jax may use; K/V moved is the attention K/V bytes of the step's collectives per chip")
+
+
+def fit_row(model: str, target: str, schedule: str, remat: str, seq_len: int, context: int, ring: bool,
+            best: Fit | None, probes: list[Fit], decode_cache: int) -> dict:
+  """A table row of one compile search: ``best`` the largest batch that fits (None: one sequence per batch shard
+  does not), ``probes`` every compile it made (the last is reported when none fits), ``decode_cache`` the bytes of
+  one sequence's decode KV cache."""
+  fit = best or probes[-1]
+  moved = fit.traffic if fit.chips > 1 else None
+  return {"model": model, "target": target, "schedule": schedule, "remat": remat, "seq_len": seq_len,
+          "context": context, "ring": ring, "chips": fit.chips, "batch": best.batch if best else None,
+          "hbm": fit.hbm, "kv_moved": int(moved.kv) if moved else None, "moved": int(moved.total) if moved else None,
+          "step_time_bound_s": fit.step_time_bound, "decode_kv_cache": decode_cache, "compiles": len(probes)}
+
+
+def publish(root: Path, row: dict, provenance: dict) -> None:
+  """Add ``row`` (:func:`fit_row`) with its ``provenance`` to ``root``/fit.json, replacing the row of the same case
+  and schedule."""
+  rows = [r for r in (read_result(root / "fit.json") or {"rows": []})["rows"]
+          if (_case(r), r["schedule"]) != (_case(row), row["schedule"])]
+  write_result(root / "fit.json", {"rows": [*rows, {**row, "provenance": provenance}]})
+
+
+def _case(row: dict) -> str:
+  where = f"{row['target']}" + (f", mesh.context={row['context']}" if row["context"] > 1 else "")
+  where += " round the ring (`attention.context_strategy=ring`)" if row["ring"] else ""
+  return f"{row['model']}, {row['seq_len']:,} tokens, {where}, `model.remat={row['remat']}`"
+
+
+def render(root: Path) -> list[str]:
+  """``root``/fit.json as a table: one column per schedule; per case (model, target, length, context axis, ring,
+  policy) the largest batch with its HBM per chip, and on several chips the K/V bytes moved per chip per step; the
+  decode KV cache per sequence once per length; then the command and commit that compiled it.
+
+  Raises:
+    ValueError: ``root`` has no fit.json.
+  """
+  data = read_result(root / "fit.json")
+  if data is None:
+    raise ValueError(f"{root} has no fit.json: scripts/fit_table.py --results {root} writes it")
+  rows = data["rows"]
+  schedules = list(dict.fromkeys(r["schedule"] for r in rows))
+  cell = {(_case(r), r["schedule"]): r for r in rows}
+  lines = [f"| case | {' | '.join(schedules)} |", "|---" * (1 + len(schedules)) + "|"]
+
+  def line(label: str, case: str, value) -> str:
+    return f"| {label} | " + " | ".join(value(cell[case, s]) if (case, s) in cell else "—" for s in schedules) + " |"
+
+  lengths_done = set()
+  for case in dict.fromkeys(_case(r) for r in rows):
+    lines.append(line(f"{case}: largest batch (HBM per chip)", case, lambda r: (
+      f"{r['batch']} ({gib(r['hbm'])})" if r["batch"] else f"none ({gib(r['hbm'])} for one sequence per shard)")))
+    if any(cell[case, s]["kv_moved"] is not None for s in schedules if (case, s) in cell):
+      lines.append(line(f"{case}: K/V bytes moved per chip per step", case,
+                        lambda r: gib(r["kv_moved"]) if r["kv_moved"] is not None else "—"))
+    length = next(r["seq_len"] for r in rows if _case(r) == case)
+    if length not in lengths_done:
+      lengths_done.add(length)
+      lines.append(line(f"decode KV cache per {length:,}-token sequence", case, lambda r: gib(r["decode_kv_cache"])))
+  made = [r["provenance"] for r in rows]
+  commands = list(dict.fromkeys(" ".join(p["commands"][0]) for p in made))
+  versions = sorted({(p["commit"] or "unknown")[:7] + ("+" if p["dirty"] else "") for p in made})
+  jax = sorted({p["jax"] for p in made})
+  return [*lines, "", f"Rendered by scripts/render_results.py from {_where(root)}/fit.json, made by "
+          + ", ".join(f"`{c}`" for c in commands) + f"; compiled at commit{'s' if len(versions) > 1 else ''} "
+          f"{', '.join(versions)} with jax {', '.join(jax)}."]
+
+
+def _where(root: Path) -> str:
+  return str(root.relative_to(REPO_ROOT)) if root.is_relative_to(REPO_ROOT) else str(root)
