@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Compile time of the jitted train step against depth, for every sharing preset.
 
-Usage: python scripts/bench_compile.py [--layers 12 24 48] [--only NAME ...]
+Usage: python scripts/bench_compile.py [--layers 12 24 48] [--only NAME ...] [--results DIR]
 
 For each preset the default experiment's model (configs/experiments/shakespeare_cla2.yaml: byte-level Llama,
 d_model 128, 4 heads, T=128) is built at each depth; the train step (forward, backward, AdamW) is lowered and
@@ -24,9 +24,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import jax  # noqa: E402
 
-from jaxshare.config import load_config  # noqa: E402
+from jaxshare.config import REPO_ROOT, load_config  # noqa: E402
 from jaxshare.data.batch import Batch  # noqa: E402
 from jaxshare.train.state import abstract_state, setup_training  # noqa: E402
+from jaxshare.sweep.provenance import publish_table  # noqa: E402
 from jaxshare.train.step import make_train_step  # noqa: E402
 
 EXPERIMENT = Path(__file__).resolve().parent.parent / "configs/experiments/shakespeare_cla2.yaml"
@@ -76,17 +77,24 @@ def main(argv: list[str] | None = None) -> int:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--layers", type=int, nargs="+", default=[12, 24, 48], help="depths to compile")
   parser.add_argument("--only", nargs="*", default=None, help="presets to run (default: all)")
+  parser.add_argument("--results", type=Path, metavar="DIR", help="also write the table with this command's "
+                      "provenance to DIR/table.json (published by scripts/render_results.py)")
   args = parser.parse_args(argv)
   names = [n for n in PRESETS if not args.only or n in args.only]
   depths = sorted(args.layers)
   compile_seconds(PRESETS["dense"], depths[0])  # warm-up: first-use costs stay out of the table
   header = ["preset"] + [f"L={n} (s)" for n in depths] + [f"ratio {depths[-1]}/{depths[0]}"]
-  print("| " + " | ".join(header) + " |")
-  print("|" + "---|" * len(header))
+  lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+  print("\n".join(lines))
   for name in names:
     secs = [sum(compile_seconds(PRESETS[name], n)) for n in depths]
     cells = [name] + [f"{s:.2f}" for s in secs] + [f"{secs[-1] / secs[0]:.2f}x"]
-    print("| " + " | ".join(cells) + " |", flush=True)
+    lines.append("| " + " | ".join(cells) + " |")
+    print(lines[-1], flush=True)
+  if args.results:
+    command = [sys.executable, "scripts/bench_compile.py", *(sys.argv[1:] if argv is None else argv)]
+    publish_table(args.results.resolve(), lines, [command], f"seconds to lower and compile the train step on "
+                  f"{os.cpu_count()} CPU threads, one run", REPO_ROOT)
   return 0
 
 

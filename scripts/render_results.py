@@ -67,9 +67,16 @@ def _fit() -> Callable[[Path], list[str]]:
   return render
 
 
+def _table() -> Callable[[Path], list[str]]:
+  if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+  from jaxshare.sweep.provenance import render_table
+  return lambda root: render_table(root, REPO)
+
+
 # experiment -> its renderer (the result directory -> the table's lines); a directory a sweep published (one holding
 # sweep.json: scripts/sweep.py --results) renders as that sweep's table, one holding fit.json (scripts/fit_table.py
-# --results) as that fit table
+# --results) as that fit table, one holding table.json (a benchmark's --results) as the table it printed
 RENDERERS: dict[str, Callable[[], Callable[[Path], list[str]]]] = {"uptrain": _uptrain, "search": _search}
 
 
@@ -91,7 +98,7 @@ def rendered(text: str, tables: dict[str, str]) -> str:
   for experiment in set(re.findall(r"<!-- rendered from results/([\w-]+): begin -->", text)):
     if experiment not in tables:
       raise SystemExit(f"a page marks a table rendered from results/{experiment}, which has no result files or no "
-                       f"renderer (renderers: {', '.join(RENDERERS)}, and the --results directories of sweeps and fit tables)")
+                       f"renderer (renderers: {', '.join(RENDERERS)}, and the --results directories of sweeps, fit tables and benchmarks)")
     text = _block(experiment).sub(lambda m: m.group(1) + tables[experiment] + m.group(3), text)
   return text
 
@@ -99,7 +106,8 @@ def rendered(text: str, tables: dict[str, str]) -> str:
 def render_all(results: Path) -> dict[str, str]:
   """Every experiment's table rendered from ``results/<experiment>`` (those that have result files)."""
   makers = {**{f.parent.name: _sweep for f in sorted(results.glob("*/sweep.json"))},
-            **{f.parent.name: _fit for f in sorted(results.glob("*/fit.json"))}, **RENDERERS}
+            **{f.parent.name: _fit for f in sorted(results.glob("*/fit.json"))},
+            **{f.parent.name: _table for f in sorted(results.glob("*/table.json"))}, **RENDERERS}
   return {name: "\n".join(make()(results / name)) + "\n" for name, make in makers.items()
           if (results / name).is_dir()}
 

@@ -73,3 +73,27 @@ def write_result(path: Path, data: dict) -> None:
   a re-run that changes nothing leaves git clean."""
   path.parent.mkdir(parents=True, exist_ok=True)
   write_atomic(path, json.dumps(data, indent=1, sort_keys=True) + "\n")
+
+
+def publish_table(root: Path, lines: Sequence[str], commands: Sequence[Sequence[str]], measure: str,
+                  repo: Path) -> None:
+  """Write a markdown table a script printed (e.g. a benchmark's, whose cells are timings of one run) to
+  ``root``/table.json with the provenance of the ``commands`` that made it: what :func:`render_table` publishes."""
+  write_result(root / "table.json", {"lines": list(lines), "provenance": provenance(commands, measure, repo)})
+
+
+def render_table(root: Path, repo: Path) -> list[str]:
+  """``root``/table.json's table as it was printed, then a line naming the command, commit, date and measure.
+
+  Raises:
+    ValueError: ``root`` has no table.json.
+  """
+  data = read_result(root / "table.json")
+  if data is None:
+    raise ValueError(f"{root} has no table.json: a script run with --results {root} writes it")
+  p = data["provenance"]
+  where = root.relative_to(repo) if root.is_relative_to(repo) else root
+  version = (p["commit"] or "unknown")[:7] + ("+" if p["dirty"] else "")
+  return [*data["lines"], "", f"Rendered by scripts/render_results.py from {where}/table.json: "
+          + ", ".join(f"`{' '.join(c)}`" for c in p["commands"]) + f" at commit {version} on {p['date']} "
+          f"(jax {p['jax']}); {p['measure']}."]

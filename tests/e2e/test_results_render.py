@@ -163,3 +163,13 @@ def test_a_fit_table_renders_one_column_per_schedule_from_rows_of_several_comman
     "`model.remat=full`: K/V bytes moved per chip per step | 168.00 GiB | — |"]
   assert table[-1].endswith("made by `python train.py`, `python scripts/fit_table.py ring`; compiled at commits "
                             "aaaaaaa, bbbbbbb with jax 0.")
+
+
+def test_a_benchmarks_table_renders_as_printed_with_its_command(tmp_path):
+  """A directory holding table.json (a benchmark's --results) renders as the lines it printed, then its command,
+  commit, date and measure."""
+  _write(tmp_path / "compile" / "table.json", _result({"lines": ["| a | b |", "|---|---|", "| 1 | 2 |"]}))
+  assert render_results.render_all(tmp_path)["compile"].splitlines() == [
+    "| a | b |", "|---|---|", "| 1 | 2 |", "",
+    f"Rendered by scripts/render_results.py from {tmp_path / 'compile'}/table.json: `python train.py` at commit "
+    "aaaaaaa on 2026-12-02 (jax 0); m."]

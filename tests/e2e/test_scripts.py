@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from conftest import REPO
+from jaxshare.sweep.provenance import render_table
 
 _IMPORT_ALL = """
 import importlib.util, pathlib, sys
@@ -80,10 +81,18 @@ def _run_script(*argv: str, timeout: int = 600) -> str:
   return proc.stdout
 
 
-def test_compile_benchmark_tables_each_preset_with_its_ratio():
+def test_compile_benchmark_tables_each_preset_with_its_ratio(tmp_path):
   """scripts/bench_compile.py at two toy depths: one row per preset, its ratio the deeper compile over the
-  shallower."""
-  out = _run_script("scripts/bench_compile.py", "--layers", "2", "4", "--only", "dense", "cla2")
+  shallower; --results keeps the printed table with the command, which renders it back."""
+  command = ["scripts/bench_compile.py", "--layers", "2", "4", "--only", "dense", "cla2", "--results",
+             str(tmp_path / "compile")]
+  out = _run_script(*command)
+  published = json.loads((tmp_path / "compile" / "table.json").read_text())
+  assert published["provenance"]["commands"] == [["python", *command]]
+  rendered = render_table(tmp_path / "compile", REPO)
+  assert rendered[:-2] == published["lines"] == out.splitlines()[-4:]
+  assert rendered[-1].startswith(f"Rendered by scripts/render_results.py from {tmp_path / 'compile'}/table.json: "
+                                 f"`python {' '.join(command)}` at commit ")
   rows = [[c.strip() for c in ln.strip("|").split("|")] for ln in out.splitlines() if ln.startswith("| dense")
           or ln.startswith("| cla2")]
   assert [r[0] for r in rows] == ["dense", "cla2"], out
