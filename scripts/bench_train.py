@@ -350,6 +350,8 @@ def main() -> None:
                       help=f"also race train.py itself ({E2E_STEPS} steps of the real corpus, logging, checkpoints) "
                       "against each shape's first peer")
   parser.add_argument("--json", type=Path, help="also write the rows as JSON here")
+  parser.add_argument("--results", type=Path, metavar="DIR", help="also write the printed tables with this command's "
+                      "provenance to DIR/table.json (published by scripts/render_results.py)")
   parser.add_argument("--worker", help=argparse.SUPPRESS)
   args = parser.parse_args()
   shapes, schedules = args.shapes.split(","), args.schedules.split(",")
@@ -379,17 +381,24 @@ def main() -> None:
     rows += bench_shape(name, schedules, variants, [ROOT, *args.compare_tree], args.steps, args.rounds,
                         args.minimal and SHAPES[name]["flavor"] == "llama", args.nanogpt is not None)
     print(report([r for r in rows if r["shape"] == name]), flush=True)
+  lines = report([r for r in rows if "ms_per_step" in r]).splitlines()
   if args.end_to_end:
     e2e = [end_to_end(name, args.rounds) for name in shapes]
     rows += e2e
-    print("\n| shape | train.py end to end, tok/s | peer, tok/s (same steps) | train.py vs peer (median, range) |")
-    print("|---|---|---|---|")
-    for r in e2e:
-      print(f"| {r['shape']} | {r['tokens_per_sec']:,.0f} | {r['peer']} {r['peer_tokens_per_sec']:,.0f} | "
-            f"{r['ratio']:.2f}x ({r['ratio_range'][0]:.2f}-{r['ratio_range'][1]:.2f}) |")
-  print("\n" + report([r for r in rows if "ms_per_step" in r]))
+    lines += ["", "| shape | train.py end to end, tok/s | peer, tok/s (same steps) | train.py vs peer (median, "
+              "range) |", "|---|---|---|---|",
+              *(f"| {r['shape']} | {r['tokens_per_sec']:,.0f} | {r['peer']} {r['peer_tokens_per_sec']:,.0f} | "
+                f"{r['ratio']:.2f}x ({r['ratio_range'][0]:.2f}-{r['ratio_range'][1]:.2f}) |" for r in e2e)]
+  print("\n" + "\n".join(lines))
   if args.json:
     args.json.write_text(json.dumps(rows, indent=1))
+  if args.results:
+    from jaxshare.sweep.provenance import publish_table
+
+    publish_table(args.results.resolve(), lines, [[sys.executable, "scripts/bench_train.py", *sys.argv[1:]]],
+                  f"tokens per second of the train step on {os.cpu_count()} CPU threads, medians over "
+                  f"{args.rounds} interleaved rounds of {args.steps} steps (ratios: median and range over rounds)",
+                  ROOT)
 
 
 if __name__ == "__main__":
