@@ -47,9 +47,17 @@ def _case(row: dict) -> str:
   return f"{row['model']}, {row['seq_len']:,} tokens, {where}, `model.remat={row['remat']}`"
 
 
+def _kv_moved(row: dict) -> str:
+  """The K/V bytes of a step, and per sequence where a batch fits (the reported compile is at that batch)."""
+  if row["kv_moved"] is None:
+    return "—"
+  return gib(row["kv_moved"]) + (f" ({gib(row['kv_moved'] // row['batch'])} per sequence)" if row["batch"] else "")
+
+
 def render(root: Path) -> list[str]:
   """``root``/fit.json as a table: one column per schedule; per case (model, target, length, context axis, ring,
-  policy) the largest batch with its HBM per chip, and on several chips the K/V bytes moved per chip per step; the
+  policy) the largest batch with its HBM per chip, and on several chips the K/V bytes moved per chip per step (and
+  per sequence, at that batch); the
   decode KV cache per sequence once per length; then the command and commit that compiled it.
 
   Raises:
@@ -71,8 +79,7 @@ def render(root: Path) -> list[str]:
     lines.append(line(f"{case}: largest batch (HBM per chip)", case, lambda r: (
       f"{r['batch']} ({gib(r['hbm'])})" if r["batch"] else f"none ({gib(r['hbm'])} for one sequence per shard)")))
     if any(cell[case, s]["kv_moved"] is not None for s in schedules if (case, s) in cell):
-      lines.append(line(f"{case}: K/V bytes moved per chip per step", case,
-                        lambda r: gib(r["kv_moved"]) if r["kv_moved"] is not None else "—"))
+      lines.append(line(f"{case}: K/V bytes moved per chip per step", case, _kv_moved))
     length = next(r["seq_len"] for r in rows if _case(r) == case)
     if length not in lengths_done:
       lengths_done.add(length)
