@@ -38,14 +38,13 @@ def _search() -> Callable[[Path], list[str]]:
   if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
   from jaxshare.search.report import SUMMARY_HEADER, summary_row
-  from jaxshare.sweep.provenance import read_result
+  from jaxshare.sweep.provenance import read_result, short_version
 
   def render(root: Path) -> list[str]:
     files = sorted(root.glob("*.json"), key=lambda f: (SEARCH_ORDER.index(f.stem) if f.stem in SEARCH_ORDER else
                                                       len(SEARCH_ORDER), f.stem))
     summaries = [read_result(f) for f in files]
-    versions = sorted({(p["commit"] or "unknown")[:7] + ("+" if p["dirty"] else "")
-                       for p in (s["provenance"] for s in summaries)})
+    versions = sorted({short_version(s["provenance"]) for s in summaries})
     return [*SUMMARY_HEADER, *(summary_row(s) for s in summaries), "",
             f"Rendered by scripts/render_results.py from results/search/ ({', '.join(f.name for f in files)}), "
             f"measured at commit{'s' if len(versions) > 1 else ''} {', '.join(versions)}; each file holds the "

@@ -43,7 +43,7 @@ if str(REPO) not in sys.path:  # run as a script from anywhere: jaxshare is impo
   sys.path.insert(0, str(REPO))
 
 from jaxshare import smoke  # noqa: E402  (after the path fix above)
-from jaxshare.sweep.provenance import provenance, read_result, write_result  # noqa: E402
+from jaxshare.sweep.provenance import provenance, read_result, short_version, write_result  # noqa: E402
 from jaxshare.sweep.results import mean_std  # noqa: E402
 
 EXPERIMENT = "configs/experiments/uptrain_neox.yaml"
@@ -319,8 +319,7 @@ def load_rows(root: Path) -> tuple[dict, list[dict]]:
 
 def _version(result: dict) -> str:
   """The code version a result was measured at: its commit's short hash, ``+`` when the tree differed from it."""
-  p = result["provenance"]
-  return (p["commit"] or "unknown")[:7] + ("+" if p["dirty"] else "")
+  return short_version(result["provenance"])
 
 
 def render(root: Path) -> list[str]:

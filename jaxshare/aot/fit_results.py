@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from jaxshare.aot.units import gib
 from jaxshare.config import REPO_ROOT
-from jaxshare.sweep.provenance import read_result, write_result
+from jaxshare.sweep.provenance import read_result, short_version, write_result
 
 if TYPE_CHECKING:  # (this module renders without JAX; a Fit comes from the compile)
   from jaxshare.aot.report import Fit
@@ -86,7 +86,7 @@ def render(root: Path) -> list[str]:
       lines.append(line(f"decode KV cache per {length:,}-token sequence", case, lambda r: gib(r["decode_kv_cache"])))
   made = [r["provenance"] for r in rows]
   commands = list(dict.fromkeys(" ".join(p["commands"][0]) for p in made))
-  versions = sorted({(p["commit"] or "unknown")[:7] + ("+" if p["dirty"] else "") for p in made})
+  versions = sorted({short_version(p) for p in made})
   jax = sorted({p["jax"] for p in made})
   return [*lines, "", f"Rendered by scripts/render_results.py from {_where(root)}/fit.json, made by "
           + ", ".join(f"`{c}`" for c in commands) + f"; compiled at commit{'s' if len(versions) > 1 else ''} "

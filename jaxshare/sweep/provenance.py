@@ -51,6 +51,12 @@ def provenance(commands: Sequence[Sequence[str]], measure: str, repo: Path) -> d
           "measure": measure}
 
 
+def short_version(record: dict) -> str:
+  """The code version a :func:`provenance` record was measured at: the commit's short hash, ``+`` when the tree
+  differed from it."""
+  return (record["commit"] or "unknown")[:7] + ("+" if record["dirty"] else "")
+
+
 def read_result(path: Path) -> dict | None:
   """A result file's content, None when there is none.
 
@@ -93,7 +99,7 @@ def render_table(root: Path, repo: Path) -> list[str]:
     raise ValueError(f"{root} has no table.json: a script run with --results {root} writes it")
   p = data["provenance"]
   where = root.relative_to(repo) if root.is_relative_to(repo) else root
-  version = (p["commit"] or "unknown")[:7] + ("+" if p["dirty"] else "")
+  version = short_version(p)
   return [*data["lines"], "", f"Rendered by scripts/render_results.py from {where}/table.json: "
           + ", ".join(f"`{' '.join(c)}`" for c in p["commands"]) + f" at commit {version} on {p['date']} "
           f"(jax {p['jax']}); {p['measure']}."]

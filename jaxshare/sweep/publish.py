@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from jaxshare.config import REPO_ROOT
-from jaxshare.sweep.provenance import provenance, read_result, write_result
+from jaxshare.sweep.provenance import provenance, read_result, short_version, write_result
 from jaxshare.sweep.results import mean_std
 from jaxshare.sweep.spec import Sweep, SweepError, Trial, rel
 
@@ -92,8 +92,7 @@ def render(root: Path) -> list[str]:
     lines.append(f"| {name} | {f'`{cell}`' if cell else '(the experiment as it is)'} | {seeds} | "
                  f"{mean_std([r['val_loss'] for r in mine])} | {mine[0]['kv_bytes_per_token_bf16']:,} | "
                  f"{mine[0]['num_params']:,} |")
-  versions = sorted({(p["commit"] or "unknown")[:7] + ("+" if p["dirty"] else "")
-                     for p in (r["provenance"] for r in rows)})
+  versions = sorted({short_version(r["provenance"]) for r in rows})
   return [*lines, "", f"Rendered by scripts/render_results.py from {rel(root)}/ (`python scripts/sweep.py "
           f"{settings['sweep']} --results {rel(root)}`, {len(rows)} runs), measured at "
           f"commit{'s' if len(versions) > 1 else ''} {', '.join(versions)}; each row's file holds the commands that "
