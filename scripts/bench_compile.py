@@ -1,13 +1,16 @@
 #!/usr/bin/env python
 """Compile time of the jitted train step against depth, for every sharing preset.
 
-Usage: python scripts/bench_compile.py [--layers 12 24 48] [--only NAME ...] [--results DIR]
+Usage: python scripts/bench_compile.py [--layers 12 24 48] [--only NAME ...] [--override KEY=VALUE ...]
+                                      [--results DIR]
 
 For each preset the default experiment's model (configs/experiments/shakespeare_cla2.yaml: byte-level Llama,
 d_model 128, 4 heads, T=128) is built at each depth; the train step (forward, backward, AdamW) is lowered and
 compiled ahead of time from abstract inputs, and the seconds are printed side by side with the ratio of the deepest
-to the shallowest. Scanned superblocks and scanned runs of identical layers inside them keep every ratio near 1;
-``unrolled`` (``model.scan_layers=false``) shows what depth costs without scanning. Timings on a shared 2-core
+to the shallowest. Scanned superblocks and scanned runs of identical layers inside them keep every ratio near 1
+under a remat policy (``--override model.remat=full``); without remat (the experiment's default) a stack of
+superblocks of several layers is unrolled for memory (``jaxshare.model.block.unrolled``), so those presets' compile
+time grows with depth. ``unrolled`` (``model.scan_layers=false``) shows what depth costs without scanning. Timings on a shared 2-core
 machine vary by 10-20%: read the ratios, measured in one run.
 """
 
@@ -77,17 +80,19 @@ def main(argv: list[str] | None = None) -> int:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--layers", type=int, nargs="+", default=[12, 24, 48], help="depths to compile")
   parser.add_argument("--only", nargs="*", default=None, help="presets to run (default: all)")
+  parser.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
+                      help="config override for every preset, e.g. model.remat=full (repeatable)")
   parser.add_argument("--results", type=Path, metavar="DIR", help="also write the table with this command's "
                       "provenance to DIR/table.json (published by scripts/render_results.py)")
   args = parser.parse_args(argv)
   names = [n for n in PRESETS if not args.only or n in args.only]
   depths = sorted(args.layers)
-  compile_seconds(PRESETS["dense"], depths[0])  # warm-up: first-use costs stay out of the table
+  compile_seconds([*args.override, *PRESETS["dense"]], depths[0])  # warm-up: first-use costs stay out of the table
   header = ["preset"] + [f"L={n} (s)" for n in depths] + [f"ratio {depths[-1]}/{depths[0]}"]
   lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
   print("\n".join(lines))
   for name in names:
-    secs = [sum(compile_seconds(PRESETS[name], n)) for n in depths]
+    secs = [sum(compile_seconds([*args.override, *PRESETS[name]], n)) for n in depths]
     cells = [name] + [f"{s:.2f}" for s in secs] + [f"{secs[-1] / secs[0]:.2f}x"]
     lines.append("| " + " | ".join(cells) + " |")
     print(lines[-1], flush=True)

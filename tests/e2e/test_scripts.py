@@ -83,9 +83,10 @@ def _run_script(*argv: str, timeout: int = 600) -> str:
 
 def test_compile_benchmark_tables_each_preset_with_its_ratio(tmp_path):
   """scripts/bench_compile.py at two toy depths: one row per preset, its ratio the deeper compile over the
-  shallower; --results keeps the printed table with the command, which renders it back."""
-  command = ["scripts/bench_compile.py", "--layers", "2", "4", "--only", "dense", "cla2", "--results",
-             str(tmp_path / "compile")]
+  shallower, under a remat policy given as an override; --results keeps the printed table with the command, which
+  renders it back."""
+  command = ["scripts/bench_compile.py", "--layers", "2", "4", "--only", "dense", "cla2", "--override",
+             "model.remat=full", "--results", str(tmp_path / "compile")]
   out = _run_script(*command)
   published = json.loads((tmp_path / "compile" / "table.json").read_text())
   assert published["provenance"]["commands"] == [["python", *command]]
