@@ -73,10 +73,12 @@ def _table() -> Callable[[Path], list[str]]:
   return lambda root: render_table(root, REPO)
 
 
-# experiment -> its renderer (the result directory -> the table's lines); a directory a sweep published (one holding
-# sweep.json: scripts/sweep.py --results) renders as that sweep's table, one holding fit.json (scripts/fit_table.py
-# --results) as that fit table, one holding table.json (a benchmark's --results) as the table it printed
+# experiment -> its renderer (the result directory -> the table's lines)
 RENDERERS: dict[str, Callable[[], Callable[[Path], list[str]]]] = {"uptrain": _uptrain, "search": _search}
+# the file a script's --results writes -> the renderer of a directory holding it: a sweep's rows (scripts/sweep.py),
+# a fit table (scripts/fit_table.py), a benchmark's printed table (bench_compile.py, bench_train.py)
+PUBLISHED: dict[str, Callable[[], Callable[[Path], list[str]]]] = {"sweep.json": _sweep, "fit.json": _fit,
+                                                                    "table.json": _table}
 
 
 def _block(experiment: str) -> re.Pattern:
@@ -104,9 +106,8 @@ def rendered(text: str, tables: dict[str, str]) -> str:
 
 def render_all(results: Path) -> dict[str, str]:
   """Every experiment's table rendered from ``results/<experiment>`` (those that have result files)."""
-  makers = {**{f.parent.name: _sweep for f in sorted(results.glob("*/sweep.json"))},
-            **{f.parent.name: _fit for f in sorted(results.glob("*/fit.json"))},
-            **{f.parent.name: _table for f in sorted(results.glob("*/table.json"))}, **RENDERERS}
+  makers = {**{f.parent.name: make for marker, make in PUBLISHED.items()
+               for f in sorted(results.glob(f"*/{marker}"))}, **RENDERERS}
   return {name: "\n".join(make()(results / name)) + "\n" for name, make in makers.items()
           if (results / name).is_dir()}
 
