@@ -132,18 +132,19 @@ def test_a_published_sweep_renders_its_variants_in_order_over_seeds(tmp_path):
 
 def test_a_fit_table_renders_one_column_per_schedule_from_rows_of_several_commands(tmp_path):
   """A directory holding fit.json (scripts/fit_table.py --results) renders as the fit table: a column per schedule,
-  per case the largest batch with its HBM (none when one sequence per shard does not fit) and, on several chips,
-  the K/V moved (per sequence too where a batch fits); the decode cache once per length; a missing cell is a dash; a row published again replaces its
-  case's; the footer names every command and commit."""
+  per case the largest batch with its HBM (none when one sequence per shard does not fit), the step-time bound of
+  the compile reported and, on several chips, the K/V moved (per sequence too where a batch fits); the decode cache
+  once per length; a missing cell is a dash; a row published again replaces its case's; the footer names every
+  command and commit."""
   from jaxshare.aot.fit_results import publish
 
   root = tmp_path / "long"
   gib = 2 ** 30
 
-  def row(schedule, target, context, batch, hbm, kv, ring=False):
+  def row(schedule, target, context, batch, hbm, kv, ring=False, bound=1.0):
     return {"model": "M", "target": target, "schedule": schedule, "remat": "full", "seq_len": 131072,
             "context": context, "ring": ring, "chips": context, "batch": batch, "hbm": hbm * gib,
-            "kv_moved": kv * gib if kv is not None else None, "moved": None, "step_time_bound_s": 1.0,
+            "kv_moved": kv * gib if kv is not None else None, "moved": None, "step_time_bound_s": bound,
             "decode_kv_cache": (16 if schedule == "dense" else 8) * gib, "compiles": 3}
 
   one, two = (_result({}, commit=c)["provenance"] for c in ("a" * 40, "b" * 40))
@@ -152,16 +153,17 @@ def test_a_fit_table_renders_one_column_per_schedule_from_rows_of_several_comman
   publish(root, row("cla2", "h100:1", 1, 1, 60, None), one)
   publish(root, row("cla2", "h100:1", 1, 2, 40, None), one)  # again: replaces the row before
   publish(root, row("dense", "h100:8", 8, None, 90, 168, ring=True), two)
-  publish(root, row("cla2", "h100:8", 8, 2, 40, 84, ring=True), two)
+  publish(root, row("cla2", "h100:8", 8, 2, 40, 84, ring=True, bound=12.3456), two)
   table = render_results.render_all(tmp_path)["long"].splitlines()
-  assert table[:6] == [
+  ring = "M, 131,072 tokens, h100:8, mesh.context=8 round the ring (`attention.context_strategy=ring`), `model.remat=full`"
+  assert table[:8] == [
     "| case | dense | cla2 |", "|---|---|---|",
     "| M, 131,072 tokens, h100:1, `model.remat=full`: largest batch (HBM per chip) | 2 (50.00 GiB) | 2 (40.00 GiB) |",
+    "| M, 131,072 tokens, h100:1, `model.remat=full`: step-time bound at that batch | 1,000 ms | 1,000 ms |",
     "| decode KV cache per 131,072-token sequence | 16.00 GiB | 8.00 GiB |",
-    "| M, 131,072 tokens, h100:8, mesh.context=8 round the ring (`attention.context_strategy=ring`), "
-    "`model.remat=full`: largest batch (HBM per chip) | none (90.00 GiB for one sequence per shard) | 2 (40.00 GiB) |",
-    "| M, 131,072 tokens, h100:8, mesh.context=8 round the ring (`attention.context_strategy=ring`), "
-    "`model.remat=full`: K/V bytes moved per chip per step | 168.00 GiB | 84.00 GiB (42.00 GiB per sequence) |"]
+    f"| {ring}: largest batch (HBM per chip) | none (90.00 GiB for one sequence per shard) | 2 (40.00 GiB) |",
+    f"| {ring}: step-time bound at that batch | 1,000 ms | 12,346 ms |",
+    f"| {ring}: K/V bytes moved per chip per step | 168.00 GiB | 84.00 GiB (42.00 GiB per sequence) |"]
   assert table[-1].endswith("made by `python train.py`, `python scripts/fit_table.py ring`; compiled at commits "
                             "aaaaaaa, bbbbbbb with jax 0.")
 
