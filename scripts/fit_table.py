@@ -165,7 +165,7 @@ def main(argv=None) -> int:
   ap.add_argument("--lengths", type=int, nargs="+", default=[8192, 32768, 131072],
                   help="... at these sequence lengths (with --topology; with --policies: default 8192 32768)")
   ap.add_argument("--config", type=Path, default=EXPERIMENTS / "llama_1b_h100.yaml",
-                  help="... of this experiment config (with --topology)")
+                  help="... of this experiment config (with --topology; its file name labels the rows)")
   ap.add_argument("--no-search", dest="search", action="store_false",
                   help="compile one sequence per batch shard only, not the search for the largest batch that fits")
   ap.add_argument("--policies", action="store_true", help="the policy table: every model.remat's memory and FLOPs")
@@ -194,7 +194,7 @@ def main(argv=None) -> int:
     if args.policies:
       policy_rows(args.lengths if "--lengths" in (argv or sys.argv) else [8192, 32768], args.overrides)
     elif args.topology:
-      cases = [("config", t, args.config, (f"data.seq_len={n}", "train.batch_size=1"), "script_fit_table")
+      cases = [(args.config.stem, t, args.config, (f"data.seq_len={n}", "train.batch_size=1"), "script_fit_table")
                for t in args.topology for n in args.lengths]
       fit_rows(cases, args.remat, args.schedules, args.overrides, args.search, publish)
     else:
