@@ -57,7 +57,7 @@ def _kv_moved(row: dict) -> str:
 def render(root: Path) -> list[str]:
   """``root``/fit.json as a table: one column per schedule; per case (model, target, length, context axis, ring,
   policy) the largest batch with its HBM per chip, the step-time bound of the compile reported (its FLOPs at the
-  chips' peak), and on several chips the K/V bytes moved per chip per step (and per sequence, at that batch); the
+  chips' peak), and where K/V moved between chips the bytes per chip per step (and per sequence, at that batch); the
   decode KV cache per sequence once per length; then the command and commit that compiled it.
 
   Raises:
@@ -80,7 +80,7 @@ def render(root: Path) -> list[str]:
       f"{r['batch']} ({gib(r['hbm'])})" if r["batch"] else f"none ({gib(r['hbm'])} for one sequence per shard)")))
     lines.append(line(f"{case}: step-time bound at that batch", case, lambda r: (
       f"{r['step_time_bound_s'] * 1e3:,.0f} ms" if r["step_time_bound_s"] else "?")))
-    if any(cell[case, s]["kv_moved"] is not None for s in schedules if (case, s) in cell):
+    if any(cell[case, s]["kv_moved"] for s in schedules if (case, s) in cell):  # no context axis: no K/V moves
       lines.append(line(f"{case}: K/V bytes moved per chip per step", case, _kv_moved))
     length = next(r["seq_len"] for r in rows if _case(r) == case)
     if length not in lengths_done:

@@ -133,8 +133,8 @@ def test_a_published_sweep_renders_its_variants_in_order_over_seeds(tmp_path):
 def test_a_fit_table_renders_one_column_per_schedule_from_rows_of_several_commands(tmp_path):
   """A directory holding fit.json (scripts/fit_table.py --results) renders as the fit table: a column per schedule,
   per case the largest batch with its HBM (none when one sequence per shard does not fit), the step-time bound of
-  the compile reported and, on several chips, the K/V moved (per sequence too where a batch fits); the decode cache
-  once per length; a missing cell is a dash; a row published again replaces its case's; the footer names every
+  the compile reported and, where K/V moved between chips, those bytes (per sequence too where a batch fits); the decode
+  cache once per length; a missing cell is a dash; a row published again replaces its case's; the footer names every
   command and commit."""
   from jaxshare.aot.fit_results import publish
 
@@ -151,7 +151,7 @@ def test_a_fit_table_renders_one_column_per_schedule_from_rows_of_several_comman
   two = {**two, "commands": [["python", "scripts/fit_table.py", "ring"]]}
   publish(root, row("dense", "h100:1", 1, 2, 50, None), one)
   publish(root, row("cla2", "h100:1", 1, 1, 60, None), one)
-  publish(root, row("cla2", "h100:1", 1, 2, 40, None), one)  # again: replaces the row before
+  publish(root, row("cla2", "h100:1", 1, 2, 40, 0), one)  # again: replaces the row before; no K/V moved: no K/V line
   publish(root, row("dense", "h100:8", 8, None, 90, 168, ring=True), two)
   publish(root, row("cla2", "h100:8", 8, 2, 40, 84, ring=True, bound=12.3456), two)
   table = render_results.render_all(tmp_path)["long"].splitlines()
