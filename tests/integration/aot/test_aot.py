@@ -160,7 +160,7 @@ def test_without_remat_shared_schedules_need_no_more_memory_than_dense():
                          "train.num_vocab_tiling=8"], cwd=REPO, capture_output=True, text=True, timeout=1200,
                         env=OPTIMIZED_ENV)
   assert proc.returncode == 0, proc.stderr[-3000:]
-  rows = [r.strip(" |").split(" | ") for r in proc.stdout.splitlines() if r.startswith("| config")]
+  rows = [r.strip(" |").split(" | ") for r in proc.stdout.splitlines() if r.startswith("| llama_1b_h100 |")]
   hbm = {r[4]: float(r[7].split()[0]) for r in rows if r[7].endswith("GiB")}
   assert sorted(hbm) == ["cla2", "dense", "mlkv", "uniattn"], proc.stdout
   assert max(hbm["cla2"], hbm["mlkv"], hbm["uniattn"]) <= hbm["dense"] < 40, hbm
@@ -178,7 +178,7 @@ def test_under_a_policy_uniattn_needs_no_more_memory_than_dense_at_2k_on_a_node(
                          "--lengths", "2048", "--remat", "full", "save_qkv_proj", "--schedules", "dense", "uniattn",
                          "--no-search"], cwd=REPO, capture_output=True, text=True, timeout=1200, env=OPTIMIZED_ENV)
   assert proc.returncode == 0, proc.stderr[-3000:]
-  rows = [r.strip(" |").split(" | ") for r in proc.stdout.splitlines() if r.startswith("| config")]
+  rows = [r.strip(" |").split(" | ") for r in proc.stdout.splitlines() if r.startswith("| llama_1b_h100 |")]
   hbm = {(r[5], r[4]): float(r[7].split()[0]) for r in rows if r[7].endswith("GiB")}
   assert sorted(hbm) == sorted((p, s) for p in ("full", "save_qkv_proj") for s in ("dense", "uniattn")), proc.stdout
   for policy in ("full", "save_qkv_proj"):
@@ -195,7 +195,7 @@ def test_under_minimal_superblocks_of_four_need_no_more_memory_than_dense_at_32k
                          "--lengths", "32768", "--remat", "minimal", "--schedules", "dense", "mlkv", "uniattn",
                          "--no-search"], cwd=REPO, capture_output=True, text=True, timeout=1200, env=OPTIMIZED_ENV)
   assert proc.returncode == 0, proc.stderr[-3000:]
-  rows = [r.strip(" |").split(" | ") for r in proc.stdout.splitlines() if r.startswith("| config")]
+  rows = [r.strip(" |").split(" | ") for r in proc.stdout.splitlines() if r.startswith("| llama_1b_h100 |")]
   hbm = {r[4]: float(r[7].split()[0]) for r in rows if r[7].endswith("GiB")}
   assert sorted(hbm) == ["dense", "mlkv", "uniattn"], proc.stdout
   assert max(hbm["mlkv"], hbm["uniattn"]) <= hbm["dense"], hbm
@@ -211,7 +211,7 @@ def test_host_offloading_compiles_for_superblocks_with_runs():
                          "--lengths", "2048", "--remat", "qkv_proj_offloaded", "--schedules", "mlkv", "uniattn",
                          "--no-search"], cwd=REPO, capture_output=True, text=True, timeout=1200, env=OPTIMIZED_ENV)
   assert proc.returncode == 0, proc.stderr[-3000:]
-  rows = [r.strip(" |").split(" | ") for r in proc.stdout.splitlines() if r.startswith("| config")]
+  rows = [r.strip(" |").split(" | ") for r in proc.stdout.splitlines() if r.startswith("| llama_1b_h100 |")]
   assert sorted(r[4] for r in rows if r[5] == "qkv_proj_offloaded" and r[7].endswith("GiB")) == ["mlkv", "uniattn"]
 
 
@@ -224,7 +224,7 @@ def test_the_fit_table_refuses_a_schedule_it_does_not_have():
   assert proc.stderr.strip().splitlines()[-1] == (
     "error: --schedules: 'train.num_vocab_tiling=8' is not a schedule of this table (it has dense, gqa8, cla2, mlkv, "
     "uniattn); config overrides go before --schedules or after another option")
-  assert "| config" not in proc.stdout
+  assert "| llama_1b_h100 |" not in proc.stdout
 
 
 def test_long_context_fits_and_sharing_moves_less_kv_in_no_more_memory():
