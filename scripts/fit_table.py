@@ -34,7 +34,7 @@ from jaxshare.aot import fit_results  # noqa: E402
 from jaxshare.aot.fit import max_batch  # noqa: E402
 from jaxshare.aot import topology  # noqa: E402
 from jaxshare.aot.report import Fit, batch_unit, check  # noqa: E402
-from jaxshare.aot.units import gib  # noqa: E402
+from jaxshare.aot.units import gib, ms  # noqa: E402
 from jaxshare.config import ConfigError, load_config  # noqa: E402
 from jaxshare.config.catalogue import schedule_matrix  # noqa: E402
 from jaxshare.config.choices import RematPolicy  # noqa: E402
@@ -82,7 +82,7 @@ def _row(model: str, target: str, cfg, name: str, best: Fit | None, probes: list
   moved = fit.traffic
   kv = gib(int(moved.kv)) if moved and fit.chips > 1 else "-"
   total = gib(int(moved.total)) if moved and fit.chips > 1 else "-"
-  bound = f"{fit.step_time_bound * 1e3:,.0f} ms" if fit.step_time_bound else "?"
+  bound = ms(fit.step_time_bound)
   cache = accounting.kv_cache_bytes(cfg.model, plan_of(cfg).schedule, 1, cfg.data.seq_len)
   ring = " (ring)" if cfg.mesh.context_size > 1 and cfg.attention.context_strategy == "ring" else ""
   return (f"| {model} | {target} | {cfg.data.seq_len:,} | {cfg.mesh.context}{ring} | {name} | {cfg.model.remat} | "

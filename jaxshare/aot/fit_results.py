@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from jaxshare.aot.units import gib
+from jaxshare.aot.units import gib, ms
 from jaxshare.config import REPO_ROOT
 from jaxshare.sweep.provenance import read_result, short_version, write_result
 
@@ -78,8 +78,7 @@ def render(root: Path) -> list[str]:
   for case in dict.fromkeys(_case(r) for r in rows):
     lines.append(line(f"{case}: largest batch (HBM per chip)", case, lambda r: (
       f"{r['batch']} ({gib(r['hbm'])})" if r["batch"] else f"none ({gib(r['hbm'])} for one sequence per shard)")))
-    lines.append(line(f"{case}: step-time bound at that batch", case, lambda r: (
-      f"{r['step_time_bound_s'] * 1e3:,.0f} ms" if r["step_time_bound_s"] else "?")))
+    lines.append(line(f"{case}: step-time bound at that batch", case, lambda r: ms(r["step_time_bound_s"])))
     if any(cell[case, s]["kv_moved"] for s in schedules if (case, s) in cell):  # no context axis: no K/V moves
       lines.append(line(f"{case}: K/V bytes moved per chip per step", case, _kv_moved))
     length = next(r["seq_len"] for r in rows if _case(r) == case)
