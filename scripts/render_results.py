@@ -66,6 +66,13 @@ def _fit() -> Callable[[Path], list[str]]:
   return render
 
 
+def _fit_against_dense() -> Callable[[Path], list[str]]:
+  if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+  from jaxshare.aot.fit_results import render_against_dense
+  return render_against_dense
+
+
 def _table() -> Callable[[Path], list[str]]:
   if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
@@ -74,7 +81,10 @@ def _table() -> Callable[[Path], list[str]]:
 
 
 # experiment -> its renderer (the result directory -> the table's lines)
-RENDERERS: dict[str, Callable[[], Callable[[Path], list[str]]]] = {"uptrain": _uptrain, "search": _search}
+RENDERERS: dict[str, Callable[[], Callable[[Path], list[str]]]] = {
+  "uptrain": _uptrain, "search": _search,
+  "fit_parity_policies": _fit_against_dense,  # issue 61 part 5: each schedule's peak against dense's
+}
 # the file a script's --results writes -> the renderer of a directory holding it: a sweep's rows (scripts/sweep.py),
 # a fit table (scripts/fit_table.py), a benchmark's printed table (bench_compile.py, bench_train.py)
 PUBLISHED: dict[str, Callable[[], Callable[[Path], list[str]]]] = {"sweep.json": _sweep, "fit.json": _fit,

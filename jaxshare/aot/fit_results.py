@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from jaxshare.aot.units import gib, ms
+from jaxshare.aot.units import GIB, gib, ms
 from jaxshare.config import REPO_ROOT
 from jaxshare.sweep.provenance import read_result, short_version, write_result
 
@@ -63,10 +63,7 @@ def render(root: Path) -> list[str]:
   Raises:
     ValueError: ``root`` has no fit.json.
   """
-  data = read_result(root / "fit.json")
-  if data is None:
-    raise ValueError(f"{root} has no fit.json: scripts/fit_table.py --results {root} writes it")
-  rows = data["rows"]
+  rows = _rows(root)
   schedules = list(dict.fromkeys(r["schedule"] for r in rows))
   cell = {(_case(r), r["schedule"]): r for r in rows}
   lines = [f"| case | {' | '.join(schedules)} |", "|---" * (1 + len(schedules)) + "|"]
@@ -85,13 +82,55 @@ def render(root: Path) -> list[str]:
     if length not in lengths_done:
       lengths_done.add(length)
       lines.append(line(f"decode KV cache per {length:,}-token sequence", case, lambda r: gib(r["decode_kv_cache"])))
+  return [*lines, "", _made_by(root, rows)]
+
+
+def render_against_dense(root: Path) -> list[str]:
+  """``root``/fit.json as a parity table (issue 61 part 5: a shared schedule needs no more memory than dense): one
+  line per (topology, length, policy), dense's HBM per chip, then every other schedule's HBM minus dense's (GiB,
+  signed) at the same batch; a compile that does not fit its chip says so. Then the command and commit.
+
+  Raises:
+    ValueError: ``root`` has no fit.json, or a line has no dense row to compare with.
+  """
+  rows = _rows(root)
+  hbm = {(r["target"], r["seq_len"], r["remat"], r["schedule"]): r for r in rows}
+  cases = list(dict.fromkeys(key[:3] for key in hbm))
+  names = [n for n in dict.fromkeys(key[3] for key in hbm) if n != "dense"]
+  lines = [f"| topology | T | model.remat | dense | {' | '.join(names)} |", "|---" * (4 + len(names)) + "|"]
+  for case in cases:
+    if (*case, "dense") not in hbm:
+      raise ValueError(f"{root}/fit.json has no dense row for {case}: the table compares each schedule with dense's")
+    dense = hbm[(*case, "dense")]
+    batches = {r["batch"] for r in rows if (r["target"], r["seq_len"], r["remat"]) == case} - {None}
+    if len(batches) > 1:
+      raise ValueError(f"{root}/fit.json compares batches {sorted(batches)} at {case}: compile one batch (--no-search)")
+
+    def cell(r: dict, value: str) -> str:
+      return value + ("" if r["batch"] else " (does not fit)")
+    target, length, policy = case
+    lines.append(f"| {target} | {length:,} | {policy} | {cell(dense, gib(dense['hbm']))} | " + " | ".join(
+      cell(hbm[(*case, n)], f"{(hbm[(*case, n)]['hbm'] - dense['hbm']) / GIB:+.2f}") if (*case, n) in hbm
+      else "—" for n in names) + " |")
+  return [*lines, "", _made_by(root, rows)]
+
+
+def _rows(root: Path) -> list[dict]:
+  data = read_result(root / "fit.json")
+  if data is None:
+    raise ValueError(f"{root} has no fit.json: scripts/fit_table.py --results {root} writes it")
+  return data["rows"]
+
+
+def _made_by(root: Path, rows: list[dict]) -> str:
+  """The rendering's last line: the commands, commits and jax versions that compiled ``rows``."""
   made = [r["provenance"] for r in rows]
   commands = list(dict.fromkeys(" ".join(p["commands"][0]) for p in made))
   versions = sorted({short_version(p) for p in made})
   jax = sorted({p["jax"] for p in made})
-  return [*lines, "", f"Rendered by scripts/render_results.py from {_where(root)}/fit.json, made by "
+  return (f"Rendered by scripts/render_results.py from {_where(root)}/fit.json, made by "
           + ", ".join(f"`{c}`" for c in commands) + f"; compiled at commit{'s' if len(versions) > 1 else ''} "
-          f"{', '.join(versions)} with jax {', '.join(jax)}."]
+          f"{', '.join(versions)} with jax {', '.join(jax)}.")
 
 
 def _where(root: Path) -> str:

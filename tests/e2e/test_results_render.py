@@ -168,6 +168,38 @@ def test_a_fit_table_renders_one_column_per_schedule_from_rows_of_several_comman
                             "aaaaaaa, bbbbbbb with jax 0.")
 
 
+def test_the_policy_parity_table_renders_each_schedule_against_dense_at_one_batch(tmp_path):
+  """results/fit_parity_policies renders against dense (issue 61 part 5): per topology, length and policy dense's HBM,
+  then each schedule's difference from it in GiB (a compile over the chip's memory says so; a missing cell is a dash);
+  a line without dense, or rows of two batches compared, is refused by name."""
+  from jaxshare.aot.fit_results import publish
+
+  root = tmp_path / "fit_parity_policies"
+
+  def row(schedule, target, remat, hbm, batch=1):
+    return {"model": "M", "target": target, "schedule": schedule, "remat": remat, "seq_len": 32768, "context": 1,
+            "ring": False, "chips": int(target[-1]), "batch": batch, "hbm": int(hbm * 2 ** 30), "kv_moved": None,
+            "moved": None, "step_time_bound_s": 1.0, "decode_kv_cache": 2 ** 30, "compiles": 1}
+
+  made = _result({})["provenance"]
+  for r in (row("dense", "h100:1", "minimal", 48.03), row("cla2", "h100:1", "minimal", 47.54),
+            row("mlkv", "h100:1", "minimal", 41.08), row("dense", "h100:8", "save_out_proj", 10.95),
+            row("cla2", "h100:8", "save_out_proj", 11.43, batch=None)):
+    publish(root, r, made)
+  table = render_results.render_all(tmp_path)["fit_parity_policies"].splitlines()
+  assert table[:4] == ["| topology | T | model.remat | dense | cla2 | mlkv |", "|---|---|---|---|---|---|",
+                       "| h100:1 | 32,768 | minimal | 48.03 GiB | -0.49 | -6.95 |",
+                       "| h100:8 | 32,768 | save_out_proj | 10.95 GiB | +0.48 (does not fit) | — |"]
+  assert table[-1].startswith(f"Rendered by scripts/render_results.py from {root}/fit.json, made by `python train.py`")
+  publish(root, row("cla2", "h100:8", "save_out_proj", 11.43, batch=2), made)
+  with pytest.raises(ValueError, match=r"compares batches \[1, 2\] at \('h100:8', 32768, 'save_out_proj'\)"):
+    render_results.render_all(tmp_path)
+  publish(root, row("cla2", "h100:8", "save_out_proj", 11.43), made)
+  publish(root, row("mlkv", "h100:8", "full", 9.0), made)
+  with pytest.raises(ValueError, match=r"no dense row for \('h100:8', 32768, 'full'\)"):
+    render_results.render_all(tmp_path)
+
+
 def test_a_benchmarks_table_renders_as_printed_with_its_command(tmp_path):
   """A directory holding table.json (a benchmark's --results) renders as the lines it printed, then its command,
   commit, date and measure."""
