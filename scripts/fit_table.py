@@ -140,21 +140,6 @@ def policy_rows(lengths: list[int], overrides: list[str]) -> None:
               f"{fit.executed_flops / fit.model_flops:.3f} | {fit.compile_s:.0f} |", flush=True)
 
 
-def against_dense(table: Path) -> None:
-  """The HBM of each schedule in a table this script printed (``--topology ...`` rows), as the difference from
-  dense's at the same topology, length and policy (GiB)."""
-  rows = [r.strip(" |").split(" | ") for r in table.read_text().splitlines() if r.startswith("| ") and " GiB | " in r]
-  hbm = {(r[1], r[2], r[5], r[4]): float(r[7].split()[0]) * (1 if r[7].endswith("GiB") else 2 ** -10) for r in rows}
-  cases = list(dict.fromkeys(key[:3] for key in hbm))
-  names = [n for n in dict.fromkeys(key[3] for key in hbm) if n != "dense"]
-  print(f"| topology | T | model.remat | dense | {' | '.join(names)} |")
-  print("|---" * (4 + len(names)) + "|")
-  for case in cases:
-    dense = hbm[(*case, "dense")]
-    print(f"| {' | '.join(case)} | {dense:.2f} GiB | "
-          + " | ".join(f"{hbm[(*case, n)] - dense:+.2f}" for n in names) + " |")
-
-
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--scenario", nargs="+", choices=sorted(SCENARIOS), help="long-context scenarios (default: all)")
@@ -169,20 +154,14 @@ def main(argv=None) -> int:
   ap.add_argument("--no-search", dest="search", action="store_false",
                   help="compile one sequence per batch shard only, not the search for the largest batch that fits")
   ap.add_argument("--policies", action="store_true", help="the policy table: every model.remat's memory and FLOPs")
-  ap.add_argument("--against-dense", type=Path, metavar="TABLE",
-                  help="compile nothing: print the HBM of each schedule in TABLE (a --topology table this script "
-                       "printed) minus dense's at the same topology, length and policy")
   ap.add_argument("--results", type=Path, metavar="DIR",
                   help="also write every row with the command's provenance to DIR/fit.json as it finishes (replacing "
                   "that file's row of the same case and schedule, keeping the others: several invocations fill one "
                   "table), the file scripts/render_results.py renders the published table from")
   ap.add_argument("overrides", nargs="*", help="config overrides (key=value), e.g. attention.impl=pallas")
   args = ap.parse_args(argv)
-  if args.results and (args.policies or args.against_dense):
-    ap.error("--results writes the fit table's rows: not with --policies or --against-dense")
-  if args.against_dense:
-    against_dense(args.against_dense)
-    return 0
+  if args.results and args.policies:
+    ap.error("--results writes the fit table's rows: not with --policies")
 
   command = [sys.executable, "scripts/fit_table.py", *(sys.argv[1:] if argv is None else argv)]
 

@@ -83,7 +83,8 @@ def _table() -> Callable[[Path], list[str]]:
 # experiment -> its renderer (the result directory -> the table's lines)
 RENDERERS: dict[str, Callable[[], Callable[[Path], list[str]]]] = {
   "uptrain": _uptrain, "search": _search,
-  "fit_parity_policies": _fit_against_dense,  # issue 61 part 5: each schedule's peak against dense's
+  # issue 61 part 5: each schedule's peak against dense's
+  "fit_parity": _fit_against_dense, "fit_parity_policies": _fit_against_dense,
 }
 # the file a script's --results writes -> the renderer of a directory holding it: a sweep's rows (scripts/sweep.py),
 # a fit table (scripts/fit_table.py), a benchmark's printed table (bench_compile.py, bench_train.py)
