@@ -105,14 +105,16 @@ def render_against_dense(root: Path) -> list[str]:
     batches = {r["batch"] for r in rows if (r["target"], r["seq_len"], r["remat"]) == case} - {None}
     if len(batches) > 1:
       raise ValueError(f"{root}/fit.json compares batches {sorted(batches)} at {case}: compile one batch (--no-search)")
-
-    def cell(r: dict, value: str) -> str:
-      return value + ("" if r["batch"] else " (does not fit)")
     target, length, policy = case
-    lines.append(f"| {target} | {length:,} | {policy} | {cell(dense, gib(dense['hbm']))} | " + " | ".join(
-      cell(hbm[(*case, n)], f"{(hbm[(*case, n)]['hbm'] - dense['hbm']) / GIB:+.2f}") if (*case, n) in hbm
+    lines.append(f"| {target} | {length:,} | {policy} | {_fits(dense, gib(dense['hbm']))} | " + " | ".join(
+      _fits(hbm[(*case, n)], f"{(hbm[(*case, n)]['hbm'] - dense['hbm']) / GIB:+.2f}") if (*case, n) in hbm
       else "—" for n in names) + " |")
   return [*lines, "", _made_by(root, rows)]
+
+
+def _fits(row: dict, value: str) -> str:
+  """``value`` as a parity cell: a compile with no batch that fits its chip says so."""
+  return value + ("" if row["batch"] else " (does not fit)")
 
 
 def _rows(root: Path) -> list[dict]:
