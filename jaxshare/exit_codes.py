@@ -4,6 +4,7 @@ diverged one), and the one way a command line reports bad input: :class:`InputEr
 
 from __future__ import annotations
 
+import signal
 import sys
 from typing import Callable
 
@@ -13,6 +14,15 @@ DIVERGED = 3  # a non-finite step under train.nan_policy=stop
 STORAGE_UNAVAILABLE = 4
 # stopped on a signal after saving its checkpoint (128 + SIGINT, the shell's own code for Ctrl-C), whichever signal
 INTERRUPTED = 130
+
+
+def interrupt_on_ctrl_c() -> None:
+  """Make SIGINT raise ``KeyboardInterrupt`` in this process however it was started. Python leaves SIGINT ignored
+  when the process inherits SIG_IGN (a shell without job control starts ``cmd &`` so), while train.py sets its own
+  handler: a Ctrl-C to the process group would then stop a run but not the command that started it, which goes on
+  to the next. Call it from the main thread of a command that runs train.py and exits :data:`INTERRUPTED` on Ctrl-C.
+  """
+  signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 class InputError(Exception):

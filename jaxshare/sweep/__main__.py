@@ -40,7 +40,7 @@ from pathlib import Path
 
 from jaxshare import exit_codes
 from jaxshare.config import REPO_ROOT, ConfigError
-from jaxshare.exit_codes import report_input_errors
+from jaxshare.exit_codes import interrupt_on_ctrl_c, report_input_errors
 from jaxshare.schedule import ScheduleError
 from jaxshare.sweep.devices import DeviceGroup, device_groups
 from jaxshare.sweep.launch import LAUNCHERS, check_launcher_args, launch, launcher_command
@@ -96,6 +96,7 @@ def _check(sweep: Sweep, runs: list[Trial]) -> int:
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
   """The sweep command line; ``prog`` names it in usage lines (default: the script's file name)."""
   args = _parser(prog).parse_args(argv)
+  interrupt_on_ctrl_c()  # the runs it starts stop on Ctrl-C, so must it (exit 130) rather than start the next
   return report_input_errors(lambda: _sweep(args))
 
 

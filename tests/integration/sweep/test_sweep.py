@@ -308,11 +308,16 @@ def test_collect_evaluates_finished_runs_and_trains_nothing(swept, tmp_path, cap
 
 def test_ctrl_c_saves_the_running_run_and_records_it_as_interrupted(tmp_path):
   """Ctrl-C reaches the sweep and its train.py together (one process group): the run saves a checkpoint, and the
-  table says interrupted (it said failed, with the run's summary line as the error); the next sweep resumes it."""
+  table says interrupted (it said failed, with the run's summary line as the error); the next sweep resumes it.
+
+  The sweep starts with SIGINT ignored, as a shell without job control starts `make test &` and everything under
+  it: train.py set its own handler and stopped, but the sweep, keeping the inherited SIG_IGN, went on to its
+  table (exit 1) and would have started the next run."""
   spec = _spec(tmp_path, "base: [" + ", ".join(TINY + ["train.steps=100000", "train.checkpoint_every=100000"])
                + "]\nvariants:\n  dense: []\n")
   proc = subprocess.Popen([os.sys.executable, "-m", "jaxshare.sweep", str(spec)], cwd=REPO, text=True,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
   log = tmp_path / "runs" / "dense" / "sweep.log"
   deadline = time.time() + 180
   while not (log.exists() and re.search(r"^step +3/", log.read_text(), re.M)) and time.time() < deadline:
