@@ -8,7 +8,7 @@ and the decode KV cache one sequence of that length needs.
   python scripts/fit_table.py                      # the three long-context scenarios, remat full and save_qkv_proj
   python scripts/fit_table.py --scenario 1b-h100-128k --remat full --schedules dense cla2
   python scripts/fit_table.py --topology h100:8 --lengths 8192 32768 --config configs/experiments/llama_1b_h100.yaml
-  python scripts/fit_table.py --policies           # every policy's memory and FLOPs: dense at 8k and 32k
+  python scripts/fit_table.py --policies --results results/fit_policies   # every policy's memory and FLOPs: dense
 
 Needs the compile-only runtimes of ``make install-aot``. Prints one markdown row per compile search as it finishes.
 """
@@ -124,20 +124,24 @@ def fit_rows(cases, remats: list[str], schedules: list[str] | None, overrides: l
                                     ring, best, probes, cache))
 
 
-def policy_rows(lengths: list[int], overrides: list[str]) -> None:
-  """Every policy's HBM and executed FLOPs for the dense ~1.2B Llama, one sequence per chip."""
+def policy_rows(lengths: list[int], overrides: list[str], publish: Callable[[dict], None] = lambda row: None) -> None:
+  """Every policy's HBM and executed FLOPs for the dense ~1.2B Llama, one sequence per chip; ``publish`` gets each
+  row's :func:`~jaxshare.aot.fit_results.fit_row` as it is printed."""
   print("| topology | T | model.remat | HBM per chip | executed FLOPs per step | executed / model FLOPs | compile s |")
   print("|---|---|---|---|---|---|---|", flush=True)
+  config = EXPERIMENTS / "llama_1b_h100.yaml"
   for target, own in smoke.first(POLICY_TABLE):
     for length in smoke.first(lengths):
       for policy in smoke.first([p.value for p in RematPolicy]):
-        cfg = load_config(EXPERIMENTS / "llama_1b_h100.yaml",
-                          ["train.batch_size=1", f"data.seq_len={length}", "train.num_vocab_tiling=8",
-                           f"model.remat={policy}", *own, *overrides])
+        cfg = load_config(config, ["train.batch_size=1", f"data.seq_len={length}", "train.num_vocab_tiling=8",
+                                   f"model.remat={policy}", *own, *overrides])
         fit = check(cfg, target)
         verdict = gib(fit.hbm) + ("" if fit.fits else " (does not fit)")
         print(f"| {target} | {length:,} | {policy} | {verdict} | {fit.executed_flops:.3e} | "
               f"{fit.executed_flops / fit.model_flops:.3f} | {fit.compile_s:.0f} |", flush=True)
+        cache = accounting.kv_cache_bytes(cfg.model, plan_of(cfg).schedule, 1, cfg.data.seq_len)
+        publish(fit_results.fit_row(config.stem, target, "dense", policy, length, 1, False,
+                                    fit if fit.fits else None, [fit], cache))
 
 
 def main(argv=None) -> int:
@@ -160,8 +164,6 @@ def main(argv=None) -> int:
                   "table), the file scripts/render_results.py renders the published table from")
   ap.add_argument("overrides", nargs="*", help="config overrides (key=value), e.g. attention.impl=pallas")
   args = ap.parse_args(argv)
-  if args.results and args.policies:
-    ap.error("--results writes the fit table's rows: not with --policies")
 
   command = [sys.executable, "scripts/fit_table.py", *(sys.argv[1:] if argv is None else argv)]
 
@@ -171,7 +173,7 @@ def main(argv=None) -> int:
 
   def table() -> int:
     if args.policies:
-      policy_rows(args.lengths if "--lengths" in (argv or sys.argv) else [8192, 32768], args.overrides)
+      policy_rows(args.lengths if "--lengths" in (argv or sys.argv) else [8192, 32768], args.overrides, publish)
     elif args.topology:
       cases = [(args.config.stem, t, args.config, (f"data.seq_len={n}", "train.batch_size=1"), "script_fit_table")
                for t in args.topology for n in args.lengths]

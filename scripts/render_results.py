@@ -73,6 +73,13 @@ def _fit_against_dense() -> Callable[[Path], list[str]]:
   return render_against_dense
 
 
+def _fit_policies() -> Callable[[Path], list[str]]:
+  if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+  from jaxshare.aot.fit_results import render_policies
+  return render_policies
+
+
 def _table() -> Callable[[Path], list[str]]:
   if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
@@ -85,6 +92,7 @@ RENDERERS: dict[str, Callable[[], Callable[[Path], list[str]]]] = {
   "uptrain": _uptrain, "search": _search,
   # issue 61 part 5: each schedule's peak against dense's
   "fit_parity": _fit_against_dense, "fit_parity_policies": _fit_against_dense,
+  "fit_policies": _fit_policies,  # fit_table.py --policies: memory and FLOPs of every policy, dense alone
 }
 # the file a script's --results writes -> the renderer of a directory holding it: a sweep's rows (scripts/sweep.py),
 # a fit table (scripts/fit_table.py), a benchmark's printed table (bench_compile.py, bench_train.py)

@@ -30,7 +30,8 @@ def fit_row(model: str, target: str, schedule: str, remat: str, seq_len: int, co
   return {"model": model, "target": target, "schedule": schedule, "remat": remat, "seq_len": seq_len,
           "context": context, "ring": ring, "chips": fit.chips, "batch": best.batch if best else None,
           "hbm": fit.hbm, "kv_moved": int(moved.kv) if moved else None, "moved": int(moved.total) if moved else None,
-          "step_time_bound_s": fit.step_time_bound, "decode_kv_cache": decode_cache, "compiles": len(probes)}
+          "step_time_bound_s": fit.step_time_bound, "decode_kv_cache": decode_cache, "compiles": len(probes),
+          "model_flops": fit.model_flops, "executed_flops": fit.executed_flops, "compile_s": fit.compile_s}
 
 
 def publish(root: Path, row: dict, provenance: dict) -> None:
@@ -78,10 +79,30 @@ def render(root: Path) -> list[str]:
     lines.append(line(f"{case}: step-time bound at that batch", case, lambda r: ms(r["step_time_bound_s"])))
     if any(cell[case, s]["kv_moved"] for s in schedules if (case, s) in cell):  # no context axis: no K/V moves
       lines.append(line(f"{case}: K/V bytes moved per chip per step", case, _kv_moved))
+      lines.append(line(f"{case}: all collectives' bytes per chip per step", case,
+                        lambda r: "—" if r["moved"] is None else gib(r["moved"])))
     length = next(r["seq_len"] for r in rows if _case(r) == case)
     if length not in lengths_done:
       lengths_done.add(length)
       lines.append(line(f"decode KV cache per {length:,}-token sequence", case, lambda r: gib(r["decode_kv_cache"])))
+  return [*lines, "", _made_by(root, rows)]
+
+
+def render_policies(root: Path) -> list[str]:
+  """``root``/fit.json (``scripts/fit_table.py --policies --results``) as the policy table: a line per compile in
+  the order made (topology, length, policy), its HBM per chip (a compile over the chip's memory says so), the
+  executed FLOPs of the step (recomputation included) and their ratio to the model's, and the seconds to trace and
+  compile it on this host. Then the command and commit.
+
+  Raises:
+    ValueError: ``root`` has no fit.json.
+  """
+  rows = _rows(root)
+  lines = ["| topology | T | model.remat | HBM per chip | executed FLOPs per step | executed / model FLOPs | compile s |",
+           "|---|---|---|---|---|---|---|"]
+  lines += [f"| {r['target']} | {r['seq_len']:,} | {r['remat']} | {_fits(r, gib(r['hbm']))} | "
+            f"{r['executed_flops']:.3e} | {r['executed_flops'] / r['model_flops']:.3f} | {r['compile_s']:.0f} |"
+            for r in rows]
   return [*lines, "", _made_by(root, rows)]
 
 

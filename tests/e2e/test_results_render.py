@@ -133,7 +133,8 @@ def test_a_published_sweep_renders_its_variants_in_order_over_seeds(tmp_path):
 def test_a_fit_table_renders_one_column_per_schedule_from_rows_of_several_commands(tmp_path):
   """A directory holding fit.json (scripts/fit_table.py --results) renders as the fit table: a column per schedule,
   per case the largest batch with its HBM (none when one sequence per shard does not fit), the step-time bound of
-  the compile reported and, where K/V moved between chips, those bytes (per sequence too where a batch fits); the decode
+  the compile reported and, where K/V moved between chips, those bytes (per sequence too where a batch fits) and
+  every collective's; the decode
   cache once per length; a missing cell is a dash; a row published again replaces its case's; the footer names every
   command and commit."""
   from jaxshare.aot.fit_results import publish
@@ -144,8 +145,8 @@ def test_a_fit_table_renders_one_column_per_schedule_from_rows_of_several_comman
   def row(schedule, target, context, batch, hbm, kv, ring=False, bound=1.0):
     return {"model": "M", "target": target, "schedule": schedule, "remat": "full", "seq_len": 131072,
             "context": context, "ring": ring, "chips": context, "batch": batch, "hbm": hbm * gib,
-            "kv_moved": kv * gib if kv is not None else None, "moved": None, "step_time_bound_s": bound,
-            "decode_kv_cache": (16 if schedule == "dense" else 8) * gib, "compiles": 3}
+            "kv_moved": kv * gib if kv is not None else None, "moved": (kv + 10) * gib if kv is not None else None,
+            "step_time_bound_s": bound, "decode_kv_cache": (16 if schedule == "dense" else 8) * gib, "compiles": 3}
 
   one, two = (_result({}, commit=c)["provenance"] for c in ("a" * 40, "b" * 40))
   two = {**two, "commands": [["python", "scripts/fit_table.py", "ring"]]}
@@ -156,14 +157,15 @@ def test_a_fit_table_renders_one_column_per_schedule_from_rows_of_several_comman
   publish(root, row("cla2", "h100:8", 8, 2, 40, 84, ring=True, bound=12.3456), two)
   table = render_results.render_all(tmp_path)["long"].splitlines()
   ring = "M, 131,072 tokens, h100:8, mesh.context=8 round the ring (`attention.context_strategy=ring`), `model.remat=full`"
-  assert table[:8] == [
+  assert table[:9] == [
     "| case | dense | cla2 |", "|---|---|---|",
     "| M, 131,072 tokens, h100:1, `model.remat=full`: largest batch (HBM per chip) | 2 (50.00 GiB) | 2 (40.00 GiB) |",
     "| M, 131,072 tokens, h100:1, `model.remat=full`: step-time bound at that batch | 1,000 ms | 1,000 ms |",
     "| decode KV cache per 131,072-token sequence | 16.00 GiB | 8.00 GiB |",
     f"| {ring}: largest batch (HBM per chip) | none (90.00 GiB for one sequence per shard) | 2 (40.00 GiB) |",
     f"| {ring}: step-time bound at that batch | 1,000 ms | 12,346 ms |",
-    f"| {ring}: K/V bytes moved per chip per step | 168.00 GiB | 84.00 GiB (42.00 GiB per sequence) |"]
+    f"| {ring}: K/V bytes moved per chip per step | 168.00 GiB | 84.00 GiB (42.00 GiB per sequence) |",
+    f"| {ring}: all collectives' bytes per chip per step | 178.00 GiB | 94.00 GiB |"]
   assert table[-1].endswith("made by `python train.py`, `python scripts/fit_table.py ring`; compiled at commits "
                             "aaaaaaa, bbbbbbb with jax 0.")
 
@@ -198,6 +200,34 @@ def test_the_policy_parity_table_renders_each_schedule_against_dense_at_one_batc
   publish(root, row("mlkv", "h100:8", "full", 9.0), made)
   with pytest.raises(ValueError, match=r"no dense row for \('h100:8', 32768, 'full'\)"):
     render_results.render_all(tmp_path)
+
+
+def test_the_remat_policy_table_renders_memory_flops_and_compile_time_per_policy(tmp_path):
+  """results/fit_policies (scripts/fit_table.py --policies --results) renders a line per topology, length and policy
+  in the order compiled: HBM per chip (a compile over the chip's memory says so), the executed FLOPs of the step and
+  their ratio to the model's (recomputation's cost), the compile's seconds; then the command and commit."""
+  from jaxshare.aot.fit_results import publish
+
+  root = tmp_path / "fit_policies"
+
+  def row(target, length, remat, hbm, executed, batch=1):
+    return {"model": "llama_1b_h100", "target": target, "schedule": "dense", "remat": remat, "seq_len": length,
+            "context": 1, "ring": False, "chips": 1, "batch": batch, "hbm": int(hbm * 2 ** 30), "kv_moved": None,
+            "moved": None, "step_time_bound_s": 1.0, "decode_kv_cache": 2 ** 30, "compiles": 1,
+            "model_flops": 7.0e13, "executed_flops": executed, "compile_s": 4.6}
+
+  made = _result({})["provenance"]
+  for r in (row("h100:1", 8192, "none", 26.14, 7.112e13), row("h100:1", 8192, "full", 19.25, 8.442e13),
+            row("v5p-8", 32768, "none", 99.0, 7.07e13, batch=None)):
+    publish(root, r, made)
+  table = render_results.render_all(tmp_path)["fit_policies"].splitlines()
+  assert table[:5] == [
+    "| topology | T | model.remat | HBM per chip | executed FLOPs per step | executed / model FLOPs | compile s |",
+    "|---|---|---|---|---|---|---|",
+    "| h100:1 | 8,192 | none | 26.14 GiB | 7.112e+13 | 1.016 | 5 |",
+    "| h100:1 | 8,192 | full | 19.25 GiB | 8.442e+13 | 1.206 | 5 |",
+    "| v5p-8 | 32,768 | none | 99.00 GiB (does not fit) | 7.070e+13 | 1.010 | 5 |"]
+  assert table[-1].startswith(f"Rendered by scripts/render_results.py from {root}/fit.json, made by `python train.py`")
 
 
 def test_a_benchmarks_table_renders_as_printed_with_its_command(tmp_path):

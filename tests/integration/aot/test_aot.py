@@ -215,6 +215,22 @@ def test_host_offloading_compiles_for_superblocks_with_runs():
   assert sorted(r[4] for r in rows if r[5] == "qkv_proj_offloaded" and r[7].endswith("GiB")) == ["mlkv", "uniattn"]
 
 
+@needs_cuda_plugin
+def test_the_policy_table_publishes_the_rows_it_prints(tmp_path):
+  """fit_table.py --policies --results writes each compile it prints (it refused --results): rendered from the
+  file, the row is the printed one, whose HBM, FLOPs and ratio come from the compile (a smoke run: its first row,
+  dense at 8k on one H100 without remat)."""
+  proc = subprocess.run([sys.executable, "scripts/fit_table.py", "--policies", "--results", str(tmp_path)], cwd=REPO,
+                        capture_output=True, text=True, timeout=600, env={**OPTIMIZED_ENV, "JAXSHARE_SMOKE": "1"})
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  printed = [line for line in proc.stdout.splitlines() if line.startswith("| h100:1 |")]
+  (row,) = fit_results.read_result(tmp_path / "fit.json")["rows"]
+  assert (row["target"], row["seq_len"], row["remat"], row["batch"]) == ("h100:1", 8192, "none", 1)
+  assert row["executed_flops"] >= row["model_flops"] > 0
+  rendered = fit_results.render_policies(tmp_path)
+  assert rendered[2:3] == printed and len(printed) == 1, (rendered, proc.stdout)
+
+
 def test_the_fit_table_refuses_a_schedule_it_does_not_have():
   """A config override written after --schedules is read as a schedule name: refused before anything compiles, where
   it was dropped, and the table compiled without the override."""
