@@ -203,7 +203,7 @@ def test_a_checkpoint_changed_on_the_bucket_is_detected_set_aside_and_the_run_re
   run = Run(run_dir, env=gcs.env())
   assert run.finish() == 0, run.output[-3000:]
   assert f"Resuming from checkpoint {steps[-2]}" in run.output and f"resumed at step {steps[-2]}" in run.output
-  assert "Traceback" not in run.output, run.output[-4000:]
+  assert "Traceback" not in run.output, run.output[run.output.index("Traceback") - 1000:][:6000]
   assert any(n.startswith(f"damaged/corrupt_checkpoints/{steps[-1]}/") for n in gcs.objects(BUCKET, "damaged/"))
   assert _losses_on_bucket(gcs, "damaged") == reference
 
