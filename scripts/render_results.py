@@ -6,8 +6,8 @@ them, between markers of the form
   ...
   <!-- rendered from results/<experiment>: end -->
 
-so that every number in those tables comes from a file that records its command, commit, versions, date and
-measure. Usage:
+(``results/<experiment>#<view>`` marks another table of the same files, as uptrain#paired does), so that every
+number in those tables comes from a file that records its command, commit, versions, date and measure. Usage:
   python scripts/render_results.py           # rewrite every marked table
   python scripts/render_results.py --check   # exit 1 naming each table that differs from its files (the test)
 """
@@ -24,11 +24,19 @@ from typing import Callable
 REPO = Path(__file__).resolve().parent.parent
 
 
-def _uptrain() -> Callable[[Path], list[str]]:
+def _uptrain_module():
   spec = importlib.util.spec_from_file_location("uptrain_experiment", REPO / "scripts" / "uptrain_experiment.py")
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
-  return module.render
+  return module
+
+
+def _uptrain() -> Callable[[Path], list[str]]:
+  return _uptrain_module().render
+
+
+def _uptrain_paired() -> Callable[[Path], list[str]]:
+  return _uptrain_module().render_paired
 
 
 SEARCH_ORDER = ("kv50", "kv25", "flops90")  # the README's searches, in its order; others after, by name
@@ -87,9 +95,10 @@ def _table() -> Callable[[Path], list[str]]:
   return lambda root: render_table(root, REPO)
 
 
-# experiment -> its renderer (the result directory -> the table's lines)
+# experiment -> its renderer (the result directory -> the table's lines); experiment#view: another table of the same
+# directory (results/experiment)
 RENDERERS: dict[str, Callable[[], Callable[[Path], list[str]]]] = {
-  "uptrain": _uptrain, "search": _search,
+  "uptrain": _uptrain, "uptrain#paired": _uptrain_paired, "search": _search,
   # issue 61 part 5: each schedule's peak against dense's
   "fit_parity": _fit_against_dense, "fit_parity_policies": _fit_against_dense,
   "fit_policies": _fit_policies,  # fit_table.py --policies: memory and FLOPs of every policy, dense alone
@@ -115,7 +124,7 @@ def rendered(text: str, tables: dict[str, str]) -> str:
   Raises:
     SystemExit: a marker of an experiment that has no result files.
   """
-  for experiment in set(re.findall(r"<!-- rendered from results/([\w-]+): begin -->", text)):
+  for experiment in set(re.findall(r"<!-- rendered from results/([\w#-]+): begin -->", text)):
     if experiment not in tables:
       raise SystemExit(f"a page marks a table rendered from results/{experiment}, which has no result files or no "
                        f"renderer (renderers: {', '.join(RENDERERS)}, and the --results directories of sweeps, fit tables and benchmarks)")
@@ -127,8 +136,8 @@ def render_all(results: Path) -> dict[str, str]:
   """Every experiment's table rendered from ``results/<experiment>`` (those that have result files)."""
   makers = {**{f.parent.name: make for marker, make in PUBLISHED.items()
                for f in sorted(results.glob(f"*/{marker}"))}, **RENDERERS}
-  return {name: "\n".join(make()(results / name)) + "\n" for name, make in makers.items()
-          if (results / name).is_dir()}
+  return {name: "\n".join(make()(results / name.split("#")[0])) + "\n" for name, make in makers.items()
+          if (results / name.split("#")[0]).is_dir()}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -114,9 +114,29 @@ def _with_recipes() -> tuple[dict[str, tuple[list[str], list[str], bool]], dict[
 
 
 SCHEDULES, CONVERSION = _with_recipes()
+# the conversion starts of _ROWS each against the one it refines (the weight fit against plain reuse, the calibrated
+# fit against the fit it starts from); the recipe rows are against their twins and the matched rows their unmatched
+LISA_STARTS = {"lisa_fit": "lisa_ds", "lisa_cal": "lisa_fit"}
+
+
+def against(name: str) -> str | None:
+  """The row that ``name`` changes one thing against, None for a row that changes none (the KV schedules, LISA's
+  DS start and UniAttn are against the dense control, in the table's own column)."""
+  if name in RECIPES:
+    return RECIPES[name][0]
+  if name.endswith("_m") and name[:-2] in SCHEDULES:
+    return name[:-2]
+  return LISA_STARTS.get(name)
+
+
+def change(name: str, twin: str) -> list[str]:
+  """The overrides and convert flags of ``name`` that ``twin`` has not: the one thing the row changes."""
+  theirs = {*SCHEDULES[twin][0], *SCHEDULES[twin][1]}
+  return [o for o in (*SCHEDULES[name][0], *SCHEDULES[name][1]) if o not in theirs] + CONVERSION_FLAGS.get(name, [])
 CONVERSION_FLAGS = {name: flags for name, (_, _, _, flags) in RECIPES.items() if flags}
 TWO_STAGE = {"uniattn_2stage"}
 PROMPT = "ROMEO:\n"
+CONVERSION_REPORT = "conversion.txt"  # what convert uptrain printed, in the converted run's directory
 
 
 def run(*cmd: str) -> str:
@@ -222,13 +242,26 @@ def dense_round_trip(out: Path, dense_steps: int, results: Results) -> dict:
 
 
 def convert(out: Path, name: str, wc_fit: str) -> tuple[Path, list[str]]:
-  """Row ``name``'s conversion of the imported source (made unless it exists) and the command that makes it."""
+  """Row ``name``'s conversion of the imported source (made unless it exists; what the conversion printed, the rule
+  of each tensor and the fits' errors, kept in its CONVERSION_REPORT) and the command that makes it."""
   path = out / f"converted_{name}"
   command = [sys.executable, "-m", "jaxshare.convert", "uptrain", str(out / "imported"), str(path),
              *SCHEDULES[name][0], *CONVERSION_FLAGS.get(name, ["--wc-fit", wc_fit])]
   if not path.exists():
-    print(run(*command), end="")
+    printed = run(*command)
+    print(printed, end="")
+    (path / CONVERSION_REPORT).write_text(printed)
   return path, command
+
+
+def fit_lines(printed: str) -> list[str]:
+  """The fits a conversion printed (UniAttn's W_c, LISA's weight fit and calibration): each fit's heading and its
+  indented lines, without the per-tensor rules."""
+  lines, kept = printed.splitlines(), []
+  for i, line in enumerate(lines):
+    if line.startswith("  ") or (i + 1 < len(lines) and lines[i + 1].startswith("  ")):
+      kept.append(line)
+  return kept
 
 
 def _sizes(report: dict) -> dict:
@@ -300,7 +333,8 @@ def load_rows(root: Path) -> tuple[dict, list[dict]]:
   settings, source = read_result(root / "settings.json"), read_result(root / "source.json")
   if settings is None or source is None:
     raise SystemExit(f"{root} has no settings.json and source.json: run scripts/uptrain_experiment.py --results {root}")
-  rows = [{"name": "start", **_sizes(source), "conversion": None, "converted": source["val_loss"], "uptrained": {},
+  rows = [{"name": "start", **_sizes(source), "conversion": None, "converted": source["val_loss"], "fits": [],
+           "uptrained": {},
            "scratch": {}, "stage1_steps": {}, "commits": {_version(source)}}]
   for name in SCHEDULES:
     saved = read_result(root / "rows" / f"{name}.json")
@@ -310,6 +344,7 @@ def load_rows(root: Path) -> tuple[dict, list[dict]]:
     runs = {key: saved.get(key, {}) for key in ("uptrained", "scratch")}
     rows.append({"name": name, **saved["sizes"], "conversion": saved["conversion"],
                  "converted": converted.get("converted", {}).get("val_loss"),
+                 "fits": saved.get("converted", {}).get("fits", []),  # its own conversion's
                  **{key: {int(s): r["val_loss"] for s, r in v.items()} for key, v in runs.items()},
                  "stage1_steps": {int(s): r["stage1_steps"] for s, r in runs["uptrained"].items()
                                   if "stage1_steps" in r},
@@ -331,6 +366,16 @@ def render(root: Path) -> list[str]:
   return [*table(rows, settings), "", f"Rendered by scripts/render_results.py from {where}/, measured at "
           f"commit{'s' if len(commits) > 1 else ''} {', '.join(commits)} (+: with uncommitted changes; each cell's "
           "commands, commit, jax and flax versions and date are in its row's file)."]
+
+
+def render_paired(root: Path) -> list[str]:
+  """The one-change comparisons of the result files in ``root`` (:func:`paired_table`) and the fits their
+  conversions printed, with the code versions they were measured at: docs/results.md's second uptraining table (scripts/render_results.py, ``results/uptrain#paired``)."""
+  _, rows = load_rows(root)
+  fits = [line for r in rows if r["fits"] for line in (f"{r['name']}:", *r["fits"])]
+  printed = ["", "The fits the conversions printed (`python -m jaxshare.convert uptrain`, kept in each row's file):",
+             "", "```", *fits, "```"] if fits else []
+  return [*paired_table(rows), *printed, "", render(root)[-1]]
 
 
 def table(rows: list[dict], settings: dict) -> list[str]:
@@ -371,6 +416,30 @@ def table(rows: list[dict], settings: dict) -> list[str]:
                   "output rows). A row naming another changes one thing against it (the overrides or flags it "
                   "names); '= row' in the converted column: it uptrains that row's conversion. lisa_frozen_kd and "
                   "lisa_paper distil from the dense source the conversion recorded (train.kd_teacher)."]
+
+
+def paired_table(rows: list[dict]) -> list[str]:
+  """Each one-change comparison of the table (validation loss, nats per token), as the mean ± sample std of the per-seed differences (seeds both rows
+  have): every row that changes one thing against another (:func:`against`) and, for every schedule also trained
+  from scratch, its uptrained runs against its from-scratch runs (what uptraining gains)."""
+  by_name = {r["name"]: r for r in rows}
+
+  def paired(a: dict, b: dict) -> tuple[str, int]:
+    diffs = [a[s] - b[s] for s in sorted(a) if s in b]
+    cell = mean_std(diffs)
+    return (cell if cell[0] in "—-" else "+" + cell), len(diffs)
+
+  lines = ["| row | against | the one change | uptrained - against (paired by seed) | n |", "|---|---|---|---|---|"]
+  for r in rows:
+    twin = against(r["name"])
+    if twin in by_name:
+      cell, n = paired(r["uptrained"], by_name[twin]["uptrained"])
+      lines.append(f"| {r['name']} | {twin} | {' '.join(change(r['name'], twin))} | {cell} | {n} |")
+  for r in rows:
+    if r["scratch"] and r["uptrained"]:
+      cell, n = paired(r["uptrained"], r["scratch"])
+      lines.append(f"| {r['name']} | {r['name']} from scratch | uptrained from its conversion | {cell} | {n} |")
+  return lines
 
 
 def plot(rows: list[dict], out: Path) -> None:
@@ -428,7 +497,10 @@ def main(argv: list[str] | None = None) -> int:
     report = evaluate(path)
     row["sizes"] = _sizes(report)
     if source == name:
-      results.record(name, row, "converted", None, {"val_loss": report["val_loss"]}, [command, eval_command(path)])
+      printed = path / CONVERSION_REPORT  # (a conversion made before the report was kept has none)
+      fits = {"fits": fit_lines(printed.read_text())} if printed.exists() else {}
+      results.record(name, row, "converted", None, {"val_loss": report["val_loss"], **fits},
+                     [command, eval_command(path)])
     else:
       results.save(name, row)
   for seed in args.seeds:

@@ -53,7 +53,7 @@ def results(tmp_path):
                                "scratch": {"0": _result({"val_loss": 2.2})}})
   _write(rows / "uniattn.json", {"conversion_of": "uniattn", "conversion": ["schedule.kind=uniattn"],
                                  "sizes": _sizes(3584),
-                                 "converted": _result({"val_loss": 1.9}),
+                                 "converted": _result({"val_loss": 1.9, "fits": ["W_c fit:", "  layer 5: 37 -> 4"]}),
                                  # seeds 0 and 2 only: paired with the control's seeds 0 and 2
                                  "uptrained": {"0": _result({"val_loss": 1.7}),
                                                "2": _result({"val_loss": 1.8}, commit="b" * 40, dirty=True)}})
@@ -76,6 +76,15 @@ def test_the_uptraining_table_is_computed_from_its_row_files(results):
     "uniattn with train.recipe=uniattn_two_stage train.stage1_max_steps=50")
   assert rows["uniattn_2stage"].split(" | ")[3] == "= uniattn"  # its conversion's cell is not copied
   assert any(line.startswith("uniattn_2stage: stage 1") and "ran 50 steps at seeds 0" in line for line in lines)
+  # the one-change table: the recipe row against its twin at the seed both have (1.75 - 1.7), and what uptraining
+  # gains over training from scratch at the seed both have (1.6 - 2.2)
+  paired_lines = experiment.render_paired(results)
+  assert paired_lines[-1] == lines[-1]  # the same files, measured at the same commits
+  assert paired_lines[-7:-2] == ["```", "uniattn:", "W_c fit:", "  layer 5: 37 -> 4", "```"]  # its conversion's fits
+  paired = [line for line in paired_lines if line.startswith("| uniattn_2stage | uniattn |") or
+            line.startswith("| dense | dense from scratch |")]
+  assert paired == ["| uniattn_2stage | uniattn | train.recipe=uniattn_two_stage train.stage1_max_steps=50 | "
+                    "+0.0500 | 1 |", "| dense | dense from scratch | uptrained from its conversion | -0.6000 | 1 |"]
   assert lines[-1].endswith("measured at commits aaaaaaa, bbbbbbb+ (+: with uncommitted changes; each cell's "
                             "commands, commit, jax and flax versions and date are in its row's file).")
 
@@ -89,6 +98,12 @@ def test_a_hand_edited_cell_and_a_marker_without_files_are_caught(results):
   assert render_results.rendered(fixed, {"uptrain": table}) == fixed
   with pytest.raises(SystemExit, match="results/sharing, which has no result files"):
     render_results.rendered(page.replace("results/uptrain", "results/sharing"), {"uptrain": table})
+  # a second table of the same files, under its own marker, leaves the first's alone
+  paired = "\n".join(experiment.render_paired(results)) + "\n"
+  begin, end = ("<!-- rendered from results/uptrain#paired: begin -->\n",
+                "<!-- rendered from results/uptrain#paired: end -->\n")
+  twice = render_results.rendered(f"{fixed}{begin}old\n{end}", {"uptrain": table, "uptrain#paired": paired})
+  assert twice == f"{fixed}{begin}{paired}{end}"
 
 
 def test_the_search_table_has_one_row_per_summary_in_the_readmes_order(tmp_path):

@@ -81,6 +81,35 @@ def test_recipe_rows_change_one_thing_against_the_row_they_name():
   assert _params(*_cell("mlkv4_m_dup")) == _params(*_cell("mlkv4_m"))
 
 
+def test_each_paired_comparison_names_the_one_field_its_rows_differ_in():
+  """The rendered one-change table compares a row only with a row it differs from in one field (the two-stage
+  recipe's cap aside), and names that field; every recipe, matched and LISA-start row has such a twin."""
+  compared = {name: experiment.against(name) for name in experiment.SCHEDULES if experiment.against(name)}
+  assert set(experiment.RECIPES) | {n for n in experiment.SCHEDULES if n.endswith("_m")} | {"lisa_fit",
+                                                                                           "lisa_cal"} == set(compared)
+  for name, twin in compared.items():
+    changed = experiment.change(name, twin)
+    fields = {o.split("=")[0] for o in changed if "=" in o} - {"train.stage1_max_steps"}
+    flags = {f for f in changed if f.startswith("--")}
+    assert len(fields | flags) == 1, (name, twin, changed)
+    if fields:  # an override: the configs differ (a convert flag changes the conversion, not the config)
+      assert _cell(name)[0] != _cell(twin)[0], name
+  assert experiment.change("lisa_cal", "lisa_fit") == ["train.init_lisa=calibrated"]
+  assert experiment.change("uniattn_wcmean", "uniattn") == ["--wc-fit", "mean"]
+  assert experiment.against("dense") is None and experiment.against("mlkv1") is None
+
+
+def test_a_conversions_fits_are_kept_without_its_tensor_rules():
+  printed = ("dense: 8/8 layers produce K/V | 8x[P] -> uniattn: 8/8 layers produce K/V | 4x[P] + 2x[P Pp0+Wc]\n"
+             "96 tensors copied (same layer, name and shape)\n"
+             "layer 0 k_proj/v_proj: from layer 0, 4 heads\n"
+             "W_c by least squares on calibration batches (UniAttn Thm 3.1 / Alg. 1, bottom-up, fit=mean):\n"
+             "  layer 5 compensation: error ||E(x)W_c - E(eps)|| 37.01 -> 2.422e-11 (0.0%)\n"
+             "  calibration loss: original 1.5734, unified 2.1729, with W_c 6.3329 nats/token\n"
+             "written to /tmp/x\n")
+  assert experiment.fit_lines(printed) == printed.splitlines()[3:6]
+
+
 def test_two_stage_row_gets_the_standard_fine_tuning_budget(tmp_path):
   """UniAttn's stage 1 runs before the --steps every row gets (train.stage2_steps), and its length is read back."""
   from conftest import tiny_config
