@@ -255,11 +255,11 @@ def convert(out: Path, name: str, wc_fit: str) -> tuple[Path, list[str]]:
 
 
 def fit_lines(printed: str) -> list[str]:
-  """The fits a conversion printed (UniAttn's W_c, LISA's weight fit and calibration): each fit's heading and its
-  indented lines, without the per-tensor rules."""
+  """The fits a conversion printed (UniAttn's W_c, LISA's calibration): each fit's heading and its indented lines,
+  and every line that reports a fit's error, without the per-tensor rules."""
   lines, kept = printed.splitlines(), []
   for i, line in enumerate(lines):
-    if line.startswith("  ") or (i + 1 < len(lines) and lines[i + 1].startswith("  ")):
+    if line.startswith("  ") or (i + 1 < len(lines) and lines[i + 1].startswith("  ")) or " error " in line:
       kept.append(line)
   return kept
 
@@ -348,7 +348,8 @@ def load_rows(root: Path) -> tuple[dict, list[dict]]:
                  **{key: {int(s): r["val_loss"] for s, r in v.items()} for key, v in runs.items()},
                  "stage1_steps": {int(s): r["stage1_steps"] for s, r in runs["uptrained"].items()
                                   if "stage1_steps" in r},
-                 "commits": {_version(r) for v in runs.values() for r in v.values()}})
+                 "commits": {_version(r) for v in runs.values() for r in v.values()} |
+                            ({_version(saved["converted"])} if "converted" in saved else set())})
   return settings, rows
 
 
