@@ -52,15 +52,20 @@ class GCSServer:
       [str(_get_binary_path()), "-scheme", "http", "-backend", "filesystem", "-filesystem-root", str(self.root),
        "-host", "127.0.0.1", "-port", str(self.port), "-external-url", self.url, "-log-level", "error"],
       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    # a restarted server answers before it lists the buckets already in its folder (a test listing one then got
+    # 404): ready is when every bucket kept under root is listed
+    kept = {d.name for d in self.root.iterdir() if d.is_dir()} if self.root.exists() else set()
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
       if self.proc.poll() is not None:
         raise RuntimeError(f"fake-gcs-server exited ({self.proc.returncode}): {self.proc.stderr.read().decode()}")
       try:
-        with urllib.request.urlopen(f"{self.url}/storage/v1/b", timeout=1):
-          return
-      except (urllib.error.URLError, OSError):
-        time.sleep(0.05)
+        with urllib.request.urlopen(f"{self.url}/storage/v1/b", timeout=1) as r:
+          if kept <= {b["name"] for b in json.load(r).get("items", [])}:
+            return
+      except (urllib.error.URLError, OSError, ValueError):
+        pass
+      time.sleep(0.05)
     self.stop()
     raise RuntimeError(f"fake-gcs-server did not answer on {self.url} within {timeout:.0f} s")
 
