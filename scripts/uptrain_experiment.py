@@ -114,6 +114,11 @@ def _with_recipes() -> tuple[dict[str, tuple[list[str], list[str], bool]], dict[
 
 
 SCHEDULES, CONVERSION = _with_recipes()
+CONVERSION_FLAGS = {name: flags for name, (_, _, _, flags) in RECIPES.items() if flags}
+TWO_STAGE = {"uniattn_2stage"}
+PROMPT = "ROMEO:\n"
+CONVERSION_REPORT = "conversion.txt"  # what convert uptrain printed, in the converted run's directory
+
 # the conversion starts of _ROWS each against the one it refines (the weight fit against plain reuse, the calibrated
 # fit against the fit it starts from); the recipe rows are against their twins and the matched rows their unmatched
 LISA_STARTS = {"lisa_fit": "lisa_ds", "lisa_cal": "lisa_fit"}
@@ -133,10 +138,6 @@ def change(name: str, twin: str) -> list[str]:
   """The overrides and convert flags of ``name`` that ``twin`` has not: the one thing the row changes."""
   theirs = {*SCHEDULES[twin][0], *SCHEDULES[twin][1]}
   return [o for o in (*SCHEDULES[name][0], *SCHEDULES[name][1]) if o not in theirs] + CONVERSION_FLAGS.get(name, [])
-CONVERSION_FLAGS = {name: flags for name, (_, _, _, flags) in RECIPES.items() if flags}
-TWO_STAGE = {"uniattn_2stage"}
-PROMPT = "ROMEO:\n"
-CONVERSION_REPORT = "conversion.txt"  # what convert uptrain printed, in the converted run's directory
 
 
 def run(*cmd: str) -> str:
@@ -334,8 +335,7 @@ def load_rows(root: Path) -> tuple[dict, list[dict]]:
   if settings is None or source is None:
     raise SystemExit(f"{root} has no settings.json and source.json: run scripts/uptrain_experiment.py --results {root}")
   rows = [{"name": "start", **_sizes(source), "conversion": None, "converted": source["val_loss"], "fits": [],
-           "uptrained": {},
-           "scratch": {}, "stage1_steps": {}, "commits": {_version(source)}}]
+           "uptrained": {}, "scratch": {}, "stage1_steps": {}, "commits": {_version(source)}}]
   for name in SCHEDULES:
     saved = read_result(root / "rows" / f"{name}.json")
     if saved is None or "sizes" not in saved:
@@ -362,21 +362,27 @@ def render(root: Path) -> list[str]:
   """The uptraining table of the result files in ``root`` (:func:`table`), with the code versions it was measured
   at: what docs/results.md shows (scripts/render_results.py)."""
   settings, rows = load_rows(root)
+  return [*table(rows, settings), "", _caption(root, rows)]
+
+
+def _caption(root: Path, rows: list[dict]) -> str:
+  """Where the rendered lines come from: the result directory and the code versions its rows were measured at."""
   commits = sorted({c for r in rows for c in r["commits"]})
   where = root.relative_to(REPO) if root.is_relative_to(REPO) else root
-  return [*table(rows, settings), "", f"Rendered by scripts/render_results.py from {where}/, measured at "
-          f"commit{'s' if len(commits) > 1 else ''} {', '.join(commits)} (+: with uncommitted changes; each cell's "
-          "commands, commit, jax and flax versions and date are in its row's file)."]
+  return (f"Rendered by scripts/render_results.py from {where}/, measured at commit{'s' if len(commits) > 1 else ''} "
+          f"{', '.join(commits)} (+: with uncommitted changes; each cell's commands, commit, jax and flax versions "
+          "and date are in its row's file).")
 
 
 def render_paired(root: Path) -> list[str]:
   """The one-change comparisons of the result files in ``root`` (:func:`paired_table`) and the fits their
-  conversions printed, with the code versions they were measured at: docs/results.md's second uptraining table (scripts/render_results.py, ``results/uptrain#paired``)."""
+  conversions printed, with the code versions they were measured at: docs/results.md's second uptraining table
+  (scripts/render_results.py, ``results/uptrain#paired``)."""
   _, rows = load_rows(root)
   fits = [line for r in rows if r["fits"] for line in (f"{r['name']}:", *r["fits"])]
   printed = ["", "The fits the conversions printed (`python -m jaxshare.convert uptrain`, kept in each row's file):",
              "", "```", *fits, "```"] if fits else []
-  return [*paired_table(rows), *printed, "", render(root)[-1]]
+  return [*paired_table(rows), *printed, "", _caption(root, rows)]
 
 
 def table(rows: list[dict], settings: dict) -> list[str]:
@@ -393,9 +399,7 @@ def table(rows: list[dict], settings: dict) -> list[str]:
            "uptrained (paired by seed) | from scratch | n |", "|---|---|---|---|---|---|---|---|"]
   for r in rows:
     up, name = r["uptrained"], r["name"]
-    paired = [up[s] - control[s] for s in sorted(up) if s in control]
-    delta = "—" if not paired or name in ("start", "dense") else mean_std(paired)
-    delta = delta if delta[0] in "—-" else "+" + delta  # a difference: signed
+    delta = "—" if name in ("start", "dense") else _paired(up, control)[0]
     # what the row converts with, as its file records it (the compiled schedule is in the file's sizes)
     label = "start (the dense source after export to HF and import)" if r["conversion"] is None else (
       f"{name} (`{' '.join(r['conversion'])}`)".replace("|", "\\|"))
@@ -419,26 +423,30 @@ def table(rows: list[dict], settings: dict) -> list[str]:
                   "lisa_paper distil from the dense source the conversion recorded (train.kd_teacher)."]
 
 
-def paired_table(rows: list[dict]) -> list[str]:
-  """Each one-change comparison of the table (validation loss, nats per token), as the mean ± sample std of the per-seed differences (seeds both rows
-  have): every row that changes one thing against another (:func:`against`) and, for every schedule also trained
-  from scratch, its uptrained runs against its from-scratch runs (what uptraining gains)."""
-  by_name = {r["name"]: r for r in rows}
+def _paired(a: dict, b: dict) -> tuple[str, int]:
+  """``a - b`` seed by seed over the seeds both have ({seed: loss} each): the mean ± sample std of the differences,
+  signed (``—`` for none), and how many there are."""
+  diffs = [a[s] - b[s] for s in sorted(a) if s in b]
+  cell = mean_std(diffs)
+  return (cell if cell[0] in "—-" else "+" + cell), len(diffs)
 
-  def paired(a: dict, b: dict) -> tuple[str, int]:
-    diffs = [a[s] - b[s] for s in sorted(a) if s in b]
-    cell = mean_std(diffs)
-    return (cell if cell[0] in "—-" else "+" + cell), len(diffs)
+
+def paired_table(rows: list[dict]) -> list[str]:
+  """Each one-change comparison of the table (validation loss, nats per token), as the mean ± sample std of the
+  per-seed differences (seeds both rows have): every row that changes one thing against another (:func:`against`)
+  and, for every schedule also trained from scratch, its uptrained runs against its from-scratch runs (what
+  uptraining gains)."""
+  by_name = {r["name"]: r for r in rows}
 
   lines = ["| row | against | the one change | uptrained - against (paired by seed) | n |", "|---|---|---|---|---|"]
   for r in rows:
     twin = against(r["name"])
     if twin in by_name:
-      cell, n = paired(r["uptrained"], by_name[twin]["uptrained"])
+      cell, n = _paired(r["uptrained"], by_name[twin]["uptrained"])
       lines.append(f"| {r['name']} | {twin} | {' '.join(change(r['name'], twin))} | {cell} | {n} |")
   for r in rows:
     if r["scratch"] and r["uptrained"]:
-      cell, n = paired(r["uptrained"], r["scratch"])
+      cell, n = _paired(r["uptrained"], r["scratch"])
       lines.append(f"| {r['name']} | {r['name']} from scratch | uptrained from its conversion | {cell} | {n} |")
   return lines
 
