@@ -59,7 +59,7 @@ def render(root: Path) -> list[str]:
   """``root``/fit.json as a table: one column per schedule; per case (model, target, length, context axis, ring,
   policy) the largest batch with its HBM per chip, the step-time bound of the compile reported (its FLOPs at the
   chips' peak), and where K/V moved between chips the bytes per chip per step (and per sequence, at that batch); the
-  decode KV cache per sequence once per length; then the command and commit that compiled it.
+  decode KV cache per sequence once per length and model; then the command and commit that compiled it.
 
   Raises:
     ValueError: ``root`` has no fit.json.
@@ -72,6 +72,7 @@ def render(root: Path) -> list[str]:
   def line(label: str, case: str, value) -> str:
     return f"| {label} | " + " | ".join(value(cell[case, s]) if (case, s) in cell else "—" for s in schedules) + " |"
 
+  models = set(r["model"] for r in rows)
   lengths_done = set()
   for case in dict.fromkeys(_case(r) for r in rows):
     lines.append(line(f"{case}: largest batch (HBM per chip)", case, lambda r: (
@@ -81,10 +82,12 @@ def render(root: Path) -> list[str]:
       lines.append(line(f"{case}: K/V bytes moved per chip per step", case, _kv_moved))
       lines.append(line(f"{case}: all collectives' bytes per chip per step", case,
                         lambda r: "—" if r["moved"] is None else gib(r["moved"])))
-    length = next(r["seq_len"] for r in rows if _case(r) == case)
-    if length not in lengths_done:
-      lengths_done.add(length)
-      lines.append(line(f"decode KV cache per {length:,}-token sequence", case, lambda r: gib(r["decode_kv_cache"])))
+    model, length = next((r["model"], r["seq_len"]) for r in rows if _case(r) == case)
+    if (model, length) not in lengths_done:  # the cache is the model's and the length's, whatever the case
+      lengths_done.add((model, length))
+      whose = f" of {model}" if len(models) > 1 else ""
+      lines.append(line(f"decode KV cache per {length:,}-token sequence{whose}", case,
+                        lambda r: gib(r["decode_kv_cache"])))
   return [*lines, "", _made_by(root, rows)]
 
 

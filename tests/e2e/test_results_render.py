@@ -150,7 +150,7 @@ def test_a_fit_table_renders_one_column_per_schedule_from_rows_of_several_comman
   per case the largest batch with its HBM (none when one sequence per shard does not fit), the step-time bound of
   the compile reported and, where K/V moved between chips, those bytes (per sequence too where a batch fits) and
   every collective's; the decode
-  cache once per length; a missing cell is a dash; a row published again replaces its case's; the footer names every
+  cache once per length (and model, where the table has several); a missing cell is a dash; a row published again replaces its case's; the footer names every
   command and commit."""
   from jaxshare.aot.fit_results import publish
 
@@ -183,6 +183,11 @@ def test_a_fit_table_renders_one_column_per_schedule_from_rows_of_several_comman
     f"| {ring}: all collectives' bytes per chip per step | 178.00 GiB | 94.00 GiB |"]
   assert table[-1].endswith("made by `python train.py`, `python scripts/fit_table.py ring`; compiled at commits "
                             "aaaaaaa, bbbbbbb with jax 0.")
+  # another model at a length already shown has decode caches of its own: a line of its own, named by the model
+  publish(root, {**row("dense", "h100:8", 8, 1, 40, 42), "model": "N", "decode_kv_cache": 4 * gib}, two)
+  table = render_results.render_all(tmp_path)["long"].splitlines()
+  assert "| decode KV cache per 131,072-token sequence of M | 16.00 GiB | 8.00 GiB |" in table
+  assert "| decode KV cache per 131,072-token sequence of N | 4.00 GiB | — |" in table
 
 
 def test_the_policy_parity_table_renders_each_schedule_against_dense_at_one_batch(tmp_path):
