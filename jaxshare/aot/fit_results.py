@@ -72,8 +72,8 @@ def render(root: Path) -> list[str]:
   def line(label: str, case: str, value) -> str:
     return f"| {label} | " + " | ".join(value(cell[case, s]) if (case, s) in cell else "—" for s in schedules) + " |"
 
-  models = set(r["model"] for r in rows)
-  lengths_done = set()
+  models = {r["model"] for r in rows}
+  caches_shown = set()
   for case in dict.fromkeys(_case(r) for r in rows):
     lines.append(line(f"{case}: largest batch (HBM per chip)", case, lambda r: (
       f"{r['batch']} ({gib(r['hbm'])})" if r["batch"] else f"none ({gib(r['hbm'])} for one sequence per shard)")))
@@ -83,8 +83,8 @@ def render(root: Path) -> list[str]:
       lines.append(line(f"{case}: all collectives' bytes per chip per step", case,
                         lambda r: "—" if r["moved"] is None else gib(r["moved"])))
     model, length = next((r["model"], r["seq_len"]) for r in rows if _case(r) == case)
-    if (model, length) not in lengths_done:  # the cache is the model's and the length's, whatever the case
-      lengths_done.add((model, length))
+    if (model, length) not in caches_shown:  # the cache is the model's and the length's, whatever the case
+      caches_shown.add((model, length))
       whose = f" of {model}" if len(models) > 1 else ""
       lines.append(line(f"decode KV cache per {length:,}-token sequence{whose}", case,
                         lambda r: gib(r["decode_kv_cache"])))
