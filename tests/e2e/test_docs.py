@@ -39,6 +39,7 @@ COMMAND_TESTS = {
   "scripts/uptrain_experiment.py": [("tests/e2e/test_uptrain_experiment.py", "uptrain_experiment.py")],
   "scripts/aot_compile.py": [("tests/integration/aot/test_aot.py", "scripts/aot_compile.py")],
   "scripts/fit_table.py": [("tests/integration/aot/test_aot.py", "scripts/fit_table.py")],
+  "scripts/main_job.py": [("tests/e2e/test_scripts.py", "scripts/main_job.py")],
   "scripts/bench_train.py": [("tests/e2e/test_bench.py", "bench_train")],
   "scripts/bench_loop.py": [("tests/e2e/test_scripts.py", _IMPORTED)],
   "scripts/bench_compile.py": [("tests/e2e/test_scripts.py", _IMPORTED)],

@@ -144,3 +144,26 @@ def test_loop_benchmark_refuses_a_round_too_short_to_time():
   proc = subprocess.run([sys.executable, "scripts/bench_loop.py", "--steps", "4"], cwd=REPO, capture_output=True,
                         text=True, timeout=300)
   assert proc.returncode == 2 and "--steps 4" in proc.stderr and "train.log_every" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_main_job_publishes_what_eval_reports_and_the_curve_it_logged(tmp_path):
+  """scripts/main_job.py on a short run of the default experiment: the published row is eval.py's report of the run
+  (run again here), the line under it the validation curve of its metrics.jsonl, and the file names the command; a
+  run directory that exists is refused before anything trains (a resumed run's time is not the job's)."""
+  run, results = tmp_path / "run", tmp_path / "main_job"
+  command = ["scripts/main_job.py", "train.steps=4", "train.warmup_steps=1", "train.eval_every=2", "train.log_every=1",
+             "train.eval_batches=2", "train.batch_size=8", "data.seq_len=32", f"train.run_dir={run}",
+             "--results", str(results)]
+  _run_script(*command)
+  published = json.loads((results / "table.json").read_text())
+  assert published["provenance"]["commands"] == [["python", *command]]
+  report = json.loads(_run_script("eval.py", "report", str(run), "--json", "--sample-tokens", "0").splitlines()[-1])
+  cells = [c.strip() for c in published["lines"][2].strip("|").split("|")]
+  assert cells[0] == "`shakespeare_cla2`" and cells[1] == report["schedule"].split(" | ")[0]
+  assert cells[2:] == [f"{report['num_params']:,}", f"{report['kv_bytes_per_token']:,} B/token (float32)",
+                       "4 × 256", f"{report['val_loss']:.4f} nats/token", f"{report['bits_per_byte']:.4f}"]
+  curve = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines() if "val_loss" in ln]
+  assert published["lines"][4].startswith(f"Validation during training (2 batches) at steps 2/4: "
+                                          f"{curve[0]['val_loss']:.3f} / {curve[1]['val_loss']:.3f}. train.py took ")
+  again = subprocess.run([sys.executable, *command], cwd=REPO, capture_output=True, text=True, timeout=300)
+  assert again.returncode == 2 and f"train.run_dir {run} exists" in again.stderr
