@@ -11,6 +11,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter
 
+from jaxshare.analysis.pareto import pareto
 from jaxshare.files import write_atomic
 
 
@@ -124,11 +125,7 @@ def _loss_against(rows: list[dict], path: str | Path, *, x_key: str, x_label: st
     if err_key and r.get(err_key):
       ax.errorbar(r[x_key], r["val_loss"], yerr=r[err_key], fmt="none", ecolor=color, capsize=3, linewidth=1)
     ax.annotate(r["name"], (r[x_key], r["val_loss"]), fontsize=7, xytext=(3, 3), textcoords="offset points")
-  front, best = [], float("inf")
-  for r in sorted(rows, key=lambda r: r[x_key]):  # scanning up in x, keep each new lowest loss
-    if r["val_loss"] < best:
-      front.append((r[x_key], r["val_loss"]))
-      best = r["val_loss"]
+  front = [(r[x_key], r["val_loss"]) for r in pareto(rows, x_key, "val_loss")]
   if front:
     ax.plot(*zip(*front), "--", color="gray", label="Pareto front")
   if log_x:

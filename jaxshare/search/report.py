@@ -13,6 +13,7 @@ from pathlib import Path
 import yaml
 from scipy import stats
 
+from jaxshare.analysis.pareto import pareto
 from jaxshare.config import Config, to_yaml
 from jaxshare.files import write_atomic
 from jaxshare.search.budget import Footprint
@@ -20,17 +21,6 @@ from jaxshare.sweep.results import mean_std
 
 COLUMNS = ("name", "schedule", "families", "preset", "kv_bytes_per_token_bf16", "kv_fraction", "flops_per_token",
            "flops_fraction", "params", "stage1_loss", "stage1_kl")
-
-
-def pareto(rows: Sequence[dict], cost: str, loss: str) -> list[dict]:
-  """The rows no other row beats on both ``cost`` and ``loss`` (lower is better on both), by increasing cost."""
-  ranked = sorted((r for r in rows if r.get(loss) is not None), key=lambda r: (r[cost], r[loss]))
-  front, best = [], float("inf")
-  for r in ranked:
-    if r[loss] < best:
-      front.append(r)
-      best = r[loss]
-  return front
 
 
 def candidate_rows(costs: dict[str, tuple[str, tuple[str, ...], bool, Footprint]], source: Footprint,

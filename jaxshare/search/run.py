@@ -7,6 +7,7 @@ import argparse
 from pathlib import Path
 
 from jaxshare import smoke
+from jaxshare.analysis.pareto import pareto
 from jaxshare.store import runs
 from jaxshare.search import report
 from jaxshare.search.budget import Budget, parse_limit
@@ -91,7 +92,7 @@ def search(args: argparse.Namespace) -> int:
                                                     REPO)})
   plots = report.plot(rows, rung_keys[0] if rung_keys else "stage1_loss", out, title)
   front = {r["name"] for key in ["stage1_loss", *rung_keys] for cost in ("kv_bytes_per_token_bf16", "flops_per_token")
-           for r in report.pareto([r for r in rows if r.get(key) is not None], cost, key)}
+           for r in pareto([r for r in rows if r.get(key) is not None], cost, key)}
   (out / "frontier").mkdir(exist_ok=True)
   for name in sorted(front):
     run_dir = out / "uptrained" / name
