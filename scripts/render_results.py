@@ -8,8 +8,11 @@ them, between markers of the form
 
 (``results/<experiment>#<view>`` marks another table of the same files, as uptrain#paired does), so that every
 number in those tables comes from a file that records its command, commit, versions, date and measure. Usage:
-  python scripts/render_results.py           # rewrite every marked table
+  python scripts/render_results.py           # rewrite every marked table; redraw each published sweep's plots
   python scripts/render_results.py --check   # exit 1 naming each table that differs from its files (the test)
+
+A published sweep's plots (results/<experiment>/loss_vs_kv.png, loss_vs_params.png) are drawn from the same files;
+--check does not compare images.
 """
 
 from __future__ import annotations
@@ -140,6 +143,14 @@ def render_all(results: Path) -> dict[str, str]:
           if (results / name.split("#")[0]).is_dir()}
 
 
+def redraw_plots(results: Path) -> list[Path]:
+  """Every published sweep's plots drawn again from its result files (:func:`jaxshare.sweep.publish.plot`)."""
+  if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+  from jaxshare.sweep.publish import plot
+  return [path for f in sorted(results.glob("*/sweep.json")) for path in plot(f.parent)]
+
+
 def main(argv: list[str] | None = None) -> int:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--check", action="store_true", help="change nothing; exit 1 if a page differs from its files")
@@ -158,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
           file=sys.stderr)
     return 1
   print(("rewrote " + ", ".join(stale)) if stale else "every rendered table matches its result files")
+  if not args.check:
+    print("drew " + ", ".join(str(p.relative_to(REPO)) for p in redraw_plots(REPO / "results")))
   return 0
 
 

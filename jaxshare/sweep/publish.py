@@ -9,8 +9,9 @@ from pathlib import Path
 
 from jaxshare.config import REPO_ROOT
 from jaxshare.sweep.provenance import provenance, read_result, short_version, write_result
+from jaxshare.sweep import results
 from jaxshare.sweep.results import mean_std
-from jaxshare.sweep.spec import Sweep, SweepError, Trial, rel
+from jaxshare.sweep.spec import Sweep, SweepError, Trial, load_sweep, rel
 
 KEPT = ("val_loss", "bits_per_byte", "kv_bytes_per_token_bf16", "num_params", "step", "schedule")
 
@@ -97,3 +98,17 @@ def render(root: Path) -> list[str]:
           f"{settings['sweep']} --results {rel(root)}`, {len(rows)} runs), measured at "
           f"commit{'s' if len(versions) > 1 else ''} {', '.join(versions)}; each row's file holds the commands that "
           "made it."]
+
+
+def plot(root: Path) -> list[Path]:
+  """Draw a published sweep's plots from its result files, as the sweep draws them from its runs: ``root``/
+  loss_vs_kv.png and loss_vs_params.png, one point per variant at its mean loss over the seeds, error bars the sample
+  std, the Pareto front (scripts/render_results.py redraws them with the tables).
+
+  Raises:
+    ValueError: as :func:`load`. SweepError: the sweep file sweep.json names is gone or invalid.
+  """
+  settings, rows = load(root)
+  summary = results.summarize([{**r, "status": "ok"} for r in rows], [name for name, _ in settings["variants"]])
+  return results.plot(summary, load_sweep(REPO_ROOT / settings["sweep"]), root)
+

@@ -354,3 +354,18 @@ def test_a_sweep_whose_run_root_is_on_a_bucket_trains_tabulates_and_resumes_ther
   assert main([str(spec), "--only", "dense"]) == 0
   assert "skipped (finished at step 2" in capsys.readouterr().out
   assert epath.Path("gs://runs/sweep/dense/sweep.log").read_text() == log  # nothing ran
+
+
+def test_published_plots_are_drawn_from_the_row_files(swept, monkeypatch):
+  """publish.plot (what scripts/render_results.py redraws): one point per variant at its row's loss and KV bytes,
+  both images written into the results directory."""
+  from jaxshare.analysis import plots
+
+  published = swept[1].parent / "published"
+  drawn, save = [], plots._save
+  monkeypatch.setattr(plots, "_save", lambda fig, path: (drawn.append(fig), save(fig, path)))
+  paths = publish.plot(published)
+  assert [p.name for p in paths] == ["loss_vs_kv.png", "loss_vs_params.png"] and all(p.stat().st_size for p in paths)
+  rows = {r["variant"]: r for r in publish.load(published)[1]}
+  points = sorted(tuple(map(float, c.get_offsets()[0])) for c in drawn[0].axes[0].collections if len(c.get_offsets()))
+  assert points == sorted((float(r["kv_bytes_per_token_bf16"]), r["val_loss"]) for r in rows.values())
