@@ -13,8 +13,9 @@ time (train.py's whole process: start-up and compiles included), the median toke
 after the first (which holds the compile), and the child's peak resident memory. With ``--results DIR`` the table and
 those lines are written to DIR/table.json with the commands' provenance (published by scripts/render_results.py).
 
-Exit codes: 0 done; 2 the run directory already exists (a resumed run's time is not the job's: delete it or name
-another ``train.run_dir=``), or a child failed (its exit code is printed).
+Exit codes: 0 done; 1 a child failed (its command and exit code are printed); 2 a bad config, ``--results`` under
+``JAXSHARE_SMOKE``, or a run directory that already exists (a resumed run's time is not the job's: delete it or
+name another ``train.run_dir=``).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ def _child(command: list[str]) -> list[str]:
   """Run ``command`` from the repository root, echoing its standard output; returns its lines.
 
   Raises:
-    SystemExit: the child failed (exit code 2, naming the child's code).
+    SystemExit: the child failed (exit code 1, naming the child's command and code).
   """
   print("$ " + " ".join(portable(command, REPO)), flush=True)
   lines = []
