@@ -19,6 +19,9 @@ PostgreSQL URL, to split the trials. Output in --out: results.csv (every candida
 (Pareto frontiers of loss against KV bytes and FLOPs, presets beside them, finals, stage 1's rank correlation with
 stage 2), frontier/<name>.yaml (each frontier schedule: `train.py --config` and `convert uptrain --config` take it),
 converted/<name> (each conversion), rung<r>/<name> and finals/<name>/seed<k> (the uptraining runs).
+
+Exit codes: 0 done; 2 bad flags or input; 130 stopped by Ctrl-C (the runs in flight save a checkpoint; run the same
+command again to resume).
 """
 
 from __future__ import annotations
@@ -78,10 +81,16 @@ def main(argv: list[str] | None = None) -> int:
   if not args.kv_budget and not args.flops_budget:
     parser.error("give a budget: --kv-budget and/or --flops-budget")
 
-  from jaxshare.exit_codes import report_input_errors
+  from jaxshare import exit_codes
   from jaxshare.search.run import search
 
-  return report_input_errors(lambda: search(args))
+  exit_codes.interrupt_on_ctrl_c()  # the runs it starts stop on Ctrl-C, so must it (exit 130) rather than start the next
+  try:
+    return exit_codes.report_input_errors(lambda: search(args))
+  except KeyboardInterrupt:
+    print("interrupted: the finished trials are kept in the study; run the same command again to resume (an "
+          "interrupted run continues from its last checkpoint)", file=sys.stderr, flush=True)
+    return exit_codes.INTERRUPTED
 
 
 if __name__ == "__main__":

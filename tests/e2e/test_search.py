@@ -10,11 +10,17 @@ import contextlib
 import csv
 import io
 import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
 
 import optuna
 import pytest
 
-from conftest import tiny_config
+from conftest import REPO, tiny_config
 from jaxshare.config import load_config
 from jaxshare.convert.__main__ import main as convert_main
 from jaxshare.train.config import load_train_config
@@ -95,3 +101,40 @@ def test_a_search_reports_its_frontier_resumes_and_its_configs_train(tmp_path):
     assert convert_main(["uptrain", str(src), str(tmp_path / "again"), "--config", str(configs[0]),
                          "--calibration-batches", "0"]) == 0
   assert load_run(tmp_path / "again").cfg.schedule == load_run(out / "converted" / name).cfg.schedule
+
+
+def test_ctrl_c_stops_the_search_and_its_run_however_it_was_started(tmp_path):
+  """Ctrl-C to the search's process group stops the uptraining run in flight (it saves a checkpoint) and the search
+  with it: exit 130 and one line saying how to resume. The search starts with SIGINT ignored, as a shell without job
+  control starts `make test &`: it kept the inherited SIG_IGN, so train.py stopped but the search failed that trial
+  and started the next candidate (the sweep's bug of 4742e02)."""
+  from jaxshare.train.loop import train
+
+  src = tmp_path / "dense"
+  train(tiny_config(f"train.run_dir={src}"))
+  out = tmp_path / "search"
+  proc = subprocess.Popen([sys.executable, "-m", "jaxshare.search", str(src), "--kv-budget", "0.25", "--families",
+                           "kv", "--trials", "3", "--steps", "100000", "--seeds", "1", "--calibration-batches", "1",
+                           "--set", "train.eval_batches=1", "train.log_every=1", "train.progress_bar=false",
+                           "--out", str(out)], cwd=REPO, text=True, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, start_new_session=True,
+                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+
+  def logs() -> list:
+    return sorted((out / "rung0").glob("*/sweep.log")) if (out / "rung0").is_dir() else []
+
+  try:
+    deadline = time.time() + 240
+    while not any(re.search(r"^step +3/", log.read_text(), re.M) for log in logs()) and time.time() < deadline:
+      time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
+    output, _ = proc.communicate(timeout=180)
+  finally:  # a search that did not stop trains its next candidate for 100000 steps: end it and its run
+    if proc.poll() is None:
+      os.killpg(proc.pid, signal.SIGKILL)
+  assert proc.returncode == 130, output[-3000:]
+  assert output.strip().splitlines()[-1].startswith("interrupted: the finished trials are kept in the study")
+  (log,) = logs()  # no second candidate was started
+  stopped = int(re.search(r"interrupted by SIGINT at step (\d+); checkpoint \1 saved", log.read_text()).group(1))
+  assert (log.parent / "checkpoints" / str(stopped) / "commit_success.txt").exists()
+
