@@ -92,7 +92,7 @@ def search(args: argparse.Namespace) -> int:
                                                     REPO)})
   plots = report.plot(rows, rung_keys[0] if rung_keys else "stage1_loss", out, title)
   front = {r["name"] for key in ["stage1_loss", *rung_keys] for cost in ("kv_bytes_per_token_bf16", "flops_per_token")
-           for r in pareto([r for r in rows if r.get(key) is not None], cost, key)}
+           for r in pareto(rows, cost, key)}  # (rows without that loss are left out)
   (out / "frontier").mkdir(exist_ok=True)
   for name in sorted(front):
     run_dir = out / "uptrained" / name

@@ -8,9 +8,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from jaxshare.config import REPO_ROOT
-from jaxshare.sweep.provenance import provenance, read_result, short_version, write_result
 from jaxshare.sweep import results
-from jaxshare.sweep.results import mean_std
+from jaxshare.sweep.provenance import provenance, read_result, short_version, write_result
 from jaxshare.sweep.spec import Sweep, SweepError, Trial, load_sweep, rel
 
 KEPT = ("val_loss", "bits_per_byte", "kv_bytes_per_token_bf16", "num_params", "step", "schedule")
@@ -91,7 +90,7 @@ def render(root: Path) -> list[str]:
     seeds = ", ".join("—" if r["seed"] is None else str(r["seed"]) for r in mine)
     cell = " ".join(overrides).replace("|", "\\|")
     lines.append(f"| {name} | {f'`{cell}`' if cell else '(the experiment as it is)'} | {seeds} | "
-                 f"{mean_std([r['val_loss'] for r in mine])} | {mine[0]['kv_bytes_per_token_bf16']:,} | "
+                 f"{results.mean_std([r['val_loss'] for r in mine])} | {mine[0]['kv_bytes_per_token_bf16']:,} | "
                  f"{mine[0]['num_params']:,} |")
   versions = sorted({short_version(r["provenance"]) for r in rows})
   return [*lines, "", f"Rendered by scripts/render_results.py from {rel(root)}/ (`python scripts/sweep.py "
@@ -111,4 +110,3 @@ def plot(root: Path) -> list[Path]:
   settings, rows = load(root)
   summary = results.summarize([{**r, "status": "ok"} for r in rows], [name for name, _ in settings["variants"]])
   return results.plot(summary, load_sweep(REPO_ROOT / settings["sweep"]), root)
-
