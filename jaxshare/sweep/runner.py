@@ -88,18 +88,34 @@ def command(group: DeviceGroup, args: list[str]) -> str:
   return " ".join(env + [shlex.join([*group.prefix, *args])])
 
 
-def _call(group: DeviceGroup, args: list[str], log: Path, capture: bool = False) -> tuple[int, str]:
+def call(group: DeviceGroup, args: list[str], log: Path, capture: bool = False) -> tuple[int, str]:
   """Run a command with the group's devices, appending its output to ``log`` as it comes (``tail -f`` follows a
-  run); with ``capture`` stdout is returned instead and appended at the end. ``(exit code, stdout)``."""
+  run); with ``capture`` stdout is returned instead and appended at the end. ``(exit code, stdout)``.
+
+  Raises:
+    KeyboardInterrupt: Ctrl-C while the command ran, raised once the command has exited. The terminal sent it to
+      the command too (one process group), and train.py stops after its step and saves a checkpoint: it is waited
+      for, through further Ctrl-Cs (train.py's third one abandons the write). subprocess.run waits 0.25 s, then
+      SIGKILLs the command, mid-save.
+  """
   env = {**os.environ, **dict(group.env), "PYTHONUNBUFFERED": "1"}
   with appending(log) as f:
     f.write(f"\n== {time.strftime('%Y-%m-%d %H:%M:%S')} {command(group, args)}\n")
     f.flush()
-    proc = subprocess.run([*group.prefix, *args], cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE if capture else f,
-                          stderr=f, text=True)
+    proc = subprocess.Popen([*group.prefix, *args], cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE if capture else f,
+                            stderr=f, text=True)
+    interrupted = False
+    while True:
+      try:
+        stdout, _ = proc.communicate()
+        break
+      except KeyboardInterrupt:
+        interrupted = True
     if capture:
-      f.write(proc.stdout)
-  return proc.returncode, proc.stdout or ""
+      f.write(stdout)
+  if interrupted:
+    raise KeyboardInterrupt
+  return proc.returncode, stdout or ""
 
 
 def execute(experiment: str, run: Trial, steps: int, group: DeviceGroup, evaluate_only: bool = False) -> dict:
@@ -113,7 +129,7 @@ def execute(experiment: str, run: Trial, steps: int, group: DeviceGroup, evaluat
     return result_row(run, "failed", error=f"{what}: {tail[-1] if tail else 'no output'}"[:300])
 
   if not evaluate_only:
-    code, _ = _call(group, run.train_command(experiment), log)
+    code, _ = call(group, run.train_command(experiment), log)
     if code == exit_codes.INTERRUPTED:  # Ctrl-C or preemption: the run saved a checkpoint and resumes next time
       return result_row(run, "interrupted", error=f"stopped by a signal at step {latest_step(run.run_dir)} with a "
                         "checkpoint; run the sweep again to resume it")
@@ -125,7 +141,7 @@ def execute(experiment: str, run: Trial, steps: int, group: DeviceGroup, evaluat
     reached = latest_step(run.run_dir)
     if reached != steps:
       return result_row(run, "failed", error=f"training stopped at step {reached} of {steps}")
-  code, out = _call(group, run.eval_command(), log, capture=True)
+  code, out = call(group, run.eval_command(), log, capture=True)
   lines = [ln for ln in out.splitlines() if ln.startswith("{")]
   if code != 0 or not lines:
     return failed(f"eval.py exit {code}")

@@ -332,6 +332,53 @@ def test_ctrl_c_saves_the_running_run_and_records_it_as_interrupted(tmp_path):
     f"stopped by a signal at step {stopped} with a checkpoint; run the sweep again to resume it")
 
 
+_SLOW_TO_STOP = """
+import signal, sys, time
+def stop(signum, frame):
+  time.sleep(1.5)  # a run finishing its step and writing its checkpoint
+  print("checkpoint saved", flush=True)
+  sys.exit(130)
+signal.signal(signal.SIGINT, stop)
+print("training", flush=True)
+time.sleep(120)
+"""
+
+_CALLER = """
+import sys
+from pathlib import Path
+from jaxshare import exit_codes
+from jaxshare.sweep.devices import DeviceGroup
+from jaxshare.sweep.runner import call
+
+exit_codes.interrupt_on_ctrl_c()
+try:
+  call(DeviceGroup(), [sys.executable, "-c", sys.argv[2]], Path(sys.argv[1]))
+except KeyboardInterrupt:
+  print("caller interrupted", flush=True)
+  sys.exit(130)
+"""
+
+
+def test_ctrl_c_in_the_thread_that_started_a_run_waits_for_its_checkpoint(tmp_path):
+  """A run started from the main thread (the search's trials, n_jobs=1) gets the terminal's Ctrl-C alongside its
+  caller: the caller waits for it to save and exit before it stops. subprocess.run waited 0.25 s, then SIGKILLed the
+  run mid-save (CI, under load: no checkpoint, no "interrupted at step" line)."""
+  log = tmp_path / "sweep.log"
+  proc = subprocess.Popen([os.sys.executable, "-c", _CALLER, str(log), _SLOW_TO_STOP], cwd=REPO, text=True,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+  try:
+    deadline = time.time() + 60
+    while not (log.exists() and "\ntraining\n" in log.read_text()) and time.time() < deadline:
+      time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
+    out, _ = proc.communicate(timeout=60)
+  finally:
+    if proc.poll() is None:
+      os.killpg(proc.pid, signal.SIGKILL)
+  assert (proc.returncode, out.strip()) == (130, "caller interrupted"), out
+  assert log.read_text().rstrip().endswith("training\ncheckpoint saved")
+
+
 def test_a_sweep_whose_run_root_is_on_a_bucket_trains_tabulates_and_resumes_there(gcs, tmp_path, capsys):
   """run_root on gs:// (a real GCS server: the gcs fixture): the runs, their sweep.log and eval.json, results.csv,
   results.md and the plots are objects on the bucket; a failing run's log is there too; run again, nothing reruns."""
