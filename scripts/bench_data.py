@@ -4,6 +4,7 @@ start-up at three dataset sizes, and the loader against what the train step cons
   python scripts/bench_data.py                       # 50 MB corpus, 1 and 2 workers, byte and BPE; 0.2/2/20 GB starts
   python scripts/bench_data.py --size-mb 200 --workers 2 --startup-gb 0.2 2 20
   python scripts/bench_data.py --remote local --skip prepare startup loader   # a bucket (loopback GCS server) vs disk
+  python scripts/bench_data.py --rounds 3 --results results/data   # what docs/results.md publishes
 
 1. **Preparation**: Tiny Shakespeare repeated to ``--size-mb`` (documents at blank lines), tokenized by
    ``python -m jaxshare.data prepare`` with 1 and ``--workers`` processes, byte and BPE tokenizers, against a
@@ -142,6 +143,10 @@ def body():
 
 
 def bench_preparation(tmp: Path, size_mb: float, workers: int, tokenizers: list[str]) -> list[dict]:
+  """Section 1, one round in ``tmp`` (created): per tokenizer, jaxshare's and the peer's preparation on 1 and
+  ``workers`` processes (then, for BPE, the tokenizer's first use): ``{tokenizer, workers, mb, ours, peer}`` rows,
+  ``ours``/``peer`` being :func:`run_child` results with ``seconds`` and ``tokens``."""
+  tmp.mkdir(parents=True)
   corpus = write_corpus(tmp, size_mb)
   mb = corpus.stat().st_size / 1e6
   rows = []
@@ -267,9 +272,9 @@ def bucket(remote: str):
     yield "gs://bench/data", {"STORAGE_EMULATOR_HOST": server.url, "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}
 
 
-def bench_remote(tmp: Path, remote: str, step: dict) -> None:
+def bench_remote(tmp: Path, remote: str, step: dict) -> list[str]:
   """Section 4: the same prepared data read from local disk and from the bucket, against the train step's appetite
-  (``step``: the TRAIN_STEP child's result)."""
+  (``step``: the TRAIN_STEP child's result); its table and summary line."""
   from jaxshare.data.prepare import PrepareOptions, prepare
 
   local = tmp / "remote-local"
@@ -283,62 +288,106 @@ def bench_remote(tmp: Path, remote: str, step: dict) -> None:
     rows = {"local disk": run_child(READ.format(path=str(local)), tmp),
             f"bucket ({'loopback GCS server' if remote == 'local' else prefix})": run_child(READ.format(path=prefix),
                                                                                           tmp, **env)}
-  print(f"\n## Prepared Tiny Shakespeare ({sum(f.stat().st_size for f in local.iterdir()) / 1e6:.1f} MB) from local "
-        "disk and from a bucket (fresh process each; batch 32 x 128)")
-  print("| where | open (manifest) s | first global batch s | loader seqs/s | vs the train step |")
-  print("|---|---|---|---|---|")
+  lines = [f"Prepared Tiny Shakespeare ({sum(f.stat().st_size for f in local.iterdir()) / 1e6:.1f} MB) from local "
+           "disk and from a bucket (fresh process each; batch 32 x 128):", "",
+           "| where | open (manifest) s | first global batch s | loader seqs/s | vs the train step |", "|---|---|---|---|---|"]
   for where, r in rows.items():
-    print(f"| {where} | {r['open_s']:.3f} | {r['first_batch_s']:.3f} | {r['seqs_per_s']:,.0f} | "
-          f"{r['seqs_per_s'] / step['seqs_per_s']:,.0f}x |")
-  print(f"default train step {step['seqs_per_s']:,.1f} seqs/s; bucket / disk loader speed "
-        f"{list(rows.values())[1]['seqs_per_s'] / rows['local disk']['seqs_per_s']:.2f}x")
+    lines.append(f"| {where} | {r['open_s']:.3f} | {r['first_batch_s']:.3f} | {r['seqs_per_s']:,.0f} | "
+                 f"{r['seqs_per_s'] / step['seqs_per_s']:,.0f}x |")
+  return [*lines, "", f"Default experiment's train step {step['seqs_per_s']:,.1f} seqs/s; bucket / disk loader speed "
+          f"{list(rows.values())[1]['seqs_per_s'] / rows['local disk']['seqs_per_s']:.2f}x."]
 
 
-def main() -> None:
+def _ratio(values: list[float]) -> str:
+  """The median of the ratios ``values`` (``1.23x``), with their range in brackets when there is more than one."""
+  import statistics
+
+  text = f"{statistics.median(values):.2f}x"
+  return text if len(values) == 1 else f"{text} ({min(values):.2f}-{max(values):.2f})"
+
+
+def preparation_table(rounds: list[list[dict]]) -> list[str]:
+  """Section 1's table: per row (tokenizer, workers) the medians over ``rounds`` (each :func:`bench_preparation`'s
+  rows, in one order), the speed ratios with their range over rounds in brackets."""
+  import statistics
+
+  lines = ["| tokenizer | workers | jaxshare MB/s | jaxshare Mtok/s | peer MB/s | jaxshare / peer | vs the peer's "
+           "1-worker speed | jaxshare RSS main / worker MB | peer RSS main / worker MB |",
+           "|---|---|---|---|---|---|---|---|---|"]
+  for i, r in enumerate(rounds[0]):
+    runs = [rows[i] for rows in rounds]
+    # the peer's per-worker speed: its 1-worker time for this tokenizer in the same round
+    one = [next(x for x in rows if x["tokenizer"] == r["tokenizer"])["peer"]["seconds"] for rows in rounds]
+    med = lambda f: statistics.median(f(x) for x in runs)  # noqa: E731
+    lines.append(
+      f"| {r['tokenizer']} | {r['workers']} | {med(lambda x: x['mb'] / x['ours']['seconds']):.1f} "
+      f"| {med(lambda x: x['ours']['tokens'] / x['ours']['seconds'] / 1e6):.2f} "
+      f"| {med(lambda x: x['mb'] / x['peer']['seconds']):.1f} "
+      f"| {_ratio([x['peer']['seconds'] / x['ours']['seconds'] for x in runs])} "
+      f"| {_ratio([p / x['ours']['seconds'] for p, x in zip(one, runs)])} "
+      f"| {med(lambda x: x['ours']['rss_mb']):.0f} / {med(lambda x: x['ours']['child_rss_mb']):.0f} "
+      f"| {med(lambda x: x['peer']['rss_mb']):.0f} / {med(lambda x: x['peer']['child_rss_mb']):.0f} |")
+  return lines
+
+
+def main(argv: list[str] | None = None) -> int:
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--size-mb", type=float, default=50, help="corpus size for the preparation benchmark")
   p.add_argument("--tokenizers", nargs="+", default=["byte", "bpe"], choices=["byte", "bpe"])
   p.add_argument("--workers", type=int, default=2, help="worker processes beside the 1-worker runs")
+  p.add_argument("--rounds", type=int, default=1, help="preparation rounds, interleaved: each row gives medians "
+                 "over them, and its ratios their range")
   p.add_argument("--startup-gb", type=float, nargs="*", default=[0.2, 2, 20], help="synthetic dataset sizes")
   p.add_argument("--skip", nargs="*", default=[], choices=["prepare", "startup", "loader"])
   p.add_argument("--remote", metavar="gs://BUCKET/PREFIX|local",
                  help="also read the prepared data from a bucket beside local disk (local: a GCS server on loopback)")
-  args = p.parse_args()
+  p.add_argument("--results", type=Path, metavar="DIR", help="also write what it printed with this command's "
+                 "provenance to DIR/table.json (published by scripts/render_results.py)")
+  args = p.parse_args(argv)
+  if args.rounds < 1:
+    p.error(f"--rounds={args.rounds} is invalid: must be >= 1")
+  printed: list[str] = []
+
+  def emit(*lines: str) -> None:
+    print("\n".join(lines), flush=True)
+    printed.extend(lines)
+
   with tempfile.TemporaryDirectory(prefix="bench-data-") as d:
     tmp = Path(d)
     if "prepare" not in args.skip:
-      print(f"## Preparation: {args.size_mb:g} MB of Tiny Shakespeare documents (peer: nanoGPT-style pool + memmap)")
-      print("| tokenizer | workers | ours MB/s | ours Mtok/s | peer MB/s | speed ratio | vs the peer's 1-worker speed "
-            "| ours RSS main / worker MB | peer RSS main / worker MB |")
-      print("|---|---|---|---|---|---|---|---|---|")
-      peer_one = {}  # the peer's per-worker speed: its 1-worker time, per tokenizer (measured first)
-      for r in bench_preparation(tmp, args.size_mb, args.workers, args.tokenizers):
-        o, q = r["ours"], r["peer"]
-        peer_one.setdefault(r["tokenizer"], q["seconds"])
-        print(f"| {r['tokenizer']} | {r['workers']} | {r['mb'] / o['seconds']:.1f} | {o['tokens'] / o['seconds'] / 1e6:.2f} "
-              f"| {r['mb'] / q['seconds']:.1f} | {q['seconds'] / o['seconds']:.2f}x "
-              f"| {peer_one[r['tokenizer']] / o['seconds']:.2f}x | {o['rss_mb']:.0f} / "
-              f"{o['child_rss_mb']:.0f} | {q['rss_mb']:.0f} / {q['child_rss_mb']:.0f} |", flush=True)
+      rounds = []
+      for i in range(args.rounds):
+        rounds.append(bench_preparation(tmp / f"round{i}", args.size_mb, args.workers, args.tokenizers))
+        print(f"preparation round {i + 1}/{args.rounds} done", flush=True)
+      emit(f"Preparation of {args.size_mb:g} MB of Tiny Shakespeare documents against a nanoGPT-style peer (a process "
+           "pool and a memmap)" + (f", medians over {args.rounds} interleaved rounds with the ratios' range in "
+                                   "brackets:" if args.rounds > 1 else ":"), "", *preparation_table(rounds))
     if "startup" not in args.skip:
-      print("\n## Start-up of training from prepared data (fresh process; import excluded)")
-      print("| dataset | shards | open (manifest) s | first global batch s | peak RSS MB |")
-      print("|---|---|---|---|---|")
+      emit(*([""] if printed else []), "Start-up of training from prepared data (sparse synthetic shards of 256 MB; "
+           "fresh process, import excluded):", "", "| dataset | shards | open (manifest) s | first global batch s | "
+           "peak RSS MB |", "|---|---|---|---|---|")
       for gb in args.startup_gb:
         path = tmp / f"synthetic-{gb:g}gb"
         write_synthetic(path, gb)
         r = run_child(STARTUP.format(path=str(path)), tmp)
         shards = len(json.loads((path / "manifest.json").read_text())["shards"])
-        print(f"| {gb:g} GB | {shards} | {r['open_s']:.3f} | {r['first_batch_s']:.3f} | {r['rss_mb']:.0f} |",
-              flush=True)
+        emit(f"| {gb:g} GB | {shards} | {r['open_s']:.3f} | {r['first_batch_s']:.3f} | {r['rss_mb']:.0f} |")
     step = run_child(TRAIN_STEP.format(run=str(tmp / "run")), tmp) if "loader" not in args.skip or args.remote else {}
     if "loader" not in args.skip:
       loader = run_child(LOADER.format(corpus=str(CORPUS), out=str(tmp / "loader")), tmp)
-      print("\n## Loader against the train step (one process, batch 32 x 128)")
-      print(f"loader {loader['seqs_per_s']:,.0f} seqs/s | default train step {step['seqs_per_s']:,.1f} seqs/s | "
-            f"ratio {loader['seqs_per_s'] / step['seqs_per_s']:,.0f}x")
+      emit(*([""] if printed else []), f"The loader feeds {loader['seqs_per_s']:,.0f} sequences/s of 32 x 128 to one "
+           f"process against {step['seqs_per_s']:,.1f} sequences/s that the default experiment's train step consumes "
+           f"({loader['seqs_per_s'] / step['seqs_per_s']:,.0f}x).")
     if args.remote:
-      bench_remote(tmp, args.remote, step)
+      emit(*([""] if printed else []), *bench_remote(tmp, args.remote, step))
+  if args.results:
+    from jaxshare.sweep.provenance import publish_table
+
+    command = [sys.executable, "scripts/bench_data.py", *(sys.argv[1:] if argv is None else argv)]
+    publish_table(args.results.resolve(), printed, [command], f"each measurement in its own process on "
+                  f"{os.cpu_count()} CPU threads", ROOT)
+  return 0
 
 
 if __name__ == "__main__":
-  main()
+  sys.exit(main())

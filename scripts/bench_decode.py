@@ -17,6 +17,7 @@ Usage:
   python scripts/bench_decode.py --runs runs/a runs/b --out bench/decode_runs
   python scripts/bench_decode.py --schedules dense cla2 --contexts 256 1024 --hf --out /tmp/bench
   python scripts/bench_decode.py --torch --out bench/decode_torch            # the exported PyTorch models
+  python scripts/bench_decode.py --torch --out bench/decode_torch --results results/decode_torch  # docs/results.md's
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from jaxshare.config.catalogue import schedule_matrix  # noqa: E402
 BASE_CONFIG = REPO / "configs" / "experiments" / "sharing_base.yaml"
 BASE = ["model.num_layers=8"]
 SCHEDULES = schedule_matrix("script_bench_decode")
+TORCH_THREADS = 2  # the exported models' PyTorch threads (--torch)
 
 
 def _config(overrides: list[str]):
@@ -66,7 +68,7 @@ def hf_comparison(cfg, model, schedule, *, batch: int, prompt_len: int, new_toke
   from jaxshare.evaluation.generate import Generator
   from jaxshare.plan import plan_of
 
-  torch.set_num_threads(2)
+  torch.set_num_threads(TORCH_THREADS)
   prompts = np.random.default_rng(0).integers(1, cfg.model.vocab_size, (batch, prompt_len))
   with tempfile.TemporaryDirectory() as out:
     export_params(plan_of(cfg), nnx.to_pure_dict(nnx.state(model, nnx.Param)), out, config_yaml=to_yaml(cfg),
@@ -122,7 +124,7 @@ def torch_measurement(directory: str, *, batch: int, context: int, new_tokens: i
 
   from scripts.hf_generate import cache_bytes
 
-  torch.set_num_threads(2)
+  torch.set_num_threads(TORCH_THREADS)
   base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
   hf = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, trust_remote_code=True,
                                                          local_files_only=True).eval()
@@ -217,7 +219,10 @@ def main(argv=None) -> int:
   ap.add_argument("--torch-context", type=int, default=1024)
   ap.add_argument("--torch-new-tokens", type=int, default=32)
   ap.add_argument("--out", default="bench/decode")
+  ap.add_argument("--results", type=Path, metavar="DIR", help="also write the table with this command's provenance "
+                  "to DIR/table.json (published by scripts/render_results.py)")
   args = ap.parse_args(argv)
+  args.command = [sys.executable, "scripts/bench_decode.py", *(sys.argv[1:] if argv is None else argv)]
   from jaxshare import smoke
 
   args.schedules = smoke.first(args.schedules)  # JAXSHARE_SMOKE: a quick check of the script, on small caches
@@ -253,7 +258,18 @@ def main(argv=None) -> int:
   if any("val_loss" in r for r in rows):
     _pareto_plot(rows, out / "pareto.png")
   print(f"wrote {out}/decode.md, decode.json" + (", pareto.png" if any("val_loss" in r for r in rows) else ""))
+  if args.results:
+    import os
+
+    _publish(args, table, f"jaxshare's cached decode, one fresh process per model, on {os.cpu_count()} CPU threads, "
+             "one run")
   return 0
+
+
+def _publish(args, table: str, measure: str) -> None:
+  from jaxshare.sweep.provenance import publish_table
+
+  publish_table(args.results.resolve(), table.splitlines(), [args.command], measure, REPO)
 
 
 def _torch_main(args) -> int:
@@ -274,6 +290,11 @@ def _torch_main(args) -> int:
   print("\n" + table)
   (out / "decode_torch.md").write_text(table + "\n")
   (out / "decode_torch.json").write_text(json.dumps({"rows": rows}, indent=1, default=float))
+  if args.results:
+    from importlib.metadata import version
+
+    _publish(args, table, f"the exported models run by PyTorch {version('torch')} with transformers "
+             f"{version('transformers')} alone, fp32, {TORCH_THREADS} PyTorch threads, each in a fresh process, one run")
   return 0 if equal else 1
 
 
