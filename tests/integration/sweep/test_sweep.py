@@ -102,6 +102,19 @@ def test_every_shipped_sweep_run_has_a_valid_config():
       assert cfg.train.run_dir == str(run.run_dir)
 
 
+def test_the_docs_count_each_shipped_sweeps_runs():
+  """docs/sweeps.md's table of the shipped sweeps gives each file's number of runs (variants x seeds); it said 14 for
+  the MLKV ladder after the ladder went to four seeds (28)."""
+  rows = {}
+  for line in (REPO / "docs" / "sweeps.md").read_text().splitlines():
+    m = re.match(r"\| `(\w+)\.yaml` \|.*\| (\d+) \|$", line)
+    if m:
+      rows[m.group(1)] = int(m.group(2))
+  files = {f.stem: f for f in (REPO / "configs" / "sweeps").glob("*.yaml")}
+  assert set(rows) == set(files)
+  assert rows == {name: len(load_sweep(f).runs()) for name, f in files.items()}
+
+
 def test_check_reports_an_invalid_override(tmp_path, capsys):
   spec = _spec(tmp_path, "variants:\n  ok: []\n  bad: [schedule.kind=cla, schedule.factor=9]\n")
   assert main([str(spec), "--check"]) == 2
