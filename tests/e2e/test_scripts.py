@@ -107,8 +107,10 @@ def test_compile_benchmark_tables_each_preset_with_its_ratio(tmp_path):
           or ln.startswith("| cla2")]
   assert [r[0] for r in rows] == ["dense", "cla2"], out
   for _, shallow, deep, ratio in rows:
-    # the table rounds the seconds to 10 ms: the ratio is of the unrounded times
-    assert float(shallow) > 0 and float(ratio.rstrip("x")) == pytest.approx(float(deep) / float(shallow), rel=0.03)
+    # the table rounds the seconds to 10 ms and the ratio to 0.01: the ratio is of the unrounded times, within the
+    # bounds the rounding leaves (0.26 s and 0.29 s print 1.15x: a relative tolerance failed on that)
+    shallow, deep, ratio = float(shallow), float(deep), float(ratio.rstrip("x"))
+    assert shallow > 0 and (deep - 0.005) / (shallow + 0.005) - 0.005 <= ratio <= (deep + 0.005) / (shallow - 0.005) + 0.005
 
 
 def test_decode_benchmark_measures_the_cache_the_accounting_predicts(tmp_path):
