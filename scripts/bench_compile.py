@@ -30,7 +30,7 @@ import jax  # noqa: E402
 from jaxshare.config import REPO_ROOT, load_config  # noqa: E402
 from jaxshare.data.batch import Batch  # noqa: E402
 from jaxshare.train.state import abstract_state, setup_training  # noqa: E402
-from jaxshare.sweep.provenance import publish_table  # noqa: E402
+from jaxshare.sweep.provenance import publish_table, script_command  # noqa: E402
 from jaxshare.train.step import make_train_step  # noqa: E402
 
 EXPERIMENT = Path(__file__).resolve().parent.parent / "configs/experiments/shakespeare_cla2.yaml"
@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     lines.append("| " + " | ".join(cells) + " |")
     print(lines[-1], flush=True)
   if args.results:
-    command = [sys.executable, "scripts/bench_compile.py", *(sys.argv[1:] if argv is None else argv)]
+    command = script_command("scripts/bench_compile.py", argv)
     publish_table(args.results.resolve(), lines, [command], f"seconds to lower and compile the train step on "
                   f"{os.cpu_count()} CPU threads, one run", REPO_ROOT)
   return 0

@@ -381,9 +381,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.remote:
       emit(*([""] if printed else []), *bench_remote(tmp, args.remote, step))
   if args.results:
-    from jaxshare.sweep.provenance import publish_table
+    from jaxshare.sweep.provenance import publish_table, script_command
 
-    command = [sys.executable, "scripts/bench_data.py", *(sys.argv[1:] if argv is None else argv)]
+    command = script_command("scripts/bench_data.py", argv)
     publish_table(args.results.resolve(), printed, [command], f"each measurement in its own process on "
                   f"{os.cpu_count()} CPU threads", ROOT)
   return 0

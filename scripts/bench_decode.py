@@ -222,7 +222,9 @@ def main(argv=None) -> int:
   ap.add_argument("--results", type=Path, metavar="DIR", help="also write the table with this command's provenance "
                   "to DIR/table.json (published by scripts/render_results.py)")
   args = ap.parse_args(argv)
-  args.command = [sys.executable, "scripts/bench_decode.py", *(sys.argv[1:] if argv is None else argv)]
+  from jaxshare.sweep.provenance import script_command
+
+  args.command = script_command("scripts/bench_decode.py", argv)
   from jaxshare import smoke
 
   args.schedules = smoke.first(args.schedules)  # JAXSHARE_SMOKE: a quick check of the script, on small caches

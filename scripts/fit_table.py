@@ -40,7 +40,7 @@ from jaxshare.config.catalogue import schedule_matrix  # noqa: E402
 from jaxshare.config.choices import RematPolicy  # noqa: E402
 from jaxshare.exit_codes import report_input_errors  # noqa: E402
 from jaxshare.plan import plan_of  # noqa: E402
-from jaxshare.sweep.provenance import provenance  # noqa: E402
+from jaxshare.sweep.provenance import provenance, script_command  # noqa: E402
 
 EXPERIMENTS = REPO / "configs" / "experiments"
 
@@ -165,7 +165,7 @@ def main(argv=None) -> int:
   ap.add_argument("overrides", nargs="*", help="config overrides (key=value), e.g. attention.impl=pallas")
   args = ap.parse_args(argv)
 
-  command = [sys.executable, "scripts/fit_table.py", *(sys.argv[1:] if argv is None else argv)]
+  command = script_command("scripts/fit_table.py", argv)
 
   def publish(row: dict) -> None:
     if args.results:

@@ -37,7 +37,7 @@ from jaxshare.config import load_config  # noqa: E402
 from jaxshare.exit_codes import BAD_INPUT, report_input_errors  # noqa: E402
 from jaxshare.smoke import ENV as SMOKE_ENV, enabled as smoke  # noqa: E402
 from jaxshare.store.runs import CONFIG_FILE  # noqa: E402
-from jaxshare.sweep.provenance import portable, publish_table  # noqa: E402
+from jaxshare.sweep.provenance import portable, publish_table, script_command  # noqa: E402
 
 DEFAULT_CONFIG = "configs/experiments/shakespeare_cla2.yaml"
 HEADER = ["| experiment | schedule | params | KV cache | steps × tokens | val loss (whole split) | bits/byte |",
@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
                       "provenance to DIR/table.json (published by scripts/render_results.py)")
   parser.add_argument("overrides", nargs="*", help="dotted overrides for train.py, e.g. train.steps=100")
   args = parser.parse_args(argv)
-  command = [sys.executable, "scripts/main_job.py", *(sys.argv[1:] if argv is None else argv)]
+  command = script_command("scripts/main_job.py", argv)
   return report_input_errors(lambda: _main_job(args, command))
 
 

@@ -51,6 +51,12 @@ def provenance(commands: Sequence[Sequence[str]], measure: str, repo: Path) -> d
           "measure": measure}
 
 
+def script_command(script: str, argv: Sequence[str] | None) -> list[str]:
+  """The command line that ran ``script`` (``scripts/<name>.py``, relative to the repository) with ``argv`` (None:
+  this process's own arguments), as :func:`provenance` records it."""
+  return [sys.executable, script, *(sys.argv[1:] if argv is None else argv)]
+
+
 def short_version(record: dict) -> str:
   """The code version a :func:`provenance` record was measured at: the commit's short hash, ``+`` when the tree
   differed from it."""
